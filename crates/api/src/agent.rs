@@ -1,0 +1,318 @@
+//! Messages between the node (host side) and `dsec-agent` (PID 1 inside the sandbox).
+//!
+//! Every frame carries one message as a JSON header plus an optional binary body (see
+//! [`crate::frame`]). The host sends [`Request`]s, each tagged with a host-chosen `id`; the agent
+//! answers with one or more [`Event`]s carrying the same `id`. A request is finished by exactly one
+//! *terminal* event (see [`Event::is_terminal`]); `Output` and `Data` events may precede it.
+//! The agent sends `Hello` with id 0 once, unprompted, when it is ready.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ErrorCode;
+use crate::exec::{ExecRequest, ExecResult, Stream};
+
+/// Version of the message set. Bumped on any incompatible change.
+pub const PROTOCOL_VERSION: u8 = 1;
+
+/// Most bytes a file read or tar download sends in one `Data` event.
+pub const DATA_CHUNK: usize = 256 << 10;
+
+/// A request from the host, with its correlation id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestEnvelope {
+    /// Host-chosen id, echoed on every event answering this request. Never 0.
+    pub id: u64,
+    /// The request.
+    pub req: Request,
+}
+
+/// An event from the agent, with the id of the request it answers (0 for `Hello`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventEnvelope {
+    /// The id of the request this answers.
+    pub id: u64,
+    /// The event.
+    pub ev: Event,
+}
+
+/// Which kind of persistent session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionKind {
+    /// A persistent `/bin/bash` (or `/bin/sh`): cwd, env and shell state survive across inputs.
+    Shell,
+    /// A persistent Python REPL: globals survive across inputs.
+    Python,
+}
+
+/// Requests the host can make. Where a request carries bytes (stdin, file content, a tar stream)
+/// they travel in the frame body, not in the JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "op", deny_unknown_fields)]
+pub enum Request {
+    /// Liveness check. Answer: `Pong`.
+    Ping,
+    /// Run a command to completion. Body: stdin bytes (stdin is closed after them).
+    /// Answer: optional `Output` events (when `stream`), then `ExecDone`.
+    Exec(ExecRequest),
+    /// Start a command in the background. Body: initial stdin bytes (stdin stays open).
+    /// Answer: `Started`.
+    Spawn(ExecRequest),
+    /// Status of a background process. Answer: `ProcStatus`.
+    ProcStatus {
+        /// Handle from `Started`.
+        handle: u64,
+    },
+    /// Send a signal to a background process's process group. Answer: `Ok`.
+    ProcSignal {
+        /// Handle from `Started`.
+        handle: u64,
+        /// Signal number (1..=64).
+        signal: i32,
+    },
+    /// Write the body to a background process's stdin; close it when `eof`. Answer: `Ok`.
+    ProcStdin {
+        /// Handle from `Started`.
+        handle: u64,
+        /// Close stdin after writing.
+        #[serde(default)]
+        eof: bool,
+    },
+    /// Wait for a background process to exit. Answer: `ExecDone`, or `ProcStatus` (still running)
+    /// when `timeout_ms` passes first. The handle is forgotten after `ExecDone` was sent.
+    ProcWait {
+        /// Handle from `Started`.
+        handle: u64,
+        /// How long to wait.
+        timeout_ms: u64,
+    },
+    /// Open a persistent session. Answer: `SessionOpened`.
+    SessionOpen {
+        /// Shell or Python.
+        kind: SessionKind,
+        /// Extra environment for the session.
+        #[serde(default)]
+        env: BTreeMap<String, String>,
+        /// Initial working directory.
+        #[serde(default)]
+        cwd: Option<String>,
+    },
+    /// Run one input in a session (shell command or Python code). Answer: `ExecDone` with the
+    /// input's exit status (`$?` for a shell; 0 or 1 when Python raised).
+    SessionRun {
+        /// Session id from `SessionOpened`.
+        session: u64,
+        /// The input.
+        input: String,
+        /// Wall limit for this input; the session is killed (and must be reopened) on timeout.
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
+    /// Close a session (kills it). Answer: `Ok`.
+    SessionClose {
+        /// Session id.
+        session: u64,
+    },
+    /// Read a file. Answer: `Data` events (≤ [`DATA_CHUNK`] bytes each), the last with `eof`.
+    FileRead {
+        /// Path inside the sandbox root.
+        path: String,
+        /// Most bytes to return.
+        #[serde(default)]
+        max_bytes: Option<u64>,
+    },
+    /// Atomically write the body to a file (temp file + rename). Answer: `Ok`.
+    FileWrite {
+        /// Path inside the sandbox root.
+        path: String,
+        /// Permission bits (default 0o644).
+        #[serde(default)]
+        mode: Option<u32>,
+        /// Create missing parent directories.
+        #[serde(default)]
+        parents: bool,
+    },
+    /// List a directory. Answer: `Listing`.
+    FileList {
+        /// Path inside the sandbox root.
+        path: String,
+    },
+    /// Stat a path without following a final symlink. Answer: `Stat`.
+    FileStat {
+        /// Path inside the sandbox root.
+        path: String,
+    },
+    /// Create a directory. Answer: `Ok`.
+    Mkdir {
+        /// Path inside the sandbox root.
+        path: String,
+        /// Create parents as needed (and succeed if it exists).
+        #[serde(default)]
+        parents: bool,
+        /// Permission bits (default 0o755).
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+    /// Remove a file or (with `recursive`) a directory tree. Answer: `Ok`.
+    Remove {
+        /// Path inside the sandbox root.
+        path: String,
+        /// Remove directories recursively.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// Unpack the body (a tar stream) under `path`. Answer: `Ok`.
+    TarUpload {
+        /// Destination directory inside the sandbox root (created if missing).
+        path: String,
+    },
+    /// Pack `path` as a tar stream. Answer: `Data` events, the last with `eof`.
+    TarDownload {
+        /// Path inside the sandbox root.
+        path: String,
+        /// Most bytes of tar stream to produce (the download fails with `too_large` past it).
+        #[serde(default)]
+        max_bytes: Option<u64>,
+    },
+    /// Kill every process in the sandbox except the agent, reap them, forget all handles and
+    /// sessions. Used by reset. Answer: `Ok`.
+    KillAll,
+}
+
+/// Metadata of one path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    /// Base name (for listings) or the requested path (for stat).
+    pub name: String,
+    /// `file`, `dir`, `symlink` or `other`.
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Modification time, seconds since the epoch.
+    pub mtime: i64,
+    /// Symlink target, for symlinks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
+}
+
+/// Kind of a filesystem object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Anything else (fifo, socket, device).
+    Other,
+}
+
+/// Events the agent sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "ev", deny_unknown_fields)]
+pub enum Event {
+    /// Sent once at start-up with id 0: the agent is ready.
+    Hello {
+        /// The agent's [`PROTOCOL_VERSION`].
+        version: u8,
+        /// The agent's pid as seen inside the sandbox (1 when it is PID 1).
+        pid: i32,
+    },
+    /// Answer to `Ping`.
+    Pong,
+    /// Generic success.
+    Ok,
+    /// A chunk of output from a streaming exec. Body: the bytes.
+    Output {
+        /// Which stream.
+        stream: Stream,
+    },
+    /// A command finished (terminal).
+    ExecDone(ExecResult),
+    /// A background process was started.
+    Started {
+        /// Handle for later `Proc*` requests.
+        handle: u64,
+        /// Pid inside the sandbox.
+        pid: i32,
+    },
+    /// State of a background process.
+    ProcStatus {
+        /// Still running.
+        running: bool,
+        /// Pid inside the sandbox.
+        pid: i32,
+    },
+    /// A session was opened.
+    SessionOpened {
+        /// Id for `SessionRun` / `SessionClose`.
+        session: u64,
+    },
+    /// A chunk of file or tar data. Body: the bytes. Terminal when `eof`.
+    Data {
+        /// Last chunk.
+        eof: bool,
+    },
+    /// Answer to `FileStat`.
+    Stat(FileStat),
+    /// Answer to `FileList`.
+    Listing {
+        /// Entries, sorted by name.
+        entries: Vec<FileStat>,
+    },
+    /// The request failed (terminal).
+    Error {
+        /// Stable code.
+        code: ErrorCode,
+        /// Human-readable detail.
+        message: String,
+    },
+}
+
+impl Event {
+    /// True when no further event will be sent for this request id.
+    pub fn is_terminal(&self) -> bool {
+        match self {
+            Event::Output { .. } => false,
+            Event::Data { eof } => *eof,
+            Event::Hello { .. }
+            | Event::Pong
+            | Event::Ok
+            | Event::ExecDone(_)
+            | Event::Started { .. }
+            | Event::ProcStatus { .. }
+            | Event::SessionOpened { .. }
+            | Event::Stat(_)
+            | Event::Listing { .. }
+            | Event::Error { .. } => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_json_shape_is_stable() {
+        let env = RequestEnvelope { id: 7, req: Request::ProcSignal { handle: 3, signal: 9 } };
+        let json = serde_json::to_string(&env).expect("serialize");
+        assert_eq!(json, r#"{"id":7,"req":{"op":"proc_signal","handle":3,"signal":9}}"#);
+        let back: RequestEnvelope = serde_json::from_str(&json).expect("parse");
+        assert_eq!(back, env);
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let bad = r#"{"id":1,"req":{"op":"proc_status","handle":1,"extra":1}}"#;
+        assert!(serde_json::from_str::<RequestEnvelope>(bad).is_err());
+    }
+}

@@ -1,0 +1,19 @@
+//! Wire types shared by every dsec process boundary.
+//!
+//! * [`frame`]: the framed, versioned codec spoken between the node and `dsec-agent` (a socketpair
+//!   for the container substrate, a virtio channel for VM substrates). Decoding is defensive: every
+//!   length is bounded and every failure is a typed [`frame::FrameError`].
+//! * [`agent`]: the request/event messages carried inside frames.
+//! * [`exec`]: exec requests and results, the same types the HTTP API exposes.
+//! * [`error`]: stable error codes that a trainer can act on without parsing text.
+//!
+//! This crate depends on serde only (no tokio) so that the static agent stays small.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod agent;
+pub mod error;
+pub mod exec;
+pub mod frame;
+
+pub use error::ErrorCode;

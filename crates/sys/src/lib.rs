@@ -1,0 +1,13 @@
+//! The only crate of dsec that contains `unsafe`.
+//!
+//! Every module wraps a family of Linux system calls in safe functions that own their file
+//! descriptors (`OwnedFd`/`BorrowedFd`) and return typed errors. Each `unsafe` block carries a
+//! `// SAFETY:` comment naming the invariant it relies on.
+#![allow(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
+
+pub mod fs;
+pub mod proc;
+pub mod seccomp;
