@@ -1,1 +1,201 @@
-fn main() {}
+//! `dsec`: the command line of the dsec sandbox infrastructure.
+#![forbid(unsafe_code)]
+
+mod bench;
+mod units;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use dsec_api::exec::{ExecRequest, ExecStatus};
+use dsec_node::container::{ContainerRuntime, RuntimeConfig};
+use dsec_node::sandbox::{Limits, SandboxSpec};
+
+/// dsec: elastic sandboxes for agentic training.
+#[derive(Debug, Parser)]
+#[command(name = "dsec", version, about)]
+struct Cli {
+    /// Persistent data directory (layers, templates).
+    #[arg(long, global = true, env = "DSEC_DATA_DIR", default_value = "/var/lib/dsec")]
+    data_dir: PathBuf,
+    /// Runtime directory (supervisor sockets, stage dir).
+    #[arg(long, global = true, env = "DSEC_RUN_DIR", default_value = "/run/dsec")]
+    run_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create a sandbox, run one command in it, print its output, destroy it and exit with the
+    /// command's exit code.
+    Run(RunArgs),
+    /// Import a root-filesystem tarball or an OCI image layout / `docker save` tarball.
+    Template {
+        #[command(subcommand)]
+        command: TemplateCmd,
+    },
+    /// Measure the substrate and print JSON.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum TemplateCmd {
+    /// List templates.
+    List,
+    /// Import a template.
+    Import {
+        /// Template name.
+        name: String,
+        /// Path to a rootfs tarball, an OCI layout (directory or tar) or a `docker save` tar.
+        path: PathBuf,
+        /// Treat the input as a plain root filesystem tarball.
+        #[arg(long)]
+        rootfs: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Template to create the sandbox from.
+    #[arg(long, default_value = "host")]
+    template: String,
+    /// Memory limit (e.g. 256M, 1G).
+    #[arg(long, default_value = "512M", value_parser = units::parse_bytes)]
+    memory: u64,
+    /// CPU cap in CPUs (e.g. 0.5, 2). Without it the sandbox gets a fair share, no cap.
+    #[arg(long)]
+    cpus: Option<f64>,
+    /// Wall-clock timeout (e.g. 500ms, 10s, 2m).
+    #[arg(long, default_value = "60s", value_parser = units::parse_duration_ms)]
+    timeout: u64,
+    /// Writable-layer size (the disk quota).
+    #[arg(long, default_value = "1G", value_parser = units::parse_bytes)]
+    disk: u64,
+    /// Most processes.
+    #[arg(long, default_value_t = 256)]
+    pids: u64,
+    /// Environment variable for the command (KEY=VALUE), repeatable.
+    #[arg(long = "env", short = 'e', value_parser = units::parse_env)]
+    env: Vec<(String, String)>,
+    /// Make the whole root writable (writes land in the private layer).
+    #[arg(long)]
+    writable_root: bool,
+    /// Map root inside the sandbox to an unprivileged host uid (user namespace).
+    #[arg(long)]
+    userns: bool,
+    /// Print the full result as JSON instead of the command's output.
+    #[arg(long)]
+    json: bool,
+    /// The command and its arguments.
+    #[arg(required = true, last = true)]
+    command: Vec<String>,
+}
+
+fn runtime(cli: &Cli) -> anyhow::Result<ContainerRuntime> {
+    let mut cfg = RuntimeConfig::from_env().context("locate dsec binaries")?;
+    cfg.data_dir = cli.data_dir.clone();
+    cfg.run_dir = cli.run_dir.clone();
+    ContainerRuntime::start(cfg).context("start the container runtime (dsec needs root)")
+}
+
+fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
+    let limits = Limits {
+        memory_max: args.memory,
+        cpu_max: args.cpus,
+        cpu_weight: args.cpus.map_or(100, |c| ((c * 100.0) as u64).clamp(1, 10000)),
+        disk_bytes: args.disk,
+        file_size_max: args.disk,
+        pids_max: args.pids,
+        ..Limits::default()
+    };
+    let spec = SandboxSpec {
+        template: args.template.clone(),
+        limits,
+        env: args.env.iter().cloned().collect(),
+        writable_root: args.writable_root,
+        userns: args.userns,
+        ..SandboxSpec::default()
+    };
+    let rt = runtime(cli)?;
+    let (mut sb, _) = rt.create(&spec).context("create sandbox")?;
+    let mut req = ExecRequest::argv(args.command.clone());
+    req.timeout_ms = Some(args.timeout);
+    req.stream = !args.json;
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
+    let result = sb.exec(&rt, &req, &[], |stream, bytes| {
+        let _ = match stream {
+            dsec_api::exec::Stream::Stdout => stdout.write_all(bytes),
+            dsec_api::exec::Stream::Stderr => stderr.write_all(bytes),
+        };
+    });
+    let destroyed = sb.destroy(&rt);
+    let result = result.context("run command")?;
+    destroyed.context("destroy sandbox")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+    }
+    let code = match result.status {
+        ExecStatus::Ok => 0,
+        ExecStatus::NonzeroExit => result.exit_code.unwrap_or(1),
+        ExecStatus::Timeout => {
+            eprintln!("dsec: command timed out after {} ms", args.timeout);
+            124
+        }
+        ExecStatus::Oom => {
+            eprintln!("dsec: command was killed: out of memory (limit {} bytes)", args.memory);
+            137
+        }
+        ExecStatus::OutputLimit => {
+            eprintln!("dsec: command was killed: output limit exceeded");
+            125
+        }
+        ExecStatus::Killed => 128 + result.signal.unwrap_or(9),
+    };
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
+fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
+    let store = dsec_node::template::TemplateStore::open(&cli.data_dir).context("open template store")?;
+    match cmd {
+        TemplateCmd::List => {
+            for t in store.list()? {
+                println!("{}\t{} layer(s)", t.name, t.layers.len());
+            }
+        }
+        TemplateCmd::Import { name, path, rootfs } => {
+            let limits = dsec_node::template::ImportLimits::default();
+            let t = if *rootfs {
+                let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+                store.import_rootfs_tar(name, f, &limits)?
+            } else if path.is_dir() {
+                store.import_oci(name, dsec_node::template::OciSource::Dir(path), &limits)?
+            } else {
+                let mut f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+                store.import_oci(name, dsec_node::template::OciSource::Tar(&mut f), &limits)?
+            };
+            println!("imported {} ({} layer(s))", t.name, t.layers.len());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Run(args) => run(&cli, args),
+        Command::Template { command } => template(&cli, command),
+        Command::Bench(args) => bench::run(args, || runtime(&cli)),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("dsec: {e:#}");
+            ExitCode::from(70)
+        }
+    }
+}

@@ -2,4 +2,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod agent_client;
+pub mod container;
+pub mod pool;
+pub mod sandbox;
 pub mod template;

@@ -8,6 +8,9 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod cgroup;
 pub mod fs;
+pub mod ipc;
+pub mod launch;
 pub mod proc;
 pub mod seccomp;

@@ -1,1 +1,423 @@
-//! TODO
+//! Process control for `dsec-agent`: subreaping, SIGCHLD handling, `wait4` with rusage, signals,
+//! child set-up hooks for [`std::process::Command`] (cwd by fd, CPU rlimit, fd 3 hand-over),
+//! non-blocking pipes and `poll`.
+//!
+//! Everything here is a thin, safe wrapper; the agent never calls `libc` directly.
+
+use std::collections::HashSet;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Errors of the process-control wrappers.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    /// `prctl(PR_SET_CHILD_SUBREAPER)` failed.
+    #[error("set child subreaper")]
+    SetSubreaper(#[source] io::Error),
+    /// Changing the signal mask failed.
+    #[error("block SIGCHLD")]
+    BlockSigchld(#[source] io::Error),
+    /// Waiting for SIGCHLD failed.
+    #[error("wait for SIGCHLD")]
+    WaitSigchld(#[source] io::Error),
+    /// `wait4` failed.
+    #[error("wait4")]
+    Wait(#[source] io::Error),
+    /// `kill` failed.
+    #[error("kill pid {pid} with signal {signal}")]
+    Kill {
+        /// Target pid (negative: process group).
+        pid: i32,
+        /// Signal number.
+        signal: i32,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// `kill(-1)` was refused because the caller is not PID 1 of a pid namespace.
+    #[error("kill(-1) refused: this process is pid {pid}, not 1")]
+    NotInit {
+        /// The caller's pid.
+        pid: i32,
+    },
+    /// Taking ownership of an inherited fd failed.
+    #[error("take inherited fd {fd}")]
+    TakeFd {
+        /// The fd number.
+        fd: RawFd,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// `fcntl` on a pipe failed.
+    #[error("set O_NONBLOCK")]
+    SetNonblocking(#[source] io::Error),
+    /// `poll` failed.
+    #[error("poll")]
+    Poll(#[source] io::Error),
+}
+
+/// Marks the calling process as a child subreaper: orphaned descendants are re-parented to it.
+pub fn set_child_subreaper() -> Result<(), ProcError> {
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes one integer argument and touches no memory.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    if rc != 0 {
+        return Err(ProcError::SetSubreaper(io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The caller's pid as seen in its pid namespace.
+pub fn getpid() -> i32 {
+    // SAFETY: getpid has no preconditions and cannot fail.
+    unsafe { libc::getpid() }
+}
+
+fn sigchld_set() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset fully initialises it before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid, writable sigset_t; SIGCHLD is a valid signal number.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGCHLD);
+    }
+    set
+}
+
+/// Blocks SIGCHLD in the calling thread. Call it in `main` before any thread is spawned so every
+/// thread inherits the mask and the signal stays pending for [`wait_sigchld`].
+/// (`std::process::Command` resets the mask in children.)
+pub fn block_sigchld() -> Result<(), ProcError> {
+    let set = sigchld_set();
+    // SAFETY: `set` is an initialised sigset_t; the old-mask pointer may be null.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if rc != 0 {
+        return Err(ProcError::BlockSigchld(io::Error::from_raw_os_error(rc)));
+    }
+    Ok(())
+}
+
+/// Waits until SIGCHLD is pending (and consumes it) or `timeout` passes. Returns true when a
+/// SIGCHLD was received. SIGCHLD must be blocked (see [`block_sigchld`]).
+pub fn wait_sigchld(timeout: Duration) -> Result<bool, ProcError> {
+    let set = sigchld_set();
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `set` and `ts` are valid for the call; the siginfo pointer may be null.
+    let rc = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &ts) };
+    if rc >= 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(false),
+        _ => Err(ProcError::WaitSigchld(err)),
+    }
+}
+
+/// How a reaped process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitStatus {
+    /// Exited with this code.
+    Exited(i32),
+    /// Killed by this signal.
+    Signaled(i32),
+}
+
+/// Resource usage of a reaped process (and its waited-for descendants).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rusage {
+    /// User CPU time, microseconds.
+    pub utime_us: u64,
+    /// System CPU time, microseconds.
+    pub stime_us: u64,
+    /// Peak resident set size, KiB.
+    pub maxrss_kb: u64,
+}
+
+fn tv_us(tv: libc::timeval) -> u64 {
+    (tv.tv_sec.max(0) as u64) * 1_000_000 + tv.tv_usec.max(0) as u64
+}
+
+/// Reaps one exited child without blocking: `wait4(-1, WNOHANG)`. `Ok(None)` when no child has
+/// exited (or there are no children at all).
+pub fn reap_any() -> Result<Option<(i32, WaitStatus, Rusage)>, ProcError> {
+    loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: rusage is plain data, written by the kernel on success.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `status` and `ru` are valid writable locations for the duration of the call.
+        let pid = unsafe { libc::wait4(-1, &mut status, libc::WNOHANG, &mut ru) };
+        if pid == 0 {
+            return Ok(None);
+        }
+        if pid < 0 {
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::ECHILD) => return Ok(None),
+                Some(libc::EINTR) => continue,
+                _ => return Err(ProcError::Wait(err)),
+            }
+        }
+        let ws = if libc::WIFEXITED(status) {
+            WaitStatus::Exited(libc::WEXITSTATUS(status))
+        } else if libc::WIFSIGNALED(status) {
+            WaitStatus::Signaled(libc::WTERMSIG(status))
+        } else {
+            // Stopped/continued are not requested (no WUNTRACED/WCONTINUED); keep waiting.
+            continue;
+        };
+        let usage = Rusage {
+            utime_us: tv_us(ru.ru_utime),
+            stime_us: tv_us(ru.ru_stime),
+            maxrss_kb: ru.ru_maxrss.max(0) as u64,
+        };
+        return Ok(Some((pid, ws, usage)));
+    }
+}
+
+/// True when the caller has at least one child (running or zombie).
+pub fn has_children() -> bool {
+    // SAFETY: siginfo_t is plain data written by the kernel.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is valid and writable; WNOWAIT leaves any zombie in place.
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_ALL,
+            0,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    !(rc < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD))
+}
+
+/// Sends `signal` to `pid` (must be > 0). `ESRCH` is reported as `Ok(false)`.
+pub fn kill(pid: i32, signal: i32) -> Result<bool, ProcError> {
+    if pid <= 0 {
+        return Err(ProcError::Kill {
+            pid,
+            signal,
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+        });
+    }
+    raw_kill(pid, signal)
+}
+
+/// Sends `signal` to process group `pgid` (must be > 1). `ESRCH` is reported as `Ok(false)`.
+pub fn killpg(pgid: i32, signal: i32) -> Result<bool, ProcError> {
+    if pgid <= 1 {
+        return Err(ProcError::Kill {
+            pid: -pgid,
+            signal,
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+        });
+    }
+    raw_kill(-pgid, signal)
+}
+
+/// `kill(-1, signal)`: every process the caller may signal except itself. Refused unless the
+/// caller is PID 1 (inside a pid namespace that means "everything in the sandbox"; on a host it
+/// would mean "the whole machine").
+pub fn kill_all_as_init(signal: i32) -> Result<bool, ProcError> {
+    let pid = getpid();
+    if pid != 1 {
+        return Err(ProcError::NotInit { pid });
+    }
+    raw_kill(-1, signal)
+}
+
+fn raw_kill(pid: i32, signal: i32) -> Result<bool, ProcError> {
+    // SAFETY: kill touches no memory; callers above restrict `pid` to the intended targets.
+    let rc = unsafe { libc::kill(pid, signal) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ESRCH) {
+        return Ok(false);
+    }
+    Err(ProcError::Kill {
+        pid,
+        signal,
+        source: err,
+    })
+}
+
+/// What a child does between fork and exec (only async-signal-safe work).
+#[derive(Debug, Default)]
+pub struct ChildSetup {
+    /// `fchdir` to this directory (opened with `O_CLOEXEC`; closed by exec).
+    pub cwd: Option<OwnedFd>,
+    /// RLIMIT_CPU in seconds: soft limit (SIGXCPU); the hard limit is one second later (SIGKILL).
+    pub cpu_limit_secs: Option<u64>,
+}
+
+/// Installs a `pre_exec` hook on `cmd` that applies `setup` in the child.
+pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
+    if setup.cwd.is_none() && setup.cpu_limit_secs.is_none() {
+        return;
+    }
+    let cwd = setup.cwd;
+    let cpu = setup.cpu_limit_secs;
+    let hook = move || -> io::Result<()> {
+        if let Some(fd) = &cwd {
+            // SAFETY: fchdir is async-signal-safe and `fd` is an open directory fd owned by the
+            // closure, which lives until exec.
+            if unsafe { libc::fchdir(fd.as_raw_fd()) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        if let Some(secs) = cpu {
+            let lim = libc::rlimit {
+                rlim_cur: secs as libc::rlim_t,
+                rlim_max: secs.saturating_add(1) as libc::rlim_t,
+            };
+            // SAFETY: setrlimit is async-signal-safe; `lim` is a valid rlimit on the stack.
+            if unsafe { libc::setrlimit(libc::RLIMIT_CPU, &lim) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only calls async-signal-safe functions (fchdir, setrlimit) and does not
+    // allocate, so it is sound to run between fork and exec in a multi-threaded parent.
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
+
+/// Makes `fd` the child's fd 3 (without `FD_CLOEXEC`). Used to hand the protocol socket to
+/// `dsec-agent`.
+pub fn pass_fd3(cmd: &mut Command, fd: OwnedFd) {
+    let hook = move || -> io::Result<()> {
+        let raw = fd.as_raw_fd();
+        if raw == 3 {
+            // SAFETY: fcntl on an fd owned by the closure; async-signal-safe.
+            if unsafe { libc::fcntl(3, libc::F_SETFD, 0) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        // SAFETY: dup2 is async-signal-safe; `raw` is open (owned by the closure) and fd 3 is
+        // replaced atomically; the duplicate does not carry FD_CLOEXEC.
+        } else if unsafe { libc::dup2(raw, 3) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only calls async-signal-safe functions (fcntl, dup2) and does not
+    // allocate.
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
+
+static TAKEN_FDS: Mutex<Option<HashSet<RawFd>>> = Mutex::new(None);
+
+/// Takes ownership of an fd inherited from the parent (e.g. the protocol socket on fd 3), checks
+/// that it is open and marks it close-on-exec so children do not inherit it. Each fd number can
+/// be taken once per process.
+pub fn take_inherited_fd(fd: RawFd) -> Result<OwnedFd, ProcError> {
+    let mut taken = TAKEN_FDS.lock().unwrap_or_else(|p| p.into_inner());
+    let set = taken.get_or_insert_with(HashSet::new);
+    if fd < 0 || set.contains(&fd) {
+        return Err(ProcError::TakeFd {
+            fd,
+            source: io::Error::from_raw_os_error(libc::EBADF),
+        });
+    }
+    // SAFETY: F_SETFD on an arbitrary fd number touches no memory; EBADF if it is not open.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+        return Err(ProcError::TakeFd {
+            fd,
+            source: io::Error::last_os_error(),
+        });
+    }
+    set.insert(fd);
+    // SAFETY: the fd is open (fcntl succeeded), was inherited at exec and is owned by nothing
+    // else in this process; the TAKEN_FDS registry guarantees a single OwnedFd is ever made.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Sets `O_NONBLOCK` on `fd`.
+pub fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), ProcError> {
+    // SAFETY: F_GETFL/F_SETFL on a borrowed, open fd touch no memory.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        if flags < 0 {
+            return Err(ProcError::SetNonblocking(io::Error::last_os_error()));
+        }
+        if libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+            return Err(ProcError::SetNonblocking(io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Interest for [`poll`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interest {
+    /// Readable (or hung up).
+    Read,
+    /// Writable (or error).
+    Write,
+}
+
+/// Polls `fds`; returns, per entry, whether it is ready (readable/writable, hung up or in error).
+/// `None` timeout blocks indefinitely. EINTR is reported as "nothing ready".
+pub fn poll(
+    fds: &[(BorrowedFd<'_>, Interest)],
+    timeout: Option<Duration>,
+) -> Result<Vec<bool>, ProcError> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|(fd, i)| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: match i {
+                Interest::Read => libc::POLLIN,
+                Interest::Write => libc::POLLOUT,
+            },
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as libc::c_int);
+    // SAFETY: `pfds` is a valid array of `pfds.len()` pollfd structs for the whole call, and the
+    // fds are borrowed (open) for its duration.
+    let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EINTR) {
+            return Ok(vec![false; fds.len()]);
+        }
+        return Err(ProcError::Poll(err));
+    }
+    Ok(pfds.iter().map(|p| p.revents != 0).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kill_all_refused_outside_init() {
+        if getpid() != 1 {
+            assert!(matches!(
+                kill_all_as_init(0),
+                Err(ProcError::NotInit { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn killpg_rejects_dangerous_targets() {
+        assert!(killpg(0, 0).is_err());
+        assert!(killpg(1, 0).is_err());
+        assert!(kill(-1, 0).is_err());
+        assert!(kill(0, 0).is_err());
+    }
+}

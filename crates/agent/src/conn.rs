@@ -1,0 +1,468 @@
+//! The protocol connection: a reader loop decoding request frames and dispatching each request to
+//! its own worker thread (bounded), one mutex-guarded writer so frames never interleave, and the
+//! handlers for every [`Request`].
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use dsec_api::agent::{Event, Request, DATA_CHUNK, PROTOCOL_VERSION};
+use dsec_api::exec::{ExecRequest, ExecResult, Stream, MAX_TIMEOUT_MS};
+use dsec_api::frame::{self, FrameError};
+use dsec_api::ErrorCode;
+use dsec_sys::proc;
+
+use crate::exec::{self, StdinFeed, SIGKILL};
+use crate::files::Root;
+use crate::reaper::{lock, ExitSlot, Reaper};
+use crate::session::Sessions;
+
+/// Most requests handled at once.
+const MAX_INFLIGHT: usize = 256;
+/// Most live background process handles.
+pub const MAX_HANDLES: usize = 1024;
+/// How long `KillAll` waits for everything to be reaped.
+const KILL_ALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The writing half of the connection.
+pub struct Out {
+    w: Mutex<UnixStream>,
+}
+
+impl Out {
+    /// Sends one event frame; transport errors are ignored (the reader sees the hang-up).
+    pub fn send(&self, id: u64, ev: &Event, body: &[u8]) {
+        match frame::encode_event(id, ev, body) {
+            Ok(bytes) => {
+                let mut w = lock(&self.w);
+                let _ = w.write_all(&bytes);
+            }
+            Err(e) => eprintln!("dsec-agent: encode event for request {id}: {e}"),
+        }
+    }
+
+    fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
+        let mut message = err.to_string();
+        let mut src = err.source();
+        while let Some(s) = src {
+            message.push_str(": ");
+            message.push_str(&s.to_string());
+            src = s.source();
+        }
+        self.send(id, &Event::Error { code, message }, &[]);
+    }
+}
+
+/// A background process.
+struct BgProc {
+    pid: i32,
+    slot: Arc<ExitSlot>,
+    feed: Arc<StdinFeed>,
+    result: Mutex<Option<ExecResult>>,
+    done: Condvar,
+}
+
+/// Shared agent state.
+pub struct Agent {
+    out: Out,
+    root: Root,
+    reaper: Arc<Reaper>,
+    procs: Mutex<HashMap<u64, Arc<BgProc>>>,
+    sessions: Sessions,
+    next_handle: AtomicU64,
+    inflight: AtomicUsize,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ReqError {
+    #[error("{0}")]
+    Msg(String),
+}
+
+fn msg(s: impl Into<String>) -> ReqError {
+    ReqError::Msg(s.into())
+}
+
+impl Agent {
+    /// Builds the agent around the protocol socket.
+    pub fn new(sock: UnixStream, root: Root, reaper: Arc<Reaper>) -> Agent {
+        Agent {
+            out: Out {
+                w: Mutex::new(sock),
+            },
+            root,
+            reaper,
+            procs: Mutex::new(HashMap::new()),
+            sessions: Sessions::default(),
+            next_handle: AtomicU64::new(1),
+            inflight: AtomicUsize::new(0),
+        }
+    }
+
+    /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
+    /// error; then kills everything it started.
+    pub fn serve(self: &Arc<Self>, mut reader: UnixStream) {
+        self.out.send(
+            0,
+            &Event::Hello {
+                version: PROTOCOL_VERSION,
+                pid: proc::getpid(),
+            },
+            &[],
+        );
+        loop {
+            let raw = match frame::read_frame(&mut reader) {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!("dsec-agent: dropping connection: {e}");
+                    break;
+                }
+            };
+            let header = raw.header.clone();
+            match raw.into_request() {
+                Ok((env, body)) => self.dispatch(env.id, env.req, body),
+                Err(e @ (FrameError::BadHeader(_) | FrameError::UnexpectedKind(_))) => {
+                    let id = serde_json::from_slice::<serde_json::Value>(&header)
+                        .ok()
+                        .and_then(|v| v.get("id").and_then(serde_json::Value::as_u64));
+                    match id {
+                        Some(id) => self.out.error(id, ErrorCode::InvalidRequest, &e),
+                        None => eprintln!("dsec-agent: ignoring request without id: {e}"),
+                    }
+                }
+                Err(e) => {
+                    eprintln!("dsec-agent: dropping connection: {e}");
+                    break;
+                }
+            }
+        }
+        let _ = self.kill_all(Duration::from_secs(2));
+    }
+
+    fn dispatch(self: &Arc<Self>, id: u64, req: Request, body: Vec<u8>) {
+        if matches!(req, Request::Ping) {
+            self.out.send(id, &Event::Pong, &[]);
+            return;
+        }
+        if self.inflight.fetch_add(1, Ordering::SeqCst) >= MAX_INFLIGHT {
+            self.inflight.fetch_sub(1, Ordering::SeqCst);
+            self.out.error(
+                id,
+                ErrorCode::ResourceExhausted,
+                &msg(format!("more than {MAX_INFLIGHT} requests in flight")),
+            );
+            return;
+        }
+        let me = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name(format!("req-{id}"))
+            .spawn(move || {
+                me.handle(id, req, body);
+                me.inflight.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            self.inflight.fetch_sub(1, Ordering::SeqCst);
+            self.out.error(id, ErrorCode::ResourceExhausted, &e);
+        }
+    }
+
+    fn handle(&self, id: u64, req: Request, body: Vec<u8>) {
+        let out = &self.out;
+        let ok = || out.send(id, &Event::Ok, &[]);
+        match req {
+            Request::Ping => out.send(id, &Event::Pong, &[]),
+            Request::Exec(r) => self.exec(id, &r, body),
+            Request::Spawn(r) => self.spawn(id, &r, body),
+            Request::ProcStatus { handle } => match self.proc(handle) {
+                Some(p) => out.send(
+                    id,
+                    &Event::ProcStatus {
+                        running: p.slot.get().is_none(),
+                        pid: p.pid,
+                    },
+                    &[],
+                ),
+                None => self.no_handle(id, handle),
+            },
+            Request::ProcSignal { handle, signal } => match self.proc(handle) {
+                None => self.no_handle(id, handle),
+                Some(_) if !(1..=64).contains(&signal) => {
+                    out.error(
+                        id,
+                        ErrorCode::InvalidRequest,
+                        &msg(format!("signal {signal} not in 1..=64")),
+                    );
+                }
+                Some(p) => match proc::killpg(p.pid, signal) {
+                    Ok(_) => ok(),
+                    Err(e) => out.error(id, ErrorCode::Internal, &e),
+                },
+            },
+            Request::ProcStdin { handle, eof } => match self.proc(handle) {
+                None => self.no_handle(id, handle),
+                Some(p) => match p.feed.push(&body, eof) {
+                    Ok(()) => {
+                        p.slot.wake();
+                        ok();
+                    }
+                    Err(e) => out.error(id, e.code(), &e),
+                },
+            },
+            Request::ProcWait { handle, timeout_ms } => self.proc_wait(id, handle, timeout_ms),
+            Request::SessionOpen { kind, env, cwd } => {
+                match self
+                    .sessions
+                    .open(kind, &env, cwd.as_deref(), &self.root, &self.reaper)
+                {
+                    Ok(session) => out.send(id, &Event::SessionOpened { session }, &[]),
+                    Err(e) => out.error(id, e.code(), &e),
+                }
+            }
+            Request::SessionRun {
+                session,
+                input,
+                timeout_ms,
+            } => {
+                if timeout_ms.is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS) {
+                    out.error(
+                        id,
+                        ErrorCode::InvalidRequest,
+                        &msg(format!("timeout_ms must be in 1..={MAX_TIMEOUT_MS}")),
+                    );
+                    return;
+                }
+                match self.sessions.run(session, &input, timeout_ms) {
+                    Ok(r) => out.send(id, &Event::ExecDone(r), &[]),
+                    Err(e) => out.error(id, e.code(), &e),
+                }
+            }
+            Request::SessionClose { session } => match self.sessions.close(session) {
+                Ok(()) => ok(),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::FileRead { path, max_bytes } => {
+                let mut send = |b: &[u8], eof: bool| out.send(id, &Event::Data { eof }, b);
+                if let Err(e) =
+                    crate::files::read_chunks(&self.root, &path, max_bytes, DATA_CHUNK, &mut send)
+                {
+                    out.error(id, e.code(), &e);
+                }
+            }
+            Request::FileWrite {
+                path,
+                mode,
+                parents,
+            } => {
+                match self
+                    .root
+                    .write_atomic(&path, &body, mode.unwrap_or(0o644), parents)
+                {
+                    Ok(()) => ok(),
+                    Err(e) => out.error(id, e.code(), &e),
+                }
+            }
+            Request::FileList { path } => match self.root.list(&path) {
+                Ok(entries) => out.send(id, &Event::Listing { entries }, &[]),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::FileStat { path } => match self.root.stat(&path) {
+                Ok(st) => out.send(id, &Event::Stat(st), &[]),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::Mkdir {
+                path,
+                parents,
+                mode,
+            } => match self.root.mkdir(&path, parents, mode.unwrap_or(0o755)) {
+                Ok(()) => ok(),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::Remove { path, recursive } => match self.root.remove(&path, recursive) {
+                Ok(()) => ok(),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::TarUpload { path } => match crate::tar::upload(&self.root, &path, &body) {
+                Ok(()) => ok(),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::TarDownload { path, max_bytes } => {
+                let mut send = |b: &[u8], eof: bool| out.send(id, &Event::Data { eof }, b);
+                if let Err(e) =
+                    crate::tar::download(&self.root, &path, max_bytes, DATA_CHUNK, &mut send)
+                {
+                    out.error(id, e.code(), &e);
+                }
+            }
+            Request::KillAll => match self.kill_all(KILL_ALL_TIMEOUT) {
+                Ok(()) => ok(),
+                Err(e) => out.error(id, ErrorCode::Internal, &e),
+            },
+        }
+    }
+
+    fn no_handle(&self, id: u64, handle: u64) {
+        self.out.error(
+            id,
+            ErrorCode::HandleNotFound,
+            &msg(format!("handle {handle} not found")),
+        );
+    }
+
+    fn proc(&self, handle: u64) -> Option<Arc<BgProc>> {
+        lock(&self.procs).get(&handle).cloned()
+    }
+
+    fn exec(&self, id: u64, req: &ExecRequest, body: Vec<u8>) {
+        let stream = req.stream;
+        let mut sink = |s: Stream, b: &[u8]| {
+            if stream {
+                self.out.send(id, &Event::Output { stream: s }, b);
+            }
+        };
+        match exec::run(req, body, &self.root, &self.reaper, &mut sink) {
+            Ok(r) => self.out.send(id, &Event::ExecDone(r), &[]),
+            Err(e) => self.out.error(id, e.code(), &e),
+        }
+    }
+
+    fn spawn(&self, id: u64, req: &ExecRequest, body: Vec<u8>) {
+        if lock(&self.procs).len() >= MAX_HANDLES {
+            self.out.error(
+                id,
+                ErrorCode::ResourceExhausted,
+                &msg(format!("more than {MAX_HANDLES} background processes")),
+            );
+            return;
+        }
+        let started = exec::build_command(req, &self.root)
+            .and_then(|(mut cmd, program)| exec::start(&self.reaper, &mut cmd, &program));
+        let mut running = match started {
+            Ok(r) => r,
+            Err(e) => return self.out.error(id, e.code(), &e),
+        };
+        let feed = Arc::new(StdinFeed::new(body, false));
+        let bg = Arc::new(BgProc {
+            pid: running.pid,
+            slot: Arc::clone(&running.slot),
+            feed: Arc::clone(&feed),
+            result: Mutex::new(None),
+            done: Condvar::new(),
+        });
+        let limits = exec::limits_for(req, running.started);
+        let cpu = req.cpu_limit_ms;
+        let bg2 = Arc::clone(&bg);
+        let pumped = std::thread::Builder::new()
+            .name(format!("bg-{}", running.pid))
+            .spawn(move || {
+                let pumped = running.pump(&feed, &limits, &mut |_, _| {});
+                let res = exec::finish(&running, pumped, cpu);
+                *lock(&bg2.result) = Some(res);
+                bg2.done.notify_all();
+            });
+        if let Err(e) = pumped {
+            let _ = proc::killpg(bg.pid, SIGKILL);
+            return self.out.error(id, ErrorCode::ResourceExhausted, &e);
+        }
+        let handle = self.next_handle.fetch_add(1, Ordering::SeqCst);
+        lock(&self.procs).insert(handle, Arc::clone(&bg));
+        self.out.send(
+            id,
+            &Event::Started {
+                handle,
+                pid: bg.pid,
+            },
+            &[],
+        );
+    }
+
+    fn proc_wait(&self, id: u64, handle: u64, timeout_ms: u64) {
+        let Some(p) = self.proc(handle) else {
+            return self.no_handle(id, handle);
+        };
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(MAX_TIMEOUT_MS));
+        let mut g = lock(&p.result);
+        loop {
+            if let Some(r) = g.as_ref() {
+                let r = r.clone();
+                drop(g);
+                lock(&self.procs).remove(&handle);
+                return self.out.send(id, &Event::ExecDone(r), &[]);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(g);
+                return self.out.send(
+                    id,
+                    &Event::ProcStatus {
+                        running: p.slot.get().is_none(),
+                        pid: p.pid,
+                    },
+                    &[],
+                );
+            }
+            g = p
+                .done
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Kills every process but the agent and waits until all are reaped.
+    fn kill_all(&self, timeout: Duration) -> Result<(), ReqError> {
+        lock(&self.procs).clear();
+        self.sessions.clear();
+        let is_init = proc::getpid() == 1;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if is_init {
+                let _ = proc::kill_all_as_init(SIGKILL);
+            } else {
+                for pg in self.reaper.pgids() {
+                    let _ = proc::killpg(pg, SIGKILL);
+                }
+                for pid in direct_children() {
+                    let _ = proc::kill(pid, SIGKILL);
+                }
+            }
+            if !proc::has_children() {
+                self.reaper.prune_pgids();
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(msg("processes survived SIGKILL"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Direct children of this process (including re-parented orphans), from procfs.
+fn direct_children() -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let Ok(s) = std::fs::read_to_string(t.path().join("children")) else {
+            continue;
+        };
+        out.extend(
+            s.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .filter(|&p| p > 1 && p != me),
+        );
+    }
+    out
+}
+
+impl From<io::Error> for ReqError {
+    fn from(e: io::Error) -> Self {
+        ReqError::Msg(e.to_string())
+    }
+}

@@ -1,0 +1,530 @@
+//! File operations confined to the sandbox root.
+//!
+//! Every path is first cleaned lexically (`.` dropped, `..` popped; climbing above the root is a
+//! [`FileError::Escape`]) and then resolved by the kernel with `openat2(RESOLVE_IN_ROOT |
+//! RESOLVE_NO_MAGICLINKS)` relative to an fd of the root, so symlinks inside the sandbox can
+//! never lead outside it. Mutations work on a parent directory fd plus one final name with the
+//! `*at` calls, never following a final symlink.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dsec_api::agent::{FileKind, FileStat};
+use dsec_api::ErrorCode;
+use dsec_sys::fs::{self as sfs, Confine, FileInfo, FsError, Kind};
+
+/// Longest path accepted.
+const MAX_PATH: usize = 4096;
+/// Most entries a listing returns.
+pub const MAX_LIST: usize = 10_000;
+/// Deepest directory tree `Remove`/`TarDownload` walk.
+pub const MAX_DEPTH: usize = 256;
+/// Default bound of a file read.
+pub const DEFAULT_READ_MAX: u64 = 64 << 20;
+
+/// Errors of file operations.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The path is malformed.
+    #[error("invalid path {path:?}: {reason}")]
+    BadPath {
+        /// The path.
+        path: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The path climbs above the root.
+    #[error("path {path:?} escapes the sandbox root")]
+    Escape {
+        /// The path.
+        path: String,
+    },
+    /// A confined system call failed.
+    #[error("{op} {path:?}")]
+    Sys {
+        /// The operation.
+        op: &'static str,
+        /// The path.
+        path: String,
+        /// Cause.
+        #[source]
+        source: FsError,
+    },
+    /// Reading or writing file content failed.
+    #[error("{op} {path:?}")]
+    Io {
+        /// The operation.
+        op: &'static str,
+        /// The path.
+        path: String,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The object is not of the kind the operation needs.
+    #[error("{path:?} is not {expected}")]
+    WrongType {
+        /// The path.
+        path: String,
+        /// What was needed.
+        expected: &'static str,
+    },
+    /// A bound was exceeded.
+    #[error("{what} exceeds the limit of {limit}")]
+    TooLarge {
+        /// What.
+        what: &'static str,
+        /// The bound.
+        limit: u64,
+    },
+}
+
+/// Maps an errno to a wire code (one place for the whole agent).
+pub fn errno_code(errno: Option<i32>) -> ErrorCode {
+    match errno {
+        Some(libc::ENOENT) => ErrorCode::NotFound,
+        Some(libc::EACCES | libc::EPERM | libc::EROFS) => ErrorCode::PermissionDenied,
+        Some(libc::ENOSPC | libc::EDQUOT) => ErrorCode::NoSpace,
+        Some(libc::EXDEV | libc::ELOOP) => ErrorCode::PathEscape,
+        Some(libc::ENOTDIR | libc::EISDIR | libc::ENOTEMPTY) => ErrorCode::WrongFileType,
+        Some(libc::EFBIG) => ErrorCode::TooLarge,
+        Some(libc::EEXIST | libc::ENAMETOOLONG | libc::EINVAL) => ErrorCode::InvalidRequest,
+        _ => ErrorCode::Internal,
+    }
+}
+
+impl FileError {
+    /// The wire code.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            FileError::BadPath { .. } => ErrorCode::InvalidRequest,
+            FileError::Escape { .. } => ErrorCode::PathEscape,
+            FileError::Sys { source, .. } => errno_code(source.raw_os_error()),
+            FileError::Io { source, .. } => errno_code(source.raw_os_error()),
+            FileError::WrongType { .. } => ErrorCode::WrongFileType,
+            FileError::TooLarge { .. } => ErrorCode::TooLarge,
+        }
+    }
+}
+
+/// Lexically cleans `path` into components below the root.
+pub fn clean(path: &str) -> Result<Vec<&str>, FileError> {
+    if path.len() > MAX_PATH {
+        return Err(FileError::BadPath {
+            path: path.chars().take(64).collect(),
+            reason: "too long",
+        });
+    }
+    if path.contains('\0') {
+        return Err(FileError::BadPath {
+            path: path.replace('\0', "\\0"),
+            reason: "contains NUL",
+        });
+    }
+    let mut out = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                if out.pop().is_none() {
+                    return Err(FileError::Escape {
+                        path: path.to_owned(),
+                    });
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    Ok(out)
+}
+
+fn join(comps: &[&str]) -> OsString {
+    if comps.is_empty() {
+        OsString::from(".")
+    } else {
+        OsString::from(comps.join("/"))
+    }
+}
+
+/// A directory that paths are resolved in.
+#[derive(Debug)]
+pub struct Root {
+    fd: OwnedFd,
+    confine: Confine,
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Root {
+    /// The sandbox root at `path` (`/` in production), with `RESOLVE_IN_ROOT`.
+    pub fn open(path: &std::path::Path) -> Result<Root, FileError> {
+        let fd = sfs::open_root(path).map_err(|source| FileError::Sys {
+            op: "open root",
+            path: path.display().to_string(),
+            source,
+        })?;
+        Ok(Root {
+            fd,
+            confine: Confine::InRoot,
+        })
+    }
+
+    /// A root at an already-open directory, with `RESOLVE_BENEATH` (tar unpacking).
+    pub fn beneath(fd: OwnedFd) -> Root {
+        Root {
+            fd,
+            confine: Confine::Beneath,
+        }
+    }
+
+    fn sys<'a>(op: &'static str, path: &'a str) -> impl FnOnce(FsError) -> FileError + 'a {
+        move |source| FileError::Sys {
+            op,
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    /// Opens the cleaned `path` with `flags`.
+    pub fn open_at(&self, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, FileError> {
+        let comps = clean(path)?;
+        sfs::openat2(self.fd.as_fd(), &join(&comps), flags, mode, self.confine)
+            .map_err(Self::sys("open", path))
+    }
+
+    /// Opens a directory (`libc::O_PATH`), e.g. for a cwd.
+    pub fn open_dir(&self, path: &str) -> Result<OwnedFd, FileError> {
+        let fd = self.open_at(path, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        Ok(fd)
+    }
+
+    /// The parent directory fd and final name of `path` (which must not be the root).
+    pub fn parent(&self, path: &str) -> Result<(OwnedFd, OsString), FileError> {
+        let comps = clean(path)?;
+        let Some((name, dir)) = comps.split_last() else {
+            return Err(FileError::BadPath {
+                path: path.to_owned(),
+                reason: "is the root",
+            });
+        };
+        let fd = sfs::openat2(
+            self.fd.as_fd(),
+            &join(dir),
+            libc::O_PATH | libc::O_DIRECTORY,
+            0,
+            self.confine,
+        )
+        .map_err(Self::sys("open parent of", path))?;
+        Ok((fd, OsString::from(*name)))
+    }
+
+    /// Creates `path` and its missing parents (succeeds when it already is a directory).
+    pub fn mkdir_p(&self, path: &str, mode: u32) -> Result<OwnedFd, FileError> {
+        let comps = clean(path)?;
+        for i in 1..=comps.len() {
+            let prefix = join(&comps[..i]);
+            match sfs::openat2(
+                self.fd.as_fd(),
+                &prefix,
+                libc::O_PATH | libc::O_DIRECTORY,
+                0,
+                self.confine,
+            ) {
+                Ok(_) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    let parent = sfs::openat2(
+                        self.fd.as_fd(),
+                        &join(&comps[..i - 1]),
+                        libc::O_PATH | libc::O_DIRECTORY,
+                        0,
+                        self.confine,
+                    )
+                    .map_err(Self::sys("mkdir", path))?;
+                    match sfs::mkdirat(parent.as_fd(), OsStr::new(comps[i - 1]), mode) {
+                        Ok(()) => {}
+                        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                        Err(e) => return Err(Self::sys("mkdir", path)(e)),
+                    }
+                }
+                Err(e) => return Err(Self::sys("mkdir", path)(e)),
+            }
+        }
+        self.open_dir(path)
+    }
+
+    /// Stat without following a final symlink.
+    pub fn stat(&self, path: &str) -> Result<FileStat, FileError> {
+        let fd = self.open_at(path, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        let info =
+            sfs::fstatat_nofollow(fd.as_fd(), OsStr::new("")).map_err(Self::sys("stat", path))?;
+        let link_target = if info.kind == Kind::Symlink {
+            let t =
+                sfs::readlinkat(fd.as_fd(), OsStr::new("")).map_err(Self::sys("readlink", path))?;
+            Some(t.to_string_lossy().into_owned())
+        } else {
+            None
+        };
+        Ok(wire_stat(path.to_owned(), &info, link_target))
+    }
+
+    /// Lists a directory, sorted by name.
+    pub fn list(&self, path: &str) -> Result<Vec<FileStat>, FileError> {
+        let dir = self.open_at(path, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        let (entries, truncated) =
+            sfs::read_dir(dir.as_fd(), MAX_LIST).map_err(Self::sys("list", path))?;
+        if truncated {
+            return Err(FileError::TooLarge {
+                what: "directory listing",
+                limit: MAX_LIST as u64,
+            });
+        }
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Ok(info) = sfs::fstatat_nofollow(dir.as_fd(), &e.name) else {
+                continue; // raced with a removal
+            };
+            let link_target = if info.kind == Kind::Symlink {
+                sfs::readlinkat(dir.as_fd(), &e.name)
+                    .ok()
+                    .map(|t| t.to_string_lossy().into_owned())
+            } else {
+                None
+            };
+            out.push(wire_stat(
+                e.name.to_string_lossy().into_owned(),
+                &info,
+                link_target,
+            ));
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Opens a regular file for reading.
+    pub fn open_read(&self, path: &str) -> Result<(File, u64), FileError> {
+        let fd = self.open_at(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
+        let info =
+            sfs::fstatat_nofollow(fd.as_fd(), OsStr::new("")).map_err(Self::sys("stat", path))?;
+        if info.kind != Kind::File {
+            return Err(FileError::WrongType {
+                path: path.to_owned(),
+                expected: "a regular file",
+            });
+        }
+        Ok((File::from(fd), info.size))
+    }
+
+    /// Atomically writes `data` to `path` (temp file in the same directory + rename).
+    pub fn write_atomic(
+        &self,
+        path: &str,
+        data: &[u8],
+        mode: u32,
+        parents: bool,
+    ) -> Result<(), FileError> {
+        if parents {
+            let comps = clean(path)?;
+            if comps.len() > 1 {
+                self.mkdir_p(&comps[..comps.len() - 1].join("/"), 0o755)?;
+            }
+        }
+        let (dir, name) = self.parent(path)?;
+        write_in(dir.as_fd(), &name, data, mode).map_err(|e| match e {
+            WriteErr::Sys(source) => FileError::Sys {
+                op: "write",
+                path: path.to_owned(),
+                source,
+            },
+            WriteErr::Io(source) => FileError::Io {
+                op: "write",
+                path: path.to_owned(),
+                source,
+            },
+        })
+    }
+
+    /// Creates one directory (or the whole chain with `parents`).
+    pub fn mkdir(&self, path: &str, parents: bool, mode: u32) -> Result<(), FileError> {
+        if parents {
+            return self.mkdir_p(path, mode).map(drop);
+        }
+        let (dir, name) = self.parent(path)?;
+        sfs::mkdirat(dir.as_fd(), &name, mode).map_err(Self::sys("mkdir", path))
+    }
+
+    /// Removes a file, symlink or (with `recursive`) a directory tree. Never follows symlinks.
+    pub fn remove(&self, path: &str, recursive: bool) -> Result<(), FileError> {
+        let (dir, name) = self.parent(path)?;
+        let info = sfs::fstatat_nofollow(dir.as_fd(), &name).map_err(Self::sys("remove", path))?;
+        if info.kind == Kind::Dir {
+            if recursive {
+                let sub = sfs::openat2(
+                    dir.as_fd(),
+                    &name,
+                    libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                    0,
+                    Confine::BeneathNoSymlinks,
+                )
+                .map_err(Self::sys("remove", path))?;
+                remove_tree(sub.as_fd(), 0).map_err(Self::sys("remove", path))?;
+            }
+            sfs::unlinkat(dir.as_fd(), &name, true).map_err(Self::sys("remove", path))
+        } else {
+            sfs::unlinkat(dir.as_fd(), &name, false).map_err(Self::sys("remove", path))
+        }
+    }
+}
+
+/// Failure of [`write_in`].
+pub enum WriteErr {
+    /// A confined call failed.
+    Sys(FsError),
+    /// Writing content failed.
+    Io(io::Error),
+}
+
+/// Writes `data` to `name` in `dir` via a temp file + rename; `mode` bypasses the umask.
+pub fn write_in(dir: BorrowedFd<'_>, name: &OsStr, data: &[u8], mode: u32) -> Result<(), WriteErr> {
+    let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let short: String = name.to_string_lossy().chars().take(100).collect();
+    let tmp = OsString::from(format!(".{short}.dsec-tmp-{}-{n}", std::process::id()));
+    let fd = sfs::openat2(
+        dir,
+        &tmp,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
+        0o600,
+        Confine::BeneathNoSymlinks,
+    )
+    .map_err(WriteErr::Sys)?;
+    let mut f = File::from(fd);
+    let res = f
+        .write_all(data)
+        .and_then(|()| f.set_permissions(std::fs::Permissions::from_mode(mode & 0o7777)))
+        .map_err(WriteErr::Io)
+        .and_then(|()| sfs::renameat(dir, &tmp, name).map_err(WriteErr::Sys));
+    if res.is_err() {
+        let _ = sfs::unlinkat(dir, &tmp, false);
+    }
+    res
+}
+
+fn remove_tree(dir: BorrowedFd<'_>, depth: usize) -> Result<(), FsError> {
+    if depth > MAX_DEPTH {
+        return Err(FsError::ReadDir(io::Error::from_raw_os_error(libc::ELOOP)));
+    }
+    loop {
+        let (entries, _) = sfs::read_dir(dir, MAX_LIST)?;
+        if entries.is_empty() {
+            return Ok(());
+        }
+        for e in entries {
+            let info = match sfs::fstatat_nofollow(dir, &e.name) {
+                Ok(i) => i,
+                Err(err) if err.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(err) => return Err(err),
+            };
+            if info.kind == Kind::Dir {
+                let sub = sfs::openat2(
+                    dir,
+                    &e.name,
+                    libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                    0,
+                    Confine::BeneathNoSymlinks,
+                )?;
+                remove_tree(sub.as_fd(), depth + 1)?;
+                sfs::unlinkat(dir, &e.name, true)?;
+            } else {
+                sfs::unlinkat(dir, &e.name, false)?;
+            }
+        }
+    }
+}
+
+/// Wire form of a stat.
+pub fn wire_stat(name: String, info: &FileInfo, link_target: Option<String>) -> FileStat {
+    FileStat {
+        name,
+        kind: match info.kind {
+            Kind::File => FileKind::File,
+            Kind::Dir => FileKind::Dir,
+            Kind::Symlink => FileKind::Symlink,
+            Kind::Device | Kind::Other => FileKind::Other,
+        },
+        size: info.size,
+        mode: info.mode,
+        mtime: info.mtime,
+        link_target,
+    }
+}
+
+/// Reads up to `max` bytes of `path`, calling `chunk(bytes, eof)` per piece of at most
+/// `chunk_size` bytes; the last call has `eof = true`.
+pub fn read_chunks(
+    root: &Root,
+    path: &str,
+    max: Option<u64>,
+    chunk_size: usize,
+    chunk: &mut dyn FnMut(&[u8], bool),
+) -> Result<(), FileError> {
+    let (file, size) = root.open_read(path)?;
+    let bound = match max {
+        Some(m) => m,
+        None if size > DEFAULT_READ_MAX => {
+            return Err(FileError::TooLarge {
+                what: "file size",
+                limit: DEFAULT_READ_MAX,
+            });
+        }
+        None => DEFAULT_READ_MAX,
+    };
+    let mut reader = file.take(bound);
+    let mut buf = vec![0u8; chunk_size];
+    let mut pending: Option<Vec<u8>> = None;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            match reader.read(&mut buf[filled..]) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(FileError::Io {
+                        op: "read",
+                        path: path.to_owned(),
+                        source,
+                    })
+                }
+            }
+        }
+        if let Some(p) = pending.take() {
+            if filled == 0 {
+                chunk(&p, true);
+                return Ok(());
+            }
+            chunk(&p, false);
+        }
+        if filled < buf.len() {
+            chunk(&buf[..filled], true);
+            return Ok(());
+        }
+        pending = Some(buf[..filled].to_vec());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clean_rejects_escapes() {
+        assert!(matches!(clean("/../etc"), Err(FileError::Escape { .. })));
+        assert!(matches!(clean("a/../../b"), Err(FileError::Escape { .. })));
+        assert_eq!(clean("/a/./b/../c").expect("ok"), vec!["a", "c"]);
+        assert!(clean("/").expect("ok").is_empty());
+        assert!(clean("a\0b").is_err());
+    }
+}

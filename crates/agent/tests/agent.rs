@@ -1,0 +1,900 @@
+//! Integration tests: start the real `dsec-agent` binary as a normal child process with one end
+//! of a socketpair as its fd 3 and drive it with a small synchronous client.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use dsec_api::agent::{Event, FileKind, Request, SessionKind};
+use dsec_api::exec::{Command as Cmd, ExecRequest, ExecResult, ExecStatus, Stream};
+use dsec_api::frame;
+use dsec_api::ErrorCode;
+
+type Inbox = Arc<(Mutex<HashMap<u64, Vec<(Event, Vec<u8>)>>>, Condvar)>;
+
+struct Agent {
+    child: Child,
+    w: Mutex<UnixStream>,
+    inbox: Inbox,
+    next: AtomicU64,
+    hello_pid: i32,
+    _root: Option<tempfile::TempDir>,
+}
+
+impl Agent {
+    fn start() -> Agent {
+        Self::start_with_root(None)
+    }
+
+    fn start_with_root(root: Option<tempfile::TempDir>) -> Agent {
+        let (ours, theirs) = UnixStream::pair().expect("socketpair");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec-agent"));
+        cmd.stdin(Stdio::null());
+        if let Some(r) = &root {
+            cmd.env("DSEC_AGENT_ROOT", r.path());
+        }
+        dsec_sys::proc::pass_fd3(&mut cmd, theirs.into());
+        let child = cmd.spawn().expect("spawn agent");
+        drop(cmd); // closes our copy of the agent's end
+        let inbox: Inbox = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
+        let mut reader = ours.try_clone().expect("clone");
+        let ib = Arc::clone(&inbox);
+        std::thread::spawn(move || {
+            while let Ok(Some(raw)) = frame::read_frame(&mut reader) {
+                let (env, body) = raw.into_event().expect("event frame");
+                let (m, cv) = &*ib;
+                m.lock()
+                    .expect("lock")
+                    .entry(env.id)
+                    .or_default()
+                    .push((env.ev, body));
+                cv.notify_all();
+            }
+        });
+        let mut a = Agent {
+            child,
+            w: Mutex::new(ours),
+            inbox,
+            next: AtomicU64::new(1),
+            hello_pid: 0,
+            _root: root,
+        };
+        let hello = a.wait_terminal(0, Duration::from_secs(10));
+        match &hello[0].0 {
+            Event::Hello { version, pid } => {
+                assert_eq!(*version, dsec_api::agent::PROTOCOL_VERSION);
+                a.hello_pid = *pid;
+            }
+            other => panic!("expected hello, got {other:?}"),
+        }
+        a
+    }
+
+    fn send(&self, req: &Request, body: &[u8]) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::SeqCst);
+        let bytes = frame::encode_request(id, req, body).expect("encode");
+        self.w
+            .lock()
+            .expect("lock")
+            .write_all(&bytes)
+            .expect("write");
+        id
+    }
+
+    fn wait_terminal(&self, id: u64, timeout: Duration) -> Vec<(Event, Vec<u8>)> {
+        let deadline = Instant::now() + timeout;
+        let (m, cv) = &*self.inbox;
+        let mut g = m.lock().expect("lock");
+        loop {
+            if g.get(&id)
+                .is_some_and(|v| v.last().is_some_and(|(e, _)| e.is_terminal()))
+            {
+                return g.remove(&id).expect("present");
+            }
+            let now = Instant::now();
+            assert!(now < deadline, "timeout waiting for request {id}");
+            g = cv.wait_timeout(g, deadline - now).expect("wait").0;
+        }
+    }
+
+    fn call_body(&self, req: Request, body: &[u8]) -> Vec<(Event, Vec<u8>)> {
+        let id = self.send(&req, body);
+        self.wait_terminal(id, Duration::from_secs(60))
+    }
+
+    fn call(&self, req: Request) -> Event {
+        self.call_body(req, b"").pop().expect("terminal").0
+    }
+
+    fn exec_req(&self, r: ExecRequest, stdin: &[u8]) -> ExecResult {
+        match self
+            .call_body(Request::Exec(r), stdin)
+            .pop()
+            .expect("terminal")
+            .0
+        {
+            Event::ExecDone(r) => r,
+            other => panic!("expected exec_done, got {other:?}"),
+        }
+    }
+
+    fn sh(&self, script: &str) -> ExecResult {
+        self.exec_req(ExecRequest::shell(script), b"")
+    }
+
+    fn read(&self, path: &str) -> Result<Vec<u8>, ErrorCode> {
+        let evs = self.call_body(
+            Request::FileRead {
+                path: path.into(),
+                max_bytes: None,
+            },
+            b"",
+        );
+        let mut out = Vec::new();
+        for (e, b) in evs {
+            match e {
+                Event::Data { .. } => out.extend(b),
+                Event::Error { code, .. } => return Err(code),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn code_of(ev: Event) -> ErrorCode {
+    match ev {
+        Event::Error { code, .. } => code,
+        other => panic!("expected error, got {other:?}"),
+    }
+}
+
+fn text(c: &dsec_api::exec::Captured) -> String {
+    String::from_utf8_lossy(&c.data).into_owned()
+}
+
+#[test]
+fn hello_ping_and_clean_exit() {
+    let mut a = Agent::start();
+    assert_eq!(a.hello_pid, a.child.id() as i32);
+    assert_eq!(a.call(Request::Ping), Event::Pong);
+    // EOF on the socket: the agent exits 0.
+    let w = a.w.lock().expect("lock").try_clone().expect("clone");
+    w.shutdown(std::net::Shutdown::Both).expect("shutdown");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(st) = a.child.try_wait().expect("try_wait") {
+            assert!(st.success(), "{st:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "agent did not exit on EOF");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn malformed_header_gets_invalid_request() {
+    let a = Agent::start();
+    // A valid frame prefix with a header that is JSON but not a request.
+    let header = br#"{"id":77,"req":{"op":"no_such_op"}}"#;
+    let mut bytes = Vec::from(frame::MAGIC);
+    bytes.extend_from_slice(&[dsec_api::agent::PROTOCOL_VERSION, 0]);
+    bytes.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(header);
+    a.w.lock().expect("lock").write_all(&bytes).expect("write");
+    let ev = a
+        .wait_terminal(77, Duration::from_secs(10))
+        .pop()
+        .expect("ev")
+        .0;
+    assert_eq!(code_of(ev), ErrorCode::InvalidRequest);
+    assert_eq!(a.call(Request::Ping), Event::Pong);
+}
+
+#[test]
+fn exec_ok_nonzero_env_stdin() {
+    let a = Agent::start();
+    let r = a.exec_req(ExecRequest::argv(["echo", "hi"]), b"");
+    assert_eq!(r.status, ExecStatus::Ok);
+    assert_eq!(text(&r.stdout), "hi\n");
+    let r = a.sh("echo err >&2; exit 3");
+    assert_eq!(r.status, ExecStatus::NonzeroExit);
+    assert_eq!(r.exit_code, Some(3));
+    assert_eq!(text(&r.stderr), "err\n");
+    let mut req = ExecRequest::shell("echo $FOO");
+    req.env.insert("FOO".into(), "bar".into());
+    assert_eq!(text(&a.exec_req(req, b"").stdout), "bar\n");
+    let r = a.exec_req(ExecRequest::argv(["cat"]), b"from stdin");
+    assert_eq!(text(&r.stdout), "from stdin");
+}
+
+#[test]
+fn exec_spawn_failure_and_cwd() {
+    let a = Agent::start();
+    let ev = a.call(Request::Exec(ExecRequest::argv(["/definitely/missing"])));
+    assert_eq!(code_of(ev), ErrorCode::SpawnFailed);
+    let mut req = ExecRequest::argv(["pwd"]);
+    req.cwd = Some("/tmp".into());
+    assert_eq!(text(&a.exec_req(req, b"").stdout), "/tmp\n");
+    let mut req = ExecRequest::argv(["pwd"]);
+    req.cwd = Some("/../etc".into());
+    assert_eq!(code_of(a.call(Request::Exec(req))), ErrorCode::PathEscape);
+    let mut req = ExecRequest::argv(["pwd"]);
+    req.cwd = Some("/proc/self/cwd".into());
+    assert_eq!(code_of(a.call(Request::Exec(req))), ErrorCode::PathEscape);
+    let mut req = ExecRequest::argv(["pwd"]);
+    req.cwd = Some("/etc/passwd".into());
+    assert_eq!(
+        code_of(a.call(Request::Exec(req))),
+        ErrorCode::WrongFileType
+    );
+}
+
+#[test]
+fn exec_timeout_and_cpu_limit() {
+    let a = Agent::start();
+    let mut req = ExecRequest::argv(["sleep", "30"]);
+    req.timeout_ms = Some(200);
+    let t = Instant::now();
+    let r = a.exec_req(req, b"");
+    assert_eq!(r.status, ExecStatus::Timeout);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let mut req = ExecRequest::shell("while :; do :; done");
+    req.cpu_limit_ms = Some(500);
+    req.timeout_ms = Some(20_000);
+    let r = a.exec_req(req, b"");
+    assert_eq!(r.status, ExecStatus::Timeout, "{r:?}");
+    assert!(r.cpu_us >= 900_000, "{r:?}");
+}
+
+#[test]
+fn exec_output_cap_and_flood() {
+    let a = Agent::start();
+    let mut req = ExecRequest::shell("seq 1 100000");
+    req.output_limit = Some(1000);
+    let r = a.exec_req(req, b"");
+    assert_eq!(r.status, ExecStatus::Ok);
+    assert!(r.stdout.truncated);
+    assert_eq!(r.stdout.data.len(), 1000);
+    assert!(r.stdout.data.starts_with(b"1\n2\n3\n"));
+    assert!(r.stdout.data.ends_with(b"99999\n100000\n"));
+    let expected: u64 = (1..=100000u64)
+        .map(|n| n.to_string().len() as u64 + 1)
+        .sum();
+    assert_eq!(r.stdout.total, expected);
+    let mut req = ExecRequest::shell("cat /dev/zero");
+    req.output_limit = Some(1000);
+    let r = a.exec_req(req, b"");
+    assert_eq!(r.status, ExecStatus::OutputLimit);
+    assert_eq!(r.stdout.data.len(), 1000);
+}
+
+#[test]
+fn exec_returns_when_grandchild_holds_pipe() {
+    let a = Agent::start();
+    let t = Instant::now();
+    let r = a.sh("sleep 100 & echo hi");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(text(&r.stdout), "hi\n");
+    assert_eq!(a.call(Request::KillAll), Event::Ok);
+}
+
+#[test]
+fn exec_streaming() {
+    let a = Agent::start();
+    let mut req = ExecRequest::shell("echo one; sleep 0.1; echo two >&2; echo three");
+    req.stream = true;
+    let evs = a.call_body(Request::Exec(req), b"");
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    for (e, b) in &evs[..evs.len() - 1] {
+        assert!(b.len() <= 64 << 10);
+        match e {
+            Event::Output {
+                stream: Stream::Stdout,
+            } => out.extend_from_slice(b),
+            Event::Output {
+                stream: Stream::Stderr,
+            } => err.extend_from_slice(b),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(out, b"one\nthree\n");
+    assert_eq!(err, b"two\n");
+    match &evs.last().expect("done").0 {
+        Event::ExecDone(r) => assert_eq!(text(&r.stdout), "one\nthree\n"),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn concurrent_requests_do_not_block() {
+    let a = Agent::start();
+    let slow = a.send(&Request::Exec(ExecRequest::argv(["sleep", "2"])), b"");
+    let t = Instant::now();
+    assert_eq!(a.call(Request::Ping), Event::Pong);
+    assert!(a.read("/etc/hostname").is_ok() || a.read("/etc/passwd").is_ok());
+    assert!(t.elapsed() < Duration::from_secs(1));
+    let r = a.wait_terminal(slow, Duration::from_secs(10));
+    assert!(matches!(r[0].0, Event::ExecDone(_)));
+}
+
+#[test]
+fn background_spawn_stdin_wait_signal() {
+    let a = Agent::start();
+    let Event::Started { handle, pid } = a
+        .call_body(Request::Spawn(ExecRequest::argv(["cat"])), b"first ")
+        .pop()
+        .expect("ev")
+        .0
+    else {
+        panic!("expected started")
+    };
+    assert!(pid > 0);
+    assert_eq!(
+        a.call(Request::ProcStatus { handle }),
+        Event::ProcStatus { running: true, pid }
+    );
+    assert_eq!(
+        a.call_body(Request::ProcStdin { handle, eof: true }, b"second")
+            .pop()
+            .expect("ev")
+            .0,
+        Event::Ok
+    );
+    match a.call(Request::ProcWait {
+        handle,
+        timeout_ms: 5000,
+    }) {
+        Event::ExecDone(r) => {
+            assert_eq!(r.status, ExecStatus::Ok);
+            assert_eq!(text(&r.stdout), "first second");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // The handle is forgotten after ExecDone.
+    assert_eq!(
+        code_of(a.call(Request::ProcStatus { handle })),
+        ErrorCode::HandleNotFound
+    );
+
+    let Event::Started { handle, pid } =
+        a.call(Request::Spawn(ExecRequest::argv(["sleep", "100"])))
+    else {
+        panic!("expected started")
+    };
+    assert_eq!(
+        a.call(Request::ProcWait {
+            handle,
+            timeout_ms: 50
+        }),
+        Event::ProcStatus { running: true, pid }
+    );
+    assert_eq!(
+        a.call(Request::ProcSignal { handle, signal: 15 }),
+        Event::Ok
+    );
+    match a.call(Request::ProcWait {
+        handle,
+        timeout_ms: 5000,
+    }) {
+        Event::ExecDone(r) => {
+            assert_eq!(r.status, ExecStatus::Killed);
+            assert_eq!(r.signal, Some(15));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(
+        code_of(a.call(Request::ProcSignal {
+            handle: 999,
+            signal: 9
+        })),
+        ErrorCode::HandleNotFound
+    );
+}
+
+#[test]
+fn shell_session_keeps_state() {
+    let a = Agent::start();
+    let Event::SessionOpened { session } = a.call(Request::SessionOpen {
+        kind: SessionKind::Shell,
+        env: Default::default(),
+        cwd: None,
+    }) else {
+        panic!("expected session")
+    };
+    let run = |input: &str| match a.call(Request::SessionRun {
+        session,
+        input: input.into(),
+        timeout_ms: Some(10_000),
+    }) {
+        Event::ExecDone(r) => r,
+        other => panic!("unexpected {other:?}"),
+    };
+    run("cd /tmp; export XYZ=42; f() { echo \"f:$1\"; }; shvar=7");
+    let r = run("pwd; echo $XYZ; f hello; echo $shvar; echo oops >&2; false");
+    assert_eq!(text(&r.stdout), "/tmp\n42\nf:hello\n7\n");
+    assert_eq!(text(&r.stderr), "oops\n");
+    assert_eq!(r.exit_code, Some(1));
+    assert_eq!(r.status, ExecStatus::NonzeroExit);
+    let r = run("echo -n no-newline");
+    assert_eq!(text(&r.stdout), "no-newline");
+    let r = run("if then fi");
+    assert_ne!(r.exit_code, Some(0));
+    assert_eq!(run("echo still alive").exit_code, Some(0));
+    // Timeout kills the session.
+    match a.call(Request::SessionRun {
+        session,
+        input: "sleep 30".into(),
+        timeout_ms: Some(200),
+    }) {
+        Event::ExecDone(r) => assert_eq!(r.status, ExecStatus::Timeout),
+        other => panic!("unexpected {other:?}"),
+    }
+    let ev = a.call(Request::SessionRun {
+        session,
+        input: "true".into(),
+        timeout_ms: None,
+    });
+    assert_eq!(code_of(ev), ErrorCode::HandleNotFound);
+}
+
+#[test]
+fn python_session_keeps_globals_and_reports_exceptions() {
+    if !std::path::Path::new("/usr/bin/python3").exists() {
+        eprintln!("SKIP: no /usr/bin/python3");
+        return;
+    }
+    let a = Agent::start();
+    let Event::SessionOpened { session } = a.call(Request::SessionOpen {
+        kind: SessionKind::Python,
+        env: Default::default(),
+        cwd: None,
+    }) else {
+        panic!("expected session")
+    };
+    let run = |input: &str| match a.call(Request::SessionRun {
+        session,
+        input: input.into(),
+        timeout_ms: Some(20_000),
+    }) {
+        Event::ExecDone(r) => r,
+        other => panic!("unexpected {other:?}"),
+    };
+    let r = run("x = 40\ndef g(v):\n    return v + 2\nprint('set')");
+    assert_eq!(text(&r.stdout), "set\n");
+    assert_eq!(r.exit_code, Some(0));
+    let r = run("g(x)");
+    assert_eq!(text(&r.stdout), "42\n");
+    let r = run("raise ValueError('boom')");
+    assert_eq!(r.exit_code, Some(1));
+    assert!(
+        text(&r.stderr).contains("ValueError: boom"),
+        "{}",
+        text(&r.stderr)
+    );
+    assert_eq!(text(&run("print(x)").stdout), "40\n");
+    assert_eq!(a.call(Request::SessionClose { session }), Event::Ok);
+    assert_eq!(
+        code_of(a.call(Request::SessionClose { session })),
+        ErrorCode::HandleNotFound
+    );
+}
+
+#[test]
+fn file_operations() {
+    let a = Agent::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let d = dir.path().to_str().expect("utf8").to_owned();
+    let f = format!("{d}/sub/a.txt");
+    let ev = a.call_body(
+        Request::FileWrite {
+            path: f.clone(),
+            mode: Some(0o600),
+            parents: true,
+        },
+        b"hello",
+    );
+    assert_eq!(ev.last().expect("ev").0, Event::Ok);
+    assert_eq!(a.read(&f).expect("read"), b"hello");
+    match a.call(Request::FileStat { path: f.clone() }) {
+        Event::Stat(st) => {
+            assert_eq!(st.kind, FileKind::File);
+            assert_eq!(st.size, 5);
+            assert_eq!(st.mode, 0o600);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // Large file: several Data chunks.
+    let big: Vec<u8> = (0..700_000u32).map(|i| (i % 251) as u8).collect();
+    let bigp = format!("{d}/big.bin");
+    a.call_body(
+        Request::FileWrite {
+            path: bigp.clone(),
+            mode: None,
+            parents: false,
+        },
+        &big,
+    );
+    assert_eq!(a.read(&bigp).expect("read"), big);
+    let evs = a.call_body(
+        Request::FileRead {
+            path: bigp.clone(),
+            max_bytes: Some(10),
+        },
+        b"",
+    );
+    assert_eq!(evs.iter().map(|(_, b)| b.len()).sum::<usize>(), 10);
+    assert_eq!(
+        a.call(Request::Mkdir {
+            path: format!("{d}/m/n"),
+            parents: true,
+            mode: None
+        }),
+        Event::Ok
+    );
+    let ev = a.call(Request::Mkdir {
+        path: format!("{d}/x/y"),
+        parents: false,
+        mode: None,
+    });
+    assert_eq!(code_of(ev), ErrorCode::NotFound);
+    std::os::unix::fs::symlink("sub/a.txt", dir.path().join("link")).expect("symlink");
+    match a.call(Request::FileList { path: d.clone() }) {
+        Event::Listing { entries } => {
+            let names: Vec<_> = entries.iter().map(|e| e.name.as_str()).collect();
+            assert_eq!(names, vec!["big.bin", "link", "m", "sub"]);
+            assert_eq!(entries[1].kind, FileKind::Symlink);
+            assert_eq!(entries[1].link_target.as_deref(), Some("sub/a.txt"));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    match a.call(Request::FileStat {
+        path: format!("{d}/link"),
+    }) {
+        Event::Stat(st) => assert_eq!(st.kind, FileKind::Symlink),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(
+        code_of(a.call(Request::FileStat {
+            path: format!("{d}/nope")
+        })),
+        ErrorCode::NotFound
+    );
+    assert_eq!(a.read(&d).expect_err("dir"), ErrorCode::WrongFileType);
+    assert_eq!(
+        code_of(a.call(Request::Remove {
+            path: format!("{d}/sub"),
+            recursive: false
+        })),
+        ErrorCode::WrongFileType
+    );
+    // Recursive remove does not follow the symlink to sub/.
+    std::os::unix::fs::symlink(dir.path().join("sub"), dir.path().join("m/escape"))
+        .expect("symlink");
+    assert_eq!(
+        a.call(Request::Remove {
+            path: format!("{d}/m"),
+            recursive: true
+        }),
+        Event::Ok
+    );
+    assert!(dir.path().join("sub/a.txt").exists());
+    assert!(!dir.path().join("m").exists());
+    assert_eq!(
+        a.call(Request::Remove {
+            path: f.clone(),
+            recursive: false
+        }),
+        Event::Ok
+    );
+    assert!(!dir.path().join("sub/a.txt").exists());
+}
+
+#[test]
+fn paths_stay_inside_root() {
+    let root = tempfile::tempdir().expect("tmp");
+    std::fs::create_dir_all(root.path().join("a/b")).expect("mkdir");
+    std::os::unix::fs::symlink("../../..", root.path().join("a/b/up")).expect("symlink");
+    std::os::unix::fs::symlink("/", root.path().join("abs")).expect("symlink");
+    std::fs::write(root.path().join("inside"), b"in").expect("write");
+    let a = Agent::start_with_root(Some(root));
+    // Symlinks resolve inside the root: the host's /etc/passwd is never reachable.
+    for p in [
+        "/a/b/up/etc/passwd",
+        "/abs/etc/passwd",
+        "a/b/up/up/etc/passwd",
+    ] {
+        let r = a.read(p);
+        assert!(
+            matches!(r, Err(ErrorCode::NotFound | ErrorCode::PathEscape)),
+            "{p}: {r:?}"
+        );
+    }
+    assert_eq!(a.read("/a/b/up/inside").expect("inside"), b"in");
+    assert_eq!(a.read("/abs/inside").expect("inside"), b"in");
+    assert_eq!(
+        a.read("/../etc/passwd").expect_err("escape"),
+        ErrorCode::PathEscape
+    );
+    // Writing through a symlink stays inside too.
+    let ev = a.call_body(
+        Request::FileWrite {
+            path: "/abs/tmp-written".into(),
+            mode: None,
+            parents: false,
+        },
+        b"x",
+    );
+    assert_eq!(ev.last().expect("ev").0, Event::Ok);
+    assert!(!std::path::Path::new("/tmp-written").exists());
+    // cwd resolves inside the root as well.
+    let mut req = ExecRequest::argv(["pwd"]);
+    req.cwd = Some("/a/b/up/a".into());
+    let r = a.exec_req(req, b"");
+    assert!(text(&r.stdout).trim_end().ends_with("/a"), "{r:?}");
+    assert!(text(&r.stdout).trim_end() != "/a");
+}
+
+fn tar_with(entries: &[(&str, tar::EntryType, &[u8], Option<&str>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, kind, data, link) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(*kind);
+        h.set_mode(0o4755);
+        h.set_size(data.len() as u64);
+        // Bypass the builder's own path validation to craft hostile names.
+        let name = h.as_old_mut().name.as_mut();
+        name[..path.len()].copy_from_slice(path.as_bytes());
+        if let Some(l) = link {
+            h.set_link_name(l).expect("link");
+        }
+        h.set_cksum();
+        b.append(&h, *data).expect("append");
+    }
+    b.into_inner().expect("finish")
+}
+
+#[test]
+fn tar_upload_rejects_hostile_entries() {
+    let a = Agent::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let d = dir.path().to_str().expect("utf8").to_owned();
+    let up = |body: Vec<u8>| {
+        a.call_body(Request::TarUpload { path: d.clone() }, &body)
+            .pop()
+            .expect("ev")
+            .0
+    };
+    let escape = tar_with(&[("../evil", tar::EntryType::Regular, b"x", None)]);
+    assert_eq!(code_of(up(escape)), ErrorCode::PathEscape);
+    let abs = tar_with(&[("/tmp/evil", tar::EntryType::Regular, b"x", None)]);
+    assert_eq!(code_of(up(abs)), ErrorCode::PathEscape);
+    let link = tar_with(&[("l", tar::EntryType::Symlink, b"", Some("/etc"))]);
+    assert_eq!(code_of(up(link)), ErrorCode::PathEscape);
+    let hard = tar_with(&[("h", tar::EntryType::Link, b"", Some("../../etc/passwd"))]);
+    assert_eq!(code_of(up(hard)), ErrorCode::PathEscape);
+    let dev = tar_with(&[("null", tar::EntryType::Char, b"", None)]);
+    assert_eq!(code_of(up(dev)), ErrorCode::InvalidRequest);
+    let ok = tar_with(&[("ok/file", tar::EntryType::Regular, b"data", None)]);
+    assert_eq!(up(ok), Event::Ok);
+    let meta = std::fs::metadata(dir.path().join("ok/file")).expect("unpacked");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o755, "setuid dropped");
+    assert_eq!(
+        code_of(up(b"not a tar archive at all, definitely".repeat(20))),
+        ErrorCode::InvalidRequest
+    );
+}
+
+#[test]
+fn tar_round_trip() {
+    let a = Agent::start();
+    let src = tempfile::tempdir().expect("tmp");
+    std::fs::create_dir_all(src.path().join("d/e")).expect("mkdir");
+    std::fs::write(src.path().join("d/e/f.txt"), b"deep").expect("write");
+    std::fs::write(src.path().join("top"), vec![7u8; 300_000]).expect("write");
+    std::os::unix::fs::symlink("d/e/f.txt", src.path().join("ln")).expect("symlink");
+    std::os::unix::fs::symlink("/etc/passwd", src.path().join("abs-ln")).expect("symlink");
+    let s = src.path().to_str().expect("utf8").to_owned();
+    let evs = a.call_body(
+        Request::TarDownload {
+            path: s.clone(),
+            max_bytes: None,
+        },
+        b"",
+    );
+    let mut tarball = Vec::new();
+    for (e, b) in evs {
+        assert!(matches!(e, Event::Data { .. }), "{e:?}");
+        tarball.extend(b);
+    }
+    // Too small a bound fails with too_large.
+    let ev = a
+        .call_body(
+            Request::TarDownload {
+                path: s.clone(),
+                max_bytes: Some(1000),
+            },
+            b"",
+        )
+        .pop()
+        .expect("ev")
+        .0;
+    assert_eq!(code_of(ev), ErrorCode::TooLarge);
+    // The absolute symlink cannot be uploaded back; drop it from the source and retry.
+    std::fs::remove_file(src.path().join("abs-ln")).expect("rm");
+    let evs = a.call_body(
+        Request::TarDownload {
+            path: s.clone(),
+            max_bytes: None,
+        },
+        b"",
+    );
+    let tarball2: Vec<u8> = evs.into_iter().flat_map(|(_, b)| b).collect();
+    assert!(tarball2.len() < tarball.len());
+    let dst = tempfile::tempdir().expect("tmp");
+    let dpath = format!("{}/new", dst.path().to_str().expect("utf8"));
+    let ev = a
+        .call_body(
+            Request::TarUpload {
+                path: dpath.clone(),
+            },
+            &tarball2,
+        )
+        .pop()
+        .expect("ev")
+        .0;
+    assert_eq!(ev, Event::Ok);
+    assert_eq!(
+        std::fs::read(format!("{dpath}/d/e/f.txt")).expect("read"),
+        b"deep"
+    );
+    assert_eq!(
+        std::fs::read(format!("{dpath}/top")).expect("read"),
+        vec![7u8; 300_000]
+    );
+    assert_eq!(
+        std::fs::read_link(format!("{dpath}/ln")).expect("link"),
+        std::path::Path::new("d/e/f.txt")
+    );
+}
+
+fn zombie_children(pid: u32) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(status) = std::fs::read_to_string(e.path().join("status")) else {
+            continue;
+        };
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .map(|v| v.trim().to_owned());
+        let state = status
+            .lines()
+            .find_map(|l| l.strip_prefix("State:"))
+            .unwrap_or("")
+            .trim()
+            .to_owned();
+        if ppid.as_deref() == Some(&pid.to_string()) && state.starts_with('Z') {
+            out.push(format!("{:?} {state}", e.file_name()));
+        }
+    }
+    out
+}
+
+#[test]
+fn zombies_are_reaped() {
+    let a = Agent::start();
+    for _ in 0..30 {
+        let r = a.sh("(sleep 0 &) ; exit 0");
+        assert_eq!(r.status, ExecStatus::Ok);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let z = zombie_children(a.child.id());
+        if z.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "zombies left: {z:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn kill_all_kills_only_our_processes() {
+    let a = Agent::start();
+    let Event::Started { handle, .. } = a.call(Request::Spawn(ExecRequest::shell(
+        "sleep 100 & sleep 100; wait",
+    ))) else {
+        panic!("expected started")
+    };
+    a.sh("sleep 100 >/dev/null 2>&1 &");
+    let Event::SessionOpened { session } = a.call(Request::SessionOpen {
+        kind: SessionKind::Shell,
+        env: Default::default(),
+        cwd: None,
+    }) else {
+        panic!("expected session")
+    };
+    // A process of the test itself (not started by the agent) must survive.
+    let mut bystander = Command::new("sleep").arg("100").spawn().expect("spawn");
+    let t = Instant::now();
+    assert_eq!(a.call(Request::KillAll), Event::Ok);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(
+        bystander.try_wait().expect("try_wait").is_none(),
+        "bystander killed"
+    );
+    let _ = bystander.kill();
+    let _ = bystander.wait();
+    let children = std::fs::read_to_string(format!(
+        "/proc/{}/task/{}/children",
+        a.child.id(),
+        a.child.id()
+    ))
+    .unwrap_or_default();
+    assert!(children.trim().is_empty(), "children left: {children}");
+    assert_eq!(
+        code_of(a.call(Request::ProcStatus { handle })),
+        ErrorCode::HandleNotFound
+    );
+    let ev = a.call(Request::SessionRun {
+        session,
+        input: "true".into(),
+        timeout_ms: None,
+    });
+    assert_eq!(code_of(ev), ErrorCode::HandleNotFound);
+    assert_eq!(a.call(Request::Ping), Event::Pong);
+}
+
+#[test]
+fn binary_is_static() {
+    let bytes = std::fs::read(env!("CARGO_BIN_EXE_dsec-agent")).expect("read binary");
+    assert_eq!(&bytes[..4], b"\x7fELF");
+    assert_eq!(bytes[4], 2, "64-bit ELF");
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let u64_at =
+        |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes")) as usize;
+    let phoff = u64_at(0x20);
+    let phentsize = u16_at(0x36);
+    let phnum = u16_at(0x38);
+    for i in 0..phnum {
+        let p_type = u32::from_le_bytes(
+            bytes[phoff + i * phentsize..][..4]
+                .try_into()
+                .expect("4 bytes"),
+        );
+        assert_ne!(p_type, 3, "PT_INTERP present: binary is dynamically linked");
+    }
+}
+
+#[test]
+fn exec_argv_shell_variants() {
+    let a = Agent::start();
+    let r = a.exec_req(
+        ExecRequest {
+            command: Cmd::Shell("echo $0".into()),
+            ..ExecRequest::shell("")
+        },
+        b"",
+    );
+    assert_eq!(text(&r.stdout), "/bin/sh\n");
+    assert!(r.wall_us > 0);
+}

@@ -1,0 +1,191 @@
+//! Host-side client of the `dsec-agent` protocol (the same for every substrate).
+//!
+//! Blocking and one request at a time per connection: a sandbox's operations are serialised by
+//! its owner. Every wait is bounded by a deadline.
+
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use dsec_api::agent::{Event, Request, PROTOCOL_VERSION};
+use dsec_api::exec::{ExecRequest, ExecResult, Stream};
+use dsec_api::frame::{self, FrameDecoder, FrameError};
+use dsec_api::ErrorCode;
+
+/// Errors talking to an agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The transport failed or the agent closed it.
+    #[error("agent connection lost")]
+    Disconnected(#[source] io::Error),
+    /// The agent did not answer within the deadline.
+    #[error("agent did not answer within {0:?}")]
+    Timeout(Duration),
+    /// A frame could not be encoded or decoded.
+    #[error("agent protocol error")]
+    Protocol(#[source] FrameError),
+    /// The agent answered with an unexpected event.
+    #[error("unexpected agent event {0}")]
+    Unexpected(String),
+    /// The agent reported a failure.
+    #[error("agent: {code}: {message}")]
+    Remote {
+        /// Stable code.
+        code: ErrorCode,
+        /// Detail.
+        message: String,
+    },
+}
+
+impl AgentError {
+    /// The stable code for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            AgentError::Remote { code, .. } => *code,
+            AgentError::Timeout(_) => ErrorCode::ExecTimeout,
+            AgentError::Disconnected(_) | AgentError::Protocol(_) | AgentError::Unexpected(_) => {
+                ErrorCode::AgentUnavailable
+            }
+        }
+    }
+}
+
+/// Grace added to a request's own timeout before the connection is declared dead.
+const DEADLINE_SLACK: Duration = Duration::from_secs(5);
+/// Deadline of requests that carry no timeout of their own.
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
+
+/// A connection to one agent.
+#[derive(Debug)]
+pub struct AgentConn {
+    stream: UnixStream,
+    decoder: FrameDecoder,
+    next_id: u64,
+    buf: Vec<u8>,
+}
+
+impl AgentConn {
+    /// Wraps a connected agent socket.
+    pub fn new(fd: OwnedFd) -> Self {
+        Self { stream: UnixStream::from(fd), decoder: FrameDecoder::new(), next_id: 1, buf: vec![0u8; 64 << 10] }
+    }
+
+    /// Waits for the agent's unprompted `Hello`.
+    pub fn wait_hello(&mut self, timeout: Duration) -> Result<i32, AgentError> {
+        let deadline = Instant::now() + timeout;
+        let (id, ev, _) = self.read_event(deadline)?;
+        match ev {
+            Event::Hello { version, pid } if id == 0 && version == PROTOCOL_VERSION => Ok(pid),
+            other => Err(AgentError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    fn read_event(&mut self, deadline: Instant) -> Result<(u64, Event, Vec<u8>), AgentError> {
+        loop {
+            if let Some(raw) = self.decoder.next_frame().map_err(AgentError::Protocol)? {
+                let (env, body) = raw.into_event().map_err(AgentError::Protocol)?;
+                return Ok((env.id, env.ev, body));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(AgentError::Timeout(deadline.saturating_duration_since(now)));
+            }
+            self.stream
+                .set_read_timeout(Some(deadline - now))
+                .map_err(AgentError::Disconnected)?;
+            match self.stream.read(&mut self.buf) {
+                Ok(0) => {
+                    return Err(AgentError::Disconnected(io::Error::from(io::ErrorKind::UnexpectedEof)))
+                }
+                Ok(n) => self.decoder.push(&self.buf[..n]),
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    return Err(AgentError::Timeout(Duration::ZERO))
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(AgentError::Disconnected(e)),
+            }
+        }
+    }
+
+    /// Sends a request and collects events until the terminal one. `on_event` sees every
+    /// non-terminal event (output chunks, data chunks) with its body.
+    pub fn call(
+        &mut self,
+        req: &Request,
+        body: &[u8],
+        timeout: Option<Duration>,
+        mut on_event: impl FnMut(&Event, &[u8]),
+    ) -> Result<(Event, Vec<u8>), AgentError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let bytes = frame::encode_request(id, req, body).map_err(AgentError::Protocol)?;
+        self.stream.write_all(&bytes).map_err(AgentError::Disconnected)?;
+        let deadline = Instant::now() + timeout.map_or(DEFAULT_DEADLINE, |t| t + DEADLINE_SLACK);
+        loop {
+            let (rid, ev, body) = self.read_event(deadline)?;
+            if rid != id {
+                continue; // a late event of an abandoned request
+            }
+            if ev.is_terminal() {
+                if let Event::Error { code, message } = ev {
+                    return Err(AgentError::Remote { code, message });
+                }
+                return Ok((ev, body));
+            }
+            on_event(&ev, &body);
+        }
+    }
+
+    /// Liveness check.
+    pub fn ping(&mut self) -> Result<(), AgentError> {
+        match self.call(&Request::Ping, &[], Some(Duration::from_secs(5)), |_, _| {})?.0 {
+            Event::Pong => Ok(()),
+            other => Err(AgentError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Runs a command to completion; `on_output` receives streamed chunks when `req.stream`.
+    pub fn exec(
+        &mut self,
+        req: &ExecRequest,
+        stdin: &[u8],
+        mut on_output: impl FnMut(Stream, &[u8]),
+    ) -> Result<ExecResult, AgentError> {
+        let timeout = req.timeout_ms.map(Duration::from_millis);
+        let (ev, _) = self.call(&Request::Exec(req.clone()), stdin, timeout, |ev, body| {
+            if let Event::Output { stream } = ev {
+                on_output(*stream, body);
+            }
+        })?;
+        match ev {
+            Event::ExecDone(r) => Ok(r),
+            other => Err(AgentError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Sends a request whose answer is `Ok`.
+    pub fn call_ok(&mut self, req: &Request, body: &[u8]) -> Result<(), AgentError> {
+        match self.call(req, body, None, |_, _| {})?.0 {
+            Event::Ok => Ok(()),
+            other => Err(AgentError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Sends a request answered by `Data` chunks and concatenates them.
+    pub fn call_data(&mut self, req: &Request) -> Result<Vec<u8>, AgentError> {
+        let mut out = Vec::new();
+        let (ev, last) = self.call(req, &[], None, |ev, body| {
+            if let Event::Data { .. } = ev {
+                out.extend_from_slice(body);
+            }
+        })?;
+        match ev {
+            Event::Data { eof: true } => {
+                out.extend_from_slice(&last);
+                Ok(out)
+            }
+            other => Err(AgentError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Creating a container sandbox.
+
+use std::os::fd::AsFd;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use dsec_sys::ipc::{self, PidFd};
+
+use super::proto::{LaunchConfig, SpawnRequest, SupervisorMsg};
+use super::{ContainerRuntime, RuntimeError, Sandbox};
+use crate::agent_client::AgentConn;
+use crate::sandbox::{SandboxSpec, State};
+
+/// How long a create may take before it is declared failed.
+const CREATE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Directories writable inside a sandbox whose root is read-only.
+pub const SCRATCH_DIRS: &[&str] = &["/tmp", "/var/tmp", "/root", "/home", "/workspace"];
+
+/// Latency of each create phase, microseconds.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Phases {
+    /// Until the supervisor reported the init exec'd (fork, cgroup, clone, mounts, exec).
+    pub launch_us: u64,
+    /// Until the agent said hello.
+    pub hello_us: u64,
+}
+
+static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A fresh sandbox id: `sb-` + 16 hex digits, unique per node.
+pub fn new_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mix = (t ^ (u64::from(std::process::id()) << 40)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ n;
+    format!("sb-{mix:016x}")
+}
+
+impl ContainerRuntime {
+    fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Vec<(String, String)>), RuntimeError> {
+        if template == "host" {
+            return Ok((vec![self.host_mask.display().to_string(), "/".into()], Vec::new()));
+        }
+        let t = self.templates.get(template).map_err(RuntimeError::Template)?;
+        let dirs = self.templates.lowerdirs(&t).into_iter().map(|p| p.display().to_string()).collect();
+        Ok((dirs, t.env.clone()))
+    }
+
+    /// Creates a sandbox and waits until its agent is ready.
+    pub fn create(&self, spec: &SandboxSpec) -> Result<(Sandbox, Phases), RuntimeError> {
+        spec.limits.validate().map_err(RuntimeError::Invalid)?;
+        let t0 = Instant::now();
+        let (lowerdirs, template_env) = self.lowerdirs(&spec.template)?;
+        let id = new_id();
+        let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
+        let mut env: Vec<(String, String)> = vec![
+            ("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()),
+            ("HOME".into(), "/root".into()),
+            ("LANG".into(), "C.UTF-8".into()),
+            ("TERM".into(), "xterm".into()),
+            ("HOSTNAME".into(), id.clone()),
+            ("DSEC_SANDBOX_ID".into(), id.clone()),
+        ];
+        for (k, v) in template_env.into_iter().chain(spec.env.clone()) {
+            env.retain(|(ek, _)| *ek != k);
+            env.push((k, v));
+        }
+        let config = LaunchConfig {
+            id: id.clone(),
+            lowerdirs,
+            stage: self.stage.display().to_string(),
+            run_dir: run_dir.display().to_string(),
+            limits: spec.limits.clone(),
+            writable_root: spec.writable_root,
+            scratch: SCRATCH_DIRS.iter().map(|s| (*s).to_string()).collect(),
+            env,
+            userns: spec.userns.then_some((100_000, 100_000, 65_536)),
+        };
+        let req = self.new_req();
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.spawner
+            .pending
+            .lock()
+            .map_err(|_| RuntimeError::Spawner(std::io::Error::other("poisoned")))?
+            .insert(req, tx);
+        let bytes = serde_json::to_vec(&SpawnRequest { req, config })
+            .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+        if let Err(e) = ipc::send_with_fds(self.spawner.sock.as_fd(), &bytes, &[]) {
+            if let Ok(mut p) = self.spawner.pending.lock() {
+                p.remove(&req);
+            }
+            return Err(RuntimeError::Spawner(e));
+        }
+        let reply = rx.recv_timeout(CREATE_DEADLINE);
+        let (msg, mut fds) = match reply {
+            Ok(r) => r,
+            Err(_) => {
+                if let Ok(mut p) = self.spawner.pending.lock() {
+                    p.remove(&req);
+                }
+                self.cleanup_leftovers(&id, &run_dir);
+                return Err(RuntimeError::Launch { id, message: "no answer from the spawner".into() });
+            }
+        };
+        let launch_us = t0.elapsed().as_micros() as u64;
+        let (sup_pid, init_pid) = match msg {
+            SupervisorMsg::Launched { sup_pid, init_pid, .. } => (sup_pid, init_pid),
+            SupervisorMsg::Failed { message, .. } => return Err(RuntimeError::Launch { id, message }),
+            other => return Err(RuntimeError::Launch { id, message: format!("unexpected {other:?}") }),
+        };
+        let (Some(control), Some(agent_fd)) = (fds.pop(), fds.pop()) else {
+            return Err(RuntimeError::Launch { id, message: "supervisor sent no descriptors".into() });
+        };
+        let sup = PidFd::open(sup_pid).map_err(|e| RuntimeError::Launch { id: id.clone(), message: e.to_string() })?;
+        let mut sandbox = Sandbox {
+            id,
+            spec: spec.clone(),
+            state: State::Creating,
+            agent: AgentConn::new(agent_fd),
+            control,
+            sup,
+            init_pid,
+            run_dir,
+            oom_kills: 0,
+            uses: 0,
+            busy: Duration::ZERO,
+            acquired_at: None,
+        };
+        let id = sandbox.id.clone();
+        if let Err(source) = sandbox.agent.wait_hello(Duration::from_secs(10)) {
+            let _ = sandbox.destroy(self);
+            return Err(RuntimeError::Agent { id, source });
+        }
+        sandbox.state = sandbox.state.transition(State::Ready)?;
+        let hello_us = t0.elapsed().as_micros() as u64;
+        Ok((sandbox, Phases { launch_us, hello_us }))
+    }
+}

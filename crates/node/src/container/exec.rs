@@ -1,0 +1,31 @@
+//! Running commands in a container sandbox.
+
+use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus, Stream};
+
+use super::{ContainerRuntime, RuntimeError, Sandbox};
+
+impl Sandbox {
+    /// Runs a command to completion. A command killed by SIGKILL while the sandbox's cgroup
+    /// recorded a new OOM kill is reported as `oom`.
+    pub fn exec(
+        &mut self,
+        rt: &ContainerRuntime,
+        req: &ExecRequest,
+        stdin: &[u8],
+        on_output: impl FnMut(Stream, &[u8]),
+    ) -> Result<ExecResult, RuntimeError> {
+        req.validate().map_err(RuntimeError::Invalid)?;
+        let id = self.id.clone();
+        let mut result =
+            self.agent.exec(req, stdin, on_output).map_err(|source| RuntimeError::Agent { id, source })?;
+        if result.signal == Some(9) && result.status == ExecStatus::Killed {
+            if let Some(kills) = rt.cgroups().open(&self.id).and_then(|c| c.stats().ok()).map(|s| s.oom_kills) {
+                if kills > self.oom_kills {
+                    self.oom_kills = kills;
+                    result.status = ExecStatus::Oom;
+                }
+            }
+        }
+        Ok(result)
+    }
+}

@@ -1,0 +1,448 @@
+//! The container substrate: namespaces + cgroups + seccomp + overlayfs, one `dsec-agent` per
+//! sandbox as PID 1.
+//!
+//! [`ContainerRuntime`] owns the spawner process and hands out [`Sandbox`]es. Each sandbox is
+//! supervised by its own `dsec-shim` process (see [`shim`]), so sandboxes survive the node.
+
+pub mod proto;
+pub mod shim;
+
+mod create;
+mod exec;
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dsec_api::ErrorCode;
+use dsec_sys::cgroup::CgroupManager;
+use dsec_sys::ipc::{self, PidFd};
+
+use crate::agent_client::{AgentConn, AgentError};
+use crate::sandbox::{InvalidTransition, SandboxSpec, State};
+use crate::template::TemplateStore;
+
+use proto::{ControlMsg, SupervisorMsg, MAX_MSG};
+
+pub use create::Phases;
+
+/// Errors of the container runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A runtime file or directory could not be prepared.
+    #[error("prepare {path}")]
+    Prepare {
+        /// The path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// A required binary is missing.
+    #[error("cannot find {name} (looked in {looked})")]
+    MissingBinary {
+        /// Binary name.
+        name: &'static str,
+        /// Where.
+        looked: String,
+    },
+    /// The spawner process could not be started or died.
+    #[error("spawner unavailable")]
+    Spawner(#[source] io::Error),
+    /// cgroups could not be used.
+    #[error("cgroups")]
+    Cgroup(#[source] dsec_sys::cgroup::CgroupError),
+    /// Templates could not be used.
+    #[error("template")]
+    Template(#[source] crate::template::TemplateError),
+    /// The request is invalid.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// Launching the sandbox failed.
+    #[error("launch sandbox {id}: {message}")]
+    Launch {
+        /// Sandbox id.
+        id: String,
+        /// What failed.
+        message: String,
+    },
+    /// The supervisor of a sandbox is gone or misbehaved.
+    #[error("supervisor of sandbox {id}: {message}")]
+    Supervisor {
+        /// Sandbox id.
+        id: String,
+        /// What happened.
+        message: String,
+    },
+    /// The agent failed.
+    #[error("agent of sandbox {id}")]
+    Agent {
+        /// Sandbox id.
+        id: String,
+        /// Cause.
+        #[source]
+        source: AgentError,
+    },
+    /// A lifecycle rule was violated.
+    #[error(transparent)]
+    Transition(#[from] InvalidTransition),
+}
+
+impl RuntimeError {
+    /// The stable code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            RuntimeError::Invalid(_) => ErrorCode::InvalidRequest,
+            RuntimeError::Template(e) => e.code(),
+            RuntimeError::Agent { source, .. } => source.code(),
+            RuntimeError::Transition(_) => ErrorCode::InvalidTransition,
+            RuntimeError::Launch { .. } => ErrorCode::ResourceExhausted,
+            RuntimeError::Prepare { .. }
+            | RuntimeError::MissingBinary { .. }
+            | RuntimeError::Spawner(_)
+            | RuntimeError::Cgroup(_)
+            | RuntimeError::Supervisor { .. } => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Where the runtime keeps its state and finds its binaries.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Persistent data (layers, templates).
+    pub data_dir: PathBuf,
+    /// Volatile runtime state (stage dir, supervisor sockets).
+    pub run_dir: PathBuf,
+    /// The `dsec-agent` binary.
+    pub agent_bin: PathBuf,
+    /// The `dsec-shim` binary.
+    pub shim_bin: PathBuf,
+}
+
+impl RuntimeConfig {
+    /// Defaults: `/var/lib/dsec`, `/run/dsec`, binaries next to the current executable (or in
+    /// `DSEC_AGENT_BIN` / `DSEC_SHIM_BIN`).
+    pub fn from_env() -> Result<Self, RuntimeError> {
+        let data_dir = std::env::var_os("DSEC_DATA_DIR").map_or_else(|| PathBuf::from("/var/lib/dsec"), PathBuf::from);
+        let run_dir = std::env::var_os("DSEC_RUN_DIR").map_or_else(|| PathBuf::from("/run/dsec"), PathBuf::from);
+        Ok(Self {
+            data_dir,
+            run_dir,
+            agent_bin: find_binary("dsec-agent", "DSEC_AGENT_BIN")?,
+            shim_bin: find_binary("dsec-shim", "DSEC_SHIM_BIN")?,
+        })
+    }
+}
+
+/// Finds a companion binary: `$ENV`, then next to the current executable, then its parent
+/// directory (cargo puts test binaries in `deps/`).
+pub fn find_binary(name: &'static str, env: &str) -> Result<PathBuf, RuntimeError> {
+    if let Some(p) = std::env::var_os(env) {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().map_err(|e| RuntimeError::Prepare { path: "/proc/self/exe".into(), source: e })?;
+    let mut looked = Vec::new();
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        let cand = d.join(name);
+        if cand.is_file() {
+            return Ok(cand);
+        }
+        looked.push(d.display().to_string());
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    Err(RuntimeError::MissingBinary { name, looked: looked.join(", ") })
+}
+
+type Reply = (SupervisorMsg, Vec<OwnedFd>);
+
+struct SpawnerLink {
+    sock: OwnedFd,
+    pending: Mutex<HashMap<u64, mpsc::SyncSender<Reply>>>,
+    child: Mutex<Child>,
+}
+
+/// The container substrate of one node.
+pub struct ContainerRuntime {
+    cfg: RuntimeConfig,
+    templates: TemplateStore,
+    cgroups: CgroupManager,
+    spawner: Arc<SpawnerLink>,
+    next_req: AtomicU64,
+    stage: PathBuf,
+    host_mask: PathBuf,
+    favordynmods: bool,
+}
+
+impl std::fmt::Debug for ContainerRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContainerRuntime").field("cfg", &self.cfg).finish_non_exhaustive()
+    }
+}
+
+fn prep_dir(path: &Path) -> Result<(), RuntimeError> {
+    std::fs::create_dir_all(path).map_err(|source| RuntimeError::Prepare { path: path.to_path_buf(), source })
+}
+
+impl ContainerRuntime {
+    /// Prepares directories, cgroups and the host template, and starts the spawner.
+    pub fn start(cfg: RuntimeConfig) -> Result<Self, RuntimeError> {
+        ipc::raise_nofile_limit();
+        prep_dir(&cfg.data_dir)?;
+        prep_dir(&cfg.run_dir)?;
+        let stage = cfg.run_dir.join("stage");
+        prep_dir(&stage)?;
+        prep_dir(&cfg.run_dir.join("sandboxes"))?;
+        let cgroups = CgroupManager::detect(shim::CGROUP_BASE).map_err(RuntimeError::Cgroup)?;
+        let favordynmods = cgroups.favor_dynmods().unwrap_or(false);
+        let templates = TemplateStore::open(&cfg.data_dir).map_err(RuntimeError::Template)?;
+        // The host template's mask layer must not live on the host root filesystem: overlayfs
+        // refuses a lower layer nested inside another lower layer (`/`) of the same filesystem.
+        // It lives on one small node-wide tmpfs (one mount in the host namespace, not one per
+        // sandbox) and is rebuilt at every start.
+        let mask_fs = cfg.run_dir.join("mask");
+        prep_dir(&mask_fs)?;
+        if !dsec_sys::launch::is_mount_point(&mask_fs) {
+            dsec_sys::launch::mount_tmpfs(&mask_fs, "size=1m,nr_inodes=4096,mode=0755")
+                .map_err(|source| RuntimeError::Prepare { path: mask_fs.clone(), source })?;
+        }
+        let host_mask =
+            crate::template::host_mask_layer(&mask_fs, &[cfg.data_dir.clone(), cfg.run_dir.clone()])
+                .map_err(RuntimeError::Template)?;
+        let spawner = Arc::new(start_spawner(&cfg)?);
+        let reader = Arc::clone(&spawner);
+        std::thread::Builder::new()
+            .name("dsec-spawner-rx".into())
+            .spawn(move || spawner_reader(&reader))
+            .map_err(RuntimeError::Spawner)?;
+        Ok(Self { cfg, templates, cgroups, spawner, next_req: AtomicU64::new(1), stage, host_mask, favordynmods })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.cfg
+    }
+
+    /// The template store.
+    pub fn templates(&self) -> &TemplateStore {
+        &self.templates
+    }
+
+    /// The cgroup manager.
+    pub fn cgroups(&self) -> &CgroupManager {
+        &self.cgroups
+    }
+
+    /// Whether cgroup attaches avoid the RCU grace period (`favordynmods`).
+    pub fn favordynmods(&self) -> bool {
+        self.favordynmods
+    }
+}
+
+impl Drop for ContainerRuntime {
+    fn drop(&mut self) {
+        // Closing our end makes the spawner exit; running sandboxes are unaffected.
+        let _ = ipc::poll_readable(self.spawner.sock.as_fd(), Duration::ZERO);
+        if let Ok(mut c) = self.spawner.child.lock() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn start_spawner(cfg: &RuntimeConfig) -> Result<SpawnerLink, RuntimeError> {
+    let (ours, theirs) = ipc::seqpacket_pair().map_err(RuntimeError::Spawner)?;
+    let mut cmd = std::process::Command::new(&cfg.shim_bin);
+    cmd.arg("spawner")
+        .env_clear()
+        .env("DSEC_AGENT_BIN", &cfg.agent_bin)
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .stdin(std::process::Stdio::null());
+    dsec_sys::proc::pass_fd3(&mut cmd, theirs);
+    let child = cmd.spawn().map_err(RuntimeError::Spawner)?;
+    Ok(SpawnerLink { sock: ours, pending: Mutex::new(HashMap::new()), child: Mutex::new(child) })
+}
+
+fn spawner_reader(link: &SpawnerLink) {
+    let mut buf = vec![0u8; MAX_MSG];
+    loop {
+        let (n, fds) = match ipc::recv_with_fds(link.sock.as_fd(), &mut buf) {
+            Ok(r) => r,
+            Err(_) => break,
+        };
+        if n == 0 {
+            break;
+        }
+        let Ok(msg) = serde_json::from_slice::<SupervisorMsg>(&buf[..n]) else { continue };
+        let req = match &msg {
+            SupervisorMsg::Launched { req, .. } | SupervisorMsg::Failed { req, .. } => *req,
+            _ => continue,
+        };
+        let tx = link.pending.lock().ok().and_then(|mut p| p.remove(&req));
+        if let Some(tx) = tx {
+            let _ = tx.try_send((msg, fds));
+        }
+    }
+    // Spawner gone: fail every waiter.
+    if let Ok(mut p) = link.pending.lock() {
+        p.clear();
+    }
+}
+
+/// One live container sandbox. Owned by exactly one caller at a time.
+#[derive(Debug)]
+pub struct Sandbox {
+    id: String,
+    spec: SandboxSpec,
+    state: State,
+    agent: AgentConn,
+    control: OwnedFd,
+    sup: PidFd,
+    init_pid: i32,
+    run_dir: PathBuf,
+    oom_kills: u64,
+    uses: u32,
+    busy: Duration,
+    acquired_at: Option<Instant>,
+}
+
+impl Sandbox {
+    /// The sandbox id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The current state.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// The spec it was created from.
+    pub fn spec(&self) -> &SandboxSpec {
+        &self.spec
+    }
+
+    /// Host pid of the supervisor.
+    pub fn supervisor_pid(&self) -> i32 {
+        self.sup.pid()
+    }
+
+    /// Host pid of the sandbox init (the agent).
+    pub fn init_pid(&self) -> i32 {
+        self.init_pid
+    }
+
+    /// Marks the sandbox acquired (pool → user).
+    pub fn mark_acquired(&mut self) -> Result<(), RuntimeError> {
+        self.state = self.state.transition(State::Running)?;
+        self.uses += 1;
+        self.acquired_at = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Whether the reuse limits say this sandbox must be recycled instead of reset.
+    pub fn needs_recycle(&self) -> bool {
+        self.uses >= self.spec.max_uses || self.busy.as_millis() as u64 >= self.spec.max_busy_ms
+    }
+
+    /// Liveness check of the agent.
+    pub fn ping(&mut self) -> Result<(), RuntimeError> {
+        let id = self.id.clone();
+        self.agent.ping().map_err(|source| RuntimeError::Agent { id, source })
+    }
+
+    /// Direct access to the agent connection (files, sessions, background processes).
+    pub fn agent(&mut self) -> &mut AgentConn {
+        &mut self.agent
+    }
+
+    fn control_call(&mut self, msg: &ControlMsg, timeout: Duration) -> Result<Reply, RuntimeError> {
+        let sup_err = |message: String| RuntimeError::Supervisor { id: self.id.clone(), message };
+        let bytes = serde_json::to_vec(msg).map_err(|e| sup_err(e.to_string()))?;
+        ipc::send_with_fds(self.control.as_fd(), &bytes, &[]).map_err(|e| sup_err(e.to_string()))?;
+        let deadline = Instant::now() + timeout;
+        let mut buf = vec![0u8; MAX_MSG];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !ipc::poll_readable(self.control.as_fd(), left).map_err(|e| sup_err(e.to_string()))? {
+                return Err(sup_err(format!("no answer within {timeout:?}")));
+            }
+            let (n, fds) = ipc::recv_with_fds(self.control.as_fd(), &mut buf).map_err(|e| sup_err(e.to_string()))?;
+            if n == 0 {
+                return Err(sup_err("control socket closed".into()));
+            }
+            let reply: SupervisorMsg = serde_json::from_slice(&buf[..n]).map_err(|e| sup_err(e.to_string()))?;
+            match reply {
+                SupervisorMsg::Exited { .. } => continue, // the old init's exit during a reset
+                SupervisorMsg::Error { message } => return Err(sup_err(message)),
+                other => return Ok((other, fds)),
+            }
+        }
+    }
+
+    /// Kills every process in the sandbox and starts a fresh init on a fresh writable layer;
+    /// returns when the new agent answered a ping.
+    pub fn reset(&mut self) -> Result<(), RuntimeError> {
+        self.state = self.state.transition(State::Resetting)?;
+        if let Some(t) = self.acquired_at.take() {
+            self.busy += t.elapsed();
+        }
+        let result = self.reset_inner();
+        self.state = match result {
+            Ok(()) => self.state.transition(State::Ready)?,
+            Err(_) => self.state.transition(State::Failed)?,
+        };
+        result
+    }
+
+    fn reset_inner(&mut self) -> Result<(), RuntimeError> {
+        let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
+        let SupervisorMsg::ResetDone { init_pid } = reply else {
+            return Err(RuntimeError::Supervisor { id: self.id.clone(), message: format!("unexpected {reply:?}") });
+        };
+        let Some(agent_fd) = fds.pop() else {
+            return Err(RuntimeError::Supervisor { id: self.id.clone(), message: "no agent fd".into() });
+        };
+        self.agent = AgentConn::new(agent_fd);
+        self.init_pid = init_pid;
+        let id = self.id.clone();
+        self.agent.wait_hello(Duration::from_secs(10)).map_err(|source| RuntimeError::Agent { id, source })?;
+        Ok(())
+    }
+
+    /// Destroys the sandbox: kills every process, removes its cgroup, mounts (they live only in
+    /// its own mount namespace) and runtime directory.
+    pub fn destroy(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
+        self.state = self.state.transition(State::Stopping)?;
+        let answered = self.control_call(&ControlMsg::Destroy, Duration::from_secs(10));
+        // Whatever the supervisor said, make sure it is gone and nothing is left behind.
+        if !self.sup.wait_exit(Duration::from_secs(if answered.is_ok() { 5 } else { 0 })).unwrap_or(false) {
+            let _ = self.sup.signal(9);
+            let _ = self.sup.wait_exit(Duration::from_secs(5));
+        }
+        rt.cleanup_leftovers(&self.id, &self.run_dir);
+        self.state = self.state.transition(State::Stopped)?;
+        answered.map(|_| ())
+    }
+}
+
+impl ContainerRuntime {
+    /// Removes the cgroup and runtime directory of a sandbox whose supervisor is gone.
+    pub fn cleanup_leftovers(&self, id: &str, run_dir: &Path) {
+        if let Some(cg) = self.cgroups.open(id) {
+            let _ = cg.kill_all();
+            let _ = cg.remove();
+        }
+        let _ = std::fs::remove_dir_all(run_dir);
+    }
+
+    fn new_req(&self) -> u64 {
+        self.next_req.fetch_add(1, Ordering::Relaxed)
+    }
+}

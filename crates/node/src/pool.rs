@@ -1,0 +1,1 @@
+//! Warm pools.

@@ -1,0 +1,188 @@
+//! Sandbox specifications, limits and the lifecycle state machine.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Resource limits of one sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// CPU weight, 1..=10000 (100 = one default share). A weight, not a cap.
+    pub cpu_weight: u64,
+    /// Optional hard CPU cap in CPUs (quota/period), e.g. 1.5. Off by default: CFS quotas add
+    /// tail latency to short commands.
+    pub cpu_max: Option<f64>,
+    /// Hard memory limit in bytes (OOM inside the sandbox beyond it). No swap.
+    pub memory_max: u64,
+    /// Soft memory limit in bytes (reclaim pressure beyond it).
+    pub memory_high: Option<u64>,
+    /// Most processes/threads.
+    pub pids_max: u64,
+    /// Writable layer size in bytes (the disk quota).
+    pub disk_bytes: u64,
+    /// Writable layer inode limit.
+    pub disk_inodes: u64,
+    /// Largest file a process may write (RLIMIT_FSIZE).
+    pub file_size_max: u64,
+    /// Most open files per process (RLIMIT_NOFILE).
+    pub open_files_max: u64,
+    /// Size of /dev/shm.
+    pub shm_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            cpu_weight: 100,
+            cpu_max: None,
+            memory_max: 512 << 20,
+            memory_high: None,
+            pids_max: 256,
+            disk_bytes: 1 << 30,
+            disk_inodes: 65536,
+            file_size_max: 1 << 30,
+            open_files_max: 1024,
+            shm_bytes: 64 << 20,
+        }
+    }
+}
+
+impl Limits {
+    /// Checks the bounds; returns a message naming the first one violated.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=10000).contains(&self.cpu_weight) {
+            return Err("cpu_weight must be in 1..=10000".into());
+        }
+        if let Some(c) = self.cpu_max {
+            if !(c.is_finite() && c >= 0.01 && c <= 1024.0) {
+                return Err("cpu_max must be between 0.01 and 1024 CPUs".into());
+            }
+        }
+        if self.memory_max < (8 << 20) {
+            return Err("memory_max must be at least 8 MiB".into());
+        }
+        if self.memory_high.is_some_and(|h| h > self.memory_max) {
+            return Err("memory_high must not exceed memory_max".into());
+        }
+        if !(8..=1 << 20).contains(&self.pids_max) {
+            return Err("pids_max must be in 8..=1048576".into());
+        }
+        if self.disk_bytes < (1 << 20) {
+            return Err("disk_bytes must be at least 1 MiB".into());
+        }
+        if self.disk_inodes < 64 {
+            return Err("disk_inodes must be at least 64".into());
+        }
+        if !(16..=1 << 20).contains(&self.open_files_max) {
+            return Err("open_files_max must be in 16..=1048576".into());
+        }
+        Ok(())
+    }
+}
+
+/// What to create.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSpec {
+    /// Template name (`host` by default).
+    pub template: String,
+    /// Limits.
+    pub limits: Limits,
+    /// Extra environment for every exec.
+    pub env: BTreeMap<String, String>,
+    /// Writable root (writes land in the private upper layer) instead of a read-only root with
+    /// writable scratch directories.
+    pub writable_root: bool,
+    /// Run inside a user namespace mapping root to an unprivileged host id range.
+    pub userns: bool,
+    /// Reuse limits: recycle (destroy + create) after this many acquisitions.
+    pub max_uses: u32,
+    /// Reuse limits: recycle after this much cumulative acquired time.
+    pub max_busy_ms: u64,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        Self {
+            template: "host".into(),
+            limits: Limits::default(),
+            env: BTreeMap::new(),
+            writable_root: false,
+            userns: false,
+            max_uses: 100,
+            max_busy_ms: 3_600_000,
+        }
+    }
+}
+
+/// Lifecycle state of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// Being created.
+    Creating,
+    /// Created, idle (in a pool or not yet acquired).
+    Ready,
+    /// Acquired by a user.
+    Running,
+    /// Tree being killed and writable layer replaced.
+    Resetting,
+    /// Being destroyed.
+    Stopping,
+    /// Destroyed; nothing left on the machine.
+    Stopped,
+    /// Something failed; must be destroyed.
+    Failed,
+}
+
+/// A refused state change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("invalid transition from {from:?} to {to:?}")]
+pub struct InvalidTransition {
+    /// Current state.
+    pub from: State,
+    /// Requested state.
+    pub to: State,
+}
+
+impl State {
+    /// The exhaustive transition function.
+    pub fn transition(self, to: State) -> Result<State, InvalidTransition> {
+        use State::*;
+        let ok = match (self, to) {
+            (Creating, Ready | Failed | Stopping) => true,
+            (Ready, Running | Stopping | Failed) => true,
+            (Running, Resetting | Stopping | Failed) => true,
+            (Resetting, Ready | Running | Failed | Stopping) => true,
+            (Stopping, Stopped | Failed) => true,
+            (Failed, Stopping) => true,
+            (Creating | Ready | Running | Resetting | Stopping | Stopped | Failed, _) => false,
+        };
+        if ok {
+            Ok(to)
+        } else {
+            Err(InvalidTransition { from: self, to })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transitions() {
+        assert_eq!(State::Creating.transition(State::Ready), Ok(State::Ready));
+        assert!(State::Stopped.transition(State::Running).is_err());
+        assert!(State::Ready.transition(State::Resetting).is_err());
+        assert_eq!(State::Failed.transition(State::Stopping), Ok(State::Stopping));
+    }
+
+    #[test]
+    fn default_limits_validate() {
+        assert!(Limits::default().validate().is_ok());
+        let l = Limits { pids_max: 1, ..Limits::default() };
+        assert!(l.validate().is_err());
+    }
+}

@@ -1,0 +1,941 @@
+//! Integration tests of the template and layer store: hostile tarballs, OCI layouts,
+//! `docker save` tarballs, dedup and gc, and the host mask mounted for real with overlayfs
+//! (these run as root; they are never skipped).
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{ensure, Context, Result};
+use dsec_api::ErrorCode;
+use dsec_node::template::{
+    shares_filesystem_with_root, stage_layer, unpack_layer, Digest, ImportLimits, LayerRef,
+    OciSource, TemplateError, TemplateSource, TemplateStore,
+};
+use flate2::write::GzEncoder;
+use sha2::{Digest as _, Sha256};
+use tar::{Builder, EntryType, Header};
+
+// ---------------------------------------------------------------------------------------------
+// tar helpers
+
+/// Appends an entry with a raw (unvalidated) name and link name.
+fn raw(
+    b: &mut Builder<Vec<u8>>,
+    name: &[u8],
+    kind: EntryType,
+    link: &[u8],
+    mode: u32,
+    data: &[u8],
+) {
+    let mut h = Header::new_gnu();
+    {
+        let old = h.as_old_mut();
+        old.name[..name.len()].copy_from_slice(name);
+        old.linkname[..link.len()].copy_from_slice(link);
+    }
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_size(data.len() as u64);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(1_700_000_000);
+    h.set_cksum();
+    b.append(&h, data).expect("append");
+}
+
+fn file(b: &mut Builder<Vec<u8>>, name: &str, data: &[u8]) {
+    raw(b, name.as_bytes(), EntryType::Regular, b"", 0o644, data);
+}
+
+fn dir(b: &mut Builder<Vec<u8>>, name: &str) {
+    raw(b, name.as_bytes(), EntryType::Directory, b"", 0o755, b"");
+}
+
+fn tar_of(f: impl FnOnce(&mut Builder<Vec<u8>>)) -> Vec<u8> {
+    let mut b = Builder::new(Vec::new());
+    f(&mut b);
+    b.into_inner().expect("finish tar")
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut e = GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    e.write_all(data).expect("gzip");
+    e.finish().expect("gzip")
+}
+
+fn sha(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+fn limits() -> ImportLimits {
+    ImportLimits::default()
+}
+
+fn open_store() -> Result<(tempfile::TempDir, TemplateStore)> {
+    let dir = tempfile::tempdir()?;
+    let store = TemplateStore::open(&dir.path().join("data"))?;
+    Ok((dir, store))
+}
+
+fn dir_is_empty(p: &Path) -> Result<bool> {
+    Ok(fs::read_dir(p)?.next().is_none())
+}
+
+/// Asserts a failed import left nothing behind.
+fn assert_clean(store: &TemplateStore) -> Result<()> {
+    let d = store.data_dir();
+    ensure!(dir_is_empty(&d.join("layers"))?, "layers left behind");
+    ensure!(dir_is_empty(&d.join("tmp"))?, "tmp left behind");
+    let records = fs::read_dir(d.join("templates"))?.count();
+    ensure!(records == 0, "template record left behind");
+    Ok(())
+}
+
+/// Runs a shell script in a private mount namespace; returns stdout.
+fn in_mount_ns(script: &str) -> Result<String> {
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-ec", script])
+        .output()
+        .context("run unshare")?;
+    ensure!(
+        out.status.success(),
+        "script failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        script
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn not_mounted_anywhere(p: &Path) -> Result<()> {
+    let info = fs::read_to_string("/proc/self/mountinfo")?;
+    ensure!(
+        !info.contains(&*p.to_string_lossy()),
+        "{} still mounted in the host namespace",
+        p.display()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// rootfs tarballs
+
+#[test]
+fn rootfs_import_basic() -> Result<()> {
+    let (_d, store) = open_store()?;
+    let tar = tar_of(|b| {
+        dir(b, "./");
+        dir(b, "./etc/");
+        file(b, "./etc/hostname", b"box\n");
+        raw(
+            b,
+            b"usr/bin/tool",
+            EntryType::Regular,
+            b"",
+            0o4755,
+            b"#!/bin/sh\n",
+        );
+        raw(b, b"tmp", EntryType::Directory, b"", 0o1777, b"");
+        raw(b, b"usr/bin/sg", EntryType::Regular, b"", 0o2711, b"x");
+        raw(b, b"usr/bin/link", EntryType::Symlink, b"tool", 0o777, b"");
+        raw(
+            b,
+            b"usr/bin/hard",
+            EntryType::Link,
+            b"usr/bin/tool",
+            0o755,
+            b"",
+        );
+        raw(b, b"/abs/file", EntryType::Regular, b"", 0o600, b"abs");
+        raw(b, b"ro", EntryType::Directory, b"", 0o555, b"");
+        file(b, "ro/inside", b"x");
+    });
+    let t = store.import_rootfs_tar("base", &gzip(&tar)[..], &limits())?;
+    assert_eq!(t.source, TemplateSource::RootfsTar);
+    let [LayerRef::Stored { digest }] = &t.layers[..] else {
+        anyhow::bail!("expected one stored layer: {:?}", t.layers);
+    };
+    // The digest is the sha256 of the *uncompressed* stream.
+    assert_eq!(digest.hex(), sha(&tar));
+    let l = store.layers().path(digest);
+    assert_eq!(store.lowerdirs(&t), vec![l.clone()]);
+    assert_eq!(fs::read(l.join("etc/hostname"))?, b"box\n");
+    let mode = |p: &str| -> Result<u32> { Ok(fs::symlink_metadata(l.join(p))?.mode() & 0o7777) };
+    assert_eq!(mode("usr/bin/tool")?, 0o755, "setuid dropped");
+    assert_eq!(mode("usr/bin/sg")?, 0o711, "setgid dropped");
+    assert_eq!(mode("tmp")?, 0o1777, "sticky kept on dirs");
+    assert_eq!(mode("ro")?, 0o555);
+    assert_eq!(mode(".")?, 0o755);
+    assert_eq!(
+        fs::read_link(l.join("usr/bin/link"))?,
+        PathBuf::from("tool")
+    );
+    assert_eq!(
+        fs::metadata(l.join("usr/bin/hard"))?.ino(),
+        fs::metadata(l.join("usr/bin/tool"))?.ino()
+    );
+    // Leading "/" is stripped: the entry lands inside the layer.
+    assert_eq!(fs::read(l.join("abs/file"))?, b"abs");
+    assert_eq!(fs::metadata(l.join("etc/hostname"))?.mtime(), 1_700_000_000);
+
+    // Persisted, listed, retrievable.
+    assert_eq!(store.get("base")?, t);
+    let names: Vec<String> = store.list()?.into_iter().map(|t| t.name).collect();
+    assert_eq!(names, ["host", "base"]);
+    let reopened = TemplateStore::open(store.data_dir())?;
+    assert_eq!(reopened.get("base")?, t);
+    // Names are unique and validated.
+    let again = store.import_rootfs_tar("base", &tar[..], &limits());
+    assert!(matches!(again, Err(TemplateError::AlreadyExists { .. })));
+    let bad = store.import_rootfs_tar("Bad/Name", &tar[..], &limits());
+    assert!(matches!(bad, Err(TemplateError::InvalidName { .. })));
+    Ok(())
+}
+
+/// Each hostile archive fails with the expected error and leaves nothing behind.
+#[test]
+fn hostile_tarballs_are_refused() -> Result<()> {
+    type Case = (&'static str, Vec<u8>, fn(&TemplateError) -> bool);
+    let path_escape: fn(&TemplateError) -> bool = |e| matches!(e, TemplateError::PathEscape { .. });
+    let unpack: fn(&TemplateError) -> bool = |e| matches!(e, TemplateError::Unpack { .. });
+    let cases: Vec<Case> = vec![
+        ("dotdot", tar_of(|b| file(b, "../x", b"x")), path_escape),
+        (
+            "inner dotdot",
+            tar_of(|b| file(b, "a/../../x", b"x")),
+            path_escape,
+        ),
+        ("dotdot dir", tar_of(|b| dir(b, "a/..")), path_escape),
+        (
+            "symlink escape",
+            tar_of(|b| {
+                raw(b, b"a", EntryType::Symlink, b"/", 0o777, b"");
+                file(b, "a/etc/x", b"x");
+            }),
+            path_escape,
+        ),
+        (
+            "relative symlink escape",
+            tar_of(|b| {
+                raw(b, b"a", EntryType::Symlink, b"../../../..", 0o777, b"");
+                dir(b, "a/etc");
+            }),
+            path_escape,
+        ),
+        (
+            "hardlink outside",
+            tar_of(|b| raw(b, b"x", EntryType::Link, b"/etc/passwd", 0o644, b"")),
+            path_escape,
+        ),
+        (
+            "hardlink dotdot",
+            tar_of(|b| raw(b, b"x", EntryType::Link, b"../../../etc/passwd", 0o644, b"")),
+            path_escape,
+        ),
+        (
+            "hardlink through symlink",
+            tar_of(|b| {
+                raw(b, b"a", EntryType::Symlink, b"/etc", 0o777, b"");
+                raw(b, b"x", EntryType::Link, b"a/passwd", 0o644, b"");
+            }),
+            path_escape,
+        ),
+        (
+            "hardlink to symlink",
+            tar_of(|b| {
+                raw(b, b"a", EntryType::Symlink, b"/etc/passwd", 0o777, b"");
+                raw(b, b"x", EntryType::Link, b"a", 0o644, b"");
+            }),
+            path_escape,
+        ),
+        (
+            "hardlink to later entry",
+            tar_of(|b| {
+                raw(b, b"x", EntryType::Link, b"y", 0o644, b"");
+                file(b, "y", b"y");
+            }),
+            path_escape,
+        ),
+        (
+            "char device",
+            tar_of(|b| raw(b, b"dev/mem", EntryType::Char, b"", 0o600, b"")),
+            unpack,
+        ),
+        (
+            "block device",
+            tar_of(|b| raw(b, b"dev/sda", EntryType::Block, b"", 0o600, b"")),
+            unpack,
+        ),
+        (
+            "fifo",
+            tar_of(|b| raw(b, b"p", EntryType::Fifo, b"", 0o600, b"")),
+            unpack,
+        ),
+        (
+            "file under a file",
+            tar_of(|b| {
+                file(b, "f", b"");
+                file(b, "f/g", b"");
+            }),
+            unpack,
+        ),
+        ("bad whiteout", tar_of(|b| file(b, "a/.wh.", b"")), unpack),
+        (
+            "truncated",
+            tar_of(|b| file(b, "f", &[1u8; 4096]))[..1024].to_vec(),
+            |e| matches!(e, TemplateError::ReadArchive { .. }),
+        ),
+    ];
+    for (what, tar, expect) in cases {
+        let (_d, store) = open_store()?;
+        for data in [tar.clone(), gzip(&tar)] {
+            let err = store
+                .import_rootfs_tar("evil", &data[..], &limits())
+                .err()
+                .with_context(|| format!("{what}: accepted"))?;
+            ensure!(expect(&err), "{what}: unexpected error {err:?}");
+            assert_eq!(err.code(), ErrorCode::TemplateInvalid, "{what}");
+            assert_clean(&store).with_context(|| what)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn limits_are_enforced_while_streaming() -> Result<()> {
+    let (_d, store) = open_store()?;
+
+    // Too many entries.
+    let many = tar_of(|b| (0..50).for_each(|i| file(b, &format!("f{i}"), b"")));
+    let l = ImportLimits {
+        max_entries: 10,
+        ..limits()
+    };
+    let err = store
+        .import_rootfs_tar("t", &many[..], &l)
+        .err()
+        .context("accepted")?;
+    assert!(
+        matches!(
+            err,
+            TemplateError::LimitExceeded {
+                what: "entries",
+                limit: 10
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), ErrorCode::ResourceExhausted);
+    assert_clean(&store)?;
+
+    // A single file too large (refused from its header, before reading it).
+    let big = tar_of(|b| file(b, "big", &[0u8; 10_000]));
+    let l = ImportLimits {
+        max_file_bytes: 1000,
+        ..limits()
+    };
+    let err = store
+        .import_rootfs_tar("t", &big[..], &l)
+        .err()
+        .context("accepted")?;
+    assert!(
+        matches!(
+            err,
+            TemplateError::LimitExceeded {
+                what: "file size",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_clean(&store)?;
+
+    // Path too long.
+    let long = tar_of(|b| file(b, &"d/".repeat(40), b""));
+    let l = ImportLimits {
+        max_path_len: 50,
+        ..limits()
+    };
+    let err = store
+        .import_rootfs_tar("t", &long[..], &l)
+        .err()
+        .context("accepted")?;
+    assert!(
+        matches!(
+            err,
+            TemplateError::LimitExceeded {
+                what: "path length",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_clean(&store)?;
+
+    // A gzip bomb: 512 MiB of zeros compress to ~0.5 MiB; with max_bytes = 1 MiB unpacking
+    // must stop after reading a small prefix of the compressed stream.
+    let mut enc = GzEncoder::new(Vec::new(), flate2::Compression::best());
+    let mut h = Header::new_gnu();
+    h.set_path("bomb")?;
+    h.set_size(512 << 20);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_cksum();
+    enc.write_all(h.as_bytes())?;
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..512 {
+        enc.write_all(&zeros)?;
+    }
+    let bomb = enc.finish()?;
+    struct Counting<'a>(&'a [u8], usize);
+    impl Read for Counting<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.0.read(buf)?;
+            self.1 += n;
+            Ok(n)
+        }
+    }
+    let mut reader = Counting(&bomb, 0);
+    let l = ImportLimits {
+        max_bytes: 1 << 20,
+        ..limits()
+    };
+    let err = store
+        .import_rootfs_tar("t", &mut reader, &l)
+        .err()
+        .context("accepted")?;
+    assert!(
+        matches!(
+            err,
+            TemplateError::LimitExceeded {
+                what: "total bytes",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        reader.1 < bomb.len() / 4,
+        "read {} of {} compressed bytes",
+        reader.1,
+        bomb.len()
+    );
+    assert_clean(&store)?;
+
+    // Zstd is refused, not misparsed.
+    let zstd = [0x28u8, 0xb5, 0x2f, 0xfd, 0, 0, 0, 0];
+    let err = store
+        .import_rootfs_tar("t", &zstd[..], &limits())
+        .err()
+        .context("accepted")?;
+    assert!(matches!(err, TemplateError::Unsupported { .. }), "{err:?}");
+    assert_clean(&store)?;
+    Ok(())
+}
+
+#[test]
+fn dedup_delete_and_gc() -> Result<()> {
+    let (_d, store) = open_store()?;
+    let tar = tar_of(|b| file(b, "a", b"shared"));
+    let other = tar_of(|b| file(b, "b", b"other"));
+    let t1 = store.import_rootfs_tar("one", &tar[..], &limits())?;
+    let t2 = store.import_rootfs_tar("two", &gzip(&tar)[..], &limits())?;
+    let t3 = store.import_rootfs_tar("three", &other[..], &limits())?;
+    assert_eq!(t1.layers, t2.layers, "identical layers dedup");
+    assert_eq!(store.layers().list()?.len(), 2);
+
+    assert!(matches!(
+        store.delete("host"),
+        Err(TemplateError::Builtin { .. })
+    ));
+    let err = store.get("nope").err().context("found")?;
+    assert!(matches!(err, TemplateError::NotFound { .. }));
+    assert_eq!(err.code(), ErrorCode::TemplateNotFound);
+    assert_eq!(
+        store.delete("nope").err().map(|e| e.code()),
+        Some(ErrorCode::TemplateNotFound)
+    );
+
+    store.delete("one")?;
+    assert!(store.gc_layers()?.is_empty(), "layer still used by 'two'");
+    store.delete("two")?;
+    store.delete("three")?;
+    let mut removed = store.gc_layers()?;
+    removed.sort();
+    let mut expected: Vec<Digest> = [&t1, &t3]
+        .iter()
+        .filter_map(|t| match &t.layers[0] {
+            LayerRef::Stored { digest } => Some(digest.clone()),
+            _ => None,
+        })
+        .collect();
+    expected.sort();
+    assert_eq!(removed, expected);
+    assert_clean(&store)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// OCI layouts and docker save
+
+struct Image {
+    layers: Vec<Vec<u8>>, // uncompressed tars
+    gzip: Vec<bool>,
+}
+
+fn test_image() -> Image {
+    let l1 = tar_of(|b| {
+        dir(b, "etc/");
+        file(b, "etc/keep", b"keep");
+        file(b, "etc/gone", b"gone");
+        dir(b, "opt/");
+        dir(b, "opt/d/");
+        file(b, "opt/d/a", b"a");
+        file(b, "opt/d/b", b"b");
+        dir(b, "srv/");
+        file(b, "srv/x", b"x");
+    });
+    let l2 = tar_of(|b| {
+        dir(b, "etc/");
+        file(b, "etc/.wh.gone", b"");
+        dir(b, "opt/d/");
+        file(b, "opt/d/.wh..wh..opq", b"");
+        file(b, "opt/d/c", b"c");
+        file(b, ".wh.srv", b"");
+        file(b, ".wh..wh.plnk", b"");
+    });
+    Image {
+        layers: vec![l1, l2],
+        gzip: vec![false, true],
+    }
+}
+
+fn config_json(img: &Image) -> Vec<u8> {
+    let diff_ids: Vec<String> = img
+        .layers
+        .iter()
+        .map(|l| format!("sha256:{}", sha(l)))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"], "WorkingDir": "/app", "User": "1000"},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    }))
+    .expect("json")
+}
+
+/// Writes an OCI image layout into `dir`; returns the manifest digest.
+fn write_oci_layout(dir: &Path, img: &Image, config: &[u8]) -> Result<String> {
+    let blobs = dir.join("blobs/sha256");
+    fs::create_dir_all(&blobs)?;
+    let put = |data: &[u8]| -> Result<(String, usize)> {
+        let h = sha(data);
+        fs::write(blobs.join(&h), data)?;
+        Ok((h, data.len()))
+    };
+    let (ch, cs) = put(config)?;
+    let mut layers = Vec::new();
+    for (l, gz) in img.layers.iter().zip(&img.gzip) {
+        let (data, mt) = if *gz {
+            (gzip(l), "application/vnd.oci.image.layer.v1.tar+gzip")
+        } else {
+            (l.clone(), "application/vnd.oci.image.layer.v1.tar")
+        };
+        let (h, s) = put(&data)?;
+        layers
+            .push(serde_json::json!({"mediaType": mt, "digest": format!("sha256:{h}"), "size": s}));
+    }
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": format!("sha256:{ch}"), "size": cs},
+        "layers": layers,
+    }))?;
+    let (mh, ms) = put(&manifest)?;
+    fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#)?;
+    fs::write(
+        dir.join("index.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "digest": format!("sha256:{mh}"), "size": ms,
+                           "platform": {"architecture": "amd64", "os": "linux"}}],
+        }))?,
+    )?;
+    Ok(mh)
+}
+
+/// Tars a directory (paths relative to it).
+fn tar_dir(dir: &Path) -> Result<Vec<u8>> {
+    let mut b = Builder::new(Vec::new());
+    b.follow_symlinks(false);
+    b.append_dir_all(".", dir)?;
+    Ok(b.into_inner()?)
+}
+
+fn check_image_template(store: &TemplateStore, t: &dsec_node::template::Template) -> Result<()> {
+    assert_eq!(
+        t.env,
+        vec![
+            ("PATH".to_owned(), "/usr/bin:/bin".to_owned()),
+            ("LANG".to_owned(), "C.UTF-8".to_owned())
+        ]
+    );
+    assert_eq!(t.workdir, "/app");
+    assert_eq!(t.user.as_deref(), Some("1000"));
+    assert_eq!(t.layers.len(), 2);
+    let lower = store.lowerdirs(t);
+    // Topmost first.
+    let top = &lower[0];
+    assert!(fs::symlink_metadata(top.join("etc/gone"))?
+        .file_type()
+        .is_char_device());
+    assert_eq!(fs::symlink_metadata(top.join("etc/gone"))?.rdev(), 0);
+    assert!(fs::symlink_metadata(top.join("srv"))?
+        .file_type()
+        .is_char_device());
+    assert!(fs::symlink_metadata(top.join(".wh..wh.plnk")).is_err());
+    let mut buf = [0u8; 4];
+    let n = rustix::fs::lgetxattr(top.join("opt/d"), "trusted.overlay.opaque", &mut buf[..])?;
+    assert_eq!(&buf[..n], b"y");
+    assert!(lower[1].join("etc/gone").is_file());
+
+    // The merged view hides exactly what the whiteouts say.
+    let tmp = tempfile::tempdir()?;
+    let mnt = tmp.path().join("m");
+    fs::create_dir(&mnt)?;
+    let lowerdir: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
+    let out = in_mount_ns(&format!(
+        "mount -t overlay overlay -o ro,lowerdir={} {m}; cd {m}; ls -A etc; echo --; ls -A opt/d; echo --; ls -A",
+        lowerdir.join(":"),
+        m = mnt.display()
+    ))?;
+    assert_eq!(out, "keep\n--\nc\n--\netc\nopt\n", "merged view");
+    not_mounted_anywhere(&mnt)?;
+    Ok(())
+}
+
+#[test]
+fn oci_layout_dir_and_tar() -> Result<()> {
+    let (_d, store) = open_store()?;
+    let img = test_image();
+    let layout = tempfile::tempdir()?;
+    let mh = write_oci_layout(layout.path(), &img, &config_json(&img))?;
+    let t = store.import_oci("img", OciSource::Dir(layout.path()), &limits())?;
+    assert_eq!(
+        t.source,
+        TemplateSource::Oci {
+            manifest: Digest::from_hex(&mh).context("digest")?
+        }
+    );
+    let digests: Vec<String> = t
+        .layers
+        .iter()
+        .filter_map(|l| match l {
+            LayerRef::Stored { digest } => Some(digest.hex().to_owned()),
+            _ => None,
+        })
+        .collect();
+    let want: Vec<String> = img.layers.iter().map(|l| sha(l)).collect();
+    assert_eq!(digests, want, "digests are diff_ids, bottom to top");
+    check_image_template(&store, &t)?;
+
+    // The same layout as a (gzip'd) tar stream: same layers, deduplicated.
+    let tarred = gzip(&tar_dir(layout.path())?);
+    let t2 = store.import_oci("img2", OciSource::Tar(&mut &tarred[..]), &limits())?;
+    assert_eq!(t2.layers, t.layers);
+    assert_eq!(store.layers().list()?.len(), 2);
+    assert!(dir_is_empty(&store.data_dir().join("tmp"))?);
+
+    // Too many layers.
+    let l = ImportLimits {
+        max_layers: 1,
+        ..limits()
+    };
+    let err = store
+        .import_oci("img3", OciSource::Dir(layout.path()), &l)
+        .err()
+        .context("ok")?;
+    assert!(
+        matches!(err, TemplateError::LimitExceeded { what: "layers", .. }),
+        "{err:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn docker_save_tarball() -> Result<()> {
+    let (_d, store) = open_store()?;
+    let img = test_image();
+    let config = config_json(&img);
+    let ch = sha(&config);
+    let tar = tar_of(|b| {
+        file(b, &format!("{ch}.json"), &config);
+        let mut layers = Vec::new();
+        for (i, l) in img.layers.iter().enumerate() {
+            let id = format!("{i:064x}");
+            dir(b, &format!("{id}/"));
+            let data = if img.gzip[i] { gzip(l) } else { l.clone() };
+            file(b, &format!("{id}/layer.tar"), &data);
+            layers.push(format!("{id}/layer.tar"));
+        }
+        let manifest = serde_json::to_vec(&serde_json::json!([
+            {"Config": format!("{ch}.json"), "RepoTags": ["x:latest"], "Layers": layers}
+        ]))
+        .expect("json");
+        file(b, "manifest.json", &manifest);
+    });
+    let t = store.import_oci("saved", OciSource::Tar(&mut &tar[..]), &limits())?;
+    assert_eq!(t.source, TemplateSource::DockerSave);
+    check_image_template(&store, &t)?;
+    Ok(())
+}
+
+#[test]
+fn digest_mismatches_are_refused() -> Result<()> {
+    let img = test_image();
+
+    // A layer blob whose content does not match its descriptor.
+    let (_d, store) = open_store()?;
+    let layout = tempfile::tempdir()?;
+    write_oci_layout(layout.path(), &img, &config_json(&img))?;
+    let victim = layout.path().join("blobs/sha256").join(sha(&img.layers[0]));
+    let mut tampered = img.layers[0].clone();
+    let last = tampered.len() - 1;
+    tampered[last] ^= 1; // in the end-of-archive padding: parses fine, hashes differently
+    fs::write(&victim, &tampered)?;
+    let err = store
+        .import_oci("x", OciSource::Dir(layout.path()), &limits())
+        .err()
+        .context("ok")?;
+    assert!(
+        matches!(err, TemplateError::DigestMismatch { .. }),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), ErrorCode::TemplateInvalid);
+    assert_clean(&store)?;
+
+    // A config whose diff_ids do not match the layers.
+    let (_d, store) = open_store()?;
+    let layout = tempfile::tempdir()?;
+    let mut other = test_image();
+    other.layers[1] = tar_of(|b| file(b, "z", b"z"));
+    let bad_config = config_json(&other);
+    write_oci_layout(layout.path(), &img, &bad_config)?;
+    let err = store
+        .import_oci("x", OciSource::Dir(layout.path()), &limits())
+        .err()
+        .context("ok")?;
+    assert!(
+        matches!(err, TemplateError::DigestMismatch { .. }),
+        "{err:?}"
+    );
+    // The first (valid) layer may stay in the store, but no template refers to it and gc
+    // removes it.
+    assert!(matches!(
+        store.get("x"),
+        Err(TemplateError::NotFound { .. })
+    ));
+    store.gc_layers()?;
+    assert_clean(&store)?;
+
+    // Not an image at all.
+    let (_d, store) = open_store()?;
+    let empty = tempfile::tempdir()?;
+    let err = store
+        .import_oci("x", OciSource::Dir(empty.path()), &limits())
+        .err()
+        .context("ok")?;
+    assert!(matches!(err, TemplateError::InvalidImage { .. }), "{err:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The host template
+
+#[test]
+fn host_template_masks_secrets_under_overlayfs() -> Result<()> {
+    let (_d, store) = open_store()?;
+    let host = store.get("host")?;
+    assert_eq!(host.source, TemplateSource::Host);
+    let lower = store.lowerdirs(&host);
+    assert_eq!(lower.len(), 2);
+    assert_eq!(lower[1], PathBuf::from("/"));
+    let mask = &lower[0];
+    assert!(store.delete("host").is_err());
+
+    // overlayfs refuses a lowerdir nested in another on the same filesystem; the runtime
+    // stages the mask on its tmpfs. /dev/shm is a tmpfs the test can use without mounting.
+    let shm = tempfile::tempdir_in("/dev/shm")?;
+    let staged = shm.path().join("mask");
+    let mask_dir = if shares_filesystem_with_root(mask)? {
+        stage_layer(mask, &staged)?;
+        staged
+    } else {
+        mask.clone()
+    };
+    let (u, w, m) = (
+        shm.path().join("u"),
+        shm.path().join("w"),
+        shm.path().join("m"),
+    );
+    for d in [&u, &w, &m] {
+        fs::create_dir(d)?;
+    }
+    let script = format!(
+        "mount -t overlay overlay -o lowerdir={mask}:/,upperdir={u},workdir={w} {m}
+         echo root:$(ls -A {m}/root | wc -l)
+         echo work:$(ls -A {m}/work | wc -l)
+         echo tmp:$(ls -A {m}/tmp | wc -l):$(stat -c %a {m}/tmp)
+         test -e {m}/etc/shadow && echo shadow:present || echo shadow:absent
+         test -e {m}/etc/passwd && echo passwd:present || echo passwd:absent
+         test -x {m}/usr/bin/python3 && echo python:present || echo python:absent
+         ls {m}/etc/ssh/ssh_host_* 2>/dev/null | wc -l | sed s/^/hostkeys:/
+         test -e {m}/{data} && echo data:visible || echo data:hidden",
+        mask = mask_dir.display(),
+        u = u.display(),
+        w = w.display(),
+        m = m.display(),
+        data = store.data_dir().display(),
+    );
+    let out = in_mount_ns(&script)?;
+    for want in [
+        "root:0",
+        "work:0",
+        "tmp:0:1777",
+        "shadow:absent",
+        "passwd:present",
+        "python:present",
+        "hostkeys:0",
+        "data:hidden",
+    ] {
+        ensure!(out.lines().any(|l| l == want), "missing {want:?} in\n{out}");
+    }
+    not_mounted_anywhere(&m)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fuzz-style property tests of the unpacker
+
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn component() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            Just(b"..".to_vec()),
+            Just(b".".to_vec()),
+            Just(b"".to_vec()),
+            Just(b"a".to_vec()),
+            Just(b"b".to_vec()),
+            Just(b".wh.a".to_vec()),
+            Just(b".wh..wh..opq".to_vec()),
+            proptest::collection::vec(any::<u8>(), 1..6),
+        ]
+    }
+
+    fn name() -> impl Strategy<Value = Vec<u8>> {
+        (any::<bool>(), proptest::collection::vec(component(), 1..4)).prop_map(|(abs, comps)| {
+            let mut n = if abs { b"/".to_vec() } else { Vec::new() };
+            n.extend(comps.join(&b'/'));
+            n.truncate(99);
+            n
+        })
+    }
+
+    fn kind() -> impl Strategy<Value = EntryType> {
+        prop_oneof![
+            Just(EntryType::Regular),
+            Just(EntryType::Directory),
+            Just(EntryType::Symlink),
+            Just(EntryType::Link),
+            Just(EntryType::Char),
+            Just(EntryType::Fifo),
+            any::<u8>().prop_map(EntryType::new),
+        ]
+    }
+
+    /// Unpacks `data` into `<parent>/dest` and checks nothing exists outside `dest`.
+    fn check_contained(data: &[u8]) -> Result<(), TestCaseError> {
+        let parent = tempfile::tempdir().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let dest = parent.path().join("dest");
+        fs::create_dir(&dest).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let _ = unpack_layer(
+            data,
+            &dest,
+            &ImportLimits {
+                max_bytes: 1 << 20,
+                ..limits()
+            },
+        );
+        let outside: Vec<_> = fs::read_dir(parent.path())
+            .map_err(|e| TestCaseError::fail(e.to_string()))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+        prop_assert_eq!(outside, vec![std::ffi::OsString::from("dest")]);
+        let real_dest = dest
+            .canonicalize()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut stack = vec![dest.clone()];
+        while let Some(d) = stack.pop() {
+            for e in fs::read_dir(&d).map_err(|e| TestCaseError::fail(e.to_string()))? {
+                let p = e.map_err(|e| TestCaseError::fail(e.to_string()))?.path();
+                let m = fs::symlink_metadata(&p).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                // Every real (non-symlink) entry resolves inside the destination.
+                if !m.file_type().is_symlink() {
+                    let real = p
+                        .canonicalize()
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert!(real.starts_with(&real_dest), "{} outside", real.display());
+                    prop_assert!(
+                        m.mode() & 0o6000 == 0,
+                        "setuid/setgid kept on {}",
+                        p.display()
+                    );
+                    let ft = m.file_type();
+                    if ft.is_char_device() {
+                        prop_assert_eq!(m.rdev(), 0, "only whiteouts");
+                    }
+                    prop_assert!(!ft.is_block_device() && !ft.is_fifo() && !ft.is_socket());
+                }
+                if m.is_dir() {
+                    stack.push(p);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_bytes_never_escape(data in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            check_contained(&data)?;
+            check_contained(&gzip(&data))?;
+        }
+
+        #[test]
+        fn arbitrary_entries_never_escape(
+            entries in proptest::collection::vec(
+                (name(), kind(), name(), any::<u32>(), proptest::collection::vec(any::<u8>(), 0..8)),
+                1..12,
+            )
+        ) {
+            let tar = tar_of(|b| {
+                for (n, k, link, mode, data) in &entries {
+                    raw(b, n, *k, link, mode & 0o7777, data);
+                }
+            });
+            check_contained(&tar)?;
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! System-call observations: the S-04 sweep over every syscall number and ABI, the S-05 list of
+//! calls that must be denied, and C-06. Every call runs in a forked child so a seccomp kill only
+//! ends the child.
+
+use std::time::Duration;
+
+use dsec_sys::seccomp::{self, Action};
+use serde_json::{json, Value};
+
+use super::sys::{self, Outcome};
+use super::Check;
+
+/// Highest syscall number the sweep tries.
+pub const SWEEP_MAX_NR: u32 = 470;
+
+/// Numbers that are not x86_64 system calls at all.
+const UNKNOWN_NRS: [u32; 3] = [1000, 4095, seccomp::X32_SYSCALL_BIT - 1];
+
+/// Syscalls the sweep skips: with all-zero arguments they would fork a copy of the probe that
+/// keeps running (`clone`, `fork`, `vfork`) or crash for reasons unrelated to the policy
+/// (`rt_sigreturn`). `clone` is covered by S-05 with real flags.
+const SWEEP_SKIP: [u32; 4] = [15, 56, 57, 58];
+
+/// Argument sets for one sweep call: all zero, except that System V IPC calls get id -1 so that
+/// no IPC object (id 0 may exist) is touched, even where the call is allowed.
+fn sweep_args(nr: u32) -> [u64; 6] {
+    const IPC_BY_ID: [u32; 8] = [30, 31, 65, 66, 67, 69, 70, 71];
+    let mut a = [0u64; 6];
+    if IPC_BY_ID.contains(&nr) || nr == 220 {
+        a[0] = u64::MAX;
+    }
+    a
+}
+
+/// Runs syscall `nr` with `args` in a child with no open fds and a 300 ms alarm (for the calls
+/// that block with zero arguments: pause, select, ppoll, pselect6).
+pub fn observe(nr: u64, args: [u64; 6]) -> Outcome {
+    sys::in_child(Duration::from_secs(3), move || {
+        sys::close_all_fds();
+        sys::arm_alarm_ms(300);
+        // SAFETY: this forked child owns no fds any more and exits right after the call; the
+        // argument sets are zero / -1 (see `sweep_args` and `must_deny`).
+        match unsafe { sys::raw_syscall(nr as i64, args) } {
+            Ok(_) => 0,
+            Err(e) => e,
+        }
+    })
+}
+
+/// True when `outcome` is what `action` predicts.
+pub fn matches(action: Action, outcome: Outcome) -> bool {
+    match action {
+        Action::Kill => outcome.killed_by_seccomp(),
+        Action::Errno(e) => outcome == Outcome::Exited(i32::from(e)),
+        // An allowed call runs: it may succeed, fail with any errno, block until the alarm, or end
+        // the child itself (exit, strict seccomp mode). ENOSYS is ambiguous (the kernel may lack
+        // the call, e.g. map_shadow_stack without shadow-stack support); `sweep` lists those.
+        Action::Allow => {
+            !outcome.killed_by_seccomp()
+                && !matches!(outcome, Outcome::TimedOut | Outcome::ForkFailed(_))
+        }
+    }
+}
+
+fn action_str(a: Action) -> String {
+    match a {
+        Action::Allow => "allow".to_owned(),
+        Action::Errno(e) => format!("errno {e}"),
+        Action::Kill => "sigsys".to_owned(),
+    }
+}
+
+fn foreign_abis() -> Vec<(String, Outcome)> {
+    let int80 = sys::in_child(Duration::from_secs(3), || {
+        // Survived: the i386 getpid ran. Report it as a distinctive exit code.
+        let _ = sys::int80_getpid();
+        200
+    });
+    let x32 = observe(u64::from(seccomp::X32_SYSCALL_BIT | 39), [0; 6]);
+    vec![
+        ("i386 int 0x80 getpid".to_owned(), int80),
+        ("x32 getpid".to_owned(), x32),
+    ]
+}
+
+/// S-04: every syscall number 0..=470 compared with [`seccomp::policy_action`], the i386 and x32
+/// ABIs (must be killed; a kernel without IA32 emulation turns `int 0x80` into SIGSEGV, which is
+/// accepted) and numbers beyond the table (ENOSYS).
+pub fn sweep() -> Check {
+    let mut mismatches = Vec::new();
+    let mut counts = [0u32; 3];
+    let mut tried = 0u32;
+    let mut allowed_enosys = Vec::new();
+    for nr in (0..=SWEEP_MAX_NR).chain(UNKNOWN_NRS) {
+        if SWEEP_SKIP.contains(&nr) {
+            continue;
+        }
+        tried += 1;
+        let want = seccomp::policy_action(nr);
+        let got = observe(u64::from(nr), sweep_args(nr));
+        counts[match want {
+            Action::Allow => 0,
+            Action::Errno(_) => 1,
+            Action::Kill => 2,
+        }] += 1;
+        if want == Action::Allow && got == Outcome::Exited(i32::from(seccomp::DEFAULT_ERRNO)) {
+            allowed_enosys.push(json!({ "nr": nr, "name": seccomp::syscall_name(nr) }));
+        }
+        if !matches(want, got) {
+            mismatches.push(json!({
+                "nr": nr,
+                "name": seccomp::syscall_name(nr),
+                "policy": action_str(want),
+                "observed": got.describe(),
+            }));
+        }
+    }
+    let mut abis = Vec::new();
+    for (name, got) in foreign_abis() {
+        let ok = got.killed_by_seccomp() || got == Outcome::Signaled(libc::SIGSEGV);
+        if !ok {
+            mismatches.push(json!({ "abi": name, "policy": "sigsys", "observed": got.describe() }));
+        }
+        abis.push(json!({ "abi": name, "observed": got.describe() }));
+    }
+    Check {
+        id: "S-04",
+        pass: mismatches.is_empty(),
+        detail: json!({
+            "tried": tried,
+            "skipped": SWEEP_SKIP,
+            "policy_allow": counts[0],
+            "policy_errno": counts[1],
+            "policy_kill": counts[2],
+            "foreign_abis": abis,
+            "allowed_but_kernel_enosys": allowed_enosys,
+            "mismatches": mismatches,
+        }),
+    }
+}
+
+/// One S-05 probe: a name, the syscall and arguments that are harmless even where allowed.
+struct Denied {
+    name: &'static str,
+    nr: i64,
+    args: [u64; 6],
+    /// What the policy says for these arguments.
+    want: Action,
+}
+
+fn must_deny() -> Vec<Denied> {
+    let m1 = u64::MAX; // -1: an invalid fd / pid / id
+    let kill = Action::Kill;
+    let d = |name, nr: i64, args, want| Denied {
+        name,
+        nr,
+        args,
+        want,
+    };
+    vec![
+        d("ptrace(PTRACE_TRACEME)", libc::SYS_ptrace, [0; 6], kill),
+        d(
+            "process_vm_readv",
+            libc::SYS_process_vm_readv,
+            [1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d(
+            "process_vm_writev",
+            libc::SYS_process_vm_writev,
+            [1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d("kcmp", libc::SYS_kcmp, [1, 1, 0, 0, 0, 0], kill),
+        d(
+            "pidfd_getfd",
+            libc::SYS_pidfd_getfd,
+            [m1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d("mount(NULL...)", libc::SYS_mount, [0; 6], kill),
+        d("umount2(NULL)", libc::SYS_umount2, [0; 6], kill),
+        d("pivot_root(NULL)", libc::SYS_pivot_root, [0; 6], kill),
+        d("open_tree", libc::SYS_open_tree, [m1, 0, 0, 0, 0, 0], kill),
+        d(
+            "move_mount",
+            libc::SYS_move_mount,
+            [m1, 0, m1, 0, 0, 0],
+            kill,
+        ),
+        d("fsopen(NULL)", libc::SYS_fsopen, [0; 6], kill),
+        d("fsconfig", libc::SYS_fsconfig, [m1, 0, 0, 0, 0, 0], kill),
+        d("fsmount", libc::SYS_fsmount, [m1, 0, 0, 0, 0, 0], kill),
+        d("fspick", libc::SYS_fspick, [m1, 0, 0, 0, 0, 0], kill),
+        d(
+            "mount_setattr",
+            libc::SYS_mount_setattr,
+            [m1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d(
+            "unshare(CLONE_NEWUSER)",
+            libc::SYS_unshare,
+            [libc::CLONE_NEWUSER as u64, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d("setns(-1)", libc::SYS_setns, [m1, 0, 0, 0, 0, 0], kill),
+        d(
+            "keyctl(GET_KEYRING_ID)",
+            libc::SYS_keyctl,
+            [0, (-1i64) as u64, 0, 0, 0, 0],
+            kill,
+        ),
+        d("add_key(NULL)", libc::SYS_add_key, [0; 6], kill),
+        d("request_key(NULL)", libc::SYS_request_key, [0; 6], kill),
+        d("bpf(-1)", libc::SYS_bpf, [m1, 0, 0, 0, 0, 0], kill),
+        d("userfaultfd", libc::SYS_userfaultfd, [0; 6], kill),
+        d(
+            "perf_event_open(NULL)",
+            libc::SYS_perf_event_open,
+            [0; 6],
+            kill,
+        ),
+        d(
+            "kexec_load(bad flags)",
+            libc::SYS_kexec_load,
+            [0, 0, 0, 0xdead_0000, 0, 0],
+            kill,
+        ),
+        d(
+            "kexec_file_load(bad flags)",
+            libc::SYS_kexec_file_load,
+            [m1, m1, 0, 0, 0xdead_0000, 0],
+            kill,
+        ),
+        d("init_module(NULL)", libc::SYS_init_module, [0; 6], kill),
+        d(
+            "finit_module(-1)",
+            libc::SYS_finit_module,
+            [m1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d("delete_module(NULL)", libc::SYS_delete_module, [0; 6], kill),
+        d(
+            "open_by_handle_at(-1)",
+            libc::SYS_open_by_handle_at,
+            [m1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d("reboot(bad magic)", libc::SYS_reboot, [0; 6], kill),
+        d(
+            "settimeofday(NULL, NULL)",
+            libc::SYS_settimeofday,
+            [0; 6],
+            kill,
+        ),
+        d(
+            "clock_settime(bad clock)",
+            libc::SYS_clock_settime,
+            [m1, 0, 0, 0, 0, 0],
+            kill,
+        ),
+        d(
+            "personality(PER_LINUX32)",
+            libc::SYS_personality,
+            [8, 0, 0, 0, 0, 0],
+            Action::Errno(libc::EPERM as u16),
+        ),
+        d(
+            "clone3(NULL)",
+            libc::SYS_clone3,
+            [0; 6],
+            Action::Errno(libc::ENOSYS as u16),
+        ),
+        d(
+            "io_uring_setup(NULL)",
+            libc::SYS_io_uring_setup,
+            [0; 6],
+            Action::Errno(libc::ENOSYS as u16),
+        ),
+        d(
+            "io_uring_enter(-1)",
+            libc::SYS_io_uring_enter,
+            [m1, 0, 0, 0, 0, 0],
+            Action::Errno(libc::ENOSYS as u16),
+        ),
+        d(
+            "io_uring_register(-1)",
+            libc::SYS_io_uring_register,
+            [m1, 0, 0, 0, 0, 0],
+            Action::Errno(libc::ENOSYS as u16),
+        ),
+    ]
+}
+
+fn clone_with_flags(flags: u64) -> Outcome {
+    sys::in_child(Duration::from_secs(3), move || {
+        // SAFETY: clone without CLONE_VM and a null stack forks a copy that leaves at once
+        // through raw_exit; this child exits right after.
+        let r = unsafe {
+            sys::raw_syscall(
+                libc::SYS_clone,
+                [flags | libc::SIGCHLD as u64, 0, 0, 0, 0, 0],
+            )
+        };
+        match r {
+            // The grandchild: the flag was allowed. Leave at once.
+            Ok(0) => sys::raw_exit(0),
+            Ok(_) => 0,
+            Err(e) => e,
+        }
+    })
+}
+
+/// S-05: each call of the must-deny list is denied the way the policy says, including `clone`
+/// with every `CLONE_NEW*` flag.
+pub fn must_deny_check() -> Check {
+    let mut results = Vec::new();
+    let mut pass = true;
+    for c in must_deny() {
+        let got = observe(c.nr as u64, c.args);
+        let ok = matches(c.want, got);
+        pass &= ok;
+        results.push(json!({ "call": c.name, "policy": action_str(c.want), "observed": got.describe(), "pass": ok }));
+    }
+    for (name, flag) in [
+        ("CLONE_NEWNS", libc::CLONE_NEWNS),
+        ("CLONE_NEWUTS", libc::CLONE_NEWUTS),
+        ("CLONE_NEWIPC", libc::CLONE_NEWIPC),
+        ("CLONE_NEWUSER", libc::CLONE_NEWUSER),
+        ("CLONE_NEWPID", libc::CLONE_NEWPID),
+        ("CLONE_NEWNET", libc::CLONE_NEWNET),
+        ("CLONE_NEWCGROUP", libc::CLONE_NEWCGROUP),
+        ("CLONE_NEWTIME", libc::CLONE_NEWTIME),
+    ] {
+        let got = clone_with_flags(flag as u64);
+        let ok = got.killed_by_seccomp();
+        pass &= ok;
+        results.push(json!({ "call": format!("clone({name})"), "policy": "sigsys", "observed": got.describe(), "pass": ok }));
+    }
+    Check {
+        id: "S-05",
+        pass,
+        detail: Value::Array(results),
+    }
+}
+
+/// C-06: `open_by_handle_at` is denied (killed, or EPERM).
+pub fn open_by_handle_check() -> Check {
+    let got = observe(
+        libc::SYS_open_by_handle_at as u64,
+        [u64::MAX, 0, 0, 0, 0, 0],
+    );
+    let pass = got.killed_by_seccomp() || got == Outcome::Exited(libc::EPERM);
+    Check {
+        id: "C-06",
+        pass,
+        detail: json!({ "observed": got.describe() }),
+    }
+}

@@ -1,0 +1,797 @@
+//! Launching a container sandbox: `clone` into new namespaces, build the root filesystem inside
+//! the child's own mount namespace, drop every privilege and `execveat` the agent.
+//!
+//! The caller (a per-sandbox supervisor) must be single-threaded: [`spawn_container`] and
+//! [`fork_process`] check this and refuse otherwise, which is what makes them safe to call.
+//! Because the parent is single-threaded, the child may allocate; it still prepares every path
+//! before the clone so that the child does little more than system calls.
+//!
+//! Child sequence (each step reports `step:errno` on the error pipe and exits on failure):
+//! wait for the supervisor's go byte (cgroup attached, id maps written) → cgroup namespace →
+//! private mount tree → size/inode-limited tmpfs → overlay (template layers read-only, upper on the
+//! tmpfs) → minimal `/dev` → fresh `/proc` with masked and read-only paths → writable scratch
+//! directories, read-only root → `pivot_root` → hostname → `lo` up → rlimits → fds 3/4 only →
+//! securebits, capability sets and bounding set cleared → `no_new_privs` + seccomp → `execveat`.
+
+use std::ffi::{CStr, CString};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::seccomp::Filter;
+
+/// Errors of the launch path (parent side; the child reports through the error pipe).
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The calling process has more than one thread.
+    #[error("launch requires a single-threaded process (found {threads} threads)")]
+    NotSingleThreaded {
+        /// Threads found.
+        threads: usize,
+    },
+    /// A path or option contained a NUL byte.
+    #[error("invalid launch argument {what}")]
+    InvalidArgument {
+        /// Which argument.
+        what: &'static str,
+    },
+    /// `clone` failed.
+    #[error("clone sandbox process")]
+    Clone(#[source] io::Error),
+    /// `fork` failed.
+    #[error("fork supervisor process")]
+    Fork(#[source] io::Error),
+    /// Creating a pipe or socket failed.
+    #[error("create {what}")]
+    Create {
+        /// What was being created.
+        what: &'static str,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// Writing the user namespace id maps failed.
+    #[error("write id maps of pid {pid}")]
+    IdMap {
+        /// Child pid.
+        pid: i32,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The child failed one of its setup steps.
+    #[error("sandbox setup failed at {step} ({errno})")]
+    ChildSetup {
+        /// The step name.
+        step: String,
+        /// The OS error.
+        errno: io::Error,
+    },
+}
+
+/// Namespace and identity options of one sandbox.
+#[derive(Debug, Clone)]
+pub struct NamespaceSpec {
+    /// Also create a user namespace mapping root inside to `host_uid`/`host_gid` (and a range of
+    /// `count` ids above them).
+    pub user: Option<IdMap>,
+    /// Hostname inside the UTS namespace.
+    pub hostname: String,
+}
+
+/// A user-namespace id mapping: ids `0..count` inside map to `host_id..host_id+count` outside.
+#[derive(Debug, Clone, Copy)]
+pub struct IdMap {
+    /// First host uid.
+    pub host_uid: u32,
+    /// First host gid.
+    pub host_gid: u32,
+    /// Number of ids mapped.
+    pub count: u32,
+}
+
+/// The root filesystem of one sandbox.
+#[derive(Debug, Clone)]
+pub struct RootfsSpec {
+    /// Host directory on which the sandbox's private tmpfs is mounted (inside its own mount
+    /// namespace only; every sandbox may use the same directory).
+    pub stage: String,
+    /// Overlay lower directories, topmost first.
+    pub lowerdirs: Vec<String>,
+    /// Size of the writable layer tmpfs in bytes (the disk quota).
+    pub disk_bytes: u64,
+    /// Inode limit of the writable layer tmpfs.
+    pub disk_inodes: u64,
+    /// Size of `/dev/shm` in bytes.
+    pub shm_bytes: u64,
+    /// Keep the whole root writable (writes land in the private upper layer). When false the
+    /// root is read-only and only `scratch` directories are writable.
+    pub writable_root: bool,
+    /// Writable directories (absolute paths inside the sandbox) when the root is read-only.
+    pub scratch: Vec<String>,
+}
+
+/// An rlimit to set in the child.
+#[derive(Debug, Clone, Copy)]
+pub struct Rlimit {
+    /// `libc::RLIMIT_*`.
+    pub resource: u32,
+    /// Soft and hard value.
+    pub value: u64,
+}
+
+/// Everything the child needs, validated and converted before the clone.
+pub struct ContainerSpec<'a> {
+    /// Namespaces.
+    pub ns: NamespaceSpec,
+    /// Root filesystem.
+    pub rootfs: RootfsSpec,
+    /// Resource limits.
+    pub rlimits: Vec<Rlimit>,
+    /// The agent executable (a sealed memfd), exec'd with `execveat(AT_EMPTY_PATH)`.
+    pub agent_exe: &'a OwnedFd,
+    /// The agent's protocol socket, becomes fd 3 in the child.
+    pub agent_sock: &'a OwnedFd,
+    /// Agent argv.
+    pub argv: Vec<String>,
+    /// Agent environment (already allowlisted).
+    pub env: Vec<(String, String)>,
+    /// The seccomp filter, built before the clone.
+    pub seccomp: &'a Filter,
+}
+
+/// A started sandbox init process, seen from the supervisor.
+#[derive(Debug)]
+pub struct Launched {
+    /// Host pid of the sandbox's init (the agent).
+    pub pid: i32,
+}
+
+/// Masked `/proc` entries (OCI defaults): files get `/dev/null` bound over them, directories an
+/// empty read-only tmpfs.
+pub const MASKED_PROC: &[&str] = &[
+    "acpi",
+    "asound",
+    "kcore",
+    "keys",
+    "latency_stats",
+    "timer_list",
+    "timer_stats",
+    "sched_debug",
+    "scsi",
+    "kallsyms",
+    "sysrq-trigger",
+];
+/// Read-only `/proc` entries (OCI defaults).
+pub const READONLY_PROC: &[&str] = &["bus", "fs", "irq", "sys"];
+
+struct Prepared {
+    stage: CString,
+    tmpfs_opts: CString,
+    upper: CString,
+    work: CString,
+    root: CString,
+    overlay_opts: CString,
+    dev: CString,
+    dev_opts: CString,
+    proc_: CString,
+    masked: Vec<CString>,
+    readonly: Vec<CString>,
+    dev_nodes: Vec<(CString, CString, u32, u32)>,
+    pts: CString,
+    shm: CString,
+    shm_opts: CString,
+    dev_links: Vec<(CString, CString)>,
+    scratch: Vec<CString>,
+    hostname: CString,
+    _argv: Vec<CString>,
+    _envp: Vec<CString>,
+    argv_ptrs: Vec<*const libc::c_char>,
+    envp_ptrs: Vec<*const libc::c_char>,
+    userns: bool,
+    writable_root: bool,
+}
+
+fn cstr(s: impl Into<Vec<u8>>, what: &'static str) -> Result<CString, LaunchError> {
+    CString::new(s).map_err(|_| LaunchError::InvalidArgument { what })
+}
+
+fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
+    let r = &spec.rootfs;
+    for l in &r.lowerdirs {
+        if l.contains(':') || l.contains(',') {
+            return Err(LaunchError::InvalidArgument { what: "lowerdir" });
+        }
+    }
+    let stage = r.stage.trim_end_matches('/').to_string();
+    let root = format!("{stage}/root");
+    let dev = format!("{root}/dev");
+    let proc_ = format!("{root}/proc");
+    let dev_nodes = [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ]
+    .iter()
+    .map(|(n, ma, mi)| {
+        Ok((cstr(format!("{dev}/{n}"), "dev")?, cstr(format!("/dev/{n}"), "dev")?, *ma, *mi))
+    })
+    .collect::<Result<Vec<_>, LaunchError>>()?;
+    let dev_links = [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ]
+    .iter()
+    .map(|(n, t)| Ok((cstr(format!("{dev}/{n}"), "dev")?, cstr(*t, "dev")?)))
+    .collect::<Result<Vec<_>, LaunchError>>()?;
+    let argv: Vec<CString> =
+        spec.argv.iter().map(|a| cstr(a.as_str(), "argv")).collect::<Result<_, _>>()?;
+    let envp: Vec<CString> = spec
+        .env
+        .iter()
+        .map(|(k, v)| cstr(format!("{k}={v}"), "env"))
+        .collect::<Result<_, _>>()?;
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|c| c.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|c| c.as_ptr()).collect();
+    envp_ptrs.push(std::ptr::null());
+    let scratch = r
+        .scratch
+        .iter()
+        .map(|s| {
+            let rel = s.trim_start_matches('/');
+            if rel.is_empty() || rel.split('/').any(|c| c == ".." || c == ".") {
+                return Err(LaunchError::InvalidArgument { what: "scratch" });
+            }
+            cstr(format!("{root}/{rel}"), "scratch")
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Prepared {
+        tmpfs_opts: cstr(
+            format!("size={},nr_inodes={},mode=0755", r.disk_bytes.max(4096), r.disk_inodes.max(16)),
+            "tmpfs",
+        )?,
+        upper: cstr(format!("{stage}/upper"), "stage")?,
+        work: cstr(format!("{stage}/work"), "stage")?,
+        overlay_opts: cstr(
+            format!(
+                "lowerdir={},upperdir={stage}/upper,workdir={stage}/work",
+                r.lowerdirs.join(":")
+            ),
+            "overlay",
+        )?,
+        root: cstr(root.as_str(), "stage")?,
+        dev: cstr(dev.as_str(), "dev")?,
+        dev_opts: cstr("mode=0755,size=65536,nr_inodes=64", "dev")?,
+        masked: MASKED_PROC
+            .iter()
+            .map(|p| cstr(format!("{proc_}/{p}"), "proc"))
+            .collect::<Result<_, _>>()?,
+        readonly: READONLY_PROC
+            .iter()
+            .map(|p| cstr(format!("{proc_}/{p}"), "proc"))
+            .collect::<Result<_, _>>()?,
+        proc_: cstr(proc_, "proc")?,
+        dev_nodes,
+        pts: cstr(format!("{dev}/pts"), "dev")?,
+        shm: cstr(format!("{dev}/shm"), "dev")?,
+        shm_opts: cstr(format!("size={},mode=1777", r.shm_bytes.max(4096)), "shm")?,
+        dev_links,
+        scratch,
+        hostname: cstr(spec.ns.hostname.as_str(), "hostname")?,
+        stage: cstr(stage, "stage")?,
+        _argv: argv,
+        _envp: envp,
+        argv_ptrs,
+        envp_ptrs,
+        userns: spec.ns.user.is_some(),
+        writable_root: r.writable_root,
+    })
+}
+
+/// Number of threads of the calling process.
+pub fn thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(usize::MAX)
+}
+
+fn ensure_single_threaded() -> Result<(), LaunchError> {
+    match thread_count() {
+        1 => Ok(()),
+        threads => Err(LaunchError::NotSingleThreaded { threads }),
+    }
+}
+
+/// The result of [`fork_process`].
+#[derive(Debug)]
+pub enum Forked {
+    /// In the parent, with the child's pid.
+    Parent(i32),
+    /// In the child.
+    Child,
+}
+
+/// `fork()` for a single-threaded caller (checked). The child is an exact copy; because no other
+/// thread existed, no lock can be held by a thread that vanished, so the child may run ordinary
+/// code.
+pub fn fork_process() -> Result<Forked, LaunchError> {
+    ensure_single_threaded()?;
+    // SAFETY: the process is single-threaded (checked above), so the child inherits no lock held
+    // by another thread and may continue executing arbitrary Rust code.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(LaunchError::Fork(io::Error::last_os_error())),
+        0 => Ok(Forked::Child),
+        pid => Ok(Forked::Parent(pid)),
+    }
+}
+
+fn pipe_cloexec(what: &'static str) -> Result<(OwnedFd, OwnedFd), LaunchError> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+    let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
+    if rc != 0 {
+        return Err(LaunchError::Create { what, source: io::Error::last_os_error() });
+    }
+    // SAFETY: pipe2 succeeded, so both fds are open and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Clones the sandbox init into new namespaces and runs the setup sequence in it; returns once
+/// the child has exec'd the agent (or reports the step that failed). `attach` is called with the
+/// child's host pid before the child is released (put it into its cgroup there).
+pub fn spawn_container(
+    spec: &ContainerSpec<'_>,
+    attach: impl FnOnce(i32) -> Result<(), io::Error>,
+) -> Result<Launched, LaunchError> {
+    ensure_single_threaded()?;
+    let prep = prepare(spec)?;
+    let (sync_r, sync_w) = pipe_cloexec("sync pipe")?;
+    let (err_r, err_w) = pipe_cloexec("error pipe")?;
+    let mut flags = libc::CLONE_NEWPID
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWNET;
+    if spec.ns.user.is_some() {
+        flags |= libc::CLONE_NEWUSER;
+    }
+    // SAFETY: raw clone without CLONE_VM behaves like fork: the child gets a copy of the address
+    // space. The caller is single-threaded (checked above), so the child may run Rust code; it
+    // never returns from `child_main`.
+    let pid = unsafe {
+        libc::syscall(libc::SYS_clone, (flags | libc::SIGCHLD) as libc::c_ulong, 0usize, 0usize, 0usize, 0usize)
+    };
+    if pid == -1 {
+        return Err(LaunchError::Clone(io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        drop(sync_w);
+        drop(err_r);
+        child_main(&prep, spec, sync_r, err_w);
+    }
+    let pid = pid as i32;
+    drop(sync_r);
+    drop(err_w);
+    let released = (|| {
+        if let Some(map) = &spec.ns.user {
+            write_id_maps(pid, map)?;
+        }
+        attach(pid).map_err(|source| LaunchError::Create { what: "cgroup attach", source })?;
+        let mut w = std::fs::File::from(sync_w);
+        w.write_all(b"g").map_err(|source| LaunchError::Create { what: "release", source })
+    })();
+    let mut report = String::new();
+    let _ = std::fs::File::from(err_r).read_to_string(&mut report);
+    if let Err(e) = released {
+        kill_and_reap(pid);
+        return Err(e);
+    }
+    if !report.is_empty() {
+        kill_and_reap(pid);
+        let (step, errno) = report.split_once(':').unwrap_or((report.as_str(), "0"));
+        return Err(LaunchError::ChildSetup {
+            step: step.to_string(),
+            errno: io::Error::from_raw_os_error(errno.trim().parse().unwrap_or(0)),
+        });
+    }
+    Ok(Launched { pid })
+}
+
+fn kill_and_reap(pid: i32) {
+    // SAFETY: plain syscalls on a pid that is our own unreaped child, so it cannot be recycled.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
+}
+
+fn write_id_maps(pid: i32, map: &IdMap) -> Result<(), LaunchError> {
+    let w = |file: &str, content: String| {
+        std::fs::write(format!("/proc/{pid}/{file}"), content)
+            .map_err(|source| LaunchError::IdMap { pid, source })
+    };
+    w("setgroups", "deny".into())?;
+    w("uid_map", format!("0 {} {}\n", map.host_uid, map.count))?;
+    w("gid_map", format!("0 {} {}\n", map.host_gid, map.count))
+}
+
+/// Reports `step:errno` on the error pipe and exits. Never returns.
+fn fail(err: &OwnedFd, step: &str) -> ! {
+    let errno = io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    let msg = format!("{step}:{errno}");
+    // SAFETY: writing a valid buffer to an fd we own, then exiting without running destructors
+    // (the parent's state must not be torn down from the child).
+    unsafe {
+        libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len());
+        libc::_exit(127);
+    }
+}
+
+fn check(rc: libc::c_int, err: &OwnedFd, step: &str) {
+    if rc < 0 {
+        fail(err, step);
+    }
+}
+
+fn mount(
+    err: &OwnedFd,
+    step: &str,
+    src: &CStr,
+    target: &CStr,
+    fstype: Option<&CStr>,
+    flags: libc::c_ulong,
+    data: Option<&CStr>,
+) {
+    // SAFETY: every pointer is a valid NUL-terminated string (or null where the kernel allows it).
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fstype.map_or(std::ptr::null(), CStr::as_ptr),
+            flags,
+            data.map_or(std::ptr::null(), |d| d.as_ptr().cast()),
+        )
+    };
+    check(rc, err, step);
+}
+
+fn mkdir(path: &CStr, mode: libc::mode_t) -> libc::c_int {
+    // SAFETY: valid NUL-terminated path.
+    let rc = unsafe { libc::mkdir(path.as_ptr(), mode) };
+    if rc < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) {
+        0
+    } else {
+        rc
+    }
+}
+
+/// Kind of an existing path, without following a final symlink.
+fn path_kind(path: &CStr) -> Option<libc::mode_t> {
+    // SAFETY: zeroed stat is a valid out-parameter; path is NUL-terminated.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let rc = unsafe { libc::lstat(path.as_ptr(), &mut st) };
+    (rc == 0).then_some(st.st_mode & libc::S_IFMT)
+}
+
+const NONE: &CStr = c"none";
+
+fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedFd) -> ! {
+    // SAFETY: prctl with integer arguments only.
+    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) }, &err, "pdeathsig");
+    let mut go = [0u8; 1];
+    // SAFETY: reading into a valid one-byte buffer.
+    let n = unsafe { libc::read(sync.as_raw_fd(), go.as_mut_ptr().cast(), 1) };
+    if n != 1 {
+        // The supervisor died before releasing us.
+        // SAFETY: exiting the child without running the parent's destructors.
+        unsafe { libc::_exit(126) };
+    }
+    drop(sync);
+    // SAFETY: integer-argument syscall.
+    check(unsafe { libc::unshare(libc::CLONE_NEWCGROUP) }, &err, "cgroup_ns");
+    let nul = c"";
+    mount(&err, "private", NONE, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None);
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    mount(&err, "tmpfs", c"tmpfs", &p.stage, Some(c"tmpfs"), nosuid_nodev, Some(&p.tmpfs_opts));
+    for d in [&p.upper, &p.work, &p.root] {
+        check(mkdir(d, 0o755), &err, "mkdir_stage");
+    }
+    mount(&err, "overlay", c"overlay", &p.root, Some(c"overlay"), nosuid_nodev, Some(&p.overlay_opts));
+
+    // /dev: a small tmpfs with the allowed nodes. It cannot be `nodev` (the nodes must work);
+    // no process in the sandbox can create nodes (no CAP_MKNOD, seccomp) so these are the only ones.
+    check(mkdir(&p.dev, 0o755), &err, "mkdir_dev");
+    mount(&err, "dev", c"tmpfs", &p.dev, Some(c"tmpfs"), libc::MS_NOSUID | libc::MS_NOEXEC, Some(&p.dev_opts));
+    for (node, host, major, minor) in &p.dev_nodes {
+        if p.userns {
+            // SAFETY: valid path; creating an empty regular file as a bind-mount target.
+            let fd = unsafe { libc::open(node.as_ptr(), libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY, 0o666) };
+            check(fd, &err, "dev_file");
+            // SAFETY: closing the fd we just opened.
+            unsafe { libc::close(fd) };
+            mount(&err, "dev_bind", host, node, None, libc::MS_BIND, None);
+        } else {
+            let dev = libc::makedev(*major, *minor);
+            // SAFETY: valid path and a character device number.
+            check(unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) }, &err, "mknod");
+            // SAFETY: valid path; umask may have cleared bits.
+            check(unsafe { libc::chmod(node.as_ptr(), 0o666) }, &err, "chmod_dev");
+        }
+    }
+    check(mkdir(&p.pts, 0o755), &err, "mkdir_pts");
+    mount(
+        &err,
+        "devpts",
+        c"devpts",
+        &p.pts,
+        Some(c"devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(c"newinstance,ptmxmode=0666,mode=0620"),
+    );
+    check(mkdir(&p.shm, 0o1777), &err, "mkdir_shm");
+    mount(&err, "shm", c"shm", &p.shm, Some(c"tmpfs"), nosuid_nodev, Some(&p.shm_opts));
+    for (link, target) in &p.dev_links {
+        // SAFETY: both are valid NUL-terminated strings.
+        check(unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) }, &err, "dev_link");
+    }
+
+    // /proc for the new pid namespace, with the OCI masked and read-only paths.
+    check(mkdir(&p.proc_, 0o555), &err, "mkdir_proc");
+    mount(
+        &err,
+        "proc",
+        c"proc",
+        &p.proc_,
+        Some(c"proc"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
+    );
+    let devnull = &p.dev_nodes[0].0;
+    for m in &p.masked {
+        match path_kind(m) {
+            Some(libc::S_IFDIR) => mount(
+                &err,
+                "mask_dir",
+                c"tmpfs",
+                m,
+                Some(c"tmpfs"),
+                libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
+                Some(c"size=0,nr_inodes=1"),
+            ),
+            Some(_) => mount(&err, "mask_file", devnull, m, None, libc::MS_BIND, None),
+            None => {}
+        }
+    }
+    for r in &p.readonly {
+        if path_kind(r).is_some() {
+            mount(&err, "ro_bind", r, r, None, libc::MS_BIND | libc::MS_REC, None);
+            mount(
+                &err,
+                "ro_remount",
+                nul,
+                r,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
+                None,
+            );
+        }
+    }
+
+    if !p.writable_root {
+        for s in &p.scratch {
+            check(mkdir(s, 0o755), &err, "mkdir_scratch");
+            mount(&err, "scratch_bind", s, s, None, libc::MS_BIND, None);
+            mount(
+                &err,
+                "scratch_remount",
+                nul,
+                s,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | nosuid_nodev,
+                None,
+            );
+        }
+        mount(
+            &err,
+            "ro_root",
+            nul,
+            &p.root,
+            None,
+            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
+            None,
+        );
+    }
+
+    // pivot_root(".", ".") stacks the old root on top of the new one; detach it.
+    // SAFETY: valid path.
+    check(unsafe { libc::chdir(p.root.as_ptr()) }, &err, "chdir_root");
+    // SAFETY: valid NUL-terminated strings.
+    check(
+        unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int },
+        &err,
+        "pivot_root",
+    );
+    // SAFETY: valid path.
+    check(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) }, &err, "umount_old_root");
+    // SAFETY: valid path.
+    check(unsafe { libc::chdir(c"/".as_ptr()) }, &err, "chdir_new_root");
+
+    // SAFETY: valid buffer and length.
+    check(
+        unsafe { libc::sethostname(p.hostname.as_ptr(), p.hostname.as_bytes().len()) },
+        &err,
+        "sethostname",
+    );
+    loopback_up(&err);
+
+    for rl in &spec.rlimits {
+        let lim = libc::rlimit { rlim_cur: rl.value, rlim_max: rl.value };
+        // SAFETY: valid rlimit struct.
+        check(unsafe { libc::setrlimit(rl.resource as _, &lim) }, &err, "setrlimit");
+    }
+
+    // Descriptors: 3 = agent socket, 4 = agent executable (close-on-exec), error pipe kept
+    // close-on-exec above them; everything else is closed.
+    let agent_sock = spec.agent_sock.as_raw_fd();
+    let agent_exe = spec.agent_exe.as_raw_fd();
+    // SAFETY: dup/dup3/close_range on fds we own; sources are first moved above the targets so
+    // that no target clobbers a source.
+    unsafe {
+        let s = libc::fcntl(agent_sock, libc::F_DUPFD_CLOEXEC, 100);
+        let e = libc::fcntl(agent_exe, libc::F_DUPFD_CLOEXEC, 100);
+        let r = libc::fcntl(err.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 100);
+        if s < 0 || e < 0 || r < 0 {
+            fail(&err, "dup_high");
+        }
+        if libc::dup3(s, 3, 0) < 0 || libc::dup3(e, 4, libc::O_CLOEXEC) < 0 || libc::dup3(r, 5, libc::O_CLOEXEC) < 0 {
+            fail(&err, "dup_low");
+        }
+        if libc::close_range(6, u32::MAX, 0) < 0 {
+            fail(&err, "close_range");
+        }
+    }
+    // From here the error pipe is fd 5. The old descriptor number was closed or reused above, so
+    // its owner must never run its destructor.
+    std::mem::forget(err);
+    // SAFETY: fd 5 is the error pipe just installed by dup3 and nothing else owns it.
+    let err = unsafe { OwnedFd::from_raw_fd(5) };
+
+    drop_privileges(&err);
+    if let Err(e) = spec.seccomp.install() {
+        let _ = e;
+        fail(&err, "seccomp");
+    }
+    // SAFETY: fd 4 is the agent executable; argv/envp are NULL-terminated arrays of valid
+    // C strings that outlive the call.
+    unsafe {
+        libc::syscall(
+            libc::SYS_execveat,
+            4,
+            c"".as_ptr(),
+            p.argv_ptrs.as_ptr(),
+            p.envp_ptrs.as_ptr(),
+            libc::AT_EMPTY_PATH,
+        );
+    }
+    fail(&err, "execveat")
+}
+
+fn loopback_up(err: &OwnedFd) {
+    // SAFETY: socket with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    check(fd, err, "lo_socket");
+    // SAFETY: ifreq is plain data; zeroed is valid.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    ifr.ifr_name[0] = b'l' as libc::c_char;
+    ifr.ifr_name[1] = b'o' as libc::c_char;
+    ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_LOOPBACK | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr) };
+    // SAFETY: closing our own socket.
+    unsafe { libc::close(fd) };
+    check(rc, err, "lo_up");
+}
+
+/// Clears every capability set of the calling process: locks securebits so that uid 0 gains
+/// nothing on exec, empties the bounding and ambient sets, then zeroes effective, permitted and
+/// inheritable sets.
+fn drop_privileges(err: &OwnedFd) {
+    let bits = libc::SECBIT_NOROOT
+        | libc::SECBIT_NOROOT_LOCKED
+        | libc::SECBIT_NO_SETUID_FIXUP
+        | libc::SECBIT_NO_SETUID_FIXUP_LOCKED
+        | libc::SECBIT_KEEP_CAPS_LOCKED
+        | libc::SECBIT_NO_CAP_AMBIENT_RAISE
+        | libc::SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
+    // SAFETY: prctl with integer arguments only.
+    unsafe {
+        check(libc::prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong), err, "securebits");
+        check(
+            libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0),
+            err,
+            "ambient",
+        );
+        let mut cap = 0;
+        loop {
+            if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong) < 0 {
+                if io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+                    break;
+                }
+                fail(err, "capbset");
+            }
+            cap += 1;
+        }
+    }
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let header = Header { version: 0x2008_0522, pid: 0 };
+    let data = [Data { effective: 0, permitted: 0, inheritable: 0 }, Data { effective: 0, permitted: 0, inheritable: 0 }];
+    // SAFETY: capset with a v3 header and two data structs, as the ABI requires.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as libc::c_int };
+    check(rc, err, "capset");
+}
+
+/// Creates an executable memfd holding `bytes`, sealed against any modification, so that
+/// `/proc/<pid>/exe` of a sandbox init can never be used to overwrite a host binary.
+pub fn sealed_exe_memfd(name: &str, bytes: &[u8]) -> io::Result<OwnedFd> {
+    let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid name; flags are constants.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a fresh fd we exclusively own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut f = std::fs::File::from(fd);
+    f.write_all(bytes)?;
+    let fd = OwnedFd::from(f);
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on an fd we own with integer arguments.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Mounts a tmpfs (`nosuid,nodev,noexec`) on `target` in the caller's mount namespace.
+pub fn mount_tmpfs(target: &std::path::Path, options: &str) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let t = CString::new(target.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let o = CString::new(options).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid NUL-terminated strings.
+    let rc = unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            t.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            o.as_ptr().cast(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether `path` is a mount point in the caller's mount namespace.
+pub fn is_mount_point(path: &std::path::Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let want = path.to_string_lossy();
+    info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_ref()))
+}
