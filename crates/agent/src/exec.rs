@@ -249,8 +249,8 @@ pub fn start(reaper: &Reaper, cmd: &mut Command, program: &str) -> Result<Runnin
         mut child,
         slot,
         wake,
+        started,
     } = reaper.spawn(cmd).map_err(spawn_err)?;
-    let started = Instant::now();
     let pid = child.id() as i32;
     let stdin = child.stdin.take();
     let stdout = child.stdout.take().map(|p| File::from(OwnedFd::from(p)));

@@ -100,6 +100,8 @@ pub struct Spawned {
     pub slot: Arc<ExitSlot>,
     /// Read end of the wake pipe (non-blocking).
     pub wake: PipeReader,
+    /// Taken just before `fork`.
+    pub started: Instant,
 }
 
 impl Reaper {
@@ -158,6 +160,7 @@ impl Reaper {
             wake: Mutex::new(wr),
         });
         let gate = self.gate.read().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
         let child = cmd.spawn()?;
         let pid = child.id() as i32;
         lock(&self.registry).insert(pid, Arc::clone(&slot));
@@ -167,6 +170,7 @@ impl Reaper {
             child,
             slot,
             wake: rd,
+            started,
         })
     }
 

@@ -223,8 +223,23 @@ fn exec_ok_nonzero_env_stdin() {
 #[test]
 fn exec_spawn_failure_and_cwd() {
     let a = Agent::start();
-    let ev = a.call(Request::Exec(ExecRequest::argv(["/definitely/missing"])));
-    assert_eq!(code_of(ev), ErrorCode::SpawnFailed);
+    // Many concurrent failed execs: std's own waitpid on exec failure must not race the reaper.
+    let ids: Vec<u64> = (0..40)
+        .map(|_| {
+            a.send(
+                &Request::Exec(ExecRequest::argv(["/definitely/missing"])),
+                b"",
+            )
+        })
+        .collect();
+    for id in ids {
+        let ev = a
+            .wait_terminal(id, Duration::from_secs(30))
+            .pop()
+            .expect("ev")
+            .0;
+        assert_eq!(code_of(ev), ErrorCode::SpawnFailed);
+    }
     let mut req = ExecRequest::argv(["pwd"]);
     req.cwd = Some("/tmp".into());
     assert_eq!(text(&a.exec_req(req, b"").stdout), "/tmp\n");

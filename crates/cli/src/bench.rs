@@ -1,16 +1,273 @@
-//! `dsec bench`: latency and density measurements, printed as JSON.
-use std::process::ExitCode;
+//! `dsec bench container`: latency and density of the container substrate, printed as JSON.
+//!
+//! Every figure is a distribution (count, p50, p90, p99, max in microseconds) and the peer
+//! (`bwrap`, a host `python3`) is measured in the same run so ratios survive a noisy machine.
 
-use dsec_node::container::ContainerRuntime;
+use std::collections::BTreeMap;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use anyhow::Context;
+use dsec_api::exec::{ExecRequest, ExecStatus};
+use dsec_node::container::{ContainerRuntime, Sandbox};
+use dsec_node::pool::{Pool, PoolConfig};
+use dsec_node::sandbox::SandboxSpec;
+use serde::Serialize;
 
 /// Arguments of `dsec bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// What to measure.
+    /// What to measure (`container`).
     pub what: String,
+    /// Iterations per latency figure.
+    #[arg(long, default_value_t = 200)]
+    pub iterations: usize,
+    /// Idle sandboxes to hold at once for the density figure (0 skips it).
+    #[arg(long, default_value_t = 1000)]
+    pub idle: usize,
+    /// Write the JSON here as well as to stdout.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+struct Dist {
+    count: usize,
+    p50_us: u64,
+    p90_us: u64,
+    p99_us: u64,
+    max_us: u64,
+}
+
+fn dist(mut v: Vec<u64>) -> Dist {
+    v.sort_unstable();
+    let q = |p: f64| -> u64 {
+        if v.is_empty() {
+            return 0;
+        }
+        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+        v[i.min(v.len() - 1)]
+    };
+    Dist { count: v.len(), p50_us: q(0.5), p90_us: q(0.9), p99_us: q(0.99), max_us: v.last().copied().unwrap_or(0) }
+}
+
+fn us(t: Instant) -> u64 {
+    t.elapsed().as_micros() as u64
+}
+
+fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<()> {
+    let r = sb.exec(rt, &ExecRequest::argv(argv.iter().copied()), &[], |_, _| {})?;
+    anyhow::ensure!(r.status == ExecStatus::Ok, "{argv:?} failed: {r:?}");
+    Ok(())
+}
+
+fn host_used_bytes() -> u64 {
+    let Ok(m) = std::fs::read_to_string("/proc/meminfo") else { return 0 };
+    let get = |k: &str| -> u64 {
+        m.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    get("MemTotal:").saturating_sub(get("MemAvailable:"))
+}
+
+fn run_peer(argv: &[&str], n: usize) -> Option<Dist> {
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let ok = Command::new(argv[0])
+            .args(&argv[1..])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .ok()?
+            .success();
+        if !ok {
+            return None;
+        }
+        v.push(us(t));
+    }
+    Some(dist(v))
 }
 
 /// Runs a benchmark.
-pub fn run(_args: &BenchArgs, _rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not yet")
+pub fn run(args: &BenchArgs, rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.what == "container", "unknown benchmark {:?} (available: container)", args.what);
+    let rt = rt()?;
+    let n = args.iterations.max(10);
+    let spec = SandboxSpec::default();
+    let mut res: BTreeMap<&str, Dist> = BTreeMap::new();
+    let mut notes: BTreeMap<&str, serde_json::Value> = BTreeMap::new();
+
+    // Warm-up: page cache, spawner, cgroup base dirs.
+    for _ in 0..5 {
+        let (mut sb, _) = rt.create(&spec)?;
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        sb.destroy(&rt)?;
+    }
+
+    let (mut create, mut launch, mut create_exec, mut destroy) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..n {
+        let t = Instant::now();
+        let (mut sb, phases) = rt.create(&spec)?;
+        create.push(us(t));
+        launch.push(phases.launch_us);
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        create_exec.push(us(t));
+        let t = Instant::now();
+        sb.destroy(&rt)?;
+        destroy.push(us(t));
+    }
+    res.insert("cold_create_to_agent_ready", dist(create));
+    res.insert("cold_create_phase_launch", dist(launch));
+    res.insert("cold_create_exec_true", dist(create_exec));
+    res.insert("destroy", dist(destroy));
+
+    // Peer: bubblewrap with every namespace, in the same run.
+    let bwrap = run_peer(&["bwrap", "--unshare-all", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "/bin/true"], n);
+    match bwrap {
+        Some(d) => {
+            res.insert("peer_bwrap_true", d);
+        }
+        None => {
+            notes.insert("peer_bwrap_true", "bwrap not installed or failed".into());
+        }
+    }
+
+    // Exec in a running sandbox, python inside vs outside.
+    let (mut sb, _) = rt.create(&spec)?;
+    let mut v = vec![];
+    for _ in 0..n {
+        let t = Instant::now();
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        v.push(us(t));
+    }
+    res.insert("exec_true_running", dist(v));
+    let py_n = (n / 4).max(10);
+    let mut v = vec![];
+    for _ in 0..py_n {
+        let t = Instant::now();
+        exec_ok(&mut sb, &rt, &["/usr/bin/python3", "-c", "pass"])?;
+        v.push(us(t));
+    }
+    res.insert("python3_pass_inside", dist(v));
+    if let Some(d) = run_peer(&["/usr/bin/python3", "-c", "pass"], py_n) {
+        res.insert("python3_pass_outside", d);
+    }
+
+    // Reset: clean, and after writing 100 files.
+    let mut clean = vec![];
+    let mut dirty = vec![];
+    sb.mark_acquired()?;
+    for i in 0..n / 2 {
+        let t = Instant::now();
+        sb.reset()?;
+        clean.push(us(t));
+        sb.mark_acquired()?;
+        if i % 10 == 0 {
+            exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        }
+    }
+    for _ in 0..(n / 4).max(10) {
+        exec_ok(&mut sb, &rt, &["/bin/sh", "-c", "for i in $(seq 100); do echo $i > /tmp/f$i; done"])?;
+        let t = Instant::now();
+        sb.reset()?;
+        dirty.push(us(t));
+        sb.mark_acquired()?;
+    }
+    res.insert("reset_clean", dist(clean));
+    res.insert("reset_100_files", dist(dirty));
+    sb.destroy(&rt)?;
+
+    // Warm acquire from a pool.
+    let pool_size = 50.min(n);
+    let pool = Pool::new(
+        spec.clone(),
+        PoolConfig { min: 0, max: pool_size, target: pool_size, low_watermark: pool_size / 5 },
+    )?;
+    pool.refill(&rt)?;
+    let mut v = vec![];
+    let mut taken = vec![];
+    for _ in 0..pool_size {
+        let t = Instant::now();
+        let sb = pool.try_acquire().context("pool unexpectedly empty")?;
+        v.push(us(t));
+        taken.push(sb);
+    }
+    res.insert("warm_acquire_from_pool", dist(v));
+    for sb in taken {
+        sb.destroy(&rt)?;
+    }
+
+    // Density: idle sandboxes held at once, host memory per sandbox.
+    if args.idle > 0 {
+        let before = host_used_bytes();
+        let mut held = Vec::with_capacity(args.idle);
+        let t = Instant::now();
+        for _ in 0..args.idle {
+            match rt.create(&spec) {
+                Ok((sb, _)) => held.push(sb),
+                Err(e) => {
+                    notes.insert("idle_stopped_by", format!("{e:#}").into());
+                    break;
+                }
+            }
+        }
+        let create_all_ms = t.elapsed().as_millis() as u64;
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let after = host_used_bytes();
+        let count = held.len();
+        let per = if count > 0 { after.saturating_sub(before) / count as u64 } else { 0 };
+        // Everything still answers.
+        let mut alive = 0;
+        for sb in held.iter_mut() {
+            if sb.ping().is_ok() {
+                alive += 1;
+            }
+        }
+        let t = Instant::now();
+        for sb in held {
+            sb.destroy(&rt)?;
+        }
+        notes.insert(
+            "idle",
+            serde_json::json!({
+                "held": count,
+                "answering_ping": alive,
+                "host_memory_per_sandbox_bytes": per,
+                "create_all_ms": create_all_ms,
+                "destroy_all_ms": t.elapsed().as_millis() as u64,
+            }),
+        );
+    }
+
+    let ratio = |a: &str, b: &str| -> Option<f64> {
+        let (a, b) = (res.get(a)?, res.get(b)?);
+        (b.p50_us > 0).then(|| a.p50_us as f64 / b.p50_us as f64)
+    };
+    let ratios = serde_json::json!({
+        "cold_create_exec_true_vs_bwrap_p50": ratio("cold_create_exec_true", "peer_bwrap_true"),
+        "python_inside_vs_outside_p50": ratio("python3_pass_inside", "python3_pass_outside"),
+    });
+    let out = serde_json::json!({
+        "benchmark": "container",
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+        "cgroup_favordynmods": rt.favordynmods(),
+        "results": res,
+        "ratios": ratios,
+        "notes": notes,
+    });
+    let text = serde_json::to_string_pretty(&out)?;
+    println!("{text}");
+    if let Some(p) = &args.out {
+        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

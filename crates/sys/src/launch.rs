@@ -260,8 +260,10 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
         work: cstr(format!("{stage}/work"), "stage")?,
         overlay_opts: cstr(
             format!(
-                "lowerdir={},upperdir={stage}/upper,workdir={stage}/work",
-                r.lowerdirs.join(":")
+                "lowerdir={},upperdir={stage}/upper,workdir={stage}/work{}",
+                r.lowerdirs.join(":"),
+                // Inside a user namespace overlayfs cannot use trusted.* xattrs.
+                if spec.ns.user.is_some() { ",userxattr" } else { "" }
             ),
             "overlay",
         )?,
@@ -493,6 +495,13 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         unsafe { libc::_exit(126) };
     }
     drop(sync);
+    if p.userns {
+        // The id maps are written: become root of the new user namespace.
+        // SAFETY: integer-argument syscalls.
+        check(unsafe { libc::setresgid(0, 0, 0) }, &err, "setresgid");
+        // SAFETY: as above.
+        check(unsafe { libc::setresuid(0, 0, 0) }, &err, "setresuid");
+    }
     // SAFETY: integer-argument syscall.
     check(unsafe { libc::unshare(libc::CLONE_NEWCGROUP) }, &err, "cgroup_ns");
     let nul = c"";
@@ -585,7 +594,14 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
 
     if !p.writable_root {
         for s in &p.scratch {
-            check(mkdir(s, 0o755), &err, "mkdir_scratch");
+            if mkdir(s, 0o755) < 0 {
+                // In a user namespace, directories owned by unmapped host ids (e.g. `/` and
+                // `/root` of the host template) cannot be created or written: skip them.
+                if p.userns {
+                    continue;
+                }
+                fail(&err, "mkdir_scratch");
+            }
             mount(&err, "scratch_bind", s, s, None, libc::MS_BIND, None);
             mount(
                 &err,
@@ -794,4 +810,30 @@ pub fn is_mount_point(path: &std::path::Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
     let want = path.to_string_lossy();
     info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_ref()))
+}
+
+/// Moves the caller into a private mount namespace and binds the host root (without its
+/// submounts) on `target`. A sandbox in a user namespace cannot use `/` itself as an overlay
+/// layer (its submounts are locked there); this plain bind has no submounts, so it can.
+pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let t = CString::new(target.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: integer-argument syscall; the caller is single-threaded or accepts that only the
+    // calling thread moves.
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: valid NUL-terminated strings; null fstype/data are allowed for these flags.
+    let rc = unsafe {
+        libc::mount(NONE.as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    let rc = unsafe { libc::mount(c"/".as_ptr(), t.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }

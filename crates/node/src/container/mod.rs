@@ -199,6 +199,7 @@ impl ContainerRuntime {
         let stage = cfg.run_dir.join("stage");
         prep_dir(&stage)?;
         prep_dir(&cfg.run_dir.join("sandboxes"))?;
+        prep_dir(&cfg.run_dir.join("hostroot"))?;
         let cgroups = CgroupManager::detect(shim::CGROUP_BASE).map_err(RuntimeError::Cgroup)?;
         let favordynmods = cgroups.favor_dynmods().unwrap_or(false);
         let templates = TemplateStore::open(&cfg.data_dir).map_err(RuntimeError::Template)?;

@@ -178,7 +178,7 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-sup");
     let _ = ipc::setsid();
-    let cfg = req.config;
+    let mut cfg = req.config;
     let fail = |message: String| {
         let _ = send(ctx.node.as_fd(), &SupervisorMsg::Failed { req: req.req, message }, &[]);
         1
@@ -186,6 +186,17 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
     let run_dir = PathBuf::from(&cfg.run_dir);
     if let Err(e) = std::fs::create_dir_all(&run_dir) {
         return fail(format!("create {}: {e}", run_dir.display()));
+    }
+    if cfg.userns.is_some() && cfg.lowerdirs.iter().any(|l| l == "/") {
+        let hostroot = Path::new(&cfg.stage).with_file_name("hostroot");
+        if let Err(e) = launch::private_root_bind(&hostroot) {
+            let _ = std::fs::remove_dir_all(&run_dir);
+            return fail(format!("bind host root for a user namespace: {e}"));
+        }
+        let h = hostroot.display().to_string();
+        for l in cfg.lowerdirs.iter_mut().filter(|l| *l == "/") {
+            l.clone_from(&h);
+        }
     }
     let cgroup = match ctx.cgroups.create(&cfg.id, &cgroup_limits(&cfg)) {
         Ok(c) => c,

@@ -27,7 +27,9 @@ use std::path::PathBuf;
 use dsec_api::ErrorCode;
 use serde::{Deserialize, Serialize};
 
-pub use host::{host_mask_layer, shares_filesystem_with_root, stage_layer};
+pub use host::{
+    host_mask_layer, shares_filesystem_with_root, stage_layer, HIDDEN_DIRS, HIDDEN_FILES,
+};
 pub use oci::OciSource;
 pub use store::{LayerStore, TemplateStore};
 pub use unpack::unpack_layer;
