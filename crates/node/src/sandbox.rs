@@ -55,7 +55,7 @@ impl Limits {
             return Err("cpu_weight must be in 1..=10000".into());
         }
         if let Some(c) = self.cpu_max {
-            if !(c.is_finite() && c >= 0.01 && c <= 1024.0) {
+            if !(0.01..=1024.0).contains(&c) {
                 return Err("cpu_max must be between 0.01 and 1024 CPUs".into());
             }
         }

@@ -11,6 +11,8 @@ use super::{ContainerRuntime, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State};
 
+type Env = Vec<(String, String)>;
+
 /// How long a create may take before it is declared failed.
 const CREATE_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -40,7 +42,7 @@ pub fn new_id() -> String {
 }
 
 impl ContainerRuntime {
-    fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Vec<(String, String)>), RuntimeError> {
+    fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
         if template == "host" {
             return Ok((vec![self.host_mask.display().to_string(), "/".into()], Vec::new()));
         }
