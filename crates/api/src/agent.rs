@@ -303,9 +303,18 @@ mod tests {
 
     #[test]
     fn request_json_shape_is_stable() {
-        let env = RequestEnvelope { id: 7, req: Request::ProcSignal { handle: 3, signal: 9 } };
+        let env = RequestEnvelope {
+            id: 7,
+            req: Request::ProcSignal {
+                handle: 3,
+                signal: 9,
+            },
+        };
         let json = serde_json::to_string(&env).expect("serialize");
-        assert_eq!(json, r#"{"id":7,"req":{"op":"proc_signal","handle":3,"signal":9}}"#);
+        assert_eq!(
+            json,
+            r#"{"id":7,"req":{"op":"proc_signal","handle":3,"signal":9}}"#
+        );
         let back: RequestEnvelope = serde_json::from_str(&json).expect("parse");
         assert_eq!(back, env);
     }

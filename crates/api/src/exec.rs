@@ -122,10 +122,16 @@ impl ExecRequest {
                 return Err("cwd must not contain NUL".into());
             }
         }
-        if self.timeout_ms.is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS) {
+        if self
+            .timeout_ms
+            .is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS)
+        {
             return Err(format!("timeout_ms must be in 1..={MAX_TIMEOUT_MS}"));
         }
-        if self.cpu_limit_ms.is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS) {
+        if self
+            .cpu_limit_ms
+            .is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS)
+        {
             return Err(format!("cpu_limit_ms must be in 1..={MAX_TIMEOUT_MS}"));
         }
         if self.output_limit.is_some_and(|l| l > MAX_OUTPUT_LIMIT) {
@@ -254,7 +260,11 @@ mod tests {
     #[test]
     fn captured_roundtrips_binary_and_text() {
         for data in [b"hello".to_vec(), vec![0xff, 0x00, 0x80]] {
-            let c = Captured { data: data.clone(), total: 3, truncated: false };
+            let c = Captured {
+                data: data.clone(),
+                total: 3,
+                truncated: false,
+            };
             let json = serde_json::to_string(&c).expect("serialize");
             let back: Captured = serde_json::from_str(&json).expect("deserialize");
             assert_eq!(back.data, data);

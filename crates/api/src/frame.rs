@@ -143,12 +143,23 @@ fn encode<T: Serialize>(kind: FrameKind, msg: &T, body: &[u8]) -> Result<Vec<u8>
 
 /// Encodes a request frame.
 pub fn encode_request(id: u64, req: &Request, body: &[u8]) -> Result<Vec<u8>, FrameError> {
-    encode(FrameKind::Request, &RequestEnvelope { id, req: req.clone() }, body)
+    encode(
+        FrameKind::Request,
+        &RequestEnvelope {
+            id,
+            req: req.clone(),
+        },
+        body,
+    )
 }
 
 /// Encodes an event frame.
 pub fn encode_event(id: u64, ev: &Event, body: &[u8]) -> Result<Vec<u8>, FrameError> {
-    encode(FrameKind::Event, &EventEnvelope { id, ev: ev.clone() }, body)
+    encode(
+        FrameKind::Event,
+        &EventEnvelope { id, ev: ev.clone() },
+        body,
+    )
 }
 
 /// Parsed prefix: (kind, header length, body length).
@@ -277,17 +288,29 @@ mod tests {
         bad.extend_from_slice(&0u32.to_le_bytes());
         let mut dec = FrameDecoder::new();
         dec.push(&bad);
-        assert!(matches!(dec.next_frame(), Err(FrameError::HeaderTooLarge(_))));
-        assert!(matches!(read_frame(&mut &bad[..]), Err(FrameError::HeaderTooLarge(_))));
+        assert!(matches!(
+            dec.next_frame(),
+            Err(FrameError::HeaderTooLarge(_))
+        ));
+        assert!(matches!(
+            read_frame(&mut &bad[..]),
+            Err(FrameError::HeaderTooLarge(_))
+        ));
     }
 
     #[test]
     fn rejects_other_versions_and_truncation() {
         let mut bytes = encode_event(1, &Event::Pong, b"").expect("encode");
         let cut = bytes[..bytes.len() - 1].to_vec();
-        assert!(matches!(read_frame(&mut &cut[..]), Err(FrameError::Truncated)));
+        assert!(matches!(
+            read_frame(&mut &cut[..]),
+            Err(FrameError::Truncated)
+        ));
         bytes[2] = 99;
-        assert!(matches!(read_frame(&mut &bytes[..]), Err(FrameError::UnsupportedVersion(99))));
+        assert!(matches!(
+            read_frame(&mut &bytes[..]),
+            Err(FrameError::UnsupportedVersion(99))
+        ));
     }
 
     proptest! {

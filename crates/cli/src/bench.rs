@@ -48,7 +48,13 @@ fn dist(mut v: Vec<u64>) -> Dist {
         let i = ((v.len() as f64 - 1.0) * p).round() as usize;
         v[i.min(v.len() - 1)]
     };
-    Dist { count: v.len(), p50_us: q(0.5), p90_us: q(0.9), p99_us: q(0.99), max_us: v.last().copied().unwrap_or(0) }
+    Dist {
+        count: v.len(),
+        p50_us: q(0.5),
+        p90_us: q(0.9),
+        p99_us: q(0.99),
+        max_us: v.last().copied().unwrap_or(0),
+    }
 }
 
 fn us(t: Instant) -> u64 {
@@ -62,7 +68,9 @@ fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Re
 }
 
 fn host_used_bytes() -> u64 {
-    let Ok(m) = std::fs::read_to_string("/proc/meminfo") else { return 0 };
+    let Ok(m) = std::fs::read_to_string("/proc/meminfo") else {
+        return 0;
+    };
     let get = |k: &str| -> u64 {
         m.lines()
             .find(|l| l.starts_with(k))
@@ -95,8 +103,15 @@ fn run_peer(argv: &[&str], n: usize) -> Option<Dist> {
 }
 
 /// Runs a benchmark.
-pub fn run(args: &BenchArgs, rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(args.what == "container", "unknown benchmark {:?} (available: container)", args.what);
+pub fn run(
+    args: &BenchArgs,
+    rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
+) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.what == "container",
+        "unknown benchmark {:?} (available: container)",
+        args.what
+    );
     let rt = rt()?;
     let n = args.iterations.max(10);
     let spec = SandboxSpec::default();
@@ -128,7 +143,21 @@ pub fn run(args: &BenchArgs, rt: impl FnOnce() -> anyhow::Result<ContainerRuntim
     res.insert("destroy", dist(destroy));
 
     // Peer: bubblewrap with every namespace, in the same run.
-    let bwrap = run_peer(&["bwrap", "--unshare-all", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "/bin/true"], n);
+    let bwrap = run_peer(
+        &[
+            "bwrap",
+            "--unshare-all",
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "/bin/true",
+        ],
+        n,
+    );
     match bwrap {
         Some(d) => {
             res.insert("peer_bwrap_true", d);
@@ -173,7 +202,15 @@ pub fn run(args: &BenchArgs, rt: impl FnOnce() -> anyhow::Result<ContainerRuntim
         }
     }
     for _ in 0..(n / 4).max(10) {
-        exec_ok(&mut sb, &rt, &["/bin/sh", "-c", "for i in $(seq 100); do echo $i > /tmp/f$i; done"])?;
+        exec_ok(
+            &mut sb,
+            &rt,
+            &[
+                "/bin/sh",
+                "-c",
+                "for i in $(seq 100); do echo $i > /tmp/f$i; done",
+            ],
+        )?;
         let t = Instant::now();
         sb.reset()?;
         dirty.push(us(t));
@@ -187,7 +224,12 @@ pub fn run(args: &BenchArgs, rt: impl FnOnce() -> anyhow::Result<ContainerRuntim
     let pool_size = 50.min(n);
     let pool = Pool::new(
         spec.clone(),
-        PoolConfig { min: 0, max: pool_size, target: pool_size, low_watermark: pool_size / 5 },
+        PoolConfig {
+            min: 0,
+            max: pool_size,
+            target: pool_size,
+            low_watermark: pool_size / 5,
+        },
     )?;
     pool.refill(&rt)?;
     let mut v = vec![];
@@ -221,7 +263,11 @@ pub fn run(args: &BenchArgs, rt: impl FnOnce() -> anyhow::Result<ContainerRuntim
         std::thread::sleep(std::time::Duration::from_millis(500));
         let after = host_used_bytes();
         let count = held.len();
-        let per = if count > 0 { after.saturating_sub(before) / count as u64 } else { 0 };
+        let per = if count > 0 {
+            after.saturating_sub(before) / count as u64
+        } else {
+            0
+        };
         // Everything still answers.
         let mut alive = 0;
         for sb in held.iter_mut() {

@@ -19,7 +19,12 @@ use dsec_node::sandbox::{Limits, SandboxSpec};
 #[command(name = "dsec", version, about)]
 struct Cli {
     /// Persistent data directory (layers, templates).
-    #[arg(long, global = true, env = "DSEC_DATA_DIR", default_value = "/var/lib/dsec")]
+    #[arg(
+        long,
+        global = true,
+        env = "DSEC_DATA_DIR",
+        default_value = "/var/lib/dsec"
+    )]
     data_dir: PathBuf,
     /// Runtime directory (supervisor sockets, stage dir).
     #[arg(long, global = true, env = "DSEC_RUN_DIR", default_value = "/run/dsec")]
@@ -106,7 +111,9 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     let limits = Limits {
         memory_max: args.memory,
         cpu_max: args.cpus,
-        cpu_weight: args.cpus.map_or(100, |c| ((c * 100.0) as u64).clamp(1, 10000)),
+        cpu_weight: args
+            .cpus
+            .map_or(100, |c| ((c * 100.0) as u64).clamp(1, 10000)),
         disk_bytes: args.disk,
         file_size_max: args.disk,
         pids_max: args.pids,
@@ -147,7 +154,10 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
             124
         }
         ExecStatus::Oom => {
-            eprintln!("dsec: command was killed: out of memory (limit {} bytes)", args.memory);
+            eprintln!(
+                "dsec: command was killed: out of memory (limit {} bytes)",
+                args.memory
+            );
             137
         }
         ExecStatus::OutputLimit => {
@@ -160,7 +170,8 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
-    let store = dsec_node::template::TemplateStore::open(&cli.data_dir).context("open template store")?;
+    let store =
+        dsec_node::template::TemplateStore::open(&cli.data_dir).context("open template store")?;
     match cmd {
         TemplateCmd::List => {
             for t in store.list()? {
@@ -170,12 +181,14 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
         TemplateCmd::Import { name, path, rootfs } => {
             let limits = dsec_node::template::ImportLimits::default();
             let t = if *rootfs {
-                let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+                let f = std::fs::File::open(path)
+                    .with_context(|| format!("open {}", path.display()))?;
                 store.import_rootfs_tar(name, f, &limits)?
             } else if path.is_dir() {
                 store.import_oci(name, dsec_node::template::OciSource::Dir(path), &limits)?
             } else {
-                let mut f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+                let mut f = std::fs::File::open(path)
+                    .with_context(|| format!("open {}", path.display()))?;
                 store.import_oci(name, dsec_node::template::OciSource::Tar(&mut f), &limits)?
             };
             println!("imported {} ({} layer(s))", t.name, t.layers.len());

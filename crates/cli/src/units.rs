@@ -18,7 +18,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         }
         None => (s, 1),
     };
-    let n: f64 = num.parse().map_err(|_| format!("invalid size {s:?} (e.g. 256M, 1G)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?} (e.g. 256M, 1G)"))?;
     if !n.is_finite() || n < 0.0 {
         return Err(format!("invalid size {s:?}"));
     }
@@ -30,13 +32,19 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("invalid duration {s:?} (e.g. 500ms, 10s, 2m)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (e.g. 500ms, 10s, 2m)"))?;
     let ms = match unit {
         "ms" => n,
         "" | "s" => n * 1e3,
         "m" => n * 60e3,
         "h" => n * 3600e3,
-        _ => return Err(format!("unknown duration unit in {s:?} (use ms, s, m or h)")),
+        _ => {
+            return Err(format!(
+                "unknown duration unit in {s:?} (use ms, s, m or h)"
+            ))
+        }
     };
     if !ms.is_finite() || ms < 1.0 {
         return Err(format!("duration {s:?} must be at least 1ms"));
@@ -48,7 +56,9 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
 pub fn parse_env(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-        _ => Err(format!("invalid environment entry {s:?} (expected KEY=VALUE)")),
+        _ => Err(format!(
+            "invalid environment entry {s:?} (expected KEY=VALUE)"
+        )),
     }
 }
 

@@ -68,7 +68,12 @@ pub struct AgentConn {
 impl AgentConn {
     /// Wraps a connected agent socket.
     pub fn new(fd: OwnedFd) -> Self {
-        Self { stream: UnixStream::from(fd), decoder: FrameDecoder::new(), next_id: 1, buf: vec![0u8; 64 << 10] }
+        Self {
+            stream: UnixStream::from(fd),
+            decoder: FrameDecoder::new(),
+            next_id: 1,
+            buf: vec![0u8; 64 << 10],
+        }
     }
 
     /// Waits for the agent's unprompted `Hello`.
@@ -96,10 +101,17 @@ impl AgentConn {
                 .map_err(AgentError::Disconnected)?;
             match self.stream.read(&mut self.buf) {
                 Ok(0) => {
-                    return Err(AgentError::Disconnected(io::Error::from(io::ErrorKind::UnexpectedEof)))
+                    return Err(AgentError::Disconnected(io::Error::from(
+                        io::ErrorKind::UnexpectedEof,
+                    )))
                 }
                 Ok(n) => self.decoder.push(&self.buf[..n]),
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
                     return Err(AgentError::Timeout(Duration::ZERO))
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -120,7 +132,9 @@ impl AgentConn {
         let id = self.next_id;
         self.next_id += 1;
         let bytes = frame::encode_request(id, req, body).map_err(AgentError::Protocol)?;
-        self.stream.write_all(&bytes).map_err(AgentError::Disconnected)?;
+        self.stream
+            .write_all(&bytes)
+            .map_err(AgentError::Disconnected)?;
         let deadline = Instant::now() + timeout.map_or(DEFAULT_DEADLINE, |t| t + DEADLINE_SLACK);
         loop {
             let (rid, ev, body) = self.read_event(deadline)?;
@@ -139,7 +153,10 @@ impl AgentConn {
 
     /// Liveness check.
     pub fn ping(&mut self) -> Result<(), AgentError> {
-        match self.call(&Request::Ping, &[], Some(Duration::from_secs(5)), |_, _| {})?.0 {
+        match self
+            .call(&Request::Ping, &[], Some(Duration::from_secs(5)), |_, _| {})?
+            .0
+        {
             Event::Pong => Ok(()),
             other => Err(AgentError::Unexpected(format!("{other:?}"))),
         }

@@ -61,7 +61,12 @@ impl Pool {
     /// An empty pool.
     pub fn new(spec: SandboxSpec, cfg: PoolConfig) -> Result<Self, RuntimeError> {
         cfg.validate().map_err(RuntimeError::Invalid)?;
-        Ok(Self { spec, cfg, ready: Mutex::new(VecDeque::new()), stats: Mutex::new(PoolStats::default()) })
+        Ok(Self {
+            spec,
+            cfg,
+            ready: Mutex::new(VecDeque::new()),
+            stats: Mutex::new(PoolStats::default()),
+        })
     }
 
     /// The sizing.

@@ -176,13 +176,19 @@ mod tests {
         assert_eq!(State::Creating.transition(State::Ready), Ok(State::Ready));
         assert!(State::Stopped.transition(State::Running).is_err());
         assert!(State::Ready.transition(State::Resetting).is_err());
-        assert_eq!(State::Failed.transition(State::Stopping), Ok(State::Stopping));
+        assert_eq!(
+            State::Failed.transition(State::Stopping),
+            Ok(State::Stopping)
+        );
     }
 
     #[test]
     fn default_limits_validate() {
         assert!(Limits::default().validate().is_ok());
-        let l = Limits { pids_max: 1, ..Limits::default() };
+        let l = Limits {
+            pids_max: 1,
+            ..Limits::default()
+        };
         assert!(l.validate().is_err());
     }
 }

@@ -39,7 +39,10 @@ pub fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) 
     if fds.len() > MAX_FDS {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
-    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
     let mut cmsg_buf = [0u64; 8];
     // SAFETY: msghdr is plain data; zeroed is a valid starting value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -80,7 +83,10 @@ pub fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) 
 /// Receives one message into `buf`; returns its length (0 on end of stream) and any descriptors
 /// attached (received close-on-exec).
 pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
     let mut cmsg_buf = [0u64; 8];
     // SAFETY: msghdr is plain data; zeroed is a valid starting value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -106,7 +112,8 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize,
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let count = ((*cmsg).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let count =
+                    ((*cmsg).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
                 let src = libc::CMSG_DATA(cmsg).cast::<RawFd>();
                 for i in 0..count {
                     fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(src.add(i))));
@@ -135,7 +142,10 @@ impl PidFd {
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as libc::c_int;
         cvt(fd)?;
         // SAFETY: pidfd_open returned a fresh fd we exclusively own.
-        Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) }, pid })
+        Ok(Self {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            pid,
+        })
     }
 
     /// The pid it refers to.
@@ -147,7 +157,13 @@ impl PidFd {
     pub fn signal(&self, signal: i32) -> io::Result<bool> {
         // SAFETY: integer and null-pointer arguments; the fd is a valid pidfd.
         let rc = unsafe {
-            libc::syscall(libc::SYS_pidfd_send_signal, self.fd.as_raw_fd(), signal, std::ptr::null::<u8>(), 0)
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.fd.as_raw_fd(),
+                signal,
+                std::ptr::null::<u8>(),
+                0,
+            )
         };
         if rc == 0 {
             return Ok(true);
@@ -168,7 +184,10 @@ impl PidFd {
 
     /// Whether the process is still alive.
     pub fn is_alive(&self) -> bool {
-        matches!(poll_readable(self.fd.as_fd_borrowed(), Duration::ZERO), Ok(false))
+        matches!(
+            poll_readable(self.fd.as_fd_borrowed(), Duration::ZERO),
+            Ok(false)
+        )
     }
 
     /// The raw descriptor, for polling.
@@ -189,7 +208,11 @@ impl AsFdBorrowed for OwnedFd {
 
 /// Polls one descriptor for readability (or hang-up) for at most `timeout`.
 pub fn poll_readable(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<bool> {
-    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
     let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
     loop {
         // SAFETY: one valid pollfd.
@@ -206,14 +229,25 @@ pub fn poll_readable(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<bool> 
 
 /// Polls several descriptors for readability; returns the indices that are ready.
 pub fn poll_many(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> io::Result<Vec<usize>> {
-    let mut pfds: Vec<libc::pollfd> =
-        fds.iter().map(|f| libc::pollfd { fd: f.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|f| libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
     let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as libc::c_int);
     loop {
         // SAFETY: `pfds` is a valid array of `len` pollfds.
         let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         if rc >= 0 {
-            return Ok(pfds.iter().enumerate().filter(|(_, p)| p.revents != 0).map(|(i, _)| i).collect());
+            return Ok(pfds
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.revents != 0)
+                .map(|(i, _)| i)
+                .collect());
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {

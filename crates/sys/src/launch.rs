@@ -216,7 +216,12 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
     ]
     .iter()
     .map(|(n, ma, mi)| {
-        Ok((cstr(format!("{dev}/{n}"), "dev")?, cstr(format!("/dev/{n}"), "dev")?, *ma, *mi))
+        Ok((
+            cstr(format!("{dev}/{n}"), "dev")?,
+            cstr(format!("/dev/{n}"), "dev")?,
+            *ma,
+            *mi,
+        ))
     })
     .collect::<Result<Vec<_>, LaunchError>>()?;
     let dev_links = [
@@ -229,8 +234,11 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
     .iter()
     .map(|(n, t)| Ok((cstr(format!("{dev}/{n}"), "dev")?, cstr(*t, "dev")?)))
     .collect::<Result<Vec<_>, LaunchError>>()?;
-    let argv: Vec<CString> =
-        spec.argv.iter().map(|a| cstr(a.as_str(), "argv")).collect::<Result<_, _>>()?;
+    let argv: Vec<CString> = spec
+        .argv
+        .iter()
+        .map(|a| cstr(a.as_str(), "argv"))
+        .collect::<Result<_, _>>()?;
     let envp: Vec<CString> = spec
         .env
         .iter()
@@ -253,7 +261,11 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Prepared {
         tmpfs_opts: cstr(
-            format!("size={},nr_inodes={},mode=0755", r.disk_bytes.max(4096), r.disk_inodes.max(16)),
+            format!(
+                "size={},nr_inodes={},mode=0755",
+                r.disk_bytes.max(4096),
+                r.disk_inodes.max(16)
+            ),
             "tmpfs",
         )?,
         upper: cstr(format!("{stage}/upper"), "stage")?,
@@ -263,7 +275,11 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
                 "lowerdir={},upperdir={stage}/upper,workdir={stage}/work{}",
                 r.lowerdirs.join(":"),
                 // Inside a user namespace overlayfs cannot use trusted.* xattrs.
-                if spec.ns.user.is_some() { ",userxattr" } else { "" }
+                if spec.ns.user.is_some() {
+                    ",userxattr"
+                } else {
+                    ""
+                }
             ),
             "overlay",
         )?,
@@ -298,7 +314,9 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
 
 /// Number of threads of the calling process.
 pub fn thread_count() -> usize {
-    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(usize::MAX)
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| d.count())
+        .unwrap_or(usize::MAX)
 }
 
 fn ensure_single_threaded() -> Result<(), LaunchError> {
@@ -337,7 +355,10 @@ fn pipe_cloexec(what: &'static str) -> Result<(OwnedFd, OwnedFd), LaunchError> {
     // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
     let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
     if rc != 0 {
-        return Err(LaunchError::Create { what, source: io::Error::last_os_error() });
+        return Err(LaunchError::Create {
+            what,
+            source: io::Error::last_os_error(),
+        });
     }
     // SAFETY: pipe2 succeeded, so both fds are open and owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
@@ -366,7 +387,14 @@ pub fn spawn_container(
     // space. The caller is single-threaded (checked above), so the child may run Rust code; it
     // never returns from `child_main`.
     let pid = unsafe {
-        libc::syscall(libc::SYS_clone, (flags | libc::SIGCHLD) as libc::c_ulong, 0usize, 0usize, 0usize, 0usize)
+        libc::syscall(
+            libc::SYS_clone,
+            (flags | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
     };
     if pid == -1 {
         return Err(LaunchError::Clone(io::Error::last_os_error()));
@@ -383,9 +411,15 @@ pub fn spawn_container(
         if let Some(map) = &spec.ns.user {
             write_id_maps(pid, map)?;
         }
-        attach(pid).map_err(|source| LaunchError::Create { what: "cgroup attach", source })?;
+        attach(pid).map_err(|source| LaunchError::Create {
+            what: "cgroup attach",
+            source,
+        })?;
         let mut w = std::fs::File::from(sync_w);
-        w.write_all(b"g").map_err(|source| LaunchError::Create { what: "release", source })
+        w.write_all(b"g").map_err(|source| LaunchError::Create {
+            what: "release",
+            source,
+        })
     })();
     let mut report = String::new();
     let _ = std::fs::File::from(err_r).read_to_string(&mut report);
@@ -485,7 +519,11 @@ const NONE: &CStr = c"none";
 
 fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedFd) -> ! {
     // SAFETY: prctl with integer arguments only.
-    check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) }, &err, "pdeathsig");
+    check(
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) },
+        &err,
+        "pdeathsig",
+    );
     let mut go = [0u8; 1];
     // SAFETY: reading into a valid one-byte buffer.
     let n = unsafe { libc::read(sync.as_raw_fd(), go.as_mut_ptr().cast(), 1) };
@@ -503,24 +541,66 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         check(unsafe { libc::setresuid(0, 0, 0) }, &err, "setresuid");
     }
     // SAFETY: integer-argument syscall.
-    check(unsafe { libc::unshare(libc::CLONE_NEWCGROUP) }, &err, "cgroup_ns");
+    check(
+        unsafe { libc::unshare(libc::CLONE_NEWCGROUP) },
+        &err,
+        "cgroup_ns",
+    );
     let nul = c"";
-    mount(&err, "private", NONE, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None);
+    mount(
+        &err,
+        "private",
+        NONE,
+        c"/",
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    );
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
-    mount(&err, "tmpfs", c"tmpfs", &p.stage, Some(c"tmpfs"), nosuid_nodev, Some(&p.tmpfs_opts));
+    mount(
+        &err,
+        "tmpfs",
+        c"tmpfs",
+        &p.stage,
+        Some(c"tmpfs"),
+        nosuid_nodev,
+        Some(&p.tmpfs_opts),
+    );
     for d in [&p.upper, &p.work, &p.root] {
         check(mkdir(d, 0o755), &err, "mkdir_stage");
     }
-    mount(&err, "overlay", c"overlay", &p.root, Some(c"overlay"), nosuid_nodev, Some(&p.overlay_opts));
+    mount(
+        &err,
+        "overlay",
+        c"overlay",
+        &p.root,
+        Some(c"overlay"),
+        nosuid_nodev,
+        Some(&p.overlay_opts),
+    );
 
     // /dev: a small tmpfs with the allowed nodes. It cannot be `nodev` (the nodes must work);
     // no process in the sandbox can create nodes (no CAP_MKNOD, seccomp) so these are the only ones.
     check(mkdir(&p.dev, 0o755), &err, "mkdir_dev");
-    mount(&err, "dev", c"tmpfs", &p.dev, Some(c"tmpfs"), libc::MS_NOSUID | libc::MS_NOEXEC, Some(&p.dev_opts));
+    mount(
+        &err,
+        "dev",
+        c"tmpfs",
+        &p.dev,
+        Some(c"tmpfs"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(&p.dev_opts),
+    );
     for (node, host, major, minor) in &p.dev_nodes {
         if p.userns {
             // SAFETY: valid path; creating an empty regular file as a bind-mount target.
-            let fd = unsafe { libc::open(node.as_ptr(), libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY, 0o666) };
+            let fd = unsafe {
+                libc::open(
+                    node.as_ptr(),
+                    libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
+                    0o666,
+                )
+            };
             check(fd, &err, "dev_file");
             // SAFETY: closing the fd we just opened.
             unsafe { libc::close(fd) };
@@ -528,9 +608,17 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         } else {
             let dev = libc::makedev(*major, *minor);
             // SAFETY: valid path and a character device number.
-            check(unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) }, &err, "mknod");
+            check(
+                unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
+                &err,
+                "mknod",
+            );
             // SAFETY: valid path; umask may have cleared bits.
-            check(unsafe { libc::chmod(node.as_ptr(), 0o666) }, &err, "chmod_dev");
+            check(
+                unsafe { libc::chmod(node.as_ptr(), 0o666) },
+                &err,
+                "chmod_dev",
+            );
         }
     }
     check(mkdir(&p.pts, 0o755), &err, "mkdir_pts");
@@ -544,10 +632,22 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         Some(c"newinstance,ptmxmode=0666,mode=0620"),
     );
     check(mkdir(&p.shm, 0o1777), &err, "mkdir_shm");
-    mount(&err, "shm", c"shm", &p.shm, Some(c"tmpfs"), nosuid_nodev, Some(&p.shm_opts));
+    mount(
+        &err,
+        "shm",
+        c"shm",
+        &p.shm,
+        Some(c"tmpfs"),
+        nosuid_nodev,
+        Some(&p.shm_opts),
+    );
     for (link, target) in &p.dev_links {
         // SAFETY: both are valid NUL-terminated strings.
-        check(unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) }, &err, "dev_link");
+        check(
+            unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
+            &err,
+            "dev_link",
+        );
     }
 
     // /proc for the new pid namespace, with the OCI masked and read-only paths.
@@ -579,7 +679,15 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
     }
     for r in &p.readonly {
         if path_kind(r).is_some() {
-            mount(&err, "ro_bind", r, r, None, libc::MS_BIND | libc::MS_REC, None);
+            mount(
+                &err,
+                "ro_bind",
+                r,
+                r,
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+            );
             mount(
                 &err,
                 "ro_remount",
@@ -634,9 +742,17 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         "pivot_root",
     );
     // SAFETY: valid path.
-    check(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) }, &err, "umount_old_root");
+    check(
+        unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) },
+        &err,
+        "umount_old_root",
+    );
     // SAFETY: valid path.
-    check(unsafe { libc::chdir(c"/".as_ptr()) }, &err, "chdir_new_root");
+    check(
+        unsafe { libc::chdir(c"/".as_ptr()) },
+        &err,
+        "chdir_new_root",
+    );
 
     // SAFETY: valid buffer and length.
     check(
@@ -647,9 +763,16 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
     loopback_up(&err);
 
     for rl in &spec.rlimits {
-        let lim = libc::rlimit { rlim_cur: rl.value, rlim_max: rl.value };
+        let lim = libc::rlimit {
+            rlim_cur: rl.value,
+            rlim_max: rl.value,
+        };
         // SAFETY: valid rlimit struct.
-        check(unsafe { libc::setrlimit(rl.resource as _, &lim) }, &err, "setrlimit");
+        check(
+            unsafe { libc::setrlimit(rl.resource as _, &lim) },
+            &err,
+            "setrlimit",
+        );
     }
 
     // Descriptors: 3 = agent socket, 4 = agent executable (close-on-exec), error pipe kept
@@ -665,7 +788,10 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         if s < 0 || e < 0 || r < 0 {
             fail(&err, "dup_high");
         }
-        if libc::dup3(s, 3, 0) < 0 || libc::dup3(e, 4, libc::O_CLOEXEC) < 0 || libc::dup3(r, 5, libc::O_CLOEXEC) < 0 {
+        if libc::dup3(s, 3, 0) < 0
+            || libc::dup3(e, 4, libc::O_CLOEXEC) < 0
+            || libc::dup3(r, 5, libc::O_CLOEXEC) < 0
+        {
             fail(&err, "dup_low");
         }
         if libc::close_range(6, u32::MAX, 0) < 0 {
@@ -706,7 +832,8 @@ fn loopback_up(err: &OwnedFd) {
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     ifr.ifr_name[0] = b'l' as libc::c_char;
     ifr.ifr_name[1] = b'o' as libc::c_char;
-    ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_LOOPBACK | libc::IFF_RUNNING) as libc::c_short;
+    ifr.ifr_ifru.ifru_flags =
+        (libc::IFF_UP | libc::IFF_LOOPBACK | libc::IFF_RUNNING) as libc::c_short;
     // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
     let rc = unsafe { libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr) };
     // SAFETY: closing our own socket.
@@ -727,9 +854,19 @@ fn drop_privileges(err: &OwnedFd) {
         | libc::SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
     // SAFETY: prctl with integer arguments only.
     unsafe {
-        check(libc::prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong), err, "securebits");
         check(
-            libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0),
+            libc::prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong),
+            err,
+            "securebits",
+        );
+        check(
+            libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ),
             err,
             "ambient",
         );
@@ -755,8 +892,22 @@ fn drop_privileges(err: &OwnedFd) {
         permitted: u32,
         inheritable: u32,
     }
-    let header = Header { version: 0x2008_0522, pid: 0 };
-    let data = [Data { effective: 0, permitted: 0, inheritable: 0 }, Data { effective: 0, permitted: 0, inheritable: 0 }];
+    let header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let data = [
+        Data {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        },
+        Data {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        },
+    ];
     // SAFETY: capset with a v3 header and two data structs, as the ABI requires.
     let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as libc::c_int };
     check(rc, err, "capset");
@@ -767,7 +918,8 @@ fn drop_privileges(err: &OwnedFd) {
 pub fn sealed_exe_memfd(name: &str, bytes: &[u8]) -> io::Result<OwnedFd> {
     let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: valid name; flags are constants.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -787,7 +939,8 @@ pub fn sealed_exe_memfd(name: &str, bytes: &[u8]) -> io::Result<OwnedFd> {
 /// Mounts a tmpfs (`nosuid,nodev,noexec`) on `target` in the caller's mount namespace.
 pub fn mount_tmpfs(target: &std::path::Path, options: &str) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let t = CString::new(target.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let t = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let o = CString::new(options).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: valid NUL-terminated strings.
     let rc = unsafe {
@@ -807,9 +960,12 @@ pub fn mount_tmpfs(target: &std::path::Path, options: &str) -> io::Result<()> {
 
 /// Whether `path` is a mount point in the caller's mount namespace.
 pub fn is_mount_point(path: &std::path::Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
     let want = path.to_string_lossy();
-    info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_ref()))
+    info.lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_ref()))
 }
 
 /// Moves the caller into a private mount namespace and binds the host root (without its
@@ -817,7 +973,8 @@ pub fn is_mount_point(path: &std::path::Path) -> bool {
 /// layer (its submounts are locked there); this plain bind has no submounts, so it can.
 pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let t = CString::new(target.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let t = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: integer-argument syscall; the caller is single-threaded or accepts that only the
     // calling thread moves.
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } < 0 {
@@ -825,13 +982,27 @@ pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
     }
     // SAFETY: valid NUL-terminated strings; null fstype/data are allowed for these flags.
     let rc = unsafe {
-        libc::mount(NONE.as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+        libc::mount(
+            NONE.as_ptr(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
     };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: as above.
-    let rc = unsafe { libc::mount(c"/".as_ptr(), t.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) };
+    let rc = unsafe {
+        libc::mount(
+            c"/".as_ptr(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -44,10 +44,21 @@ pub fn new_id() -> String {
 impl ContainerRuntime {
     fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
         if template == "host" {
-            return Ok((vec![self.host_mask.display().to_string(), "/".into()], Vec::new()));
+            return Ok((
+                vec![self.host_mask.display().to_string(), "/".into()],
+                Vec::new(),
+            ));
         }
-        let t = self.templates.get(template).map_err(RuntimeError::Template)?;
-        let dirs = self.templates.lowerdirs(&t).into_iter().map(|p| p.display().to_string()).collect();
+        let t = self
+            .templates
+            .get(template)
+            .map_err(RuntimeError::Template)?;
+        let dirs = self
+            .templates
+            .lowerdirs(&t)
+            .into_iter()
+            .map(|p| p.display().to_string())
+            .collect();
         Ok((dirs, t.env.clone()))
     }
 
@@ -59,7 +70,10 @@ impl ContainerRuntime {
         let id = new_id();
         let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
         let mut env: Vec<(String, String)> = vec![
-            ("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()),
+            (
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            ),
             ("HOME".into(), "/root".into()),
             ("LANG".into(), "C.UTF-8".into()),
             ("TERM".into(), "xterm".into()),
@@ -104,19 +118,37 @@ impl ContainerRuntime {
                     p.remove(&req);
                 }
                 self.cleanup_leftovers(&id, &run_dir);
-                return Err(RuntimeError::Launch { id, message: "no answer from the spawner".into() });
+                return Err(RuntimeError::Launch {
+                    id,
+                    message: "no answer from the spawner".into(),
+                });
             }
         };
         let launch_us = t0.elapsed().as_micros() as u64;
         let (sup_pid, init_pid) = match msg {
-            SupervisorMsg::Launched { sup_pid, init_pid, .. } => (sup_pid, init_pid),
-            SupervisorMsg::Failed { message, .. } => return Err(RuntimeError::Launch { id, message }),
-            other => return Err(RuntimeError::Launch { id, message: format!("unexpected {other:?}") }),
+            SupervisorMsg::Launched {
+                sup_pid, init_pid, ..
+            } => (sup_pid, init_pid),
+            SupervisorMsg::Failed { message, .. } => {
+                return Err(RuntimeError::Launch { id, message })
+            }
+            other => {
+                return Err(RuntimeError::Launch {
+                    id,
+                    message: format!("unexpected {other:?}"),
+                })
+            }
         };
         let (Some(control), Some(agent_fd)) = (fds.pop(), fds.pop()) else {
-            return Err(RuntimeError::Launch { id, message: "supervisor sent no descriptors".into() });
+            return Err(RuntimeError::Launch {
+                id,
+                message: "supervisor sent no descriptors".into(),
+            });
         };
-        let sup = PidFd::open(sup_pid).map_err(|e| RuntimeError::Launch { id: id.clone(), message: e.to_string() })?;
+        let sup = PidFd::open(sup_pid).map_err(|e| RuntimeError::Launch {
+            id: id.clone(),
+            message: e.to_string(),
+        })?;
         let mut sandbox = Sandbox {
             id,
             spec: spec.clone(),
@@ -138,6 +170,12 @@ impl ContainerRuntime {
         }
         sandbox.state = sandbox.state.transition(State::Ready)?;
         let hello_us = t0.elapsed().as_micros() as u64;
-        Ok((sandbox, Phases { launch_us, hello_us }))
+        Ok((
+            sandbox,
+            Phases {
+                launch_us,
+                hello_us,
+            },
+        ))
     }
 }

@@ -16,10 +16,17 @@ impl Sandbox {
     ) -> Result<ExecResult, RuntimeError> {
         req.validate().map_err(RuntimeError::Invalid)?;
         let id = self.id.clone();
-        let mut result =
-            self.agent.exec(req, stdin, on_output).map_err(|source| RuntimeError::Agent { id, source })?;
+        let mut result = self
+            .agent
+            .exec(req, stdin, on_output)
+            .map_err(|source| RuntimeError::Agent { id, source })?;
         if result.signal == Some(9) && result.status == ExecStatus::Killed {
-            if let Some(kills) = rt.cgroups().open(&self.id).and_then(|c| c.stats().ok()).map(|s| s.oom_kills) {
+            if let Some(kills) = rt
+                .cgroups()
+                .open(&self.id)
+                .and_then(|c| c.stats().ok())
+                .map(|s| s.oom_kills)
+            {
                 if kills > self.oom_kills {
                     self.oom_kills = kills;
                     result.status = ExecStatus::Oom;

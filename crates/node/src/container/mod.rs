@@ -128,8 +128,10 @@ impl RuntimeConfig {
     /// Defaults: `/var/lib/dsec`, `/run/dsec`, binaries next to the current executable (or in
     /// `DSEC_AGENT_BIN` / `DSEC_SHIM_BIN`).
     pub fn from_env() -> Result<Self, RuntimeError> {
-        let data_dir = std::env::var_os("DSEC_DATA_DIR").map_or_else(|| PathBuf::from("/var/lib/dsec"), PathBuf::from);
-        let run_dir = std::env::var_os("DSEC_RUN_DIR").map_or_else(|| PathBuf::from("/run/dsec"), PathBuf::from);
+        let data_dir = std::env::var_os("DSEC_DATA_DIR")
+            .map_or_else(|| PathBuf::from("/var/lib/dsec"), PathBuf::from);
+        let run_dir = std::env::var_os("DSEC_RUN_DIR")
+            .map_or_else(|| PathBuf::from("/run/dsec"), PathBuf::from);
         Ok(Self {
             data_dir,
             run_dir,
@@ -145,7 +147,10 @@ pub fn find_binary(name: &'static str, env: &str) -> Result<PathBuf, RuntimeErro
     if let Some(p) = std::env::var_os(env) {
         return Ok(PathBuf::from(p));
     }
-    let exe = std::env::current_exe().map_err(|e| RuntimeError::Prepare { path: "/proc/self/exe".into(), source: e })?;
+    let exe = std::env::current_exe().map_err(|e| RuntimeError::Prepare {
+        path: "/proc/self/exe".into(),
+        source: e,
+    })?;
     let mut looked = Vec::new();
     let mut dir = exe.parent().map(Path::to_path_buf);
     for _ in 0..2 {
@@ -157,7 +162,10 @@ pub fn find_binary(name: &'static str, env: &str) -> Result<PathBuf, RuntimeErro
         looked.push(d.display().to_string());
         dir = d.parent().map(Path::to_path_buf);
     }
-    Err(RuntimeError::MissingBinary { name, looked: looked.join(", ") })
+    Err(RuntimeError::MissingBinary {
+        name,
+        looked: looked.join(", "),
+    })
 }
 
 type Reply = (SupervisorMsg, Vec<OwnedFd>);
@@ -182,12 +190,17 @@ pub struct ContainerRuntime {
 
 impl std::fmt::Debug for ContainerRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ContainerRuntime").field("cfg", &self.cfg).finish_non_exhaustive()
+        f.debug_struct("ContainerRuntime")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
     }
 }
 
 fn prep_dir(path: &Path) -> Result<(), RuntimeError> {
-    std::fs::create_dir_all(path).map_err(|source| RuntimeError::Prepare { path: path.to_path_buf(), source })
+    std::fs::create_dir_all(path).map_err(|source| RuntimeError::Prepare {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 impl ContainerRuntime {
@@ -210,19 +223,34 @@ impl ContainerRuntime {
         let mask_fs = cfg.run_dir.join("mask");
         prep_dir(&mask_fs)?;
         if !dsec_sys::launch::is_mount_point(&mask_fs) {
-            dsec_sys::launch::mount_tmpfs(&mask_fs, "size=1m,nr_inodes=4096,mode=0755")
-                .map_err(|source| RuntimeError::Prepare { path: mask_fs.clone(), source })?;
+            dsec_sys::launch::mount_tmpfs(&mask_fs, "size=1m,nr_inodes=4096,mode=0755").map_err(
+                |source| RuntimeError::Prepare {
+                    path: mask_fs.clone(),
+                    source,
+                },
+            )?;
         }
-        let host_mask =
-            crate::template::host_mask_layer(&mask_fs, &[cfg.data_dir.clone(), cfg.run_dir.clone()])
-                .map_err(RuntimeError::Template)?;
+        let host_mask = crate::template::host_mask_layer(
+            &mask_fs,
+            &[cfg.data_dir.clone(), cfg.run_dir.clone()],
+        )
+        .map_err(RuntimeError::Template)?;
         let spawner = Arc::new(start_spawner(&cfg)?);
         let reader = Arc::clone(&spawner);
         std::thread::Builder::new()
             .name("dsec-spawner-rx".into())
             .spawn(move || spawner_reader(&reader))
             .map_err(RuntimeError::Spawner)?;
-        Ok(Self { cfg, templates, cgroups, spawner, next_req: AtomicU64::new(1), stage, host_mask, favordynmods })
+        Ok(Self {
+            cfg,
+            templates,
+            cgroups,
+            spawner,
+            next_req: AtomicU64::new(1),
+            stage,
+            host_mask,
+            favordynmods,
+        })
     }
 
     /// The configuration.
@@ -267,7 +295,11 @@ fn start_spawner(cfg: &RuntimeConfig) -> Result<SpawnerLink, RuntimeError> {
         .stdin(std::process::Stdio::null());
     dsec_sys::proc::pass_fd3(&mut cmd, theirs);
     let child = cmd.spawn().map_err(RuntimeError::Spawner)?;
-    Ok(SpawnerLink { sock: ours, pending: Mutex::new(HashMap::new()), child: Mutex::new(child) })
+    Ok(SpawnerLink {
+        sock: ours,
+        pending: Mutex::new(HashMap::new()),
+        child: Mutex::new(child),
+    })
 }
 
 fn spawner_reader(link: &SpawnerLink) {
@@ -280,7 +312,9 @@ fn spawner_reader(link: &SpawnerLink) {
         if n == 0 {
             break;
         }
-        let Ok(msg) = serde_json::from_slice::<SupervisorMsg>(&buf[..n]) else { continue };
+        let Ok(msg) = serde_json::from_slice::<SupervisorMsg>(&buf[..n]) else {
+            continue;
+        };
         let req = match &msg {
             SupervisorMsg::Launched { req, .. } | SupervisorMsg::Failed { req, .. } => *req,
             _ => continue,
@@ -355,7 +389,9 @@ impl Sandbox {
     /// Liveness check of the agent.
     pub fn ping(&mut self) -> Result<(), RuntimeError> {
         let id = self.id.clone();
-        self.agent.ping().map_err(|source| RuntimeError::Agent { id, source })
+        self.agent
+            .ping()
+            .map_err(|source| RuntimeError::Agent { id, source })
     }
 
     /// Direct access to the agent connection (files, sessions, background processes).
@@ -364,21 +400,29 @@ impl Sandbox {
     }
 
     fn control_call(&mut self, msg: &ControlMsg, timeout: Duration) -> Result<Reply, RuntimeError> {
-        let sup_err = |message: String| RuntimeError::Supervisor { id: self.id.clone(), message };
+        let sup_err = |message: String| RuntimeError::Supervisor {
+            id: self.id.clone(),
+            message,
+        };
         let bytes = serde_json::to_vec(msg).map_err(|e| sup_err(e.to_string()))?;
-        ipc::send_with_fds(self.control.as_fd(), &bytes, &[]).map_err(|e| sup_err(e.to_string()))?;
+        ipc::send_with_fds(self.control.as_fd(), &bytes, &[])
+            .map_err(|e| sup_err(e.to_string()))?;
         let deadline = Instant::now() + timeout;
         let mut buf = vec![0u8; MAX_MSG];
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if !ipc::poll_readable(self.control.as_fd(), left).map_err(|e| sup_err(e.to_string()))? {
+            if !ipc::poll_readable(self.control.as_fd(), left)
+                .map_err(|e| sup_err(e.to_string()))?
+            {
                 return Err(sup_err(format!("no answer within {timeout:?}")));
             }
-            let (n, fds) = ipc::recv_with_fds(self.control.as_fd(), &mut buf).map_err(|e| sup_err(e.to_string()))?;
+            let (n, fds) = ipc::recv_with_fds(self.control.as_fd(), &mut buf)
+                .map_err(|e| sup_err(e.to_string()))?;
             if n == 0 {
                 return Err(sup_err("control socket closed".into()));
             }
-            let reply: SupervisorMsg = serde_json::from_slice(&buf[..n]).map_err(|e| sup_err(e.to_string()))?;
+            let reply: SupervisorMsg =
+                serde_json::from_slice(&buf[..n]).map_err(|e| sup_err(e.to_string()))?;
             match reply {
                 SupervisorMsg::Exited { .. } => continue, // the old init's exit during a reset
                 SupervisorMsg::Error { message } => return Err(sup_err(message)),
@@ -405,15 +449,23 @@ impl Sandbox {
     fn reset_inner(&mut self) -> Result<(), RuntimeError> {
         let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
         let SupervisorMsg::ResetDone { init_pid } = reply else {
-            return Err(RuntimeError::Supervisor { id: self.id.clone(), message: format!("unexpected {reply:?}") });
+            return Err(RuntimeError::Supervisor {
+                id: self.id.clone(),
+                message: format!("unexpected {reply:?}"),
+            });
         };
         let Some(agent_fd) = fds.pop() else {
-            return Err(RuntimeError::Supervisor { id: self.id.clone(), message: "no agent fd".into() });
+            return Err(RuntimeError::Supervisor {
+                id: self.id.clone(),
+                message: "no agent fd".into(),
+            });
         };
         self.agent = AgentConn::new(agent_fd);
         self.init_pid = init_pid;
         let id = self.id.clone();
-        self.agent.wait_hello(Duration::from_secs(10)).map_err(|source| RuntimeError::Agent { id, source })?;
+        self.agent
+            .wait_hello(Duration::from_secs(10))
+            .map_err(|source| RuntimeError::Agent { id, source })?;
         Ok(())
     }
 
@@ -423,7 +475,11 @@ impl Sandbox {
         self.state = self.state.transition(State::Stopping)?;
         let answered = self.control_call(&ControlMsg::Destroy, Duration::from_secs(10));
         // Whatever the supervisor said, make sure it is gone and nothing is left behind.
-        if !self.sup.wait_exit(Duration::from_secs(if answered.is_ok() { 5 } else { 0 })).unwrap_or(false) {
+        if !self
+            .sup
+            .wait_exit(Duration::from_secs(if answered.is_ok() { 5 } else { 0 }))
+            .unwrap_or(false)
+        {
             let _ = self.sup.signal(9);
             let _ = self.sup.wait_exit(Duration::from_secs(5));
         }

@@ -40,7 +40,9 @@ pub fn main(args: &[String]) -> i32 {
             }
         },
         _ => {
-            eprintln!("usage: dsec-shim spawner   (started by the dsec node, fd 3 = control socket)");
+            eprintln!(
+                "usage: dsec-shim spawner   (started by the dsec node, fd 3 = control socket)"
+            );
             2
         }
     }
@@ -66,7 +68,12 @@ fn run_spawner() -> io::Result<()> {
     let bytes = std::fs::read(&agent_path)?;
     let agent_exe = launch::sealed_exe_memfd("dsec-agent", &bytes)?;
     let cgroups = CgroupManager::detect(CGROUP_BASE).map_err(io::Error::other)?;
-    let ctx = SpawnerCtx { node, agent_exe, seccomp: Filter::build(), cgroups };
+    let ctx = SpawnerCtx {
+        node,
+        agent_exe,
+        seccomp: Filter::build(),
+        cgroups,
+    };
     // Exited supervisors are reaped by the kernel.
     ipc::ignore_sigchld();
     let mut buf = vec![0u8; MAX_MSG];
@@ -89,7 +96,10 @@ fn run_spawner() -> io::Result<()> {
             }
             Ok(Forked::Parent(_)) => {}
             Err(e) => {
-                let msg = SupervisorMsg::Failed { req: req.req, message: format!("{e}") };
+                let msg = SupervisorMsg::Failed {
+                    req: req.req,
+                    message: format!("{e}"),
+                };
                 send(ctx.node.as_fd(), &msg, &[])?;
             }
         }
@@ -127,7 +137,11 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
     let l = &cfg.limits;
     let spec = ContainerSpec {
         ns: NamespaceSpec {
-            user: cfg.userns.map(|(uid, gid, count)| IdMap { host_uid: uid, host_gid: gid, count }),
+            user: cfg.userns.map(|(uid, gid, count)| IdMap {
+                host_uid: uid,
+                host_gid: gid,
+                count,
+            }),
             hostname: cfg.id.chars().take(63).collect(),
         },
         rootfs: RootfsSpec {
@@ -140,9 +154,18 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
             scratch: cfg.scratch.clone(),
         },
         rlimits: vec![
-            Rlimit { resource: libc_rlimit::CORE, value: 0 },
-            Rlimit { resource: libc_rlimit::FSIZE, value: l.file_size_max },
-            Rlimit { resource: libc_rlimit::NOFILE, value: l.open_files_max },
+            Rlimit {
+                resource: libc_rlimit::CORE,
+                value: 0,
+            },
+            Rlimit {
+                resource: libc_rlimit::FSIZE,
+                value: l.file_size_max,
+            },
+            Rlimit {
+                resource: libc_rlimit::NOFILE,
+                value: l.open_files_max,
+            },
         ],
         agent_exe: &ctx.agent_exe,
         agent_sock: &agent_child,
@@ -150,8 +173,9 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
         env: cfg.env.clone(),
         seccomp: &ctx.seccomp,
     };
-    let launched = launch::spawn_container(&spec, |pid| cgroup.attach(pid).map_err(io::Error::other))
-        .map_err(|e| error_chain(&e))?;
+    let launched =
+        launch::spawn_container(&spec, |pid| cgroup.attach(pid).map_err(io::Error::other))
+            .map_err(|e| error_chain(&e))?;
     drop(agent_child);
     let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
     Ok(Init { pidfd, agent_host })
@@ -180,7 +204,14 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
     let _ = ipc::setsid();
     let mut cfg = req.config;
     let fail = |message: String| {
-        let _ = send(ctx.node.as_fd(), &SupervisorMsg::Failed { req: req.req, message }, &[]);
+        let _ = send(
+            ctx.node.as_fd(),
+            &SupervisorMsg::Failed {
+                req: req.req,
+                message,
+            },
+            &[],
+        );
         1
     };
     let run_dir = PathBuf::from(&cfg.run_dir);
@@ -223,9 +254,18 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
             return fail(format!("control socketpair: {e}"));
         }
     };
-    let launched =
-        SupervisorMsg::Launched { req: req.req, sup_pid: std::process::id() as i32, init_pid: init.pidfd.pid() };
-    if send(ctx.node.as_fd(), &launched, &[init.agent_host.as_fd(), control_node.as_fd()]).is_err() {
+    let launched = SupervisorMsg::Launched {
+        req: req.req,
+        sup_pid: std::process::id() as i32,
+        init_pid: init.pidfd.pid(),
+    };
+    if send(
+        ctx.node.as_fd(),
+        &launched,
+        &[init.agent_host.as_fd(), control_node.as_fd()],
+    )
+    .is_err()
+    {
         let _ = init.pidfd.signal(9);
         cleanup(&cgroup, &run_dir);
         let _ = cgroup.remove();
@@ -234,7 +274,15 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
     drop(control_node);
     // The spawner socket is the node's; this process no longer needs it.
     // (It is closed when this process exits; supervisors never write to it again.)
-    serve(ctx, &cfg, cgroup, &mut init, Some(control), listener, &run_dir)
+    serve(
+        ctx,
+        &cfg,
+        cgroup,
+        &mut init,
+        Some(control),
+        listener,
+        &run_dir,
+    )
 }
 
 fn cleanup(cgroup: &Cgroup, run_dir: &Path) {
@@ -265,7 +313,11 @@ fn serve(
         if let Some(l) = &listener {
             fds.push(l.as_fd());
         }
-        let wait = if dying.is_empty() { None } else { Some(Duration::from_millis(50)) };
+        let wait = if dying.is_empty() {
+            None
+        } else {
+            Some(Duration::from_millis(50))
+        };
         let ready = match ipc::poll_many(&fds, wait) {
             Ok(r) => r,
             Err(_) => continue,
@@ -309,7 +361,9 @@ fn serve(
                                 Ok(new) => {
                                     let old = std::mem::replace(init, new);
                                     dying.push(old.pidfd);
-                                    let msg = SupervisorMsg::ResetDone { init_pid: init.pidfd.pid() };
+                                    let msg = SupervisorMsg::ResetDone {
+                                        init_pid: init.pidfd.pid(),
+                                    };
                                     let _ = send(c.as_fd(), &msg, &[init.agent_host.as_fd()]);
                                 }
                                 Err(message) => {
@@ -328,7 +382,9 @@ fn serve(
                             return destroy(control, cgroup, run_dir);
                         }
                         Err(e) => {
-                            let msg = SupervisorMsg::Error { message: format!("bad control message: {e}") };
+                            let msg = SupervisorMsg::Error {
+                                message: format!("bad control message: {e}"),
+                            };
                             let _ = send(c.as_fd(), &msg, &[]);
                         }
                     }
@@ -344,7 +400,13 @@ fn serve(
                                 sup_pid: std::process::id() as i32,
                                 init_pid: init.pidfd.pid(),
                             };
-                            if send(stream.as_fd(), &msg, &[init.agent_host.as_fd(), node_end.as_fd()]).is_ok() {
+                            if send(
+                                stream.as_fd(),
+                                &msg,
+                                &[init.agent_host.as_fd(), node_end.as_fd()],
+                            )
+                            .is_ok()
+                            {
                                 control = Some(ours);
                             }
                         }

@@ -326,8 +326,13 @@ pub(crate) fn set_opaque(path: &Path) -> Result<(), TemplateError> {
     rustix::fs::lsetxattr(path, OPAQUE_XATTR, b"y", rustix::fs::XattrFlags::empty())
         .map_err(|e| TemplateError::io("set opaque xattr", path, e.into()))?;
     // Overlays mounted inside a user namespace (`userxattr`) read the `user.` namespace.
-    rustix::fs::lsetxattr(path, USER_OPAQUE_XATTR, b"y", rustix::fs::XattrFlags::empty())
-        .map_err(|e| TemplateError::io("set opaque xattr", path, e.into()))
+    rustix::fs::lsetxattr(
+        path,
+        USER_OPAQUE_XATTR,
+        b"y",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .map_err(|e| TemplateError::io("set opaque xattr", path, e.into()))
 }
 
 /// The opaque marker read by overlays mounted with `userxattr` (inside a user namespace).
