@@ -1,0 +1,350 @@
+//! Shared fixture of the root-level container integration tests (`abuse.rs`, `lifecycle.rs`).
+//!
+//! - [`fixture`] starts ONE [`ContainerRuntime`] per test binary, with its own run dir under
+//!   `/run/dsec-test-<pid>-<nanos>` (data dir inside it). Stale run dirs of earlier test processes
+//!   (whose pid is gone) are swept at start: their mask tmpfs is unmounted and the tree removed.
+//! - [`SbGuard`] owns one sandbox and destroys it when dropped, even when the test panics.
+//! - [`LeakSnapshot`] counts what a sandbox could leave behind; every counter is scoped to this
+//!   test process (its run dir, its own process tree, the sandbox ids it created), so other dsec
+//!   users on the machine do not disturb it.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs;
+use std::ops::{Deref, DerefMut};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use dsec_api::exec::{ExecRequest, ExecResult};
+use dsec_node::container::{ContainerRuntime, RuntimeConfig, RuntimeError, Sandbox};
+use dsec_node::sandbox::{Limits, SandboxSpec};
+
+/// The runtime shared by every test of one test binary.
+pub struct Fixture {
+    /// The runtime.
+    pub rt: ContainerRuntime,
+    /// Its run dir (unique to this process).
+    pub run_dir: PathBuf,
+    /// Its data dir (inside the run dir).
+    pub data_dir: PathBuf,
+    /// Ids of every sandbox created through [`create`] (for scoped leak counting).
+    created: Mutex<Vec<String>>,
+}
+
+static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+
+fn agent_and_shim() -> (PathBuf, PathBuf) {
+    let shim = PathBuf::from(env!("CARGO_BIN_EXE_dsec-shim"));
+    let agent = shim.with_file_name("dsec-agent");
+    assert!(
+        agent.is_file(),
+        "{} is missing: build the whole workspace first (`cargo build --workspace`), \
+         then run `cargo test --workspace` with the same CARGO_TARGET_DIR",
+        agent.display()
+    );
+    (agent, shim)
+}
+
+/// Removes run dirs of earlier test processes that are gone (their mask tmpfs stays mounted
+/// because the fixture lives in a `static` that is never dropped).
+fn sweep_stale_run_dirs() {
+    let Ok(entries) = fs::read_dir("/run") else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("dsec-test-") else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let dir = e.path();
+        let _ = std::process::Command::new("umount").arg("-l").arg(dir.join("mask")).status();
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
+
+/// The shared runtime, started on first use.
+pub fn fixture() -> &'static Fixture {
+    FIXTURE.get_or_init(|| {
+        sweep_stale_run_dirs();
+        let (agent_bin, shim_bin) = agent_and_shim();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let run_dir = PathBuf::from(format!("/run/dsec-test-{}-{nanos:08x}", std::process::id()));
+        let data_dir = run_dir.join("data");
+        let cfg = RuntimeConfig { data_dir: data_dir.clone(), run_dir: run_dir.clone(), agent_bin, shim_bin };
+        let rt = ContainerRuntime::start(cfg).expect("start the container runtime");
+        Fixture { rt, run_dir, data_dir, created: Mutex::new(Vec::new()) }
+    })
+}
+
+/// The runtime.
+pub fn rt() -> &'static ContainerRuntime {
+    &fixture().rt
+}
+
+/// Small limits used by most tests.
+pub fn small_limits() -> Limits {
+    Limits { memory_max: 64 << 20, pids_max: 64, disk_bytes: 16 << 20, ..Default::default() }
+}
+
+/// Owns a sandbox; destroys it on drop (also while unwinding from a failed assertion).
+pub struct SbGuard {
+    sb: Option<Sandbox>,
+}
+
+impl SbGuard {
+    /// Destroys the sandbox now and returns the runtime's verdict.
+    pub fn destroy(mut self) -> Result<(), RuntimeError> {
+        let sb = self.sb.take().expect("sandbox present");
+        sb.destroy(rt())
+    }
+
+    /// Runs a shell command with a timeout; panics on a transport/validation error.
+    pub fn sh(&mut self, script: &str, timeout_ms: u64) -> ExecResult {
+        let mut req = ExecRequest::shell(script);
+        req.timeout_ms = Some(timeout_ms);
+        self.run(&req)
+    }
+
+    /// Runs a request; panics on a transport/validation error.
+    pub fn run(&mut self, req: &ExecRequest) -> ExecResult {
+        let id = self.id().to_owned();
+        self.exec(rt(), req, b"", |_, _| {}).unwrap_or_else(|e| panic!("exec in {id}: {e:?}"))
+    }
+}
+
+impl Deref for SbGuard {
+    type Target = Sandbox;
+    fn deref(&self) -> &Sandbox {
+        self.sb.as_ref().expect("sandbox present")
+    }
+}
+
+impl DerefMut for SbGuard {
+    fn deref_mut(&mut self) -> &mut Sandbox {
+        self.sb.as_mut().expect("sandbox present")
+    }
+}
+
+impl Drop for SbGuard {
+    fn drop(&mut self) {
+        if let Some(sb) = self.sb.take() {
+            let id = sb.id().to_owned();
+            if let Err(e) = sb.destroy(rt()) {
+                if !std::thread::panicking() {
+                    eprintln!("destroy of {id} in guard failed: {e:?}");
+                }
+            }
+        }
+    }
+}
+
+/// Creates a sandbox with `limits` (host template) and guards it.
+pub fn create(limits: Limits) -> SbGuard {
+    create_spec(&SandboxSpec { limits, ..Default::default() })
+}
+
+/// Creates a sandbox from `spec` and guards it.
+pub fn create_spec(spec: &SandboxSpec) -> SbGuard {
+    let fx = fixture();
+    let (sb, _phases) = fx.rt.create(spec).expect("create sandbox");
+    fx.created.lock().expect("registry").push(sb.id().to_owned());
+    SbGuard { sb: Some(sb) }
+}
+
+/// Stdout of a result as text.
+pub fn stdout(r: &ExecResult) -> String {
+    String::from_utf8_lossy(&r.stdout.data).into_owned()
+}
+
+/// Stderr of a result as text.
+pub fn stderr(r: &ExecResult) -> String {
+    String::from_utf8_lossy(&r.stderr.data).into_owned()
+}
+
+// ---------------------------------------------------------------------------------------------
+// processes
+
+/// One process seen in /proc.
+#[derive(Debug, Clone)]
+pub struct Proc {
+    /// Host pid.
+    pub pid: i32,
+    /// Parent pid.
+    pub ppid: i32,
+    /// `comm`.
+    pub comm: String,
+    /// State letter.
+    pub state: char,
+}
+
+/// Every process on the host (those that vanish while scanning are skipped).
+pub fn all_procs() -> Vec<Proc> {
+    let mut out = Vec::new();
+    let Ok(entries) = fs::read_dir("/proc") else { return out };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // pid (comm) S ppid ...: comm may contain spaces and parentheses.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let comm = stat[open + 1..close].to_owned();
+        let mut rest = stat[close + 1..].split_whitespace();
+        let state = rest.next().and_then(|s| s.chars().next()).unwrap_or('?');
+        let ppid = rest.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+        out.push(Proc { pid, ppid, comm, state });
+    }
+    out
+}
+
+/// This process and every descendant of it.
+pub fn our_tree() -> Vec<Proc> {
+    let procs = all_procs();
+    let mut children: HashMap<i32, Vec<usize>> = HashMap::new();
+    for (i, p) in procs.iter().enumerate() {
+        children.entry(p.ppid).or_default().push(i);
+    }
+    let me = std::process::id() as i32;
+    let mut out = Vec::new();
+    let mut stack = vec![me];
+    let mut seen = BTreeSet::new();
+    while let Some(pid) = stack.pop() {
+        if !seen.insert(pid) {
+            continue;
+        }
+        if let Some(p) = procs.iter().find(|p| p.pid == pid) {
+            out.push(p.clone());
+        }
+        for &c in children.get(&pid).map(Vec::as_slice).unwrap_or(&[]) {
+            stack.push(procs[c].pid);
+        }
+    }
+    out
+}
+
+/// The namespace inode of `kind` (`pid`, `net`, ...) of a process.
+pub fn ns_inode(pid: i32, kind: &str) -> Option<u64> {
+    fs::metadata(format!("/proc/{pid}/ns/{kind}")).ok().map(|m| m.ino())
+}
+
+/// Host pids of every process in the pid namespace with inode `ns`.
+pub fn procs_in_pid_ns(ns: u64) -> Vec<i32> {
+    all_procs().into_iter().filter(|p| ns_inode(p.pid, "pid") == Some(ns)).map(|p| p.pid).collect()
+}
+
+/// The command line of a process, NULs replaced by spaces.
+pub fn cmdline(pid: i32) -> String {
+    fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim_end().to_owned())
+        .unwrap_or_default()
+}
+
+/// Waits until `cond` holds or `limit` passes; returns whether it held.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The directory of a sandbox's cgroup in the hierarchy that has `file` (e.g. `pids.max`).
+pub fn cgroup_dir_with(id: &str, file: &str) -> Option<PathBuf> {
+    rt().cgroups().open(id)?.dirs().into_iter().find(|d| d.join(file).exists())
+}
+
+/// Reads a cgroup counter file of a sandbox as a number.
+pub fn cgroup_u64(id: &str, file: &str) -> Option<u64> {
+    let dir = cgroup_dir_with(id, file)?;
+    fs::read_to_string(dir.join(file)).ok()?.trim().parse().ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// leak counters
+
+/// What a sandbox could leave behind, counted for this test process only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeakSnapshot {
+    /// Overlay mounts in our mount namespace that use our run or data dir.
+    pub overlay_mounts: usize,
+    /// Directories of our sandboxes under each dsec cgroup base (all hierarchies).
+    pub cgroup_dirs: usize,
+    /// Every directory under the dsec cgroup bases whose name is one of our sandbox ids, by name
+    /// (for the failure message).
+    pub cgroup_names: Vec<String>,
+    /// `dsec-sup` processes in our process tree.
+    pub supervisors: usize,
+    /// `dsec-agent` processes (comm `memfd:dsec-agen`) in our process tree.
+    pub agents: usize,
+    /// All processes in our tree except this one and the spawner.
+    pub tree_procs: usize,
+    /// Open descriptors of this process.
+    pub fds: usize,
+    /// Distinct network namespaces in our process tree.
+    pub net_namespaces: usize,
+    /// Entries in `<run_dir>/sandboxes`.
+    pub run_entries: usize,
+}
+
+impl LeakSnapshot {
+    /// Counts now.
+    pub fn take() -> Self {
+        let fx = fixture();
+        let run = fx.run_dir.display().to_string();
+        let overlay_mounts = fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.split(" - ").nth(1).is_some_and(|t| t.starts_with("overlay ")) && l.contains(&run))
+            .count();
+        let ids: BTreeSet<String> = fx.created.lock().expect("registry").iter().cloned().collect();
+        let mut cgroup_dirs = 0;
+        let mut names = BTreeSet::new();
+        for base in fx.rt.cgroups().base_dirs() {
+            for e in fs::read_dir(&base).into_iter().flatten().flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if e.path().is_dir() && ids.contains(&name) {
+                    cgroup_dirs += 1;
+                    names.insert(name);
+                }
+            }
+        }
+        let tree = our_tree();
+        let me = std::process::id() as i32;
+        let supervisors = tree.iter().filter(|p| p.comm == "dsec-sup").count();
+        let agents = tree.iter().filter(|p| p.comm.contains("dsec-agen")).count();
+        let tree_procs = tree.iter().filter(|p| p.pid != me && p.comm != "dsec-spawner").count();
+        let fds = fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+        let net_namespaces =
+            tree.iter().filter_map(|p| ns_inode(p.pid, "net")).collect::<BTreeSet<_>>().len();
+        let run_entries = fs::read_dir(fx.run_dir.join("sandboxes")).map(|d| d.count()).unwrap_or(0);
+        Self {
+            overlay_mounts,
+            cgroup_dirs,
+            cgroup_names: names.into_iter().collect(),
+            supervisors,
+            agents,
+            tree_procs,
+            fds,
+            net_namespaces,
+            run_entries,
+        }
+    }
+
+    /// Waits (bounded) until the counters equal `baseline`; panics with both when they do not.
+    pub fn assert_back_to(baseline: &LeakSnapshot, within: Duration) {
+        let mut now = LeakSnapshot::take();
+        let ok = wait_until(within, || {
+            now = LeakSnapshot::take();
+            now == *baseline
+        });
+        assert!(ok, "leak counters did not return to baseline within {within:?}:\n before: {baseline:?}\n after:  {now:?}");
+    }
+}
