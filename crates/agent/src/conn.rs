@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dsec_api::agent::{Event, Request, DATA_CHUNK, PROTOCOL_VERSION};
@@ -68,7 +69,8 @@ struct BgProc {
 /// Shared agent state.
 pub struct Agent {
     out: Out,
-    root: Root,
+    root: RwLock<Arc<Root>>,
+    root_path: PathBuf,
     reaper: Arc<Reaper>,
     procs: Mutex<HashMap<u64, Arc<BgProc>>>,
     sessions: Sessions,
@@ -87,13 +89,22 @@ fn msg(s: impl Into<String>) -> ReqError {
 }
 
 impl Agent {
+    /// The current sandbox root (replaced by `ReopenRoot` after a reset).
+    fn root(&self) -> Arc<Root> {
+        match self.root.read() {
+            Ok(g) => Arc::clone(&g),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+
     /// Builds the agent around the protocol socket.
-    pub fn new(sock: UnixStream, root: Root, reaper: Arc<Reaper>) -> Agent {
+    pub fn new(sock: UnixStream, root: Root, root_path: PathBuf, reaper: Arc<Reaper>) -> Agent {
         Agent {
             out: Out {
                 w: Mutex::new(sock),
             },
-            root,
+            root: RwLock::new(Arc::new(root)),
+            root_path,
             reaper,
             procs: Mutex::new(HashMap::new()),
             sessions: Sessions::default(),
@@ -216,7 +227,7 @@ impl Agent {
             Request::SessionOpen { kind, env, cwd } => {
                 match self
                     .sessions
-                    .open(kind, &env, cwd.as_deref(), &self.root, &self.reaper)
+                    .open(kind, &env, cwd.as_deref(), &self.root(), &self.reaper)
                 {
                     Ok(session) => out.send(id, &Event::SessionOpened { session }, &[]),
                     Err(e) => out.error(id, e.code(), &e),
@@ -247,7 +258,7 @@ impl Agent {
             Request::FileRead { path, max_bytes } => {
                 let mut send = |b: &[u8], eof: bool| out.send(id, &Event::Data { eof }, b);
                 if let Err(e) =
-                    crate::files::read_chunks(&self.root, &path, max_bytes, DATA_CHUNK, &mut send)
+                    crate::files::read_chunks(&self.root(), &path, max_bytes, DATA_CHUNK, &mut send)
                 {
                     out.error(id, e.code(), &e);
                 }
@@ -258,18 +269,18 @@ impl Agent {
                 parents,
             } => {
                 match self
-                    .root
+                    .root()
                     .write_atomic(&path, &body, mode.unwrap_or(0o644), parents)
                 {
                     Ok(()) => ok(),
                     Err(e) => out.error(id, e.code(), &e),
                 }
             }
-            Request::FileList { path } => match self.root.list(&path) {
+            Request::FileList { path } => match self.root().list(&path) {
                 Ok(entries) => out.send(id, &Event::Listing { entries }, &[]),
                 Err(e) => out.error(id, e.code(), &e),
             },
-            Request::FileStat { path } => match self.root.stat(&path) {
+            Request::FileStat { path } => match self.root().stat(&path) {
                 Ok(st) => out.send(id, &Event::Stat(st), &[]),
                 Err(e) => out.error(id, e.code(), &e),
             },
@@ -277,28 +288,37 @@ impl Agent {
                 path,
                 parents,
                 mode,
-            } => match self.root.mkdir(&path, parents, mode.unwrap_or(0o755)) {
+            } => match self.root().mkdir(&path, parents, mode.unwrap_or(0o755)) {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, e.code(), &e),
             },
-            Request::Remove { path, recursive } => match self.root.remove(&path, recursive) {
+            Request::Remove { path, recursive } => match self.root().remove(&path, recursive) {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, e.code(), &e),
             },
-            Request::TarUpload { path } => match crate::tar::upload(&self.root, &path, &body) {
+            Request::TarUpload { path } => match crate::tar::upload(&self.root(), &path, &body) {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, e.code(), &e),
             },
             Request::TarDownload { path, max_bytes } => {
                 let mut send = |b: &[u8], eof: bool| out.send(id, &Event::Data { eof }, b);
                 if let Err(e) =
-                    crate::tar::download(&self.root, &path, max_bytes, DATA_CHUNK, &mut send)
+                    crate::tar::download(&self.root(), &path, max_bytes, DATA_CHUNK, &mut send)
                 {
                     out.error(id, e.code(), &e);
                 }
             }
             Request::KillAll => match self.kill_all(KILL_ALL_TIMEOUT) {
                 Ok(()) => ok(),
+                Err(e) => out.error(id, ErrorCode::Internal, &e),
+            },
+            Request::ReopenRoot => match Root::open(&self.root_path) {
+                Ok(r) => {
+                    if let Ok(mut g) = self.root.write() {
+                        *g = Arc::new(r);
+                    }
+                    ok()
+                }
                 Err(e) => out.error(id, ErrorCode::Internal, &e),
             },
         }
@@ -323,7 +343,7 @@ impl Agent {
                 self.out.send(id, &Event::Output { stream: s }, b);
             }
         };
-        match exec::run(req, body, &self.root, &self.reaper, &mut sink) {
+        match exec::run(req, body, &self.root(), &self.reaper, &mut sink) {
             Ok(r) => self.out.send(id, &Event::ExecDone(r), &[]),
             Err(e) => self.out.error(id, e.code(), &e),
         }
@@ -338,7 +358,7 @@ impl Agent {
             );
             return;
         }
-        let started = exec::build_command(req, &self.root)
+        let started = exec::build_command(req, &self.root())
             .and_then(|(mut cmd, program)| exec::start(&self.reaper, &mut cmd, &program));
         let mut running = match started {
             Ok(r) => r,

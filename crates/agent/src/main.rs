@@ -41,10 +41,11 @@ fn run() -> anyhow::Result<()> {
     let sock = proc::take_inherited_fd(PROTOCOL_FD).context("protocol socket on fd 3")?;
     let sock = UnixStream::from(sock);
     let root = std::env::var_os(exec::ROOT_ENV).map_or_else(|| PathBuf::from("/"), PathBuf::from);
-    let root = files::Root::open(&root).context("open sandbox root")?;
+    let root_path = root;
+    let root = files::Root::open(&root_path).context("open sandbox root")?;
     let reaper = reaper::Reaper::start().context("start reaper thread")?;
     let reader = sock.try_clone().context("clone protocol socket")?;
-    let agent = Arc::new(conn::Agent::new(sock, root, reaper));
+    let agent = Arc::new(conn::Agent::new(sock, root, root_path, reaper));
     agent.serve(reader);
     Ok(())
 }

@@ -181,6 +181,10 @@ pub enum Request {
     /// Kill every process in the sandbox except the agent, reap them, forget all handles and
     /// sessions. Used by reset. Answer: `Ok`.
     KillAll,
+    /// The sandbox root was replaced underneath the agent (an in-place reset pivoted every
+    /// process of the sandbox onto a fresh root): reopen the root used to resolve paths.
+    /// Answer: `Ok`.
+    ReopenRoot,
 }
 
 /// Metadata of one path.

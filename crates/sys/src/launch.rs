@@ -170,6 +170,7 @@ struct Prepared {
     upper: CString,
     work: CString,
     root: CString,
+    overlay_target: CString,
     overlay_opts: CString,
     dev: CString,
     dev_opts: CString,
@@ -195,7 +196,7 @@ fn cstr(s: impl Into<Vec<u8>>, what: &'static str) -> Result<CString, LaunchErro
     CString::new(s).map_err(|_| LaunchError::InvalidArgument { what })
 }
 
-fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
+fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, LaunchError> {
     let r = &spec.rootfs;
     for l in &r.lowerdirs {
         if l.contains(':') || l.contains(',') {
@@ -203,7 +204,8 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
         }
     }
     let stage = r.stage.trim_end_matches('/').to_string();
-    let root = format!("{stage}/root");
+    let overlay_target = format!("{stage}/root");
+    let root = root_at.map_or_else(|| overlay_target.clone(), str::to_string);
     let dev = format!("{root}/dev");
     let proc_ = format!("{root}/proc");
     let dev_nodes = [
@@ -284,6 +286,7 @@ fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
             "overlay",
         )?,
         root: cstr(root.as_str(), "stage")?,
+        overlay_target: cstr(overlay_target, "stage")?,
         dev: cstr(dev.as_str(), "dev")?,
         dev_opts: cstr("mode=0755,size=65536,nr_inodes=64", "dev")?,
         masked: MASKED_PROC
@@ -372,7 +375,7 @@ pub fn spawn_container(
     attach: impl FnOnce(i32) -> Result<(), io::Error>,
 ) -> Result<Launched, LaunchError> {
     ensure_single_threaded()?;
-    let prep = prepare(spec)?;
+    let prep = prepare(spec, None)?;
     let (sync_r, sync_w) = pipe_cloexec("sync pipe")?;
     let (err_r, err_w) = pipe_cloexec("error pipe")?;
     let mut flags = libc::CLONE_NEWPID
@@ -517,6 +520,245 @@ fn path_kind(path: &CStr) -> Option<libc::mode_t> {
 
 const NONE: &CStr = c"none";
 
+/// A failed setup step: its name and errno.
+#[derive(Debug, Clone, Copy)]
+pub struct StepError {
+    step: &'static str,
+    errno: i32,
+}
+
+impl StepError {
+    fn last(step: &'static str) -> Self {
+        Self {
+            step,
+            errno: io::Error::last_os_error().raw_os_error().unwrap_or(0),
+        }
+    }
+}
+
+impl From<StepError> for LaunchError {
+    fn from(e: StepError) -> Self {
+        LaunchError::ChildSetup {
+            step: e.step.to_string(),
+            errno: io::Error::from_raw_os_error(e.errno),
+        }
+    }
+}
+
+fn ck(rc: libc::c_int, step: &'static str) -> Result<(), StepError> {
+    if rc < 0 {
+        Err(StepError::last(step))
+    } else {
+        Ok(())
+    }
+}
+
+fn try_mount(
+    step: &'static str,
+    src: &CStr,
+    target: &CStr,
+    fstype: Option<&CStr>,
+    flags: libc::c_ulong,
+    data: Option<&CStr>,
+) -> Result<(), StepError> {
+    // SAFETY: every pointer is a valid NUL-terminated string (or null where the kernel allows it).
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fstype.map_or(std::ptr::null(), CStr::as_ptr),
+            flags,
+            data.map_or(std::ptr::null(), |d| d.as_ptr().cast()),
+        )
+    };
+    ck(rc, step)
+}
+
+/// Where the new root's `/proc` comes from.
+#[derive(Clone, Copy)]
+enum ProcSource<'a> {
+    /// A fresh procfs (the caller is in the sandbox's pid namespace).
+    Fresh,
+    /// Move this existing mount (with its masks) into the new root.
+    Move(&'a CStr),
+}
+
+/// Populates the new root (`/dev`, `/proc` with masks, scratch dirs, read-only root) and pivots
+/// the caller's mount namespace onto it. `pivot_root` moves the root and cwd of every process of
+/// the namespace that was at the old root, which is what makes an in-place reset possible.
+fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), StepError> {
+    let nul = c"";
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    // /dev: a small tmpfs with the allowed nodes. It cannot be `nodev` (the nodes must work);
+    // no process in the sandbox can create nodes (no CAP_MKNOD, seccomp) so these are the only ones.
+    ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+    try_mount(
+        "dev",
+        c"tmpfs",
+        &p.dev,
+        Some(c"tmpfs"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(&p.dev_opts),
+    )?;
+    for (node, host, major, minor) in &p.dev_nodes {
+        if p.userns {
+            // SAFETY: valid path; creating an empty regular file as a bind-mount target.
+            let fd = unsafe {
+                libc::open(
+                    node.as_ptr(),
+                    libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
+                    0o666,
+                )
+            };
+            ck(fd, "dev_file")?;
+            // SAFETY: closing the fd we just opened.
+            unsafe { libc::close(fd) };
+            try_mount("dev_bind", host, node, None, libc::MS_BIND, None)?;
+        } else {
+            let dev = libc::makedev(*major, *minor);
+            // SAFETY: valid path and a character device number.
+            ck(
+                unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
+                "mknod",
+            )?;
+            // SAFETY: valid path; umask may have cleared bits.
+            ck(unsafe { libc::chmod(node.as_ptr(), 0o666) }, "chmod_dev")?;
+        }
+    }
+    ck(mkdir(&p.pts, 0o755), "mkdir_pts")?;
+    try_mount(
+        "devpts",
+        c"devpts",
+        &p.pts,
+        Some(c"devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(c"newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    ck(mkdir(&p.shm, 0o1777), "mkdir_shm")?;
+    try_mount(
+        "shm",
+        c"shm",
+        &p.shm,
+        Some(c"tmpfs"),
+        nosuid_nodev,
+        Some(&p.shm_opts),
+    )?;
+    for (link, target) in &p.dev_links {
+        // SAFETY: both are valid NUL-terminated strings.
+        ck(
+            unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
+            "dev_link",
+        )?;
+    }
+
+    // /proc for the sandbox's pid namespace, with the OCI masked and read-only paths.
+    ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
+    match proc_src {
+        ProcSource::Move(old) => {
+            // The existing /proc already carries its masks; move the whole subtree.
+            try_mount("move_proc", old, &p.proc_, None, libc::MS_MOVE, None)?;
+        }
+        ProcSource::Fresh => {
+            try_mount(
+                "proc",
+                c"proc",
+                &p.proc_,
+                Some(c"proc"),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                None,
+            )?;
+            let devnull = &p.dev_nodes[0].0;
+            for m in &p.masked {
+                match path_kind(m) {
+                    Some(libc::S_IFDIR) => try_mount(
+                        "mask_dir",
+                        c"tmpfs",
+                        m,
+                        Some(c"tmpfs"),
+                        libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
+                        Some(c"size=0,nr_inodes=1"),
+                    )?,
+                    Some(_) => try_mount("mask_file", devnull, m, None, libc::MS_BIND, None)?,
+                    None => {}
+                }
+            }
+            for r in &p.readonly {
+                if path_kind(r).is_some() {
+                    try_mount("ro_bind", r, r, None, libc::MS_BIND | libc::MS_REC, None)?;
+                    try_mount(
+                        "ro_remount",
+                        nul,
+                        r,
+                        None,
+                        libc::MS_BIND
+                            | libc::MS_REMOUNT
+                            | libc::MS_RDONLY
+                            | nosuid_nodev
+                            | libc::MS_NOEXEC,
+                        None,
+                    )?;
+                }
+            }
+        }
+    }
+
+    if !p.writable_root {
+        for s in &p.scratch {
+            if mkdir(s, 0o755) < 0 {
+                // In a user namespace, directories owned by unmapped host ids (e.g. `/` and
+                // `/root` of the host template) cannot be created or written: skip them.
+                if p.userns {
+                    continue;
+                }
+                return Err(StepError::last("mkdir_scratch"));
+            }
+            try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
+            try_mount(
+                "scratch_remount",
+                nul,
+                s,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | nosuid_nodev,
+                None,
+            )?;
+        }
+        try_mount(
+            "ro_root",
+            nul,
+            &p.root,
+            None,
+            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
+            None,
+        )?;
+    }
+
+    // pivot_root(".", ".") stacks the old root on top of the new one; detach it.
+    // SAFETY: valid path.
+    ck(unsafe { libc::chdir(p.root.as_ptr()) }, "chdir_root")?;
+    // SAFETY: valid NUL-terminated strings.
+    ck(
+        unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int },
+        "pivot_root",
+    )?;
+    // SAFETY: valid path.
+    ck(
+        unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) },
+        "umount_old_root",
+    )?;
+    // SAFETY: valid path.
+    ck(unsafe { libc::chdir(c"/".as_ptr()) }, "chdir_new_root")?;
+    Ok(())
+}
+
+fn fail_step(err: &OwnedFd, e: StepError) -> ! {
+    let msg = format!("{}:{}", e.step, e.errno);
+    // SAFETY: writing a valid buffer to an fd we own, then exiting without running destructors.
+    unsafe {
+        libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len());
+        libc::_exit(127);
+    }
+}
+
 fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedFd) -> ! {
     // SAFETY: prctl with integer arguments only.
     check(
@@ -546,7 +788,6 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         &err,
         "cgroup_ns",
     );
-    let nul = c"";
     mount(
         &err,
         "private",
@@ -566,193 +807,22 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         nosuid_nodev,
         Some(&p.tmpfs_opts),
     );
-    for d in [&p.upper, &p.work, &p.root] {
+    for d in [&p.upper, &p.work, &p.overlay_target] {
         check(mkdir(d, 0o755), &err, "mkdir_stage");
     }
     mount(
         &err,
         "overlay",
         c"overlay",
-        &p.root,
+        &p.overlay_target,
         Some(c"overlay"),
         nosuid_nodev,
         Some(&p.overlay_opts),
     );
 
-    // /dev: a small tmpfs with the allowed nodes. It cannot be `nodev` (the nodes must work);
-    // no process in the sandbox can create nodes (no CAP_MKNOD, seccomp) so these are the only ones.
-    check(mkdir(&p.dev, 0o755), &err, "mkdir_dev");
-    mount(
-        &err,
-        "dev",
-        c"tmpfs",
-        &p.dev,
-        Some(c"tmpfs"),
-        libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some(&p.dev_opts),
-    );
-    for (node, host, major, minor) in &p.dev_nodes {
-        if p.userns {
-            // SAFETY: valid path; creating an empty regular file as a bind-mount target.
-            let fd = unsafe {
-                libc::open(
-                    node.as_ptr(),
-                    libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
-                    0o666,
-                )
-            };
-            check(fd, &err, "dev_file");
-            // SAFETY: closing the fd we just opened.
-            unsafe { libc::close(fd) };
-            mount(&err, "dev_bind", host, node, None, libc::MS_BIND, None);
-        } else {
-            let dev = libc::makedev(*major, *minor);
-            // SAFETY: valid path and a character device number.
-            check(
-                unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
-                &err,
-                "mknod",
-            );
-            // SAFETY: valid path; umask may have cleared bits.
-            check(
-                unsafe { libc::chmod(node.as_ptr(), 0o666) },
-                &err,
-                "chmod_dev",
-            );
-        }
+    if let Err(e) = populate_and_pivot(p, ProcSource::Fresh) {
+        fail_step(&err, e);
     }
-    check(mkdir(&p.pts, 0o755), &err, "mkdir_pts");
-    mount(
-        &err,
-        "devpts",
-        c"devpts",
-        &p.pts,
-        Some(c"devpts"),
-        libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some(c"newinstance,ptmxmode=0666,mode=0620"),
-    );
-    check(mkdir(&p.shm, 0o1777), &err, "mkdir_shm");
-    mount(
-        &err,
-        "shm",
-        c"shm",
-        &p.shm,
-        Some(c"tmpfs"),
-        nosuid_nodev,
-        Some(&p.shm_opts),
-    );
-    for (link, target) in &p.dev_links {
-        // SAFETY: both are valid NUL-terminated strings.
-        check(
-            unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
-            &err,
-            "dev_link",
-        );
-    }
-
-    // /proc for the new pid namespace, with the OCI masked and read-only paths.
-    check(mkdir(&p.proc_, 0o555), &err, "mkdir_proc");
-    mount(
-        &err,
-        "proc",
-        c"proc",
-        &p.proc_,
-        Some(c"proc"),
-        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-        None,
-    );
-    let devnull = &p.dev_nodes[0].0;
-    for m in &p.masked {
-        match path_kind(m) {
-            Some(libc::S_IFDIR) => mount(
-                &err,
-                "mask_dir",
-                c"tmpfs",
-                m,
-                Some(c"tmpfs"),
-                libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
-                Some(c"size=0,nr_inodes=1"),
-            ),
-            Some(_) => mount(&err, "mask_file", devnull, m, None, libc::MS_BIND, None),
-            None => {}
-        }
-    }
-    for r in &p.readonly {
-        if path_kind(r).is_some() {
-            mount(
-                &err,
-                "ro_bind",
-                r,
-                r,
-                None,
-                libc::MS_BIND | libc::MS_REC,
-                None,
-            );
-            mount(
-                &err,
-                "ro_remount",
-                nul,
-                r,
-                None,
-                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
-                None,
-            );
-        }
-    }
-
-    if !p.writable_root {
-        for s in &p.scratch {
-            if mkdir(s, 0o755) < 0 {
-                // In a user namespace, directories owned by unmapped host ids (e.g. `/` and
-                // `/root` of the host template) cannot be created or written: skip them.
-                if p.userns {
-                    continue;
-                }
-                fail(&err, "mkdir_scratch");
-            }
-            mount(&err, "scratch_bind", s, s, None, libc::MS_BIND, None);
-            mount(
-                &err,
-                "scratch_remount",
-                nul,
-                s,
-                None,
-                libc::MS_BIND | libc::MS_REMOUNT | nosuid_nodev,
-                None,
-            );
-        }
-        mount(
-            &err,
-            "ro_root",
-            nul,
-            &p.root,
-            None,
-            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
-            None,
-        );
-    }
-
-    // pivot_root(".", ".") stacks the old root on top of the new one; detach it.
-    // SAFETY: valid path.
-    check(unsafe { libc::chdir(p.root.as_ptr()) }, &err, "chdir_root");
-    // SAFETY: valid NUL-terminated strings.
-    check(
-        unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int },
-        &err,
-        "pivot_root",
-    );
-    // SAFETY: valid path.
-    check(
-        unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) },
-        &err,
-        "umount_old_root",
-    );
-    // SAFETY: valid path.
-    check(
-        unsafe { libc::chdir(c"/".as_ptr()) },
-        &err,
-        "chdir_new_root",
-    );
 
     // SAFETY: valid buffer and length.
     check(
@@ -1007,4 +1077,142 @@ pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Where a reset builds the next root inside the sandbox's mount namespace.
+const RESET_MOUNTPOINT: &str = "/dev/.dsec-next";
+
+/// State a supervisor keeps for in-place resets.
+#[derive(Debug, Default)]
+pub struct ResetState {
+    private_ns: bool,
+}
+
+fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
+    // SAFETY: valid NUL-terminated path; the returned fd is fresh and owned by us.
+    let fd = unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC) };
+    ck(fd, "open")?;
+    // SAFETY: open succeeded.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn setns_mnt(fd: &OwnedFd, step: &'static str) -> Result<(), StepError> {
+    // SAFETY: fd is a mount namespace fd; the caller is single-threaded (checked by the caller).
+    ck(
+        unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNS) },
+        step,
+    )
+}
+
+/// Resets a running sandbox in place: builds a fresh writable layer and root, moves the existing
+/// `/proc` into it and `pivot_root`s the sandbox's mount namespace onto it. `pivot_root` moves the
+/// root and working directory of every process of the namespace, so the sandbox init (the agent)
+/// keeps running, now on the fresh root; its namespaces, cgroup and connection are unchanged.
+/// The caller must have killed every other process of the sandbox first.
+///
+/// The new overlay is assembled in the supervisor's own private mount namespace (where the
+/// template's layer paths resolve), cloned as a detached tree and moved into the sandbox.
+/// Returns an `O_PATH` descriptor of the old root: dropping it frees the old writable layer, so
+/// the caller can do that after answering.
+pub fn reset_in_place(
+    spec: &ContainerSpec<'_>,
+    init_pid: i32,
+    state: &mut ResetState,
+) -> Result<OwnedFd, LaunchError> {
+    ensure_single_threaded()?;
+    if spec.ns.user.is_some() {
+        return Err(LaunchError::InvalidArgument {
+            what: "in-place reset in a user namespace",
+        });
+    }
+    let p = prepare(spec, Some(RESET_MOUNTPOINT))?;
+    if !state.private_ns {
+        // SAFETY: integer-argument syscall in a single-threaded process.
+        ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
+        try_mount(
+            "private",
+            NONE,
+            c"/",
+            None,
+            libc::MS_REC | libc::MS_PRIVATE,
+            None,
+        )?;
+        state.private_ns = true;
+    }
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    try_mount(
+        "tmpfs",
+        c"tmpfs",
+        &p.stage,
+        Some(c"tmpfs"),
+        nosuid_nodev,
+        Some(&p.tmpfs_opts),
+    )?;
+    let built = (|| -> Result<OwnedFd, StepError> {
+        for d in [&p.upper, &p.work, &p.overlay_target] {
+            ck(mkdir(d, 0o755), "mkdir_stage")?;
+        }
+        try_mount(
+            "overlay",
+            c"overlay",
+            &p.overlay_target,
+            Some(c"overlay"),
+            nosuid_nodev,
+            Some(&p.overlay_opts),
+        )?;
+        // SAFETY: valid path; OPEN_TREE_CLONE returns a detached copy owned by the new fd.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD,
+                p.overlay_target.as_ptr(),
+                (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC) as libc::c_uint,
+            )
+        } as libc::c_int;
+        ck(fd, "open_tree")?;
+        // SAFETY: open_tree succeeded; the fd is fresh.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    })();
+    // The staging mounts are not needed in our namespace any more; the detached clone keeps the
+    // overlay (and through it the tmpfs upper) alive.
+    // SAFETY: valid paths.
+    unsafe {
+        libc::umount2(p.overlay_target.as_ptr(), libc::MNT_DETACH);
+        libc::umount2(p.stage.as_ptr(), libc::MNT_DETACH);
+    }
+    let tree = built?;
+    let own_ns = open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?;
+    let sandbox_ns = open_path(
+        &cstr(format!("/proc/{init_pid}/ns/mnt"), "pid")?,
+        libc::O_RDONLY,
+    )?;
+    setns_mnt(&sandbox_ns, "setns_sandbox")?;
+    let inside = (|| -> Result<OwnedFd, StepError> {
+        let mp = cstr(RESET_MOUNTPOINT, "mountpoint").map_err(|_| StepError {
+            step: "mountpoint",
+            errno: 0,
+        })?;
+        ck(mkdir(&mp, 0o700), "mkdir_mountpoint")?;
+        // SAFETY: `tree` is a detached mount; the target path is valid.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                mp.as_ptr(),
+                libc::MOVE_MOUNT_F_EMPTY_PATH as libc::c_uint,
+            )
+        } as libc::c_int;
+        ck(rc, "move_mount")?;
+        let old_root = open_path(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
+        populate_and_pivot(&p, ProcSource::Move(c"/proc"))?;
+        Ok(old_root)
+    })();
+    // Back to our own namespace whatever happened.
+    let back = setns_mnt(&own_ns, "setns_back");
+    // SAFETY: valid path.
+    unsafe { libc::chdir(c"/".as_ptr()) };
+    back?;
+    Ok(inside?)
 }

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use dsec_api::agent::Request;
 use dsec_api::ErrorCode;
 use dsec_sys::cgroup::CgroupManager;
 use dsec_sys::ipc::{self, PidFd};
@@ -447,6 +448,18 @@ impl Sandbox {
     }
 
     fn reset_inner(&mut self) -> Result<(), RuntimeError> {
+        let id = self.id.clone();
+        let agent_err = |source| RuntimeError::Agent {
+            id: id.clone(),
+            source,
+        };
+        if !self.spec.userns {
+            // In place: everything but the agent dies, then the supervisor swaps the root
+            // underneath it (see `dsec_sys::launch::reset_in_place`).
+            self.agent
+                .call_ok(&Request::KillAll, &[])
+                .map_err(agent_err)?;
+        }
         let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
         let SupervisorMsg::ResetDone { init_pid } = reply else {
             return Err(RuntimeError::Supervisor {
@@ -454,18 +467,19 @@ impl Sandbox {
                 message: format!("unexpected {reply:?}"),
             });
         };
-        let Some(agent_fd) = fds.pop() else {
-            return Err(RuntimeError::Supervisor {
-                id: self.id.clone(),
-                message: "no agent fd".into(),
-            });
-        };
-        self.agent = AgentConn::new(agent_fd);
-        self.init_pid = init_pid;
-        let id = self.id.clone();
-        self.agent
-            .wait_hello(Duration::from_secs(10))
-            .map_err(|source| RuntimeError::Agent { id, source })?;
+        if let Some(agent_fd) = fds.pop() {
+            // A relaunched init: a new agent on a new socket.
+            self.agent = AgentConn::new(agent_fd);
+            self.init_pid = init_pid;
+            self.agent
+                .wait_hello(Duration::from_secs(10))
+                .map_err(agent_err)?;
+        } else {
+            // Same agent, new root: it reopens its root, which doubles as the health check.
+            self.agent
+                .call_ok(&Request::ReopenRoot, &[])
+                .map_err(agent_err)?;
+        }
         Ok(())
     }
 

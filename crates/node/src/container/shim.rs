@@ -132,10 +132,13 @@ fn cgroup_limits(cfg: &LaunchConfig) -> CgroupLimits {
     }
 }
 
-fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<Init, String> {
-    let (agent_host, agent_child) = ipc::stream_pair().map_err(|e| format!("socketpair: {e}"))?;
+fn container_spec<'a>(
+    ctx: &'a SpawnerCtx,
+    cfg: &LaunchConfig,
+    agent_sock: &'a OwnedFd,
+) -> ContainerSpec<'a> {
     let l = &cfg.limits;
-    let spec = ContainerSpec {
+    ContainerSpec {
         ns: NamespaceSpec {
             user: cfg.userns.map(|(uid, gid, count)| IdMap {
                 host_uid: uid,
@@ -168,11 +171,16 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
             },
         ],
         agent_exe: &ctx.agent_exe,
-        agent_sock: &agent_child,
+        agent_sock,
         argv: vec!["dsec-agent".into()],
         env: cfg.env.clone(),
         seccomp: &ctx.seccomp,
-    };
+    }
+}
+
+fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<Init, String> {
+    let (agent_host, agent_child) = ipc::stream_pair().map_err(|e| format!("socketpair: {e}"))?;
+    let spec = container_spec(ctx, cfg, &agent_child);
     let launched =
         launch::spawn_container(&spec, |pid| cgroup.attach(pid).map_err(io::Error::other))
             .map_err(|e| error_chain(&e))?;
@@ -301,6 +309,7 @@ fn serve(
     run_dir: &Path,
 ) -> i32 {
     let mut dying: Vec<PidFd> = Vec::new();
+    let mut reset_state = launch::ResetState::default();
     let mut buf = vec![0u8; MAX_MSG];
     loop {
         // Reap inits killed by a reset.
@@ -355,6 +364,26 @@ fn serve(
                         break;
                     }
                     match serde_json::from_slice::<ControlMsg>(&buf[..n]) {
+                        Ok(ControlMsg::Reset) if cfg.userns.is_none() => {
+                            // In place: the node has killed every process but the agent.
+                            let spec = container_spec(ctx, cfg, &init.agent_host);
+                            match launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state)
+                            {
+                                Ok(old_root) => {
+                                    let msg = SupervisorMsg::ResetDone {
+                                        init_pid: init.pidfd.pid(),
+                                    };
+                                    let _ = send(c.as_fd(), &msg, &[]);
+                                    // Freeing the old writable layer happens here, after the
+                                    // answer, off the caller's path.
+                                    drop(old_root);
+                                }
+                                Err(e) => {
+                                    let message = error_chain(&e);
+                                    let _ = send(c.as_fd(), &SupervisorMsg::Error { message }, &[]);
+                                }
+                            }
+                        }
                         Ok(ControlMsg::Reset) => {
                             let _ = init.pidfd.signal(9);
                             match launch_init(ctx, cfg, &cgroup) {

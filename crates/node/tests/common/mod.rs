@@ -50,16 +50,25 @@ fn agent_and_shim() -> (PathBuf, PathBuf) {
 /// Removes run dirs of earlier test processes that are gone (their mask tmpfs stays mounted
 /// because the fixture lives in a `static` that is never dropped).
 fn sweep_stale_run_dirs() {
-    let Ok(entries) = fs::read_dir("/run") else { return };
+    let Ok(entries) = fs::read_dir("/run") else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix("dsec-test-") else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = name.strip_prefix("dsec-test-") else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         if Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
         let dir = e.path();
-        let _ = std::process::Command::new("umount").arg("-l").arg(dir.join("mask")).status();
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(dir.join("mask"))
+            .status();
         let _ = fs::remove_dir_all(&dir);
     }
 }
@@ -75,9 +84,35 @@ pub fn fixture() -> &'static Fixture {
             .unwrap_or(0);
         let run_dir = PathBuf::from(format!("/run/dsec-test-{}-{nanos:08x}", std::process::id()));
         let data_dir = run_dir.join("data");
-        let cfg = RuntimeConfig { data_dir: data_dir.clone(), run_dir: run_dir.clone(), agent_bin, shim_bin };
-        let rt = ContainerRuntime::start(cfg).expect("start the container runtime");
-        Fixture { rt, run_dir, data_dir, created: Mutex::new(Vec::new()) }
+        let cfg = RuntimeConfig {
+            data_dir: data_dir.clone(),
+            run_dir: run_dir.clone(),
+            agent_bin,
+            shim_bin,
+        };
+        // Started on a thread that never exits: the spawner's PR_SET_PDEATHSIG fires when the
+        // *thread* that forked it exits, and cargo runs each test on its own short-lived thread
+        // (see `lifecycle_runtime_outlives_the_thread_that_started_it`).
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("dsec-test-runtime-owner".into())
+            .spawn(move || {
+                let _ = tx.send(ContainerRuntime::start(cfg));
+                loop {
+                    std::thread::park();
+                }
+            })
+            .expect("spawn the runtime owner thread");
+        let rt = rx
+            .recv()
+            .expect("runtime owner thread")
+            .expect("start the container runtime");
+        Fixture {
+            rt,
+            run_dir,
+            data_dir,
+            created: Mutex::new(Vec::new()),
+        }
     })
 }
 
@@ -88,7 +123,12 @@ pub fn rt() -> &'static ContainerRuntime {
 
 /// Small limits used by most tests.
 pub fn small_limits() -> Limits {
-    Limits { memory_max: 64 << 20, pids_max: 64, disk_bytes: 16 << 20, ..Default::default() }
+    Limits {
+        memory_max: 64 << 20,
+        pids_max: 64,
+        disk_bytes: 16 << 20,
+        ..Default::default()
+    }
 }
 
 /// Owns a sandbox; destroys it on drop (also while unwinding from a failed assertion).
@@ -113,7 +153,8 @@ impl SbGuard {
     /// Runs a request; panics on a transport/validation error.
     pub fn run(&mut self, req: &ExecRequest) -> ExecResult {
         let id = self.id().to_owned();
-        self.exec(rt(), req, b"", |_, _| {}).unwrap_or_else(|e| panic!("exec in {id}: {e:?}"))
+        self.exec(rt(), req, b"", |_, _| {})
+            .unwrap_or_else(|e| panic!("exec in {id}: {e:?}"))
     }
 }
 
@@ -145,14 +186,20 @@ impl Drop for SbGuard {
 
 /// Creates a sandbox with `limits` (host template) and guards it.
 pub fn create(limits: Limits) -> SbGuard {
-    create_spec(&SandboxSpec { limits, ..Default::default() })
+    create_spec(&SandboxSpec {
+        limits,
+        ..Default::default()
+    })
 }
 
 /// Creates a sandbox from `spec` and guards it.
 pub fn create_spec(spec: &SandboxSpec) -> SbGuard {
     let fx = fixture();
     let (sb, _phases) = fx.rt.create(spec).expect("create sandbox");
-    fx.created.lock().expect("registry").push(sb.id().to_owned());
+    fx.created
+        .lock()
+        .expect("registry")
+        .push(sb.id().to_owned());
     SbGuard { sb: Some(sb) }
 }
 
@@ -185,17 +232,30 @@ pub struct Proc {
 /// Every process on the host (those that vanish while scanning are skipped).
 pub fn all_procs() -> Vec<Proc> {
     let mut out = Vec::new();
-    let Ok(entries) = fs::read_dir("/proc") else { return out };
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return out;
+    };
     for e in entries.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
         // pid (comm) S ppid ...: comm may contain spaces and parentheses.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
         let comm = stat[open + 1..close].to_owned();
         let mut rest = stat[close + 1..].split_whitespace();
         let state = rest.next().and_then(|s| s.chars().next()).unwrap_or('?');
         let ppid = rest.next().and_then(|s| s.parse().ok()).unwrap_or(0);
-        out.push(Proc { pid, ppid, comm, state });
+        out.push(Proc {
+            pid,
+            ppid,
+            comm,
+            state,
+        });
     }
     out
 }
@@ -227,19 +287,46 @@ pub fn our_tree() -> Vec<Proc> {
 
 /// The namespace inode of `kind` (`pid`, `net`, ...) of a process.
 pub fn ns_inode(pid: i32, kind: &str) -> Option<u64> {
-    fs::metadata(format!("/proc/{pid}/ns/{kind}")).ok().map(|m| m.ino())
+    fs::metadata(format!("/proc/{pid}/ns/{kind}"))
+        .ok()
+        .map(|m| m.ino())
 }
 
 /// Host pids of every process in the pid namespace with inode `ns`.
 pub fn procs_in_pid_ns(ns: u64) -> Vec<i32> {
-    all_procs().into_iter().filter(|p| ns_inode(p.pid, "pid") == Some(ns)).map(|p| p.pid).collect()
+    all_procs()
+        .into_iter()
+        .filter(|p| ns_inode(p.pid, "pid") == Some(ns))
+        .map(|p| p.pid)
+        .collect()
 }
 
 /// The command line of a process, NULs replaced by spaces.
 pub fn cmdline(pid: i32) -> String {
     fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim_end().to_owned())
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .replace('\0', " ")
+                .trim_end()
+                .to_owned()
+        })
         .unwrap_or_default()
+}
+
+/// `pid comm state cmdline`, for failure messages.
+pub fn describe(pid: i32) -> String {
+    let p = all_procs().into_iter().find(|p| p.pid == pid);
+    match p {
+        Some(p) => format!(
+            "{} ({}) {} ppid={} [{}]",
+            p.pid,
+            p.comm,
+            p.state,
+            p.ppid,
+            cmdline(pid)
+        ),
+        None => format!("{pid} (gone)"),
+    }
 }
 
 /// Waits until `cond` holds or `limit` passes; returns whether it held.
@@ -258,7 +345,11 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
 
 /// The directory of a sandbox's cgroup in the hierarchy that has `file` (e.g. `pids.max`).
 pub fn cgroup_dir_with(id: &str, file: &str) -> Option<PathBuf> {
-    rt().cgroups().open(id)?.dirs().into_iter().find(|d| d.join(file).exists())
+    rt().cgroups()
+        .open(id)?
+        .dirs()
+        .into_iter()
+        .find(|d| d.join(file).exists())
 }
 
 /// Reads a cgroup counter file of a sandbox as a number.
@@ -302,9 +393,20 @@ impl LeakSnapshot {
         let overlay_mounts = fs::read_to_string("/proc/self/mountinfo")
             .unwrap_or_default()
             .lines()
-            .filter(|l| l.split(" - ").nth(1).is_some_and(|t| t.starts_with("overlay ")) && l.contains(&run))
+            .filter(|l| {
+                l.split(" - ")
+                    .nth(1)
+                    .is_some_and(|t| t.starts_with("overlay "))
+                    && l.contains(&run)
+            })
             .count();
-        let ids: BTreeSet<String> = fx.created.lock().expect("registry").iter().cloned().collect();
+        let ids: BTreeSet<String> = fx
+            .created
+            .lock()
+            .expect("registry")
+            .iter()
+            .cloned()
+            .collect();
         let mut cgroup_dirs = 0;
         let mut names = BTreeSet::new();
         for base in fx.rt.cgroups().base_dirs() {
@@ -320,11 +422,21 @@ impl LeakSnapshot {
         let me = std::process::id() as i32;
         let supervisors = tree.iter().filter(|p| p.comm == "dsec-sup").count();
         let agents = tree.iter().filter(|p| p.comm.contains("dsec-agen")).count();
-        let tree_procs = tree.iter().filter(|p| p.pid != me && p.comm != "dsec-spawner").count();
-        let fds = fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
-        let net_namespaces =
-            tree.iter().filter_map(|p| ns_inode(p.pid, "net")).collect::<BTreeSet<_>>().len();
-        let run_entries = fs::read_dir(fx.run_dir.join("sandboxes")).map(|d| d.count()).unwrap_or(0);
+        let tree_procs = tree
+            .iter()
+            .filter(|p| p.pid != me && p.comm != "dsec-spawner")
+            .count();
+        let fds = fs::read_dir("/proc/self/fd")
+            .map(|d| d.count())
+            .unwrap_or(0);
+        let net_namespaces = tree
+            .iter()
+            .filter_map(|p| ns_inode(p.pid, "net"))
+            .collect::<BTreeSet<_>>()
+            .len();
+        let run_entries = fs::read_dir(fx.run_dir.join("sandboxes"))
+            .map(|d| d.count())
+            .unwrap_or(0);
         Self {
             overlay_mounts,
             cgroup_dirs,

@@ -1,0 +1,1020 @@
+//! Isolation integration tests (TESTING.md S-01..S-10, C-01..C-06): the static `dsec-probe`
+//! binary is uploaded into a real container sandbox and its `report` is checked field by field,
+//! once for the default mode and once for the user-namespace mode. A few cases (S-03 writes,
+//! C-02) are also exercised with a shell inside the sandbox and verified on the host.
+//!
+//! Each mode has one fixture: its own runtime (run dir `/run/dsec-iso-<pid>-<mode>`), one
+//! sandbox, the probe run once, the extra execs, then the sandbox is destroyed, the runtime
+//! dropped and its run dir removed, all before any test asserts anything. The tests only read
+//! the cached observations, so nothing is left behind even when an assertion fails.
+//!
+//! These run as root and are never skipped. Every assertion names the specific field that a
+//! missing protection would change; `pass` of a probe check is asserted in addition, never
+//! instead.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use dsec_api::agent::Request;
+use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
+use dsec_node::container::{ContainerRuntime, RuntimeConfig, Sandbox};
+use dsec_node::sandbox::SandboxSpec;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// Name of the secret environment variable set in the test process before the runtime starts.
+const SECRET_ENV: &str = "DSEC_ISO_TEST_API_TOKEN";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Host uid 0 with every capability dropped, no_new_privs, seccomp.
+    Default,
+    /// Root inside a user namespace mapped to host uid 100000.
+    Userns,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Default => "default",
+            Mode::Userns => "userns",
+        }
+    }
+}
+
+/// Result of one shell command run inside the sandbox.
+#[derive(Debug)]
+struct Shell {
+    status: ExecStatus,
+    exit_code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl From<ExecResult> for Shell {
+    fn from(r: ExecResult) -> Self {
+        Shell {
+            status: r.status,
+            exit_code: r.exit_code,
+            stdout: String::from_utf8_lossy(&r.stdout.data).into_owned(),
+            stderr: String::from_utf8_lossy(&r.stderr.data).into_owned(),
+        }
+    }
+}
+
+/// Everything observed in one mode.
+#[derive(Debug)]
+struct Obs {
+    mode: Mode,
+    /// Where the probe was uploaded inside.
+    probe_path: String,
+    /// The whole report.
+    report: Value,
+    /// `id` → (`pass`, `detail`).
+    checks: BTreeMap<String, (bool, Value)>,
+    /// Host namespace inodes passed to the probe.
+    host_ns: BTreeMap<String, u64>,
+    host_hostname: String,
+    host_hostname_after: String,
+    daemon_port: u16,
+    secret_file: PathBuf,
+    host_files: Vec<String>,
+    /// S-03: shell writes (`/usr/x`, `/etc/x`, and `/tmp/x` as the positive control).
+    write_usr: Shell,
+    write_etc: Shell,
+    write_tmp: Shell,
+    host_usr_x_after: bool,
+    host_etc_x_after: bool,
+    /// C-02: the overwrite attempts and the host binaries' hashes before and after.
+    c02: Shell,
+    c02_hashes_before: BTreeMap<String, String>,
+    c02_hashes_after: BTreeMap<String, String>,
+    /// Whether destroying the sandbox succeeded, and whether its run dir is gone.
+    destroy: Result<(), String>,
+    sandbox_run_dir_left: bool,
+}
+
+impl Obs {
+    fn check(&self, id: &str) -> (bool, &Value) {
+        let (pass, detail) = self
+            .checks
+            .get(id)
+            .unwrap_or_else(|| panic!("[{}] report has no check {id}", self.mode.name()));
+        (*pass, detail)
+    }
+
+    /// Asserts `pass` of check `id` (with its detail in the message) and returns the detail.
+    fn passed(&self, id: &str) -> &Value {
+        let (pass, detail) = self.check(id);
+        assert!(
+            pass,
+            "[{}] {id} failed: {}",
+            self.mode.name(),
+            serde_json::to_string_pretty(detail).unwrap_or_default()
+        );
+        detail
+    }
+
+    fn ctx(&self, id: &str) -> String {
+        format!(
+            "[{}] {id}: {}",
+            self.mode.name(),
+            serde_json::to_string_pretty(&self.check(id).1).unwrap_or_default()
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fixture
+
+fn binaries() -> (PathBuf, PathBuf, PathBuf) {
+    let shim = PathBuf::from(env!("CARGO_BIN_EXE_dsec-shim"));
+    let agent = shim.with_file_name("dsec-agent");
+    let probe = shim.with_file_name("dsec-probe");
+    for b in [&agent, &probe] {
+        assert!(
+            b.is_file(),
+            "{} is missing: build the whole workspace first (`cargo build --workspace`) with the \
+             same CARGO_TARGET_DIR as the tests",
+            b.display()
+        );
+    }
+    (agent, shim, probe)
+}
+
+fn sha256_file(p: &Path) -> String {
+    match fs::read(p) {
+        Ok(b) => hex::encode(Sha256::digest(&b)),
+        Err(e) => format!("unreadable: {e}"),
+    }
+}
+
+fn host_hostname() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+fn host_namespaces() -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for name in ["cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts"] {
+        let Ok(link) = fs::read_link(format!("/proc/self/ns/{name}")) else {
+            continue;
+        };
+        let s = link.to_string_lossy().into_owned();
+        let ino = s
+            .split_once('[')
+            .and_then(|(_, r)| r.trim_end_matches(']').parse().ok())
+            .unwrap_or_else(|| panic!("cannot parse namespace link {s:?}"));
+        out.insert(name.to_owned(), ino);
+    }
+    out
+}
+
+/// The secret's value (random per process), set once in the environment of this process before
+/// any runtime starts.
+fn secret_value() -> &'static str {
+    static SECRET: OnceLock<String> = OnceLock::new();
+    SECRET.get_or_init(|| {
+        let mut buf = [0u8; 16];
+        fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut buf))
+            .expect("read /dev/urandom");
+        let v = format!("dsecsecret{}", hex::encode(buf));
+        std::env::set_var(SECRET_ENV, &v);
+        v
+    })
+}
+
+/// Removes run dirs of earlier (dead) test processes.
+fn sweep_stale_run_dirs() {
+    let Ok(entries) = fs::read_dir("/run") else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("dsec-iso-") else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        unmount_and_remove(&e.path());
+    }
+}
+
+fn unmount_and_remove(run_dir: &Path) {
+    let mask = run_dir.join("mask");
+    let _ = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(&mask)
+        .stderr(std::process::Stdio::null())
+        .status();
+    let _ = fs::remove_dir_all(run_dir);
+}
+
+/// Owns the runtime and the sandbox of one mode; tears everything down when dropped (also when
+/// the fixture panics halfway).
+struct Env {
+    rt: Option<ContainerRuntime>,
+    sb: Option<Sandbox>,
+    run_dir: PathBuf,
+    _data_dir: tempfile::TempDir,
+}
+
+impl Env {
+    fn rt(&self) -> &ContainerRuntime {
+        self.rt.as_ref().expect("runtime")
+    }
+
+    fn sb(&mut self) -> &mut Sandbox {
+        self.sb.as_mut().expect("sandbox")
+    }
+
+    fn exec(&mut self, req: &ExecRequest) -> ExecResult {
+        let Env { rt, sb, .. } = self;
+        let (rt, sb) = (rt.as_ref().expect("runtime"), sb.as_mut().expect("sandbox"));
+        sb.exec(rt, req, b"", |_, _| {})
+            .unwrap_or_else(|e| panic!("exec {:?}: {e:?}", req.command))
+    }
+
+    fn sh(&mut self, script: &str) -> Shell {
+        let mut req = ExecRequest::shell(script);
+        req.timeout_ms = Some(60_000);
+        self.exec(&req).into()
+    }
+
+    /// Destroys the sandbox; returns the verdict and whether its run dir is left.
+    fn destroy(&mut self) -> (Result<(), String>, bool) {
+        let Some(sb) = self.sb.take() else {
+            return (Err("no sandbox".into()), false);
+        };
+        let dir = self.run_dir.join("sandboxes").join(sb.id());
+        let r = sb.destroy(self.rt()).map_err(|e| format!("{e:?}"));
+        (r, dir.exists())
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let (Some(sb), Some(rt)) = (self.sb.take(), self.rt.as_ref()) {
+            let _ = sb.destroy(rt);
+        }
+        drop(self.rt.take());
+        unmount_and_remove(&self.run_dir);
+    }
+}
+
+fn observe(mode: Mode) -> Obs {
+    sweep_stale_run_dirs();
+    let secret = secret_value().to_owned();
+    let (agent_bin, shim_bin, probe_bin) = binaries();
+    let probe_bytes = fs::read(&probe_bin).expect("read dsec-probe");
+
+    let data_dir = tempfile::tempdir().expect("tempdir");
+    let run_dir = PathBuf::from(format!(
+        "/run/dsec-iso-{}-{}",
+        std::process::id(),
+        mode.name()
+    ));
+    unmount_and_remove(&run_dir);
+    let cfg = RuntimeConfig {
+        data_dir: data_dir.path().to_path_buf(),
+        run_dir: run_dir.clone(),
+        agent_bin: agent_bin.clone(),
+        shim_bin,
+    };
+    let mut env = Env {
+        rt: None,
+        sb: None,
+        run_dir: run_dir.clone(),
+        _data_dir: data_dir,
+    };
+    env.rt = Some(ContainerRuntime::start(cfg).expect("start the container runtime"));
+    let spec = SandboxSpec {
+        userns: mode == Mode::Userns,
+        ..SandboxSpec::default()
+    };
+    let (sb, _) = env.rt().create(&spec).expect("create sandbox");
+    env.sb = Some(sb);
+
+    // Upload the probe. In the user-namespace mode the host-owned tree (and possibly /tmp) is not
+    // writable by the mapped root, hence the fallback to /dev/shm.
+    let mut probe_path = None;
+    let mut upload_errors = Vec::new();
+    for p in ["/tmp/dsec-probe", "/dev/shm/dsec-probe"] {
+        let req = Request::FileWrite {
+            path: p.into(),
+            mode: Some(0o755),
+            parents: false,
+        };
+        match env.sb().agent().call_ok(&req, &probe_bytes) {
+            Ok(()) => {
+                probe_path = Some(p.to_owned());
+                break;
+            }
+            Err(e) => upload_errors.push(format!("{p}: {e:?}")),
+        }
+    }
+    let probe_path =
+        probe_path.unwrap_or_else(|| panic!("cannot upload the probe: {upload_errors:?}"));
+
+    // Host facts handed to the probe.
+    let host_ns = host_namespaces();
+    let host_hostname = host_hostname();
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback listener");
+    let daemon_port = listener.local_addr().expect("local addr").port();
+    TcpStream::connect_timeout(
+        &format!("127.0.0.1:{daemon_port}").parse().expect("addr"),
+        Duration::from_secs(2),
+    )
+    .expect("the host itself can connect to the test listener");
+    let secret_file = PathBuf::from(format!(
+        "/root/dsec-secret-{}-{}",
+        std::process::id(),
+        mode.name()
+    ));
+    fs::write(&secret_file, &secret).expect("write the host secret file");
+    let mut host_files = vec![
+        secret_file.display().to_string(),
+        env.run_dir.display().to_string(),
+        env._data_dir.path().display().to_string(),
+        agent_bin.display().to_string(),
+        "/etc/shadow".to_owned(),
+        "/work".to_owned(),
+    ];
+    if Path::new("/root/.bashrc").exists() {
+        host_files.push("/root/.bashrc".into());
+    }
+
+    let ns_arg = host_ns
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut argv: Vec<String> = vec![probe_path.clone(), "report".into()];
+    argv.extend(["--host-ns".into(), ns_arg]);
+    argv.extend(["--host-hostname".into(), host_hostname.clone()]);
+    argv.extend(["--daemon-port".into(), daemon_port.to_string()]);
+    argv.extend(["--secret-env".into(), SECRET_ENV.into()]);
+    argv.extend(["--secret-value".into(), secret.clone()]);
+    argv.extend(["--max-pids".into(), "16".into()]);
+    for f in &host_files {
+        argv.extend(["--host-file".into(), f.clone()]);
+    }
+    let mut req = ExecRequest::argv(argv);
+    req.timeout_ms = Some(600_000);
+    req.output_limit = Some(16 << 20);
+    let r = env.exec(&req);
+    drop(listener);
+    let _ = fs::remove_file(&secret_file);
+    let host_hostname_after = self::host_hostname();
+    let report: Value = serde_json::from_slice(&r.stdout.data).unwrap_or_else(|e| {
+        panic!(
+            "[{}] probe output is not JSON ({e}); status {:?} exit {:?} stderr {}",
+            mode.name(),
+            r.status,
+            r.exit_code,
+            String::from_utf8_lossy(&r.stderr.data)
+        )
+    });
+    let checks: BTreeMap<String, (bool, Value)> = report["checks"]
+        .as_array()
+        .expect("checks array")
+        .iter()
+        .map(|c| {
+            (
+                c["id"].as_str().expect("id").to_owned(),
+                (c["pass"].as_bool().expect("pass"), c["detail"].clone()),
+            )
+        })
+        .collect();
+
+    // S-03: writes to the read-only root fail, scratch dirs are writable.
+    let host_usr_x_before = Path::new("/usr/x").exists();
+    let host_etc_x_before = Path::new("/etc/x").exists();
+    assert!(
+        !host_usr_x_before && !host_etc_x_before,
+        "/usr/x or /etc/x already exists on the host; remove it"
+    );
+    let write_usr = env.sh("echo x > /usr/x");
+    let write_etc = env.sh("echo x > /etc/x");
+    let write_tmp = env.sh("echo x > /tmp/x && cat /tmp/x");
+    let host_usr_x_after = Path::new("/usr/x").exists();
+    let host_etc_x_after = Path::new("/etc/x").exists();
+
+    // C-02: try to overwrite the binaries of processes through /proc/<pid>/exe, directly and the
+    // CVE-2019-5736 way (hold the exe of a process, let it exit, reopen the fd for writing).
+    let sleep_bin = fs::canonicalize("/usr/bin/sleep")
+        .or_else(|_| fs::canonicalize("/bin/sleep"))
+        .expect("host has sleep");
+    let sh_bin = fs::canonicalize("/bin/sh").expect("host has /bin/sh");
+    let hashed = [agent_bin.clone(), sleep_bin, sh_bin];
+    let hashes = || -> BTreeMap<String, String> {
+        hashed
+            .iter()
+            .map(|p| (p.display().to_string(), sha256_file(p)))
+            .collect()
+    };
+    let c02_hashes_before = hashes();
+    let c02 = env.sh(r#"wrote=""
+echo "pid1_exe=$(readlink /proc/1/exe)"
+if printf x >> /proc/1/exe 2>/dev/null; then wrote="$wrote /proc/1/exe"; fi
+if (exec 3>>/proc/1/exe) 2>/dev/null; then wrote="$wrote /proc/1/exe(open)"; fi
+if printf x >> /proc/self/exe 2>/dev/null; then wrote="$wrote /proc/self/exe"; fi
+sleep 30 &
+p=$!
+exec 4< /proc/$p/exe
+kill -9 $p
+wait $p 2>/dev/null
+if printf x >> /proc/self/fd/4 2>/dev/null; then wrote="$wrote /proc/self/fd/4(sleep)"; fi
+exec 5< /proc/1/exe
+if printf x >> /proc/self/fd/5 2>/dev/null; then wrote="$wrote /proc/self/fd/5(pid1)"; fi
+echo "wrote=[$wrote]"
+echo done"#);
+    let c02_hashes_after = hashes();
+
+    let (destroy, sandbox_run_dir_left) = env.destroy();
+    drop(env);
+
+    Obs {
+        mode,
+        probe_path,
+        report,
+        checks,
+        host_ns,
+        host_hostname,
+        host_hostname_after,
+        daemon_port,
+        secret_file,
+        host_files,
+        write_usr,
+        write_etc,
+        write_tmp,
+        host_usr_x_after,
+        host_etc_x_after,
+        c02,
+        c02_hashes_before,
+        c02_hashes_after,
+        destroy,
+        sandbox_run_dir_left,
+    }
+}
+
+/// The observations of `mode`, gathered once per test process.
+fn obs(mode: Mode) -> &'static Obs {
+    static DEFAULT: OnceLock<Result<Obs, String>> = OnceLock::new();
+    static USERNS: OnceLock<Result<Obs, String>> = OnceLock::new();
+    let cell = match mode {
+        Mode::Default => &DEFAULT,
+        Mode::Userns => &USERNS,
+    };
+    let r = cell.get_or_init(|| {
+        std::panic::catch_unwind(|| observe(mode)).map_err(|p| {
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default()
+        })
+    });
+    match r {
+        Ok(o) => o,
+        Err(e) => panic!("[{}] fixture failed: {e}", mode.name()),
+    }
+}
+
+const MODES: [Mode; 2] = [Mode::Default, Mode::Userns];
+
+// ---------------------------------------------------------------------------------------------
+// helpers on the JSON
+
+fn s(v: &Value) -> &str {
+    v.as_str().unwrap_or_default()
+}
+
+fn errno_of(v: &Value, key: &str) -> Option<i64> {
+    v.get(key).and_then(Value::as_i64)
+}
+
+// ---------------------------------------------------------------------------------------------
+// S-xx
+
+#[test]
+fn s01_no_capabilities_nnp_seccomp() {
+    for mode in MODES {
+        let o = obs(mode);
+        let (pass, d) = o.check("S-01");
+        let ctx = o.ctx("S-01");
+        for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            let v = s(&d["caps"][set]);
+            assert_eq!(
+                u64::from_str_radix(v, 16).ok(),
+                Some(0),
+                "{set} not zero: {ctx}"
+            );
+        }
+        assert_eq!(s(&d["no_new_privs"]), "1", "{ctx}");
+        assert_eq!(s(&d["seccomp"]), "2", "{ctx}");
+        match mode {
+            // The default mode runs as host uid 0 by design, with every capability dropped (all
+            // five sets zero), no_new_privs and the seccomp filter: the probe's "no host root"
+            // part of S-01 is expected to fail there, so only caps / NNP / seccomp are asserted.
+            Mode::Default => {
+                assert_eq!(d["initial_user_ns_root"], Value::Bool(true), "{ctx}");
+            }
+            // The user-namespace mode maps root to host uid 100000: the whole S-01 passes.
+            Mode::Userns => {
+                assert!(pass, "{ctx}");
+                assert_eq!(d["initial_user_ns_root"], Value::Bool(false), "{ctx}");
+                let map: Vec<&str> = s(&d["uid_map"]).split_whitespace().collect();
+                assert_eq!(map.first(), Some(&"0"), "{ctx}");
+                assert_eq!(
+                    map.get(1),
+                    Some(&"100000"),
+                    "root is not mapped to 100000: {ctx}"
+                );
+                let gmap: Vec<&str> = s(&d["gid_map"]).split_whitespace().collect();
+                assert_eq!(gmap.get(1), Some(&"100000"), "{ctx}");
+            }
+        }
+    }
+}
+
+#[test]
+fn s02_namespaces_differ() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-02");
+        let ctx = o.ctx("S-02");
+        assert_eq!(d["shared_with_host"], Value::Array(vec![]), "{ctx}");
+        for (name, host) in &o.host_ns {
+            // The user namespace is the host's in the default mode by design (no userns).
+            if name == "user" && mode == Mode::Default {
+                continue;
+            }
+            let inside = d["namespaces"][name].as_u64();
+            assert!(inside.is_some(), "{name} namespace not readable: {ctx}");
+            assert_ne!(inside, Some(*host), "{name} namespace is the host's: {ctx}");
+        }
+        if mode == Mode::Userns {
+            assert_ne!(
+                d["namespaces"]["user"].as_u64(),
+                o.host_ns.get("user").copied(),
+                "{ctx}"
+            );
+        }
+        let count = d["pid_count"].as_u64().unwrap_or(u64::MAX);
+        assert!(count <= 16, "too many pids visible: {ctx}");
+        assert!(d["self_pid"].as_u64().unwrap_or(u64::MAX) <= 64, "{ctx}");
+        assert!(
+            !s(&d["pid1_cmdline"]).is_empty(),
+            "pid 1 (the agent) must be visible: {ctx}"
+        );
+        assert_ne!(s(&d["hostname"]), o.host_hostname, "{ctx}");
+        assert_eq!(
+            s(&d["sethostname"]["result"]),
+            "ok",
+            "sethostname in own UTS ns: {ctx}"
+        );
+        assert_eq!(
+            s(&d["sethostname"]["visible_inside"]),
+            "dsec-probe-uts",
+            "{ctx}"
+        );
+        assert_eq!(
+            o.host_hostname_after, o.host_hostname,
+            "the host's hostname changed"
+        );
+    }
+}
+
+#[test]
+fn s03_read_only_root_and_mounts() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-03");
+        let ctx = o.ctx("S-03");
+        assert_eq!(s(&d["root"]["fstype"]), "overlay", "{ctx}");
+        assert_eq!(d["mount_violations"], Value::Array(vec![]), "{ctx}");
+        for dir in ["/usr", "/etc"] {
+            assert!(
+                errno_of(&d["writes"][dir], "denied_errno").is_some(),
+                "{dir} writable: {ctx}"
+            );
+        }
+        assert_eq!(s(&d["writes"]["/tmp"]), "writable", "{ctx}");
+        let mknod = d["mknod"].as_object().expect("mknod");
+        assert_eq!(mknod.len(), 4, "{ctx}");
+        for (k, v) in mknod {
+            assert_ne!(s(v), "created", "mknod {k} succeeded: {ctx}");
+        }
+        let setuid = &d["setuid"];
+        if let Some(uids) = setuid.get("child_uids").and_then(Value::as_str) {
+            let child_euid = uids.split_whitespace().nth(1);
+            let probe_euid = setuid["probe_euid"].as_u64().map(|e| e.to_string());
+            assert_eq!(
+                child_euid.map(str::to_owned),
+                probe_euid,
+                "setuid changed euid: {ctx}"
+            );
+        }
+        assert_eq!(d["dotdot_stays_at_root"], Value::Bool(true), "{ctx}");
+        assert_eq!(
+            d["symlink_escape_stays_at_root"],
+            Value::Bool(true),
+            "{ctx}"
+        );
+
+        // Shell writes: the positive control succeeds, /usr and /etc fail, the host is untouched.
+        assert_eq!(o.write_tmp.status, ExecStatus::Ok, "{:?}", o.write_tmp);
+        assert_eq!(o.write_tmp.stdout.trim(), "x", "{:?}", o.write_tmp);
+        for (what, r) in [("/usr/x", &o.write_usr), ("/etc/x", &o.write_etc)] {
+            assert_eq!(
+                r.status,
+                ExecStatus::NonzeroExit,
+                "[{}] write to {what}: {r:?}",
+                mode.name()
+            );
+            assert_ne!(r.exit_code, Some(0), "[{}] {r:?}", mode.name());
+        }
+        assert!(!o.host_usr_x_after, "host /usr/x was created");
+        assert!(!o.host_etc_x_after, "host /etc/x was created");
+    }
+}
+
+#[test]
+fn s04_syscall_policy_sweep() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-04");
+        let ctx = o.ctx("S-04");
+        assert_eq!(d["mismatches"], Value::Array(vec![]), "{ctx}");
+        assert!(d["tried"].as_u64().unwrap_or(0) >= 470, "{ctx}");
+        assert!(d["policy_kill"].as_u64().unwrap_or(0) > 0, "{ctx}");
+        assert!(d["policy_errno"].as_u64().unwrap_or(0) > 0, "{ctx}");
+        let abis = d["foreign_abis"].as_array().expect("foreign_abis");
+        assert_eq!(abis.len(), 2, "{ctx}");
+        for a in abis {
+            let got = s(&a["observed"]);
+            assert!(
+                got == "sigsys" || got == "signal 11",
+                "foreign ABI not killed: {a}: {ctx}"
+            );
+        }
+    }
+}
+
+#[test]
+fn s05_dangerous_syscalls_denied() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-05");
+        let ctx = o.ctx("S-05");
+        let calls = d.as_array().expect("S-05 detail is a list");
+        let by_name: BTreeMap<&str, &Value> = calls.iter().map(|c| (s(&c["call"]), c)).collect();
+        for c in calls {
+            assert_eq!(c["pass"], Value::Bool(true), "{c}: {ctx}");
+            assert_ne!(s(&c["observed"]), "ok", "{c} was allowed: {ctx}");
+        }
+        for name in [
+            "ptrace(PTRACE_TRACEME)",
+            "process_vm_readv",
+            "kcmp",
+            "pidfd_getfd",
+            "mount(NULL...)",
+            "unshare(CLONE_NEWUSER)",
+            "setns(-1)",
+            "keyctl(GET_KEYRING_ID)",
+            "bpf(-1)",
+            "userfaultfd",
+            "perf_event_open(NULL)",
+            "kexec_load(bad flags)",
+            "init_module(NULL)",
+            "open_by_handle_at(-1)",
+            "reboot(bad magic)",
+            "settimeofday(NULL, NULL)",
+            "clone(CLONE_NEWUSER)",
+            "clone(CLONE_NEWNS)",
+        ] {
+            let c = by_name
+                .get(name)
+                .unwrap_or_else(|| panic!("{name} not probed: {ctx}"));
+            assert_eq!(s(&c["observed"]), "sigsys", "{name}: {ctx}");
+        }
+        for (name, want) in [
+            ("personality(PER_LINUX32)", "errno 1"),
+            ("clone3(NULL)", "errno 38"),
+            ("io_uring_setup(NULL)", "errno 38"),
+        ] {
+            let c = by_name
+                .get(name)
+                .unwrap_or_else(|| panic!("{name} not probed: {ctx}"));
+            assert_eq!(s(&c["observed"]), want, "{name}: {ctx}");
+        }
+    }
+}
+
+#[test]
+fn s06_network_only_loopback_no_host_services() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-06");
+        let ctx = o.ctx("S-06");
+        assert_eq!(d["interfaces"], serde_json::json!(["lo"]), "{ctx}");
+        let connects = d["connect"].as_object().expect("connect");
+        let daemon = format!("127.0.0.1:{}", o.daemon_port);
+        assert!(
+            connects.contains_key(&daemon),
+            "daemon port not probed: {ctx}"
+        );
+        for t in [
+            daemon.as_str(),
+            "169.254.169.254:80",
+            "1.1.1.1:53",
+            "8.8.8.8:443",
+        ] {
+            let v = &connects[t];
+            assert_ne!(s(v), "connected", "{t} reachable: {ctx}");
+            assert!(v.get("error").is_some(), "{t}: {ctx}");
+        }
+        let raw = d["raw_sockets"].as_object().expect("raw_sockets");
+        assert_eq!(raw.len(), 5, "{ctx}");
+        for (k, v) in raw {
+            assert!(errno_of(v, "errno").is_some(), "{k} socket created: {ctx}");
+        }
+    }
+}
+
+#[test]
+fn s07_proc_masked_and_read_only() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-07");
+        let ctx = o.ctx("S-07");
+        for p in [
+            "/proc/kcore",
+            "/proc/keys",
+            "/proc/sched_debug",
+            "/proc/timer_list",
+        ] {
+            let v = &d["reads"][p];
+            assert!(v.get("readable_bytes").is_none(), "{p} readable: {ctx}");
+        }
+        assert_eq!(
+            d["reads"]["/proc/kallsyms"]["addresses_all_zero"],
+            Value::Bool(true),
+            "{ctx}"
+        );
+        for p in [
+            "/proc/sys/kernel/hostname",
+            "/proc/sysrq-trigger",
+            "/proc/sys/kernel/core_pattern",
+            "/proc/sys/vm/drop_caches",
+        ] {
+            assert_ne!(s(&d["writes"][p]), "opened for writing", "{p}: {ctx}");
+            assert!(!d["writes"][p].is_null(), "{p} not probed: {ctx}");
+        }
+    }
+}
+
+#[test]
+fn s08_no_dangerous_devices() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("S-08");
+        let ctx = o.ctx("S-08");
+        let opens = d["open"].as_object().expect("open");
+        for p in [
+            "/dev/kvm",
+            "/dev/mem",
+            "/dev/kmsg",
+            "/dev/sda",
+            "/dev/vda",
+            "/dev/loop-control",
+            "/dev/net/tun",
+            "/dev/fuse",
+        ] {
+            let errno = errno_of(&opens[p], "errno");
+            assert!(
+                matches!(errno, Some(1 | 2 | 13)),
+                "{p} opened or unexpected error: {ctx}"
+            );
+        }
+        assert_eq!(d["block_devices"], Value::Array(vec![]), "{ctx}");
+        assert_eq!(
+            d["unexpected_char_devices"],
+            Value::Array(vec![]),
+            "unexpected character devices in /dev: {ctx}"
+        );
+    }
+}
+
+#[test]
+fn s10_no_host_secrets() {
+    for mode in MODES {
+        let o = obs(mode);
+        // The test process really holds the secret, so a leak would be visible.
+        assert_eq!(
+            std::env::var(SECRET_ENV).ok().as_deref(),
+            Some(secret_value())
+        );
+        let d = o.passed("S-10");
+        let ctx = o.ctx("S-10");
+        for k in [
+            "secret_names_visible",
+            "secret_values_in",
+            "pids_with_secrets_in_environ",
+            "host_files_visible",
+        ] {
+            assert_eq!(d[k], Value::Array(vec![]), "{k}: {ctx}");
+        }
+        assert!(
+            o.host_files.contains(&o.secret_file.display().to_string()),
+            "secret file not probed"
+        );
+        assert!(d["env_count"].as_u64().unwrap_or(0) > 0, "{ctx}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// C-xx
+
+#[test]
+fn c01_no_leaked_fds_cwd_inside() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("C-01");
+        let ctx = o.ctx("C-01");
+        let fds = d["fds"].as_object().expect("fds");
+        assert!(!fds.is_empty(), "{ctx}");
+        for (fd, v) in fds {
+            assert_eq!(s(&v["verdict"]), "ok", "fd {fd}: {ctx}");
+        }
+        assert_eq!(d["cwd_inside"], Value::Bool(true), "{ctx}");
+        assert_eq!(s(&d["root"]), "/", "{ctx}");
+    }
+}
+
+#[test]
+fn c02_proc_self_exe_overwrite() {
+    for mode in MODES {
+        let o = obs(mode);
+        let r = &o.c02;
+        let name = mode.name();
+        assert_eq!(r.status, ExecStatus::Ok, "[{name}] C-02 script: {r:?}");
+        assert!(
+            r.stdout.contains("\ndone"),
+            "[{name}] C-02 script did not finish: {r:?}"
+        );
+        assert!(
+            r.stdout.contains("wrote=[]"),
+            "[{name}] a process binary was opened for writing through /proc: {r:?}"
+        );
+        assert_eq!(
+            o.c02_hashes_after, o.c02_hashes_before,
+            "[{name}] host binaries changed"
+        );
+        assert!(
+            o.c02_hashes_before
+                .values()
+                .all(|h| !h.starts_with("unreadable")),
+            "{:?}",
+            o.c02_hashes_before
+        );
+    }
+}
+
+#[test]
+fn c03_masked_paths_are_devices_or_ro_tmpfs() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("C-03");
+        let ctx = o.ctx("C-03");
+        let paths = d.as_object().expect("C-03 detail");
+        assert_eq!(paths.len(), 11, "{ctx}");
+        for (p, v) in paths {
+            let ok = v.get("absent_errno").is_some()
+                || s(v) == "/dev/null"
+                || (v["dir"]["empty"] == Value::Bool(true)
+                    && v["dir"]["read_only"] == Value::Bool(true)
+                    && v["dir"]["tmpfs"] == Value::Bool(true));
+            assert!(ok, "{p} not masked: {ctx}");
+        }
+        for p in [
+            "/proc/kcore",
+            "/proc/keys",
+            "/proc/sched_debug",
+            "/proc/timer_list",
+        ] {
+            assert!(paths[p].get("unmasked").is_none(), "{p} unmasked: {ctx}");
+        }
+    }
+}
+
+#[test]
+fn c04_release_agent_not_writable() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("C-04");
+        let ctx = o.ctx("C-04");
+        assert_eq!(d["writable_release_agents"], Value::Array(vec![]), "{ctx}");
+        let sys_hidden =
+            d["sys"].get("absent_errno").is_some() || d["sys"]["entries"] == Value::Array(vec![]);
+        assert!(sys_hidden, "/sys is visible: {ctx}");
+    }
+}
+
+#[test]
+fn c05_tiocsti_tioclinux_denied() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("C-05");
+        let ctx = o.ctx("C-05");
+        let tried = d["tried"].as_array().expect("tried");
+        assert!(!tried.is_empty(), "{ctx}");
+        for t in tried {
+            assert_ne!(s(&t["tiocsti"]), "allowed", "{t}: {ctx}");
+            assert_eq!(t["tioclinux"].as_i64(), Some(1), "{t}: {ctx}");
+        }
+    }
+}
+
+#[test]
+fn c06_open_by_handle_at_denied() {
+    for mode in MODES {
+        let o = obs(mode);
+        let d = o.passed("C-06");
+        let ctx = o.ctx("C-06");
+        let got = s(&d["observed"]);
+        assert!(got == "sigsys" || got == "errno 1", "{ctx}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// housekeeping
+
+#[test]
+fn report_is_complete_and_sandboxes_destroyed() {
+    for mode in MODES {
+        let o = obs(mode);
+        let ids: Vec<&str> = o.checks.keys().map(String::as_str).collect();
+        for id in [
+            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "C-01", "C-03",
+            "C-04", "C-05", "C-06",
+        ] {
+            assert!(
+                ids.contains(&id),
+                "[{}] {id} missing from {ids:?}",
+                mode.name()
+            );
+        }
+        assert!(o.report["all_pass"].is_boolean());
+        assert!(
+            o.probe_path.starts_with("/tmp/") || o.probe_path.starts_with("/dev/shm/"),
+            "{}",
+            o.probe_path
+        );
+        assert_eq!(o.destroy, Ok(()), "[{}] destroy failed", mode.name());
+        assert!(
+            !o.sandbox_run_dir_left,
+            "[{}] sandbox run dir left behind",
+            mode.name()
+        );
+        let run_dir = format!("/run/dsec-iso-{}-{}", std::process::id(), mode.name());
+        assert!(
+            !Path::new(&run_dir).exists(),
+            "[{}] runtime run dir {run_dir} left behind",
+            mode.name()
+        );
+        assert!(!o.secret_file.exists(), "host secret file left behind");
+    }
+}
+
+/// Prints both reports (run with `--ignored --nocapture` when debugging).
+#[test]
+#[ignore = "debugging aid"]
+fn dump_reports() {
+    for mode in MODES {
+        let o = obs(mode);
+        println!(
+            "=== {} (probe at {})\n{}",
+            mode.name(),
+            o.probe_path,
+            serde_json::to_string_pretty(&o.report).unwrap_or_default()
+        );
+        println!(
+            "S-03 shell: {:?} {:?} {:?}",
+            o.write_usr, o.write_etc, o.write_tmp
+        );
+        println!("C-02: {:?}", o.c02);
+    }
+}

@@ -1,0 +1,17 @@
+mod common;
+use common::*;
+#[test]
+fn scratch() {
+    let mut sb = create(small_limits());
+    for s in [
+        "(sleep 0.2; echo a) & wait; echo done",
+        "(sleep 0.2; kill -STOP 1; echo b) & wait; echo done",
+        "(sleep 0.2; kill -KILL 1; echo c) & wait; echo done",
+        "kill -STOP 1; echo d",
+        "(kill -STOP 1; echo e) & wait; echo done",
+        "echo x",
+    ] {
+        let r = sb.sh(s, 3000);
+        eprintln!("{s:?} -> {:?} {:?} {:?}", r.status, stdout(&r), stderr(&r));
+    }
+}
