@@ -189,14 +189,26 @@ impl AgentConn {
         }
     }
 
-    /// Sends a request answered by `Data` chunks and concatenates them.
-    pub fn call_data(&mut self, req: &Request) -> Result<Vec<u8>, AgentError> {
+    /// Sends a request answered by `Data` chunks and concatenates them, up to `max_bytes`
+    /// (a misbehaving agent cannot grow the node's memory beyond it).
+    pub fn call_data(&mut self, req: &Request, max_bytes: usize) -> Result<Vec<u8>, AgentError> {
         let mut out = Vec::new();
+        let mut overflow = false;
         let (ev, last) = self.call(req, &[], None, |ev, body| {
             if let Event::Data { .. } = ev {
-                out.extend_from_slice(body);
+                if out.len() + body.len() > max_bytes {
+                    overflow = true;
+                } else {
+                    out.extend_from_slice(body);
+                }
             }
         })?;
+        if overflow || out.len() + last.len() > max_bytes {
+            return Err(AgentError::Remote {
+                code: ErrorCode::TooLarge,
+                message: format!("answer exceeds {max_bytes} bytes"),
+            });
+        }
         match ev {
             Event::Data { eof: true } => {
                 out.extend_from_slice(&last);

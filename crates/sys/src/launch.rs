@@ -422,10 +422,14 @@ pub fn spawn_container(
         w.write_all(b"g").map_err(|source| LaunchError::Create {
             what: "release",
             source,
-        })
+        })?;
+        Ok(w)
     })();
     let mut report = String::new();
     let _ = std::fs::File::from(err_r).read_to_string(&mut report);
+    // The sync pipe stays open until the child exec'd: a child that re-arms its parent-death
+    // signal (after changing uid) checks it to see whether we died in between.
+    let released = released.map(drop);
     if let Err(e) = released {
         kill_and_reap(pid);
         return Err(e);
@@ -774,14 +778,33 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         // SAFETY: exiting the child without running the parent's destructors.
         unsafe { libc::_exit(126) };
     }
-    drop(sync);
     if p.userns {
         // The id maps are written: become root of the new user namespace.
         // SAFETY: integer-argument syscalls.
         check(unsafe { libc::setresgid(0, 0, 0) }, &err, "setresgid");
         // SAFETY: as above.
         check(unsafe { libc::setresuid(0, 0, 0) }, &err, "setresuid");
+        // Changing credentials clears the parent-death signal: arm it again, then make sure the
+        // supervisor did not die in between (its end of the sync pipe would be closed).
+        // SAFETY: prctl with integer arguments only.
+        check(
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) },
+            &err,
+            "pdeathsig",
+        );
+        let mut pfd = libc::pollfd {
+            fd: sync.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+        if rc != 0 {
+            // SAFETY: exiting the child without running the parent's destructors.
+            unsafe { libc::_exit(126) };
+        }
     }
+    drop(sync);
     // SAFETY: integer-argument syscall.
     check(
         unsafe { libc::unshare(libc::CLONE_NEWCGROUP) },
@@ -857,6 +880,16 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         let r = libc::fcntl(err.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 100);
         if s < 0 || e < 0 || r < 0 {
             fail(&err, "dup_high");
+        }
+        // Standard streams: never the supervisor's (they lead to the node's terminal or logs).
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        if null < 0 {
+            fail(&err, "open_dev_null");
+        }
+        for fd in 0..3 {
+            if libc::dup2(null, fd) < 0 {
+                fail(&err, "stdio");
+            }
         }
         if libc::dup3(s, 3, 0) < 0
             || libc::dup3(e, 4, libc::O_CLOEXEC) < 0

@@ -364,7 +364,14 @@ fn serve(
                         break;
                     }
                     match serde_json::from_slice::<ControlMsg>(&buf[..n]) {
-                        Ok(ControlMsg::Reset) if cfg.userns.is_none() => {
+                        // In place only when the agent really left nothing else running
+                        // (a compromised agent could lie about KillAll).
+                        Ok(ControlMsg::Reset)
+                            if cfg.userns.is_none()
+                                && cgroup
+                                    .pids()
+                                    .is_ok_and(|p| p.iter().all(|&x| x == init.pidfd.pid())) =>
+                        {
                             // In place: the node has killed every process but the agent.
                             let spec = container_spec(ctx, cfg, &init.agent_host);
                             match launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state)
