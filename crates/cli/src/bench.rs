@@ -126,11 +126,14 @@ pub fn run(
     }
 
     let (mut create, mut launch, mut create_exec, mut destroy) = (vec![], vec![], vec![], vec![]);
+    let (mut cg, mut clone_exec) = (vec![], vec![]);
     for _ in 0..n {
         let t = Instant::now();
         let (mut sb, phases) = rt.create(&spec)?;
         create.push(us(t));
         launch.push(phases.launch_us);
+        cg.push(phases.cgroup_us);
+        clone_exec.push(phases.clone_exec_us);
         exec_ok(&mut sb, &rt, &["/bin/true"])?;
         create_exec.push(us(t));
         let t = Instant::now();
@@ -139,6 +142,8 @@ pub fn run(
     }
     res.insert("cold_create_to_agent_ready", dist(create));
     res.insert("cold_create_phase_launch", dist(launch));
+    res.insert("cold_create_phase_cgroup", dist(cg));
+    res.insert("cold_create_phase_clone_to_exec", dist(clone_exec));
     res.insert("cold_create_exec_true", dist(create_exec));
     res.insert("destroy", dist(destroy));
 

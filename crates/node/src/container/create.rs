@@ -26,6 +26,10 @@ pub struct Phases {
     pub launch_us: u64,
     /// Until the agent said hello.
     pub hello_us: u64,
+    /// Inside the supervisor: creating and configuring the cgroup.
+    pub cgroup_us: u64,
+    /// Inside the supervisor: clone, namespaces, mounts, privilege drop, exec of the agent.
+    pub clone_exec_us: u64,
 }
 
 static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -125,10 +129,13 @@ impl ContainerRuntime {
             }
         };
         let launch_us = t0.elapsed().as_micros() as u64;
-        let (sup_pid, init_pid) = match msg {
+        let (sup_pid, init_pid, sup_phases) = match msg {
             SupervisorMsg::Launched {
-                sup_pid, init_pid, ..
-            } => (sup_pid, init_pid),
+                sup_pid,
+                init_pid,
+                phases_us,
+                ..
+            } => (sup_pid, init_pid, phases_us),
             SupervisorMsg::Failed { message, .. } => {
                 return Err(RuntimeError::Launch { id, message })
             }
@@ -175,6 +182,8 @@ impl ContainerRuntime {
             Phases {
                 launch_us,
                 hello_us,
+                cgroup_us: sup_phases.0,
+                clone_exec_us: sup_phases.1,
             },
         ))
     }

@@ -57,6 +57,9 @@ pub enum SupervisorMsg {
         sup_pid: i32,
         /// Sandbox init pid (host pid namespace).
         init_pid: i32,
+        /// Supervisor-side phase latencies, microseconds: cgroup create, then clone → agent exec'd.
+        #[serde(default)]
+        phases_us: (u64, u64),
     },
     /// Launch failed; the supervisor has cleaned up and exits.
     Failed {

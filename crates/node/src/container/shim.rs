@@ -237,6 +237,7 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
             l.clone_from(&h);
         }
     }
+    let t0 = std::time::Instant::now();
     let cgroup = match ctx.cgroups.create(&cfg.id, &cgroup_limits(&cfg)) {
         Ok(c) => c,
         Err(e) => {
@@ -244,6 +245,7 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
             return fail(error_chain(&e));
         }
     };
+    let cgroup_us = t0.elapsed().as_micros() as u64;
     let mut init = match launch_init(ctx, &cfg, &cgroup) {
         Ok(i) => i,
         Err(e) => {
@@ -266,6 +268,10 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
         req: req.req,
         sup_pid: std::process::id() as i32,
         init_pid: init.pidfd.pid(),
+        phases_us: (
+            cgroup_us,
+            (t0.elapsed().as_micros() as u64).saturating_sub(cgroup_us),
+        ),
     };
     if send(
         ctx.node.as_fd(),
@@ -435,6 +441,7 @@ fn serve(
                                 req: 0,
                                 sup_pid: std::process::id() as i32,
                                 init_pid: init.pidfd.pid(),
+                                phases_us: (0, 0),
                             };
                             if send(
                                 stream.as_fd(),

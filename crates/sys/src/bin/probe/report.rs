@@ -271,12 +271,18 @@ fn mounts() -> Vec<Mount> {
         .collect()
 }
 
-/// Device mounts that need device access: `/dev` itself, devpts and device bind mounts.
+/// Device mounts that need device access: `/dev` itself, devpts, device bind mounts under
+/// `/dev`, and masks made by binding `/dev/null` (1:3) over a path (`/proc/keys`, ...).
 fn device_mount(m: &Mount) -> bool {
+    let char_dev = || {
+        fs::symlink_metadata(&m.mount_point)
+            .ok()
+            .filter(|md| md.file_type().is_char_device())
+    };
     m.mount_point == "/dev"
         || m.fstype == "devpts"
-        || (m.mount_point.starts_with("/dev/")
-            && fs::symlink_metadata(&m.mount_point).is_ok_and(|md| md.file_type().is_char_device()))
+        || (m.mount_point.starts_with("/dev/") && char_dev().is_some())
+        || char_dev().is_some_and(|md| sys::major_minor(md.rdev()) == (1, 3))
 }
 
 fn try_create(dir: &str) -> Value {
