@@ -87,7 +87,8 @@ struct Obs {
     /// S-03: shell writes (`/usr/x`, `/etc/x`, and `/tmp/x` as the positive control).
     write_usr: Shell,
     write_etc: Shell,
-    write_tmp: Shell,
+    /// `<dir> ok|fail` per line for the scratch dirs and /dev/shm.
+    scratch: Shell,
     host_usr_x_after: bool,
     host_etc_x_after: bool,
     /// C-02: the overwrite attempts and the host binaries' hashes before and after.
@@ -350,7 +351,7 @@ fn observe(mode: Mode) -> Obs {
         env._data_dir.path().display().to_string(),
         agent_bin.display().to_string(),
         "/etc/shadow".to_owned(),
-        "/work".to_owned(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml").to_owned(),
     ];
     if Path::new("/root/.bashrc").exists() {
         host_files.push("/root/.bashrc".into());
@@ -408,7 +409,12 @@ fn observe(mode: Mode) -> Obs {
     );
     let write_usr = env.sh("echo x > /usr/x");
     let write_etc = env.sh("echo x > /etc/x");
-    let write_tmp = env.sh("echo x > /tmp/x && cat /tmp/x");
+    let scratch = env.sh(
+        r#"for d in /tmp /var/tmp /root /home /workspace /dev/shm; do
+  if echo x > "$d/.dsec-w" && [ "$(cat "$d/.dsec-w")" = x ]; then echo "$d ok"; else echo "$d fail"; fi
+  rm -f "$d/.dsec-w"
+done"#,
+    );
     let host_usr_x_after = Path::new("/usr/x").exists();
     let host_etc_x_after = Path::new("/etc/x").exists();
 
@@ -431,12 +437,13 @@ echo "pid1_exe=$(readlink /proc/1/exe)"
 if printf x >> /proc/1/exe 2>/dev/null; then wrote="$wrote /proc/1/exe"; fi
 if (exec 3>>/proc/1/exe) 2>/dev/null; then wrote="$wrote /proc/1/exe(open)"; fi
 if printf x >> /proc/self/exe 2>/dev/null; then wrote="$wrote /proc/self/exe"; fi
-sleep 30 &
+sleep 1 &
 p=$!
+sleep 0.3
 exec 4< /proc/$p/exe
-kill -9 $p
-wait $p 2>/dev/null
-if printf x >> /proc/self/fd/4 2>/dev/null; then wrote="$wrote /proc/self/fd/4(sleep)"; fi
+echo "held=$(readlink /proc/self/fd/4)"
+wait $p
+if printf x >> /proc/self/fd/4 2>/dev/null; then wrote="$wrote /proc/self/fd/4(exited)"; fi
 exec 5< /proc/1/exe
 if printf x >> /proc/self/fd/5 2>/dev/null; then wrote="$wrote /proc/self/fd/5(pid1)"; fi
 echo "wrote=[$wrote]"
@@ -459,7 +466,7 @@ echo done"#);
         host_files,
         write_usr,
         write_etc,
-        write_tmp,
+        scratch,
         host_usr_x_after,
         host_etc_x_after,
         c02,
@@ -553,12 +560,22 @@ fn s01_no_capabilities_nnp_seccomp() {
 fn s02_namespaces_differ() {
     for mode in MODES {
         let o = obs(mode);
-        let d = o.passed("S-02");
+        let (pass, d) = o.check("S-02");
         let ctx = o.ctx("S-02");
-        assert_eq!(d["shared_with_host"], Value::Array(vec![]), "{ctx}");
+        // The default mode keeps the host's user namespace by design (host uid 0 without any
+        // capability, see S-01): "user" is the only namespace it may share with the host, so
+        // the probe's overall verdict is asserted in the user-namespace mode only.
+        let allowed_shared: &[&str] = match mode {
+            Mode::Default => &["user"],
+            Mode::Userns => &[],
+        };
+        assert_eq!(
+            d["shared_with_host"],
+            serde_json::json!(allowed_shared),
+            "namespaces shared with the host: {ctx}"
+        );
         for (name, host) in &o.host_ns {
-            // The user namespace is the host's in the default mode by design (no userns).
-            if name == "user" && mode == Mode::Default {
+            if allowed_shared.contains(&name.as_str()) {
                 continue;
             }
             let inside = d["namespaces"][name].as_u64();
@@ -566,30 +583,24 @@ fn s02_namespaces_differ() {
             assert_ne!(inside, Some(*host), "{name} namespace is the host's: {ctx}");
         }
         if mode == Mode::Userns {
-            assert_ne!(
-                d["namespaces"]["user"].as_u64(),
-                o.host_ns.get("user").copied(),
-                "{ctx}"
-            );
+            assert!(pass, "{ctx}");
         }
         let count = d["pid_count"].as_u64().unwrap_or(u64::MAX);
         assert!(count <= 16, "too many pids visible: {ctx}");
         assert!(d["self_pid"].as_u64().unwrap_or(u64::MAX) <= 64, "{ctx}");
-        assert!(
-            !s(&d["pid1_cmdline"]).is_empty(),
-            "pid 1 (the agent) must be visible: {ctx}"
+        assert_eq!(
+            s(&d["pid1_cmdline"]),
+            "dsec-agent",
+            "pid 1 must be the sandbox's agent: {ctx}"
         );
         assert_ne!(s(&d["hostname"]), o.host_hostname, "{ctx}");
-        assert_eq!(
-            s(&d["sethostname"]["result"]),
-            "ok",
-            "sethostname in own UTS ns: {ctx}"
-        );
-        assert_eq!(
-            s(&d["sethostname"]["visible_inside"]),
-            "dsec-probe-uts",
-            "{ctx}"
-        );
+        // A hostname change is either refused, or visible inside only.
+        let sethostname = &d["sethostname"];
+        match s(&sethostname["result"]) {
+            "denied" => {}
+            "ok" => assert_eq!(s(&sethostname["visible_inside"]), "dsec-probe-uts", "{ctx}"),
+            other => panic!("sethostname not tried ({other}): {ctx}"),
+        }
         assert_eq!(
             o.host_hostname_after, o.host_hostname,
             "the host's hostname changed"
@@ -601,17 +612,21 @@ fn s02_namespaces_differ() {
 fn s03_read_only_root_and_mounts() {
     for mode in MODES {
         let o = obs(mode);
-        let d = o.passed("S-03");
+        let (pass, d) = o.check("S-03");
         let ctx = o.ctx("S-03");
         assert_eq!(s(&d["root"]["fstype"]), "overlay", "{ctx}");
-        assert_eq!(d["mount_violations"], Value::Array(vec![]), "{ctx}");
+        assert!(
+            d["root"]["options"]
+                .as_array()
+                .is_some_and(|a| a.contains(&Value::from("ro"))),
+            "root not mounted read-only: {ctx}"
+        );
         for dir in ["/usr", "/etc"] {
             assert!(
                 errno_of(&d["writes"][dir], "denied_errno").is_some(),
                 "{dir} writable: {ctx}"
             );
         }
-        assert_eq!(s(&d["writes"]["/tmp"]), "writable", "{ctx}");
         let mknod = d["mknod"].as_object().expect("mknod");
         assert_eq!(mknod.len(), 4, "{ctx}");
         for (k, v) in mknod {
@@ -626,17 +641,20 @@ fn s03_read_only_root_and_mounts() {
                 probe_euid,
                 "setuid changed euid: {ctx}"
             );
+            assert_eq!(
+                u64::from_str_radix(s(&setuid["child_cap_eff"]), 16).ok(),
+                Some(0),
+                "setuid granted capabilities: {ctx}"
+            );
         }
         assert_eq!(d["dotdot_stays_at_root"], Value::Bool(true), "{ctx}");
-        assert_eq!(
+        assert_ne!(
             d["symlink_escape_stays_at_root"],
-            Value::Bool(true),
+            Value::Bool(false),
             "{ctx}"
         );
 
-        // Shell writes: the positive control succeeds, /usr and /etc fail, the host is untouched.
-        assert_eq!(o.write_tmp.status, ExecStatus::Ok, "{:?}", o.write_tmp);
-        assert_eq!(o.write_tmp.stdout.trim(), "x", "{:?}", o.write_tmp);
+        // Shell writes to /usr and /etc fail; the host is untouched.
         for (what, r) in [("/usr/x", &o.write_usr), ("/etc/x", &o.write_etc)] {
             assert_eq!(
                 r.status,
@@ -645,10 +663,55 @@ fn s03_read_only_root_and_mounts() {
                 mode.name()
             );
             assert_ne!(r.exit_code, Some(0), "[{}] {r:?}", mode.name());
+            assert!(
+                r.stderr.contains("Read-only file system"),
+                "[{}] write to {what} failed for another reason: {r:?}",
+                mode.name()
+            );
         }
         assert!(!o.host_usr_x_after, "host /usr/x was created");
         assert!(!o.host_etc_x_after, "host /etc/x was created");
+        // Positive control: the same shell can write somewhere (the scratch dirs, or /dev/shm).
+        assert!(
+            o.scratch.stdout.lines().any(|l| l.ends_with(" ok")),
+            "[{}] no writable dir at all, the write test proves nothing: {:?}",
+            mode.name(),
+            o.scratch
+        );
+        // Last: every mount nodev (except device mounts) and nosuid.
+        assert_eq!(
+            d["mount_violations"],
+            Value::Array(vec![]),
+            "mounts without nodev/nosuid: {ctx}"
+        );
+        assert!(pass, "{ctx}");
     }
+}
+
+/// S-03 "only scratch dirs writable": the scratch dirs ARE writable (and /tmp per the probe).
+#[test]
+fn s03_scratch_dirs_writable() {
+    for mode in MODES {
+        let o = obs(mode);
+        for dir in scratch_dirs() {
+            assert!(
+                o.scratch.stdout.lines().any(|l| l == format!("{dir} ok")),
+                "[{}] scratch dir {dir} not writable: {:?}",
+                mode.name(),
+                o.scratch
+            );
+        }
+        assert_eq!(
+            s(&o.check("S-03").1["writes"]["/tmp"]),
+            "writable",
+            "{}",
+            o.ctx("S-03")
+        );
+    }
+}
+
+fn scratch_dirs() -> &'static [&'static str] {
+    &["/tmp", "/var/tmp", "/root", "/home", "/workspace"]
 }
 
 #[test]
@@ -1013,7 +1076,7 @@ fn dump_reports() {
         );
         println!(
             "S-03 shell: {:?} {:?} {:?}",
-            o.write_usr, o.write_etc, o.write_tmp
+            o.write_usr, o.write_etc, o.scratch
         );
         println!("C-02: {:?}", o.c02);
     }

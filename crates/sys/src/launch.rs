@@ -183,6 +183,7 @@ struct Prepared {
     shm_opts: CString,
     dev_links: Vec<(CString, CString)>,
     scratch: Vec<CString>,
+    scratch_src: Vec<CString>,
     hostname: CString,
     _argv: Vec<CString>,
     _envp: Vec<CString>,
@@ -261,7 +262,11 @@ fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, 
             cstr(format!("{root}/{rel}"), "scratch")
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let scratch_src = (0..scratch.len())
+        .map(|i| cstr(format!("{stage}/scratch{i}"), "scratch"))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(Prepared {
+        scratch_src,
         tmpfs_opts: cstr(
             format!(
                 "size={},nr_inodes={},mode=0755",
@@ -707,15 +712,25 @@ fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), Step
     }
 
     if !p.writable_root {
-        for s in &p.scratch {
-            if mkdir(s, 0o755) < 0 {
-                // In a user namespace, directories owned by unmapped host ids (e.g. `/` and
-                // `/root` of the host template) cannot be created or written: skip them.
-                if p.userns {
+        for (s, src) in p.scratch.iter().zip(&p.scratch_src) {
+            if p.userns {
+                // Inside a user namespace the template's directories belong to unmapped host
+                // ids and cannot be written even through the overlay: each scratch directory is
+                // a fresh directory of the sandbox's own tmpfs (same disk quota) bound on top.
+                if path_kind(s).is_none() && mkdir(s, 0o755) < 0 {
                     continue;
                 }
-                return Err(StepError::last("mkdir_scratch"));
+                ck(mkdir(src, 0o755), "mkdir_scratch_src")?;
+                let sticky = s.to_bytes().ends_with(b"tmp");
+                // SAFETY: valid path.
+                ck(
+                    unsafe { libc::chmod(src.as_ptr(), if sticky { 0o1777 } else { 0o755 }) },
+                    "chmod_scratch",
+                )?;
+                try_mount("scratch_bind", src, s, None, libc::MS_BIND, None)?;
+                continue;
             }
+            ck(mkdir(s, 0o755), "mkdir_scratch")?;
             try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
             try_mount(
                 "scratch_remount",
@@ -811,6 +826,14 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         &err,
         "cgroup_ns",
     );
+    // A time namespace of its own (clone() cannot take CLONE_NEWTIME; the agent enters it at
+    // exec, as a child would).
+    // SAFETY: integer-argument syscall.
+    check(
+        unsafe { libc::unshare(libc::CLONE_NEWTIME) },
+        &err,
+        "time_ns",
+    );
     mount(
         &err,
         "private",
@@ -855,19 +878,6 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
     );
     loopback_up(&err);
 
-    for rl in &spec.rlimits {
-        let lim = libc::rlimit {
-            rlim_cur: rl.value,
-            rlim_max: rl.value,
-        };
-        // SAFETY: valid rlimit struct.
-        check(
-            unsafe { libc::setrlimit(rl.resource as _, &lim) },
-            &err,
-            "setrlimit",
-        );
-    }
-
     // Descriptors: 3 = agent socket, 4 = agent executable (close-on-exec), error pipe kept
     // close-on-exec above them; everything else is closed.
     let agent_sock = spec.agent_sock.as_raw_fd();
@@ -906,6 +916,19 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
     std::mem::forget(err);
     // SAFETY: fd 5 is the error pipe just installed by dup3 and nothing else owns it.
     let err = unsafe { OwnedFd::from_raw_fd(5) };
+    // Limits last among the fd work: a small RLIMIT_NOFILE must not break the shuffle above.
+    for rl in &spec.rlimits {
+        let lim = libc::rlimit {
+            rlim_cur: rl.value,
+            rlim_max: rl.value,
+        };
+        // SAFETY: valid rlimit struct.
+        check(
+            unsafe { libc::setrlimit(rl.resource as _, &lim) },
+            &err,
+            "setrlimit",
+        );
+    }
 
     drop_privileges(&err);
     if let Err(e) = spec.seccomp.install() {

@@ -261,12 +261,19 @@ pub struct ChildSetup {
 
 /// Installs a `pre_exec` hook on `cmd` that applies `setup` in the child.
 pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
-    if setup.cwd.is_none() && setup.cpu_limit_secs.is_none() {
-        return;
-    }
     let cwd = setup.cwd;
     let cpu = setup.cpu_limit_secs;
     let hook = move || -> io::Result<()> {
+        // The agent blocks SIGCHLD in all its threads; a command must start with an empty mask
+        // (otherwise `sleep 1 & wait` in a shell never returns).
+        // SAFETY: sigemptyset/sigprocmask are async-signal-safe; the set lives on the stack.
+        unsafe {
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            if libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         if let Some(fd) = &cwd {
             // SAFETY: fchdir is async-signal-safe and `fd` is an open directory fd owned by the
             // closure, which lives until exec.
@@ -286,8 +293,9 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         }
         Ok(())
     };
-    // SAFETY: the hook only calls async-signal-safe functions (fchdir, setrlimit) and does not
-    // allocate, so it is sound to run between fork and exec in a multi-threaded parent.
+    // SAFETY: the hook only calls async-signal-safe functions (sigprocmask, fchdir, setrlimit)
+    // and does not allocate, so it is sound to run between fork and exec in a multi-threaded
+    // parent.
     unsafe {
         cmd.pre_exec(hook);
     }

@@ -20,15 +20,17 @@ impl Sandbox {
             .agent
             .exec(req, stdin, on_output)
             .map_err(|source| RuntimeError::Agent { id, source })?;
-        if result.signal == Some(9) && result.status == ExecStatus::Killed {
-            if let Some(kills) = rt
-                .cgroups()
-                .open(&self.id)
-                .and_then(|c| c.stats().ok())
-                .map(|s| s.oom_kills)
-            {
-                if kills > self.oom_kills {
-                    self.oom_kills = kills;
+        // The cgroup's OOM counter tells whether the kernel killed something for memory during
+        // this command, whichever process of the tree it picked.
+        if let Some(kills) = rt
+            .cgroups()
+            .open(&self.id)
+            .and_then(|c| c.stats().ok())
+            .map(|s| s.oom_kills)
+        {
+            if kills > self.oom_kills {
+                self.oom_kills = kills;
+                if result.status != ExecStatus::Ok {
                     result.status = ExecStatus::Oom;
                 }
             }

@@ -497,20 +497,29 @@ impl Sandbox {
             let _ = self.sup.signal(9);
             let _ = self.sup.wait_exit(Duration::from_secs(5));
         }
-        rt.cleanup_leftovers(&self.id, &self.run_dir);
+        let clean = rt.cleanup_leftovers(&self.id, &self.run_dir) && !self.sup.is_alive();
         self.state = self.state.transition(State::Stopped)?;
-        answered.map(|_| ())
+        // A supervisor that died before the destroy (killed, crashed) cannot answer; the
+        // destroy still succeeded when nothing of the sandbox is left.
+        match answered {
+            Ok(_) => Ok(()),
+            Err(_) if clean => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 }
 
 impl ContainerRuntime {
     /// Removes the cgroup and runtime directory of a sandbox whose supervisor is gone.
-    pub fn cleanup_leftovers(&self, id: &str, run_dir: &Path) {
+    /// Removes the cgroup and runtime directory of a sandbox whose supervisor is gone; returns
+    /// whether nothing is left.
+    pub fn cleanup_leftovers(&self, id: &str, run_dir: &Path) -> bool {
         if let Some(cg) = self.cgroups.open(id) {
             let _ = cg.kill_all();
             let _ = cg.remove();
         }
         let _ = std::fs::remove_dir_all(run_dir);
+        self.cgroups.open(id).is_none() && !run_dir.exists()
     }
 
     fn new_req(&self) -> u64 {

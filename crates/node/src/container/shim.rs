@@ -58,9 +58,11 @@ struct SpawnerCtx {
 
 fn run_spawner() -> io::Result<()> {
     ipc::set_process_name("dsec-spawner");
-    // The spawner dies with the node; supervisors (its children) do not: they setsid and have
-    // no parent-death signal of their own.
-    ipc::set_parent_death_signal(libc_sigkill())?;
+    // The spawner exits when the node's socket closes (the node exited or died); supervisors,
+    // its children, outlive it. (No parent-death signal: it would be tied to the node *thread*
+    // that started the spawner, not to the node process.) As a subreaper that ignores SIGCHLD it
+    // also reaps sandbox inits orphaned by a killed supervisor.
+    ipc::set_child_subreaper()?;
     let node = dsec_sys::proc::take_inherited_fd(3).map_err(io::Error::other)?;
     let agent_path = std::env::var_os("DSEC_AGENT_BIN")
         .map(PathBuf::from)
@@ -104,10 +106,6 @@ fn run_spawner() -> io::Result<()> {
             }
         }
     }
-}
-
-fn libc_sigkill() -> i32 {
-    9
 }
 
 fn send(sock: BorrowedFd<'_>, msg: &SupervisorMsg, fds: &[BorrowedFd<'_>]) -> io::Result<()> {

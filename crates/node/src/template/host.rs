@@ -165,9 +165,11 @@ fn describe(host_root: &Path, extra_hidden: &[PathBuf]) -> BTreeMap<PathBuf, Mas
                     gid: 0,
                 }
             }
+            // Readable and searchable by everyone (it is empty): an overlay mounted inside a
+            // user namespace reads its opaque marker with the mounter's unprivileged credentials.
             Some(m) if m.is_dir() => MaskEntry {
                 kind: Kind::Opaque,
-                mode: m.mode() & 0o7777,
+                mode: (m.mode() & 0o7777) | 0o555,
                 uid: m.uid(),
                 gid: m.gid(),
             },
@@ -383,7 +385,7 @@ mod tests {
         assert_eq!(build_host_mask(h, data.path(), &extra)?, m, "idempotent");
 
         let meta = |p: &str| fs::symlink_metadata(m.join(p));
-        assert_eq!(meta("root")?.mode() & 0o7777, 0o700);
+        assert_eq!(meta("root")?.mode() & 0o7777, 0o755);
         assert_eq!(fs::read_dir(m.join("root"))?.count(), 0);
         assert_eq!(meta("tmp")?.mode() & 0o7777, 0o1777);
         assert!(meta("home")?.is_dir());

@@ -150,6 +150,13 @@ impl SbGuard {
         self.run(&req)
     }
 
+    /// Runs an argv command with a timeout; panics on a transport/validation error.
+    pub fn argv(&mut self, argv: &[&str], timeout_ms: u64) -> ExecResult {
+        let mut req = ExecRequest::argv(argv.iter().copied());
+        req.timeout_ms = Some(timeout_ms);
+        self.run(&req)
+    }
+
     /// Runs a request; panics on a transport/validation error.
     pub fn run(&mut self, req: &ExecRequest) -> ExecResult {
         let id = self.id().to_owned();
@@ -197,6 +204,16 @@ pub fn create_spec(spec: &SandboxSpec) -> SbGuard {
     let fx = fixture();
     let (sb, _phases) = fx.rt.create(spec).expect("create sandbox");
     fx.created
+        .lock()
+        .expect("registry")
+        .push(sb.id().to_owned());
+    SbGuard { sb: Some(sb) }
+}
+
+/// Guards a sandbox created directly with `rt().create` (registers it for leak counting).
+pub fn adopt(sb: Sandbox) -> SbGuard {
+    fixture()
+        .created
         .lock()
         .expect("registry")
         .push(sb.id().to_owned());
@@ -297,6 +314,15 @@ pub fn procs_in_pid_ns(ns: u64) -> Vec<i32> {
     all_procs()
         .into_iter()
         .filter(|p| ns_inode(p.pid, "pid") == Some(ns))
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// Host pids of the live (not zombie) processes in the pid namespace with inode `ns`.
+pub fn live_procs_in_pid_ns(ns: u64) -> Vec<i32> {
+    all_procs()
+        .into_iter()
+        .filter(|p| p.state != 'Z' && p.state != 'X' && ns_inode(p.pid, "pid") == Some(ns))
         .map(|p| p.pid)
         .collect()
 }

@@ -1,0 +1,362 @@
+//! Lifecycle tests of the container substrate: create/exec/destroy cycles leave nothing behind,
+//! reset gives a fresh writable layer, destroy takes background work with it, `/proc/self/exe`
+//! overwrites (C-02) cannot reach host binaries. Run as root, never skipped.
+//!
+//! Every test holds [`SERIAL`] and compares the [`LeakSnapshot`] taken at its start with the one
+//! at its end, so the tests of this file never see each other's sandboxes.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use common::{create, create_spec, small_limits, stderr, stdout, LeakSnapshot};
+use dsec_api::agent::{Event, Request, SessionKind};
+use dsec_api::exec::{ExecRequest, ExecStatus};
+use dsec_node::container::{ContainerRuntime, RuntimeConfig};
+use dsec_node::sandbox::SandboxSpec;
+use sha2::{Digest, Sha256};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const SETTLE: Duration = Duration::from_secs(5);
+
+fn sha256_file(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    hex::encode(Sha256::digest(&bytes))
+}
+
+#[test]
+fn lifecycle_create_exec_destroy_20x_returns_to_baseline() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    for i in 0..20 {
+        let mut sb = create(small_limits());
+        let r = sb.sh(&format!("echo round-{i}; echo data > /tmp/f"), 10_000);
+        assert_eq!(
+            (r.status, stdout(&r)),
+            (ExecStatus::Ok, format!("round-{i}\n")),
+            "{r:?}"
+        );
+        // While it runs, the counters do show it (the snapshot would notice a leak).
+        if i == 0 {
+            let during = LeakSnapshot::take();
+            assert_eq!(during.supervisors, base.supervisors + 1, "{during:?}");
+            assert_eq!(during.agents, base.agents + 1, "{during:?}");
+            assert_eq!(during.run_entries, base.run_entries + 1, "{during:?}");
+            assert!(during.cgroup_dirs > base.cgroup_dirs, "{during:?}");
+            assert_eq!(during.net_namespaces, base.net_namespaces + 1, "{during:?}");
+            assert!(during.fds > base.fds, "{during:?}");
+        }
+        sb.destroy()
+            .unwrap_or_else(|e| panic!("destroy round {i}: {e:?}"));
+    }
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+/// Host pids of live processes whose command line contains `marker`.
+fn live_with_cmdline(marker: &str) -> Vec<i32> {
+    common::all_procs()
+        .into_iter()
+        .filter(|p| p.state != 'Z' && common::cmdline(p.pid).contains(marker))
+        .map(|p| p.pid)
+        .collect()
+}
+
+fn check_reset(spec: &SandboxSpec, marker: &str) {
+    let mut sb = create_spec(spec);
+    sb.mark_acquired().expect("acquire");
+    let r = sb.sh(
+        &format!(
+            "echo before > /tmp/marker; echo x > /workspace/ws-marker; \
+             setsid {marker} </dev/null >/dev/null 2>&1 & echo ok"
+        ),
+        5000,
+    );
+    assert_eq!(stdout(&r), "ok\n", "{r:?}");
+    sb.agent()
+        .call_ok(
+            &Request::FileWrite {
+                path: "/workspace/w".into(),
+                mode: None,
+                parents: false,
+            },
+            b"agent-written",
+        )
+        .expect("file write");
+    assert!(common::wait_until(
+        Duration::from_secs(2),
+        || live_with_cmdline(marker).len() == 1
+    ));
+
+    sb.reset().expect("reset");
+    assert!(
+        common::wait_until(SETTLE, || live_with_cmdline(marker).is_empty()),
+        "a process started before the reset survives it: {:?}",
+        live_with_cmdline(marker)
+            .iter()
+            .map(|p| common::describe(*p))
+            .collect::<Vec<_>>()
+    );
+    sb.ping().expect("ping after reset");
+    let r = sb.sh("ls -A /tmp /workspace", 5000);
+    assert_eq!(
+        stdout(&r),
+        "/tmp:\n\n/workspace:\n",
+        "old writable layer visible after reset ({spec:?}): {r:?}"
+    );
+    let r = sb.sh("echo after > /tmp/marker && cat /tmp/marker", 5000);
+    assert_eq!(
+        (r.status, stdout(&r).as_str()),
+        (ExecStatus::Ok, "after\n"),
+        "{r:?}"
+    );
+    // A second reset works too.
+    sb.mark_acquired().expect("acquire again");
+    sb.reset().expect("second reset");
+    let r = sb.sh("test -e /tmp/marker && echo present || echo absent", 5000);
+    assert_eq!(stdout(&r), "absent\n");
+    sb.destroy().expect("destroy");
+}
+
+#[test]
+fn lifecycle_reset_gives_a_fresh_writable_layer() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    check_reset(
+        &SandboxSpec {
+            limits: small_limits(),
+            ..Default::default()
+        },
+        "sleep 7401",
+    );
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+#[test]
+fn lifecycle_reset_gives_a_fresh_writable_layer_userns() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let spec = SandboxSpec {
+        limits: small_limits(),
+        userns: true,
+        ..Default::default()
+    };
+    check_reset(&spec, "sleep 7404");
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+/// HOME (`/root`) is a scratch dir and must be usable in user-namespace mode too.
+#[test]
+fn lifecycle_userns_scratch_dirs_are_writable() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let spec = SandboxSpec {
+        limits: small_limits(),
+        userns: true,
+        ..Default::default()
+    };
+    let mut sb = create_spec(&spec);
+    let r = sb.sh("for d in /tmp /var/tmp /root /home /workspace; do echo x > $d/probe || echo \"FAIL $d\"; done; echo end", 5000);
+    sb.destroy().expect("destroy");
+    assert_eq!(
+        stdout(&r),
+        "end\n",
+        "scratch dirs not writable in userns mode: {}",
+        stderr(&r)
+    );
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+#[test]
+fn lifecycle_destroy_takes_background_work_with_it() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let mut sb = create(small_limits());
+    let ns = common::ns_inode(sb.init_pid(), "pid").expect("pid ns");
+    let (ev, _) = sb
+        .agent()
+        .call(
+            &Request::Spawn(ExecRequest::shell("sleep 7402")),
+            b"",
+            None,
+            |_, _| {},
+        )
+        .expect("spawn");
+    assert!(matches!(ev, Event::Started { .. }), "{ev:?}");
+    let (ev, _) = sb
+        .agent()
+        .call(
+            &Request::SessionOpen {
+                kind: SessionKind::Shell,
+                env: BTreeMap::new(),
+                cwd: None,
+            },
+            b"",
+            None,
+            |_, _| {},
+        )
+        .expect("session open");
+    let Event::SessionOpened { session } = ev else {
+        panic!("{ev:?}")
+    };
+    let (ev, _) = sb
+        .agent()
+        .call(
+            &Request::SessionRun {
+                session,
+                input: "sleep 7403 &".into(),
+                timeout_ms: Some(5000),
+            },
+            b"",
+            Some(Duration::from_secs(5)),
+            |_, _| {},
+        )
+        .expect("session run");
+    assert!(matches!(ev, Event::ExecDone(_)), "{ev:?}");
+    assert!(
+        common::wait_until(Duration::from_secs(2), || common::live_procs_in_pid_ns(ns)
+            .iter()
+            .filter(|p| common::cmdline(**p).starts_with("sleep 740"))
+            .count()
+            == 2),
+        "background processes not running"
+    );
+    sb.destroy().expect("destroy with background work");
+    assert!(
+        common::wait_until(Duration::from_secs(1), || common::live_procs_in_pid_ns(ns)
+            .is_empty()),
+        "survivors: {:?}",
+        common::live_procs_in_pid_ns(ns)
+            .iter()
+            .map(|p| common::describe(*p))
+            .collect::<Vec<_>>()
+    );
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+#[test]
+fn c02_proc_self_exe_overwrite_leaves_host_binaries_unchanged() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let agent_bin = common::rt().config().agent_bin.clone();
+    let sh = std::fs::canonicalize("/bin/sh").expect("resolve /bin/sh");
+    let targets: Vec<PathBuf> = vec![agent_bin, sh, PathBuf::from("/bin/cp")];
+    let before: Vec<String> = targets.iter().map(|p| sha256_file(p)).collect();
+
+    let script = "echo pwned > /proc/self/exe; echo rc1=$?\n\
+                  cp /bin/sh /proc/1/exe; echo rc2=$?\n\
+                  echo pwned > /proc/1/exe; echo rc3=$?\n\
+                  cat /proc/self/exe > /dev/null; echo rc4=$?\n\
+                  exec 3</proc/self/exe; echo pwned > /proc/self/fd/3; echo rc5=$?\n";
+    for writable_root in [false, true] {
+        let mut sb = create_spec(&SandboxSpec {
+            limits: small_limits(),
+            writable_root,
+            ..Default::default()
+        });
+        let r = sb.sh(script, 10_000);
+        let out = stdout(&r);
+        for (k, must_fail) in [
+            ("rc1", true),
+            ("rc2", true),
+            ("rc3", true),
+            ("rc4", false),
+            ("rc5", true),
+        ] {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(k))
+                .unwrap_or_else(|| panic!("{k} missing: {out}"));
+            assert_eq!(
+                line != format!("{k}=0"),
+                must_fail,
+                "writable_root={writable_root}: {line}\n{out}\n{}",
+                stderr(&r)
+            );
+        }
+        // A second command still runs the real shell and agent.
+        let r = sb.sh("echo still-sh", 5000);
+        assert_eq!(stdout(&r), "still-sh\n");
+        sb.destroy().expect("destroy");
+    }
+    let after: Vec<String> = targets.iter().map(|p| sha256_file(p)).collect();
+    assert_eq!(before, after, "a host binary changed: {targets:?}");
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+/// The agent blocks SIGCHLD in all its threads; the commands it starts must not inherit that
+/// mask, or `cmd & wait` in dash (which sigsuspends with the inherited mask) never returns.
+#[test]
+fn exec_children_start_with_an_empty_signal_mask() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let mut sb = create(small_limits());
+    let r = sb.argv(&["grep", "SigBlk", "/proc/self/status"], 5000);
+    let blocked = stdout(&r);
+    let r = sb.sh("sleep 0.1 & wait $!; echo rc=$?", 3000);
+    let wait_status = (r.status, stdout(&r));
+    sb.destroy().expect("destroy");
+    assert_eq!(
+        blocked.trim(),
+        "SigBlk:\t0000000000000000",
+        "signal mask inherited by exec children"
+    );
+    assert_eq!(
+        wait_status,
+        (ExecStatus::Ok, "rc=0\n".to_owned()),
+        "`sleep 0.1 & wait` in /bin/sh"
+    );
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+/// A node starts its runtime on whatever thread it likes (a worker, a `spawn_blocking` task);
+/// the spawner must not die when that thread exits. (`PR_SET_PDEATHSIG` is tied to the thread
+/// that forked the child, not to the process.)
+#[test]
+fn lifecycle_runtime_outlives_the_thread_that_started_it() {
+    let _serial = serial();
+    let fx = common::fixture();
+    let run_dir = PathBuf::from(format!("{}-thread", fx.run_dir.display()));
+    let cfg = RuntimeConfig {
+        data_dir: run_dir.join("data"),
+        run_dir: run_dir.clone(),
+        agent_bin: fx.rt.config().agent_bin.clone(),
+        shim_bin: fx.rt.config().shim_bin.clone(),
+    };
+    let rt: ContainerRuntime =
+        std::thread::spawn(move || ContainerRuntime::start(cfg).expect("start runtime"))
+            .join()
+            .expect("starter thread");
+    std::thread::sleep(Duration::from_millis(200));
+    let created = rt.create(&SandboxSpec {
+        limits: small_limits(),
+        ..Default::default()
+    });
+    let verdict = match created {
+        Ok((mut sb, _)) => {
+            let r = sb.exec(&rt, &ExecRequest::shell("echo hi"), b"", |_, _| {});
+            let ok = r.as_ref().is_ok_and(|r| r.status == ExecStatus::Ok);
+            let destroyed = sb.destroy(&rt);
+            Ok((ok, destroyed.is_ok()))
+        }
+        Err(e) => Err(format!("{e:?}")),
+    };
+    drop(rt);
+    let _ = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(run_dir.join("mask"))
+        .status();
+    let _ = std::fs::remove_dir_all(&run_dir);
+    assert_eq!(
+        verdict,
+        Ok((true, true)),
+        "runtime started on a thread that has exited cannot create sandboxes"
+    );
+}
