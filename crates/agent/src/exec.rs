@@ -36,6 +36,23 @@ const DRAIN_IDLE: Duration = Duration::from_millis(3);
 /// Environment variable naming the agent's root (tests only); never passed to children.
 pub const ROOT_ENV: &str = "DSEC_AGENT_ROOT";
 
+/// Environment variable carrying the sandbox's open-files limit for commands. The agent itself
+/// runs with a larger limit (it needs descriptors for every command's pipes); the sandbox's limit
+/// is applied to each command it starts.
+pub const NOFILE_ENV: &str = "DSEC_NOFILE";
+
+static COMMAND_NOFILE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+
+/// Reads [`NOFILE_ENV`] once (call at start-up, before threads).
+pub fn init_command_nofile() {
+    let v = std::env::var(NOFILE_ENV).ok().and_then(|v| v.parse().ok());
+    let _ = COMMAND_NOFILE.set(v);
+}
+
+fn command_nofile() -> Option<u64> {
+    COMMAND_NOFILE.get().copied().flatten()
+}
+
 /// Errors starting or feeding a command.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -212,6 +229,7 @@ pub fn prepare(
 ) -> Result<(), ExecError> {
     let dir = root.open_dir(cwd.unwrap_or("/")).map_err(ExecError::Cwd)?;
     cmd.env_remove(ROOT_ENV)
+        .env_remove(NOFILE_ENV)
         .envs(env)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -220,6 +238,7 @@ pub fn prepare(
     let setup = ChildSetup {
         cwd: Some(dir),
         cpu_limit_secs: cpu_limit_ms.map(|ms| ms.div_ceil(1000)),
+        nofile: command_nofile(),
     };
     proc::configure_child(cmd, setup);
     Ok(())

@@ -82,6 +82,15 @@ pub enum CgroupError {
         /// The rejected value.
         value: u64,
     },
+    /// Renaming a cgroup directory failed.
+    #[error("renaming cgroup directory {}", path.display())]
+    Rename {
+        /// The directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// `mkdir` of a cgroup directory failed.
     #[error("creating cgroup directory {}", path.display())]
     Create {
@@ -526,6 +535,24 @@ impl CgroupManager {
             name: name.to_owned(),
             dirs,
             swap: None,
+        })
+    }
+
+    /// Renames a cgroup (every hierarchy's directory), keeping its members and limits. Used to
+    /// give a pre-created cgroup its sandbox's name.
+    pub fn rename(&self, cgroup: Cgroup, new_name: &str) -> Result<Cgroup, CgroupError> {
+        validate_name(new_name)?;
+        let to = self.dirs_for(Some(new_name));
+        for (from, to) in cgroup.dirs.all().iter().zip(to.all()) {
+            std::fs::rename(from, &to).map_err(|source| CgroupError::Rename {
+                path: from.clone(),
+                source,
+            })?;
+        }
+        Ok(Cgroup {
+            name: new_name.to_owned(),
+            dirs: to,
+            swap: cgroup.swap,
         })
     }
 

@@ -143,6 +143,7 @@ impl PidFd {
         cvt(fd)?;
         // SAFETY: pidfd_open returned a fresh fd we exclusively own.
         Ok(Self {
+            // SAFETY: pidfd_open returned a fresh fd we exclusively own.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
             pid,
         })
@@ -338,4 +339,13 @@ pub fn raise_nofile_limit() -> u64 {
 pub fn exit_now(code: i32) -> ! {
     // SAFETY: _exit never returns and touches no process state we rely on.
     unsafe { libc::_exit(code) }
+}
+
+/// A close-on-exec pipe: `(read end, write end)`.
+pub fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 succeeded, so both fds are open and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }

@@ -90,7 +90,7 @@ pub struct IdMap {
 }
 
 /// The root filesystem of one sandbox.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RootfsSpec {
     /// Host directory on which the sandbox's private tmpfs is mounted (inside its own mount
     /// namespace only; every sandbox may use the same directory).
@@ -111,7 +111,7 @@ pub struct RootfsSpec {
 }
 
 /// An rlimit to set in the child.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Rlimit {
     /// `libc::RLIMIT_*`.
     pub resource: u32,
@@ -372,15 +372,46 @@ fn pipe_cloexec(what: &'static str) -> Result<(OwnedFd, OwnedFd), LaunchError> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Clones the sandbox init into new namespaces and runs the setup sequence in it; returns once
-/// the child has exec'd the agent (or reports the step that failed). `attach` is called with the
-/// child's host pid before the child is released (put it into its cgroup there).
-pub fn spawn_container(
-    spec: &ContainerSpec<'_>,
-    attach: impl FnOnce(i32) -> Result<(), io::Error>,
-) -> Result<Launched, LaunchError> {
+/// The parts of a launch that travel to the (already cloned) sandbox init as data.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct LaunchParams {
+    /// Hostname inside the UTS namespace.
+    pub hostname: String,
+    /// Root filesystem.
+    pub rootfs: RootfsSpec,
+    /// Resource limits.
+    pub rlimits: Vec<Rlimit>,
+    /// Agent argv.
+    pub argv: Vec<String>,
+    /// Agent environment (already allowlisted).
+    pub env: Vec<(String, String)>,
+}
+
+/// What a shell is cloned with: everything that does not depend on the request.
+pub struct ShellResources<'a> {
+    /// Optional user namespace mapping.
+    pub user: Option<IdMap>,
+    /// The agent executable (a sealed memfd).
+    pub agent_exe: &'a OwnedFd,
+    /// The agent's protocol socket (child end), becomes fd 3.
+    pub agent_sock: &'a OwnedFd,
+    /// The seccomp filter.
+    pub seccomp: &'a Filter,
+}
+
+/// A sandbox init cloned into its namespaces (pid, mount, IPC, UTS, network, and user when
+/// asked) and waiting for its [`LaunchParams`]. Creating namespaces is the most expensive part
+/// of a launch; a supervisor can hold a shell ready before any request arrives.
+#[derive(Debug)]
+pub struct Shell {
+    pid: i32,
+    go: std::fs::File,
+    err: std::fs::File,
+}
+
+/// Clones a [`Shell`]. The caller must be single-threaded (checked).
+pub fn clone_shell(res: &ShellResources<'_>) -> Result<Shell, LaunchError> {
     ensure_single_threaded()?;
-    let prep = prepare(spec, None)?;
     let (sync_r, sync_w) = pipe_cloexec("sync pipe")?;
     let (err_r, err_w) = pipe_cloexec("error pipe")?;
     let mut flags = libc::CLONE_NEWPID
@@ -388,12 +419,12 @@ pub fn spawn_container(
         | libc::CLONE_NEWIPC
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWNET;
-    if spec.ns.user.is_some() {
+    if res.user.is_some() {
         flags |= libc::CLONE_NEWUSER;
     }
     // SAFETY: raw clone without CLONE_VM behaves like fork: the child gets a copy of the address
     // space. The caller is single-threaded (checked above), so the child may run Rust code; it
-    // never returns from `child_main`.
+    // never returns from `shell_main`.
     let pid = unsafe {
         libc::syscall(
             libc::SYS_clone,
@@ -410,44 +441,152 @@ pub fn spawn_container(
     if pid == 0 {
         drop(sync_w);
         drop(err_r);
-        child_main(&prep, spec, sync_r, err_w);
+        shell_main(res, sync_r, err_w);
     }
     let pid = pid as i32;
     drop(sync_r);
     drop(err_w);
-    let released = (|| {
-        if let Some(map) = &spec.ns.user {
-            write_id_maps(pid, map)?;
+    let shell = Shell {
+        pid,
+        go: std::fs::File::from(sync_w),
+        err: std::fs::File::from(err_r),
+    };
+    if let Some(map) = &res.user {
+        if let Err(e) = write_id_maps(pid, map) {
+            kill_and_reap(pid);
+            return Err(e);
         }
-        attach(pid).map_err(|source| LaunchError::Create {
+    }
+    Ok(shell)
+}
+
+impl Shell {
+    /// Host pid of the waiting init.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Sends the parameters and waits until the init exec'd the agent (or reports the step
+    /// that failed; the init is then killed and reaped).
+    pub fn launch(mut self, params: &LaunchParams) -> Result<Launched, LaunchError> {
+        let bytes = serde_json::to_vec(params)
+            .map_err(|_| LaunchError::InvalidArgument { what: "params" })?;
+        let mut msg = Vec::with_capacity(bytes.len() + 4);
+        msg.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        msg.extend_from_slice(&bytes);
+        let sent = self
+            .go
+            .write_all(&msg)
+            .map_err(|source| LaunchError::Create {
+                what: "release",
+                source,
+            });
+        let mut report = String::new();
+        let _ = self.err.read_to_string(&mut report);
+        // `self.go` stays open until the init exec'd: an init that re-arms its parent-death
+        // signal (after changing uid) checks it to see whether we died in between.
+        if let Err(e) = sent {
+            kill_and_reap(self.pid);
+            return Err(e);
+        }
+        if !report.is_empty() {
+            kill_and_reap(self.pid);
+            let (step, errno) = report.split_once(':').unwrap_or((report.as_str(), "0"));
+            return Err(LaunchError::ChildSetup {
+                step: step.to_string(),
+                errno: io::Error::from_raw_os_error(errno.trim().parse().unwrap_or(0)),
+            });
+        }
+        Ok(Launched { pid: self.pid })
+    }
+
+    /// Kills and reaps a shell that will not be used.
+    pub fn discard(self) {
+        kill_and_reap(self.pid);
+    }
+}
+
+/// Clones the sandbox init into new namespaces and runs the setup sequence in it; returns once
+/// the child has exec'd the agent (or reports the step that failed). `attach` is called with the
+/// child's host pid before the child is released (put it into its cgroup there).
+pub fn spawn_container(
+    spec: &ContainerSpec<'_>,
+    attach: impl FnOnce(i32) -> Result<(), io::Error>,
+) -> Result<Launched, LaunchError> {
+    let shell = clone_shell(&ShellResources {
+        user: spec.ns.user,
+        agent_exe: spec.agent_exe,
+        agent_sock: spec.agent_sock,
+        seccomp: spec.seccomp,
+    })?;
+    if let Err(source) = attach(shell.pid) {
+        shell.discard();
+        return Err(LaunchError::Create {
             what: "cgroup attach",
             source,
-        })?;
-        let mut w = std::fs::File::from(sync_w);
-        w.write_all(b"g").map_err(|source| LaunchError::Create {
-            what: "release",
-            source,
-        })?;
-        Ok(w)
-    })();
-    let mut report = String::new();
-    let _ = std::fs::File::from(err_r).read_to_string(&mut report);
-    // The sync pipe stays open until the child exec'd: a child that re-arms its parent-death
-    // signal (after changing uid) checks it to see whether we died in between.
-    let released = released.map(drop);
-    if let Err(e) = released {
-        kill_and_reap(pid);
-        return Err(e);
-    }
-    if !report.is_empty() {
-        kill_and_reap(pid);
-        let (step, errno) = report.split_once(':').unwrap_or((report.as_str(), "0"));
-        return Err(LaunchError::ChildSetup {
-            step: step.to_string(),
-            errno: io::Error::from_raw_os_error(errno.trim().parse().unwrap_or(0)),
         });
     }
-    Ok(Launched { pid })
+    shell.launch(&spec.params())
+}
+
+impl ContainerSpec<'_> {
+    /// The data part of the spec.
+    pub fn params(&self) -> LaunchParams {
+        LaunchParams {
+            hostname: self.ns.hostname.clone(),
+            rootfs: self.rootfs.clone(),
+            rlimits: self.rlimits.clone(),
+            argv: self.argv.clone(),
+            env: self.env.clone(),
+        }
+    }
+}
+
+/// The shell side: waits for the parameters, then runs the setup sequence.
+fn shell_main(res: &ShellResources<'_>, sync: OwnedFd, err: OwnedFd) -> ! {
+    // SAFETY: prctl with integer arguments only.
+    check(
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) },
+        &err,
+        "pdeathsig",
+    );
+    let mut f = std::fs::File::from(sync);
+    let mut len = [0u8; 4];
+    if f.read_exact(&mut len).is_err() {
+        // The supervisor discarded us or died before releasing us.
+        // SAFETY: exiting the child without running the parent's destructors.
+        unsafe { libc::_exit(126) };
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > (1 << 20) {
+        fail(&err, "params_size");
+    }
+    let mut buf = vec![0u8; len];
+    if f.read_exact(&mut buf).is_err() {
+        // SAFETY: exiting the child without running the parent's destructors.
+        unsafe { libc::_exit(126) };
+    }
+    let sync = OwnedFd::from(f);
+    let Ok(params) = serde_json::from_slice::<LaunchParams>(&buf) else {
+        fail(&err, "params")
+    };
+    let spec = ContainerSpec {
+        ns: NamespaceSpec {
+            user: res.user,
+            hostname: params.hostname,
+        },
+        rootfs: params.rootfs,
+        rlimits: params.rlimits,
+        agent_exe: res.agent_exe,
+        agent_sock: res.agent_sock,
+        argv: params.argv,
+        env: params.env,
+        seccomp: res.seccomp,
+    };
+    let Ok(prep) = prepare(&spec, None) else {
+        fail(&err, "prepare")
+    };
+    child_main(&prep, &spec, sync, err)
 }
 
 fn kill_and_reap(pid: i32) {
@@ -623,10 +762,20 @@ fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), Step
             // SAFETY: closing the fd we just opened.
             unsafe { libc::close(fd) };
             try_mount("dev_bind", host, node, None, libc::MS_BIND, None)?;
+            // The host's devtmpfs is not nosuid; this bind must be.
+            try_mount(
+                "dev_remount",
+                c"",
+                node,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC,
+                None,
+            )?;
         } else {
             let dev = libc::makedev(*major, *minor);
             // SAFETY: valid path and a character device number.
             ck(
+                // SAFETY: valid path and a character device number.
                 unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
                 "mknod",
             )?;
@@ -655,6 +804,7 @@ fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), Step
     for (link, target) in &p.dev_links {
         // SAFETY: both are valid NUL-terminated strings.
         ck(
+            // SAFETY: both are valid NUL-terminated strings.
             unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
             "dev_link",
         )?;
@@ -687,7 +837,20 @@ fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), Step
                         libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
                         Some(c"size=0,nr_inodes=1"),
                     )?,
-                    Some(_) => try_mount("mask_file", devnull, m, None, libc::MS_BIND, None)?,
+                    Some(_) => {
+                        try_mount("mask_file", devnull, m, None, libc::MS_BIND, None)?;
+                        if p.userns {
+                            // /dev/null is a bind of the host's devtmpfs node here.
+                            try_mount(
+                                "mask_remount",
+                                nul,
+                                m,
+                                None,
+                                libc::MS_BIND | libc::MS_REMOUNT | nosuid_nodev | libc::MS_NOEXEC,
+                                None,
+                            )?;
+                        }
+                    }
                     None => {}
                 }
             }
@@ -724,6 +887,7 @@ fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), Step
                 let sticky = s.to_bytes().ends_with(b"tmp");
                 // SAFETY: valid path.
                 ck(
+                    // SAFETY: valid path.
                     unsafe { libc::chmod(src.as_ptr(), if sticky { 0o1777 } else { 0o755 }) },
                     "chmod_scratch",
                 )?;
@@ -756,11 +920,13 @@ fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), Step
     ck(unsafe { libc::chdir(p.root.as_ptr()) }, "chdir_root")?;
     // SAFETY: valid NUL-terminated strings.
     ck(
+        // SAFETY: valid NUL-terminated strings.
         unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int },
         "pivot_root",
     )?;
     // SAFETY: valid path.
     ck(
+        // SAFETY: valid path.
         unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) },
         "umount_old_root",
     )?;
@@ -779,20 +945,6 @@ fn fail_step(err: &OwnedFd, e: StepError) -> ! {
 }
 
 fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedFd) -> ! {
-    // SAFETY: prctl with integer arguments only.
-    check(
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) },
-        &err,
-        "pdeathsig",
-    );
-    let mut go = [0u8; 1];
-    // SAFETY: reading into a valid one-byte buffer.
-    let n = unsafe { libc::read(sync.as_raw_fd(), go.as_mut_ptr().cast(), 1) };
-    if n != 1 {
-        // The supervisor died before releasing us.
-        // SAFETY: exiting the child without running the parent's destructors.
-        unsafe { libc::_exit(126) };
-    }
     if p.userns {
         // The id maps are written: become root of the new user namespace.
         // SAFETY: integer-argument syscalls.

@@ -257,13 +257,26 @@ pub struct ChildSetup {
     pub cwd: Option<OwnedFd>,
     /// RLIMIT_CPU in seconds: soft limit (SIGXCPU); the hard limit is one second later (SIGKILL).
     pub cpu_limit_secs: Option<u64>,
+    /// RLIMIT_NOFILE (soft and hard) for the command.
+    pub nofile: Option<u64>,
 }
 
 /// Installs a `pre_exec` hook on `cmd` that applies `setup` in the child.
 pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
     let cwd = setup.cwd;
     let cpu = setup.cpu_limit_secs;
+    let nofile = setup.nofile;
     let hook = move || -> io::Result<()> {
+        if let Some(n) = nofile {
+            let lim = libc::rlimit {
+                rlim_cur: n as libc::rlim_t,
+                rlim_max: n as libc::rlim_t,
+            };
+            // SAFETY: setrlimit is async-signal-safe; `lim` is a valid rlimit on the stack.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         // The agent blocks SIGCHLD in all its threads; a command must start with an empty mask
         // (otherwise `sleep 1 & wait` in a shell never returns).
         // SAFETY: sigemptyset/sigprocmask are async-signal-safe; the set lives on the stack.
@@ -293,7 +306,7 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         }
         Ok(())
     };
-    // SAFETY: the hook only calls async-signal-safe functions (sigprocmask, fchdir, setrlimit)
+    // SAFETY: the hook only calls async-signal-safe functions (sigprocmask, setrlimit, fchdir)
     // and does not allocate, so it is sound to run between fork and exec in a multi-threaded
     // parent.
     unsafe {

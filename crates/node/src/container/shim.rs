@@ -13,7 +13,8 @@
 //! The sandbox init has `PR_SET_PDEATHSIG = SIGKILL` tied to its supervisor: killing a
 //! supervisor kills the whole sandbox (its pid namespace dies with its init).
 
-use std::io;
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -78,11 +79,35 @@ fn run_spawner() -> io::Result<()> {
     };
     // Exited supervisors are reaped by the kernel.
     ipc::ignore_sigchld();
+    let target: usize = std::env::var("DSEC_SPAWNER_SHELLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_SHELLS)
+        .min(64);
+    // Write ends of the request pipes of idle supervisors, each holding a pre-built shell.
+    let mut idle: VecDeque<std::fs::File> = VecDeque::new();
     let mut buf = vec![0u8; MAX_MSG];
     loop {
+        while idle.len() < target {
+            let (r, w) = pipe()?;
+            match launch::fork_process() {
+                Ok(Forked::Child) => {
+                    drop(w);
+                    // Never keep another shell's pipe open: a shell must see EOF when the
+                    // spawner goes away.
+                    idle.clear();
+                    ipc::exit_now(idle_supervisor(&ctx, r));
+                }
+                Ok(Forked::Parent(_)) => idle.push_back(w),
+                Err(e) => {
+                    eprintln!("dsec-shim spawner: pre-building a shell: {e}");
+                    break;
+                }
+            }
+        }
         let (n, _fds) = ipc::recv_with_fds(ctx.node.as_fd(), &mut buf)?;
         if n == 0 {
-            return Ok(()); // node went away
+            return Ok(()); // node went away; idle shells see EOF and clean up
         }
         let req: SpawnRequest = match serde_json::from_slice(&buf[..n]) {
             Ok(r) => r,
@@ -91,9 +116,26 @@ fn run_spawner() -> io::Result<()> {
                 continue;
             }
         };
+        if req.config.userns.is_none() {
+            let mut framed = Vec::with_capacity(n + 4);
+            framed.extend_from_slice(&(n as u32).to_le_bytes());
+            framed.extend_from_slice(&buf[..n]);
+            let mut handed = false;
+            while let Some(mut w) = idle.pop_front() {
+                // A shell that failed to build has exited: the write fails and the next is tried.
+                if w.write_all(&framed).is_ok() {
+                    handed = true;
+                    break;
+                }
+            }
+            if handed {
+                continue;
+            }
+        }
         match launch::fork_process() {
             Ok(Forked::Child) => {
-                let code = supervise(&ctx, req);
+                idle.clear();
+                let code = supervise(&ctx, req, None);
                 ipc::exit_now(code);
             }
             Ok(Forked::Parent(_)) => {}
@@ -104,6 +146,91 @@ fn run_spawner() -> io::Result<()> {
                 };
                 send(ctx.node.as_fd(), &msg, &[])?;
             }
+        }
+    }
+}
+
+/// Idle shells the spawner keeps ready by default.
+const DEFAULT_SHELLS: usize = 2;
+
+fn pipe() -> io::Result<(std::fs::File, std::fs::File)> {
+    let (r, w) = ipc::pipe_cloexec()?;
+    Ok((std::fs::File::from(r), std::fs::File::from(w)))
+}
+
+/// A sandbox init already cloned into its namespaces and attached to a cgroup, waiting in an idle
+/// supervisor for a request.
+struct Prebuilt {
+    cgroup: Cgroup,
+    shell: launch::Shell,
+    agent_host: OwnedFd,
+    agent_child: OwnedFd,
+}
+
+fn prebuild(ctx: &SpawnerCtx) -> Result<Prebuilt, String> {
+    let name = format!("shell-{}", std::process::id());
+    let cgroup = ctx
+        .cgroups
+        .create(&name, &CgroupLimits::default())
+        .map_err(|e| error_chain(&e))?;
+    let built = (|| {
+        let (agent_host, agent_child) =
+            ipc::stream_pair().map_err(|e| format!("socketpair: {e}"))?;
+        let shell = launch::clone_shell(&launch::ShellResources {
+            user: None,
+            agent_exe: &ctx.agent_exe,
+            agent_sock: &agent_child,
+            seccomp: &ctx.seccomp,
+        })
+        .map_err(|e| error_chain(&e))?;
+        if let Err(e) = cgroup.attach(shell.pid()) {
+            shell.discard();
+            return Err(error_chain(&e));
+        }
+        Ok((shell, agent_host, agent_child))
+    })();
+    match built {
+        Ok((shell, agent_host, agent_child)) => Ok(Prebuilt {
+            cgroup,
+            shell,
+            agent_host,
+            agent_child,
+        }),
+        Err(e) => {
+            let _ = cgroup.remove();
+            Err(e)
+        }
+    }
+}
+
+/// An idle supervisor: pre-builds a shell, then waits for the one request it will serve.
+fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
+    ipc::default_sigchld();
+    ipc::set_process_name("dsec-shell");
+    let _ = ipc::setsid();
+    let Ok(pre) = prebuild(ctx) else { return 1 };
+    let mut len = [0u8; 4];
+    let req = (|| {
+        requests.read_exact(&mut len).ok()?;
+        let n = u32::from_le_bytes(len) as usize;
+        if n > MAX_MSG {
+            return None;
+        }
+        let mut body = vec![0u8; n];
+        requests.read_exact(&mut body).ok()?;
+        serde_json::from_slice::<SpawnRequest>(&body).ok()
+    })();
+    drop(requests);
+    match req {
+        Some(req) => {
+            ipc::set_process_name("dsec-sup");
+            supervise(ctx, req, Some(pre))
+        }
+        None => {
+            // The spawner went away (or sent garbage): nothing was handed to us.
+            pre.shell.discard();
+            let _ = pre.cgroup.remove();
+            0
         }
     }
 }
@@ -163,15 +290,22 @@ fn container_spec<'a>(
                 resource: libc_rlimit::FSIZE,
                 value: l.file_size_max,
             },
+            // The agent needs descriptors for every command's pipes; commands get the sandbox's
+            // own limit from the agent (DSEC_NOFILE).
             Rlimit {
                 resource: libc_rlimit::NOFILE,
-                value: l.open_files_max,
+                value: l.open_files_max.max(AGENT_NOFILE),
             },
         ],
         agent_exe: &ctx.agent_exe,
         agent_sock,
         argv: vec!["dsec-agent".into()],
-        env: cfg.env.clone(),
+        env: cfg
+            .env
+            .iter()
+            .cloned()
+            .chain([("DSEC_NOFILE".to_string(), l.open_files_max.to_string())])
+            .collect(),
         seccomp: &ctx.seccomp,
     }
 }
@@ -186,6 +320,9 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
     let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
     Ok(Init { pidfd, agent_host })
 }
+
+/// Open-files limit of the agent itself.
+const AGENT_NOFILE: u64 = 4096;
 
 mod libc_rlimit {
     pub const CORE: u32 = 4;
@@ -204,7 +341,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
+fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-sup");
     let _ = ipc::setsid();
@@ -236,15 +373,50 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest) -> i32 {
         }
     }
     let t0 = std::time::Instant::now();
-    let cgroup = match ctx.cgroups.create(&cfg.id, &cgroup_limits(&cfg)) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&run_dir);
-            return fail(error_chain(&e));
+    let pre = pre.filter(|_| cfg.userns.is_none());
+    let (cgroup, pre) = match pre {
+        // A pre-built shell: give its cgroup the sandbox's name and limits.
+        Some(p) => {
+            let Prebuilt {
+                cgroup,
+                shell,
+                agent_host,
+                agent_child,
+            } = p;
+            let renamed = ctx.cgroups.rename(cgroup, &cfg.id).and_then(|c| {
+                c.set_limits(&cgroup_limits(&cfg))?;
+                Ok(c)
+            });
+            match renamed {
+                Ok(c) => (c, Some((shell, agent_host, agent_child))),
+                Err(e) => {
+                    shell.discard();
+                    let _ = std::fs::remove_dir_all(&run_dir);
+                    return fail(error_chain(&e));
+                }
+            }
         }
+        None => match ctx.cgroups.create(&cfg.id, &cgroup_limits(&cfg)) {
+            Ok(c) => (c, None),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&run_dir);
+                return fail(error_chain(&e));
+            }
+        },
     };
     let cgroup_us = t0.elapsed().as_micros() as u64;
-    let mut init = match launch_init(ctx, &cfg, &cgroup) {
+    let launched = match pre {
+        Some((shell, agent_host, agent_child)) => {
+            let params = container_spec(ctx, &cfg, &agent_child).params();
+            shell
+                .launch(&params)
+                .map_err(|e| error_chain(&e))
+                .and_then(|l| PidFd::open(l.pid).map_err(|e| format!("pidfd_open: {e}")))
+                .map(|pidfd| Init { pidfd, agent_host })
+        }
+        None => launch_init(ctx, &cfg, &cgroup),
+    };
+    let mut init = match launched {
         Ok(i) => i,
         Err(e) => {
             cleanup(&cgroup, &run_dir);
