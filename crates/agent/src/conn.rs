@@ -312,6 +312,18 @@ impl Agent {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, ErrorCode::Internal, &e),
             },
+            Request::Configure { env, nofile, fsize } => {
+                exec::configure(env, nofile, fsize);
+                match Root::open(&self.root_path) {
+                    Ok(r) => {
+                        if let Ok(mut g) = self.root.write() {
+                            *g = Arc::new(r);
+                        }
+                        ok()
+                    }
+                    Err(e) => out.error(id, ErrorCode::Internal, &e),
+                }
+            }
             Request::ReopenRoot => match Root::open(&self.root_path) {
                 Ok(r) => {
                     if let Ok(mut g) = self.root.write() {

@@ -13,6 +13,8 @@ use std::os::fd::OwnedFd;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,16 +43,33 @@ pub const ROOT_ENV: &str = "DSEC_AGENT_ROOT";
 /// is applied to each command it starts.
 pub const NOFILE_ENV: &str = "DSEC_NOFILE";
 
-static COMMAND_NOFILE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+static COMMAND_NOFILE: AtomicU64 = AtomicU64::new(0);
+static COMMAND_FSIZE: AtomicU64 = AtomicU64::new(0);
+
+/// The base environment of commands once the node configured one (`None`: the agent's own).
+static BASE_ENV: RwLock<Option<Vec<(String, String)>>> = RwLock::new(None);
 
 /// Reads [`NOFILE_ENV`] once (call at start-up, before threads).
 pub fn init_command_nofile() {
-    let v = std::env::var(NOFILE_ENV).ok().and_then(|v| v.parse().ok());
-    let _ = COMMAND_NOFILE.set(v);
+    if let Some(v) = std::env::var(NOFILE_ENV).ok().and_then(|v| v.parse().ok()) {
+        COMMAND_NOFILE.store(v, Ordering::Relaxed);
+    }
+}
+
+/// Applies a `Configure` request: base environment and open-files limit of later commands.
+pub fn configure(env: Vec<(String, String)>, nofile: Option<u64>, fsize: Option<u64>) {
+    COMMAND_NOFILE.store(nofile.unwrap_or(0), Ordering::Relaxed);
+    COMMAND_FSIZE.store(fsize.unwrap_or(0), Ordering::Relaxed);
+    if let Ok(mut g) = BASE_ENV.write() {
+        *g = Some(env);
+    }
 }
 
 fn command_nofile() -> Option<u64> {
-    COMMAND_NOFILE.get().copied().flatten()
+    match COMMAND_NOFILE.load(Ordering::Relaxed) {
+        0 => None,
+        n => Some(n),
+    }
 }
 
 /// Errors starting or feeding a command.
@@ -228,6 +247,9 @@ pub fn prepare(
     root: &Root,
 ) -> Result<(), ExecError> {
     let dir = root.open_dir(cwd.unwrap_or("/")).map_err(ExecError::Cwd)?;
+    if let Some(base) = BASE_ENV.read().ok().and_then(|g| g.clone()) {
+        cmd.env_clear().envs(base);
+    }
     cmd.env_remove(ROOT_ENV)
         .env_remove(NOFILE_ENV)
         .envs(env)
@@ -239,6 +261,10 @@ pub fn prepare(
         cwd: Some(dir),
         cpu_limit_secs: cpu_limit_ms.map(|ms| ms.div_ceil(1000)),
         nofile: command_nofile(),
+        fsize: match COMMAND_FSIZE.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        },
     };
     proc::configure_child(cmd, setup);
     Ok(())

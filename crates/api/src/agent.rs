@@ -185,6 +185,19 @@ pub enum Request {
     /// process of the sandbox onto a fresh root): reopen the root used to resolve paths.
     /// Answer: `Ok`.
     ReopenRoot,
+    /// Assigns the agent to a sandbox: reopen the root (it was just pivoted onto the sandbox's
+    /// template), replace the base environment of every later command, and set the open-files
+    /// limit applied to commands. Sent once after create. Answer: `Ok`.
+    Configure {
+        /// The base environment (replaces the agent's own).
+        env: Vec<(String, String)>,
+        /// RLIMIT_NOFILE for commands.
+        #[serde(default)]
+        nofile: Option<u64>,
+        /// RLIMIT_FSIZE (largest file a command may write) for commands.
+        #[serde(default)]
+        fsize: Option<u64>,
+    },
 }
 
 /// Metadata of one path.

@@ -63,6 +63,7 @@ pub struct AgentConn {
     decoder: FrameDecoder,
     next_id: u64,
     buf: Vec<u8>,
+    greeted: bool,
 }
 
 impl AgentConn {
@@ -73,6 +74,7 @@ impl AgentConn {
             decoder: FrameDecoder::new(),
             next_id: 1,
             buf: vec![0u8; 64 << 10],
+            greeted: false,
         }
     }
 
@@ -81,7 +83,10 @@ impl AgentConn {
         let deadline = Instant::now() + timeout;
         let (id, ev, _) = self.read_event(deadline)?;
         match ev {
-            Event::Hello { version, pid } if id == 0 && version == PROTOCOL_VERSION => Ok(pid),
+            Event::Hello { version, pid } if id == 0 && version == PROTOCOL_VERSION => {
+                self.greeted = true;
+                Ok(pid)
+            }
             other => Err(AgentError::Unexpected(format!("{other:?}"))),
         }
     }
@@ -139,6 +144,15 @@ impl AgentConn {
         loop {
             let (rid, ev, body) = self.read_event(deadline)?;
             if rid != id {
+                if let Event::Hello { version, .. } = ev {
+                    // A request may be pipelined behind the agent's greeting (see `create`).
+                    if version != PROTOCOL_VERSION {
+                        return Err(AgentError::Unexpected(format!(
+                            "agent protocol version {version}"
+                        )));
+                    }
+                    self.greeted = true;
+                }
                 continue; // a late event of an abandoned request
             }
             if ev.is_terminal() {
@@ -149,6 +163,11 @@ impl AgentConn {
             }
             on_event(&ev, &body);
         }
+    }
+
+    /// Whether the agent's `Hello` was seen.
+    pub fn greeted(&self) -> bool {
+        self.greeted
     }
 
     /// Liveness check.

@@ -191,6 +191,7 @@ struct Prepared {
     envp_ptrs: Vec<*const libc::c_char>,
     userns: bool,
     writable_root: bool,
+    placeholder: bool,
 }
 
 fn cstr(s: impl Into<Vec<u8>>, what: &'static str) -> Result<CString, LaunchError> {
@@ -316,6 +317,7 @@ fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, 
         argv_ptrs,
         envp_ptrs,
         userns: spec.ns.user.is_some(),
+        placeholder: r.lowerdirs.is_empty(),
         writable_root: r.writable_root,
     })
 }
@@ -722,6 +724,15 @@ fn try_mount(
     ck(rc, step)
 }
 
+/// Where the new root's `/dev` comes from.
+#[derive(Clone, Copy)]
+enum DevSource<'a> {
+    /// A fresh tmpfs with the allowed nodes.
+    Fresh,
+    /// Move this existing, unused mount.
+    Move(&'a CStr),
+}
+
 /// Where the new root's `/proc` comes from.
 #[derive(Clone, Copy)]
 enum ProcSource<'a> {
@@ -734,80 +745,92 @@ enum ProcSource<'a> {
 /// Populates the new root (`/dev`, `/proc` with masks, scratch dirs, read-only root) and pivots
 /// the caller's mount namespace onto it. `pivot_root` moves the root and cwd of every process of
 /// the namespace that was at the old root, which is what makes an in-place reset possible.
-fn populate_and_pivot(p: &Prepared, proc_src: ProcSource<'_>) -> Result<(), StepError> {
+fn populate_and_pivot(
+    p: &Prepared,
+    proc_src: ProcSource<'_>,
+    dev_src: DevSource<'_>,
+) -> Result<(), StepError> {
     let nul = c"";
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
     // /dev: a small tmpfs with the allowed nodes. It cannot be `nodev` (the nodes must work);
-    // no process in the sandbox can create nodes (no CAP_MKNOD, seccomp) so these are the only ones.
+    // no process in the sandbox can create nodes (no CAP_MKNOD) so these are the only ones.
     ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
-    try_mount(
-        "dev",
-        c"tmpfs",
-        &p.dev,
-        Some(c"tmpfs"),
-        libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some(&p.dev_opts),
-    )?;
-    for (node, host, major, minor) in &p.dev_nodes {
-        if p.userns {
-            // SAFETY: valid path; creating an empty regular file as a bind-mount target.
-            let fd = unsafe {
-                libc::open(
-                    node.as_ptr(),
-                    libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
-                    0o666,
-                )
-            };
-            ck(fd, "dev_file")?;
-            // SAFETY: closing the fd we just opened.
-            unsafe { libc::close(fd) };
-            try_mount("dev_bind", host, node, None, libc::MS_BIND, None)?;
-            // The host's devtmpfs is not nosuid; this bind must be.
-            try_mount(
-                "dev_remount",
-                c"",
-                node,
-                None,
-                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC,
-                None,
-            )?;
-        } else {
-            let dev = libc::makedev(*major, *minor);
-            // SAFETY: valid path and a character device number.
-            ck(
-                // SAFETY: valid path and a character device number.
-                unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
-                "mknod",
-            )?;
-            // SAFETY: valid path; umask may have cleared bits.
-            ck(unsafe { libc::chmod(node.as_ptr(), 0o666) }, "chmod_dev")?;
+    match dev_src {
+        DevSource::Move(old) => {
+            // A pristine /dev (a pre-built shell's, never used by sandboxed code): move it.
+            try_mount("move_dev", old, &p.dev, None, libc::MS_MOVE, None)?;
         }
-    }
-    ck(mkdir(&p.pts, 0o755), "mkdir_pts")?;
-    try_mount(
-        "devpts",
-        c"devpts",
-        &p.pts,
-        Some(c"devpts"),
-        libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some(c"newinstance,ptmxmode=0666,mode=0620"),
-    )?;
-    ck(mkdir(&p.shm, 0o1777), "mkdir_shm")?;
-    try_mount(
-        "shm",
-        c"shm",
-        &p.shm,
-        Some(c"tmpfs"),
-        nosuid_nodev,
-        Some(&p.shm_opts),
-    )?;
-    for (link, target) in &p.dev_links {
-        // SAFETY: both are valid NUL-terminated strings.
-        ck(
-            // SAFETY: both are valid NUL-terminated strings.
-            unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
-            "dev_link",
-        )?;
+        DevSource::Fresh => {
+            try_mount(
+                "dev",
+                c"tmpfs",
+                &p.dev,
+                Some(c"tmpfs"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some(&p.dev_opts),
+            )?;
+            for (node, host, major, minor) in &p.dev_nodes {
+                if p.userns {
+                    // SAFETY: valid path; creating an empty regular file as a bind-mount target.
+                    let fd = unsafe {
+                        libc::open(
+                            node.as_ptr(),
+                            libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
+                            0o666,
+                        )
+                    };
+                    ck(fd, "dev_file")?;
+                    // SAFETY: closing the fd we just opened.
+                    unsafe { libc::close(fd) };
+                    try_mount("dev_bind", host, node, None, libc::MS_BIND, None)?;
+                    // The host's devtmpfs is not nosuid; this bind must be.
+                    try_mount(
+                        "dev_remount",
+                        c"",
+                        node,
+                        None,
+                        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC,
+                        None,
+                    )?;
+                } else {
+                    let dev = libc::makedev(*major, *minor);
+                    // SAFETY: valid path and a character device number.
+                    ck(
+                        // SAFETY: valid path and a character device number.
+                        unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
+                        "mknod",
+                    )?;
+                    // SAFETY: valid path; umask may have cleared bits.
+                    ck(unsafe { libc::chmod(node.as_ptr(), 0o666) }, "chmod_dev")?;
+                }
+            }
+            ck(mkdir(&p.pts, 0o755), "mkdir_pts")?;
+            try_mount(
+                "devpts",
+                c"devpts",
+                &p.pts,
+                Some(c"devpts"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some(c"newinstance,ptmxmode=0666,mode=0620"),
+            )?;
+            ck(mkdir(&p.shm, 0o1777), "mkdir_shm")?;
+            try_mount(
+                "shm",
+                c"shm",
+                &p.shm,
+                Some(c"tmpfs"),
+                nosuid_nodev,
+                Some(&p.shm_opts),
+            )?;
+            for (link, target) in &p.dev_links {
+                // SAFETY: both are valid NUL-terminated strings.
+                ck(
+                    // SAFETY: both are valid NUL-terminated strings.
+                    unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
+                    "dev_link",
+                )?;
+            }
+        }
     }
 
     // /proc for the sandbox's pid namespace, with the OCI masked and read-only paths.
@@ -1008,17 +1031,32 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
     for d in [&p.upper, &p.work, &p.overlay_target] {
         check(mkdir(d, 0o755), &err, "mkdir_stage");
     }
-    mount(
-        &err,
-        "overlay",
-        c"overlay",
-        &p.overlay_target,
-        Some(c"overlay"),
-        nosuid_nodev,
-        Some(&p.overlay_opts),
-    );
+    if p.placeholder {
+        // No template yet (a pre-built shell): an empty root on the tmpfs, made a mount point
+        // so that it can be pivoted to. The supervisor pivots the sandbox onto its template's
+        // root when a request assigns it (see `reset_in_place`).
+        mount(
+            &err,
+            "placeholder",
+            &p.overlay_target,
+            &p.overlay_target,
+            None,
+            libc::MS_BIND,
+            None,
+        );
+    } else {
+        mount(
+            &err,
+            "overlay",
+            c"overlay",
+            &p.overlay_target,
+            Some(c"overlay"),
+            nosuid_nodev,
+            Some(&p.overlay_opts),
+        );
+    }
 
-    if let Err(e) = populate_and_pivot(p, ProcSource::Fresh) {
+    if let Err(e) = populate_and_pivot(p, ProcSource::Fresh, DevSource::Fresh) {
         fail_step(&err, e);
     }
 
@@ -1296,6 +1334,28 @@ pub struct ResetState {
     private_ns: bool,
 }
 
+impl ResetState {
+    /// Moves the (single-threaded) caller into a private mount namespace where resets stage
+    /// their new roots; idempotent. Call it ahead of time to keep it off the reset path.
+    pub fn prepare(&mut self) -> Result<(), LaunchError> {
+        if !self.private_ns {
+            ensure_single_threaded()?;
+            // SAFETY: integer-argument syscall in a single-threaded process.
+            ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
+            try_mount(
+                "private",
+                NONE,
+                c"/",
+                None,
+                libc::MS_REC | libc::MS_PRIVATE,
+                None,
+            )?;
+            self.private_ns = true;
+        }
+        Ok(())
+    }
+}
+
 fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
     // SAFETY: valid NUL-terminated path; the returned fd is fresh and owned by us.
     let fd = unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC) };
@@ -1326,27 +1386,27 @@ pub fn reset_in_place(
     spec: &ContainerSpec<'_>,
     init_pid: i32,
     state: &mut ResetState,
+    reuse_dev: bool,
 ) -> Result<OwnedFd, LaunchError> {
+    // The new root is mounted inside the old one: under /dev for a reset (the old root is
+    // read-only), at /.dsec-next for a pre-built shell (its placeholder root is writable, and its
+    // /dev is moved into the new root, so the new root must not be beneath it).
+    let (dev_src, mountpoint) = if reuse_dev {
+        (DevSource::Move(c"/dev"), "/.dsec-next")
+    } else {
+        (DevSource::Fresh, RESET_MOUNTPOINT)
+    };
+    if spec.rootfs.lowerdirs.is_empty() {
+        return Err(LaunchError::InvalidArgument { what: "lowerdirs" });
+    }
     ensure_single_threaded()?;
     if spec.ns.user.is_some() {
         return Err(LaunchError::InvalidArgument {
             what: "in-place reset in a user namespace",
         });
     }
-    let p = prepare(spec, Some(RESET_MOUNTPOINT))?;
-    if !state.private_ns {
-        // SAFETY: integer-argument syscall in a single-threaded process.
-        ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
-        try_mount(
-            "private",
-            NONE,
-            c"/",
-            None,
-            libc::MS_REC | libc::MS_PRIVATE,
-            None,
-        )?;
-        state.private_ns = true;
-    }
+    let p = prepare(spec, Some(mountpoint))?;
+    state.prepare()?;
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
     try_mount(
         "tmpfs",
@@ -1396,7 +1456,7 @@ pub fn reset_in_place(
     )?;
     setns_mnt(&sandbox_ns, "setns_sandbox")?;
     let inside = (|| -> Result<OwnedFd, StepError> {
-        let mp = cstr(RESET_MOUNTPOINT, "mountpoint").map_err(|_| StepError {
+        let mp = cstr(mountpoint, "mountpoint").map_err(|_| StepError {
             step: "mountpoint",
             errno: 0,
         })?;
@@ -1414,7 +1474,7 @@ pub fn reset_in_place(
         } as libc::c_int;
         ck(rc, "move_mount")?;
         let old_root = open_path(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
-        populate_and_pivot(&p, ProcSource::Move(c"/proc"))?;
+        populate_and_pivot(&p, ProcSource::Move(c"/proc"), dev_src)?;
         Ok(old_root)
     })();
     // Back to our own namespace whatever happened.
@@ -1423,4 +1483,31 @@ pub fn reset_in_place(
     unsafe { libc::chdir(c"/".as_ptr()) };
     back?;
     Ok(inside?)
+}
+
+/// Sets the hostname of the UTS namespace of `pid` (the supervisor enters it for the call).
+pub fn set_hostname_of(pid: i32, hostname: &str) -> Result<(), LaunchError> {
+    ensure_single_threaded()?;
+    let name = cstr(hostname, "hostname")?;
+    let own = open_path(c"/proc/self/ns/uts", libc::O_RDONLY)?;
+    let theirs = open_path(&cstr(format!("/proc/{pid}/ns/uts"), "pid")?, libc::O_RDONLY)?;
+    // SAFETY: setns on namespace fds we own; the caller is single-threaded (checked).
+    ck(
+        // SAFETY: setns on namespace fds we own; the caller is single-threaded (checked).
+        unsafe { libc::setns(theirs.as_raw_fd(), libc::CLONE_NEWUTS) },
+        "setns_uts",
+    )?;
+    // SAFETY: valid buffer and length.
+    let set = ck(
+        unsafe { libc::sethostname(name.as_ptr(), name.as_bytes().len()) },
+        "sethostname",
+    );
+    // SAFETY: as above, back to our own namespace.
+    let back = ck(
+        unsafe { libc::setns(own.as_raw_fd(), libc::CLONE_NEWUTS) },
+        "setns_uts_back",
+    );
+    set?;
+    back?;
+    Ok(())
 }

@@ -259,6 +259,8 @@ pub struct ChildSetup {
     pub cpu_limit_secs: Option<u64>,
     /// RLIMIT_NOFILE (soft and hard) for the command.
     pub nofile: Option<u64>,
+    /// RLIMIT_FSIZE (soft and hard) for the command.
+    pub fsize: Option<u64>,
 }
 
 /// Installs a `pre_exec` hook on `cmd` that applies `setup` in the child.
@@ -266,7 +268,30 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
     let cwd = setup.cwd;
     let cpu = setup.cpu_limit_secs;
     let nofile = setup.nofile;
+    let fsize = setup.fsize;
     let hook = move || -> io::Result<()> {
+        // The agent is exempt from the OOM killer; its commands must not be.
+        // SAFETY: open/write/close are async-signal-safe; the path is a static C string.
+        unsafe {
+            let fd = libc::open(
+                c"/proc/self/oom_score_adj".as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            );
+            if fd >= 0 {
+                libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+            }
+        }
+        if let Some(n) = fsize {
+            let lim = libc::rlimit {
+                rlim_cur: n as libc::rlim_t,
+                rlim_max: n as libc::rlim_t,
+            };
+            // SAFETY: setrlimit is async-signal-safe; `lim` is a valid rlimit on the stack.
+            if unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &lim) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         if let Some(n) = nofile {
             let lim = libc::rlimit {
                 rlim_cur: n as libc::rlim_t,

@@ -10,6 +10,7 @@ use super::proto::{LaunchConfig, SpawnRequest, SupervisorMsg};
 use super::{ContainerRuntime, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State};
+use dsec_api::agent::Request;
 
 type Env = Vec<(String, String)>;
 
@@ -88,6 +89,11 @@ impl ContainerRuntime {
             env.retain(|(ek, _)| *ek != k);
             env.push((k, v));
         }
+        let configure = Request::Configure {
+            env: env.clone(),
+            nofile: Some(spec.limits.open_files_max),
+            fsize: Some(spec.limits.file_size_max),
+        };
         let config = LaunchConfig {
             id: id.clone(),
             lowerdirs,
@@ -171,7 +177,19 @@ impl ContainerRuntime {
             acquired_at: None,
         };
         let id = sandbox.id.clone();
-        if let Err(source) = sandbox.agent.wait_hello(Duration::from_secs(10)) {
+        // The agent may have started before this request (a pre-built shell): it receives
+        // its sandbox's environment and limits, and reopens the root it was pivoted onto.
+        // `Configure` is pipelined behind the agent's greeting: one round trip, not two.
+        let ready = sandbox.agent.call_ok(&configure, &[]).and_then(|()| {
+            if sandbox.agent.greeted() {
+                Ok(())
+            } else {
+                Err(crate::agent_client::AgentError::Unexpected(
+                    "no hello from the agent".into(),
+                ))
+            }
+        });
+        if let Err(source) = ready {
             let _ = sandbox.destroy(self);
             return Err(RuntimeError::Agent { id, source });
         }

@@ -292,8 +292,12 @@ fn start_spawner(cfg: &RuntimeConfig) -> Result<SpawnerLink, RuntimeError> {
     cmd.arg("spawner")
         .env_clear()
         .env("DSEC_AGENT_BIN", &cfg.agent_bin)
+        .env("DSEC_STAGE_DIR", cfg.run_dir.join("stage"))
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .stdin(std::process::Stdio::null());
+    if let Some(n) = std::env::var_os("DSEC_SPAWNER_SHELLS") {
+        cmd.env("DSEC_SPAWNER_SHELLS", n);
+    }
     dsec_sys::proc::pass_fd3(&mut cmd, theirs);
     let child = cmd.spawn().map_err(RuntimeError::Spawner)?;
     Ok(SpawnerLink {

@@ -55,6 +55,8 @@ struct SpawnerCtx {
     agent_exe: OwnedFd,
     seccomp: Filter,
     cgroups: CgroupManager,
+    /// The node's stage directory (where every sandbox mounts its private tmpfs).
+    stage: Option<String>,
 }
 
 fn run_spawner() -> io::Result<()> {
@@ -70,12 +72,17 @@ fn run_spawner() -> io::Result<()> {
         .ok_or_else(|| io::Error::other("DSEC_AGENT_BIN is not set"))?;
     let bytes = std::fs::read(&agent_path)?;
     let agent_exe = launch::sealed_exe_memfd("dsec-agent", &bytes)?;
+    // Every supervisor and sandbox init is forked from this process: keep its memory small so
+    // that forks copy (and execs tear down) as few page tables as possible.
+    drop(bytes);
     let cgroups = CgroupManager::detect(CGROUP_BASE).map_err(io::Error::other)?;
+    let stage = std::env::var("DSEC_STAGE_DIR").ok();
     let ctx = SpawnerCtx {
         node,
         agent_exe,
         seccomp: Filter::build(),
         cgroups,
+        stage,
     };
     // Exited supervisors are reaped by the kernel.
     ipc::ignore_sigchld();
@@ -83,7 +90,8 @@ fn run_spawner() -> io::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(DEFAULT_SHELLS)
-        .min(64);
+        .min(64)
+        * usize::from(ctx.stage.is_some());
     // Write ends of the request pipes of idle supervisors, each holding a pre-built shell.
     let mut idle: VecDeque<std::fs::File> = VecDeque::new();
     let mut buf = vec![0u8; MAX_MSG];
@@ -158,16 +166,46 @@ fn pipe() -> io::Result<(std::fs::File, std::fs::File)> {
     Ok((std::fs::File::from(r), std::fs::File::from(w)))
 }
 
-/// A sandbox init already cloned into its namespaces and attached to a cgroup, waiting in an idle
-/// supervisor for a request.
+/// A sandbox init already cloned into its namespaces, attached to a cgroup and running the agent
+/// on an empty placeholder root, waiting in an idle supervisor for a request. Assigning it a
+/// template is an in-place reset onto that template's root.
 struct Prebuilt {
     cgroup: Cgroup,
-    shell: launch::Shell,
-    agent_host: OwnedFd,
-    agent_child: OwnedFd,
+    init: Init,
+    reset_state: launch::ResetState,
 }
 
-fn prebuild(ctx: &SpawnerCtx) -> Result<Prebuilt, String> {
+fn placeholder_params(stage: &str) -> launch::LaunchParams {
+    launch::LaunchParams {
+        hostname: "dsec-shell".into(),
+        rootfs: RootfsSpec {
+            stage: stage.to_string(),
+            lowerdirs: Vec::new(),
+            disk_bytes: 1 << 20,
+            disk_inodes: 1024,
+            shm_bytes: 64 << 20,
+            writable_root: true,
+            scratch: Vec::new(),
+        },
+        rlimits: vec![
+            Rlimit {
+                resource: libc_rlimit::CORE,
+                value: 0,
+            },
+            Rlimit {
+                resource: libc_rlimit::NOFILE,
+                value: AGENT_NOFILE,
+            },
+        ],
+        argv: vec!["dsec-agent".into()],
+        env: vec![(
+            "PATH".into(),
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+        )],
+    }
+}
+
+fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, String> {
     let name = format!("shell-{}", std::process::id());
     let cgroup = ctx
         .cgroups
@@ -187,16 +225,32 @@ fn prebuild(ctx: &SpawnerCtx) -> Result<Prebuilt, String> {
             shell.discard();
             return Err(error_chain(&e));
         }
-        Ok((shell, agent_host, agent_child))
+        let launched = shell
+            .launch(&placeholder_params(stage))
+            .map_err(|e| error_chain(&e))?;
+        protect_from_oom(launched.pid);
+        let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
+        Ok(Init { pidfd, agent_host })
     })();
     match built {
-        Ok((shell, agent_host, agent_child)) => Ok(Prebuilt {
-            cgroup,
-            shell,
-            agent_host,
-            agent_child,
-        }),
+        Ok(init) => {
+            // Enter the private mount namespace that resets stage their roots in now, off the
+            // request path. (After the clone: the shell must not inherit it.)
+            let mut reset_state = launch::ResetState::default();
+            if let Err(e) = reset_state.prepare() {
+                let _ = init.pidfd.signal(9);
+                let _ = cgroup.kill_all();
+                let _ = cgroup.remove();
+                return Err(error_chain(&e));
+            }
+            Ok(Prebuilt {
+                cgroup,
+                init,
+                reset_state,
+            })
+        }
         Err(e) => {
+            let _ = cgroup.kill_all();
             let _ = cgroup.remove();
             Err(e)
         }
@@ -208,7 +262,12 @@ fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-shell");
     let _ = ipc::setsid();
-    let Ok(pre) = prebuild(ctx) else { return 1 };
+    let Some(stage) = ctx.stage.as_deref() else {
+        return 1;
+    };
+    let Ok(pre) = prebuild(ctx, stage) else {
+        return 1;
+    };
     let mut len = [0u8; 4];
     let req = (|| {
         requests.read_exact(&mut len).ok()?;
@@ -228,7 +287,9 @@ fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
         }
         None => {
             // The spawner went away (or sent garbage): nothing was handed to us.
-            pre.shell.discard();
+            let _ = pre.init.pidfd.signal(9);
+            let _ = ipc::wait_pid(pre.init.pidfd.pid());
+            let _ = pre.cgroup.kill_all();
             let _ = pre.cgroup.remove();
             0
         }
@@ -291,7 +352,7 @@ fn container_spec<'a>(
                 value: l.file_size_max,
             },
             // The agent needs descriptors for every command's pipes; commands get the sandbox's
-            // own limit from the agent (DSEC_NOFILE).
+            // own limits from the agent (`Configure`).
             Rlimit {
                 resource: libc_rlimit::NOFILE,
                 value: l.open_files_max.max(AGENT_NOFILE),
@@ -300,14 +361,16 @@ fn container_spec<'a>(
         agent_exe: &ctx.agent_exe,
         agent_sock,
         argv: vec!["dsec-agent".into()],
-        env: cfg
-            .env
-            .iter()
-            .cloned()
-            .chain([("DSEC_NOFILE".to_string(), l.open_files_max.to_string())])
-            .collect(),
+        env: cfg.env.clone(),
         seccomp: &ctx.seccomp,
     }
+}
+
+/// The sandbox init (the agent) is exempt from the OOM killer: a memory bomb inside the sandbox
+/// must kill the bomb, never the agent. Its children reset their own score (see the agent's
+/// exec set-up), so the exemption is not inherited.
+fn protect_from_oom(pid: i32) {
+    let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "-1000");
 }
 
 fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<Init, String> {
@@ -317,6 +380,7 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
         launch::spawn_container(&spec, |pid| cgroup.attach(pid).map_err(io::Error::other))
             .map_err(|e| error_chain(&e))?;
     drop(agent_child);
+    protect_from_oom(launched.pid);
     let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
     Ok(Init { pidfd, agent_host })
 }
@@ -374,23 +438,23 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
     }
     let t0 = std::time::Instant::now();
     let pre = pre.filter(|_| cfg.userns.is_none());
+    let mut reset_state = launch::ResetState::default();
     let (cgroup, pre) = match pre {
         // A pre-built shell: give its cgroup the sandbox's name and limits.
-        Some(p) => {
-            let Prebuilt {
-                cgroup,
-                shell,
-                agent_host,
-                agent_child,
-            } = p;
+        Some(Prebuilt {
+            cgroup,
+            init,
+            reset_state: prepared,
+        }) => {
+            reset_state = prepared;
             let renamed = ctx.cgroups.rename(cgroup, &cfg.id).and_then(|c| {
                 c.set_limits(&cgroup_limits(&cfg))?;
                 Ok(c)
             });
             match renamed {
-                Ok(c) => (c, Some((shell, agent_host, agent_child))),
+                Ok(c) => (c, Some(init)),
                 Err(e) => {
-                    shell.discard();
+                    let _ = init.pidfd.signal(9);
                     let _ = std::fs::remove_dir_all(&run_dir);
                     return fail(error_chain(&e));
                 }
@@ -405,14 +469,18 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
         },
     };
     let cgroup_us = t0.elapsed().as_micros() as u64;
+    let mut old_placeholder = None;
     let launched = match pre {
-        Some((shell, agent_host, agent_child)) => {
-            let params = container_spec(ctx, &cfg, &agent_child).params();
-            shell
-                .launch(&params)
+        Some(init) => {
+            // Pivot the running shell onto the template's root and give it its identity.
+            let spec = container_spec(ctx, &cfg, &init.agent_host);
+            launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state, true)
+                .and_then(|old| {
+                    old_placeholder = Some(old);
+                    launch::set_hostname_of(init.pidfd.pid(), &spec.ns.hostname)
+                })
                 .map_err(|e| error_chain(&e))
-                .and_then(|l| PidFd::open(l.pid).map_err(|e| format!("pidfd_open: {e}")))
-                .map(|pidfd| Init { pidfd, agent_host })
+                .map(|()| init)
         }
         None => launch_init(ctx, &cfg, &cgroup),
     };
@@ -458,6 +526,7 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
     drop(control_node);
     // The spawner socket is the node's; this process no longer needs it.
     // (It is closed when this process exits; supervisors never write to it again.)
+    drop(old_placeholder);
     serve(
         ctx,
         &cfg,
@@ -466,6 +535,7 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
         Some(control),
         listener,
         &run_dir,
+        reset_state,
     )
 }
 
@@ -483,9 +553,9 @@ fn serve(
     mut control: Option<OwnedFd>,
     listener: Option<UnixListener>,
     run_dir: &Path,
+    mut reset_state: launch::ResetState,
 ) -> i32 {
     let mut dying: Vec<PidFd> = Vec::new();
-    let mut reset_state = launch::ResetState::default();
     let mut buf = vec![0u8; MAX_MSG];
     loop {
         // Reap inits killed by a reset.
@@ -550,8 +620,12 @@ fn serve(
                         {
                             // In place: the node has killed every process but the agent.
                             let spec = container_spec(ctx, cfg, &init.agent_host);
-                            match launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state)
-                            {
+                            match launch::reset_in_place(
+                                &spec,
+                                init.pidfd.pid(),
+                                &mut reset_state,
+                                false,
+                            ) {
                                 Ok(old_root) => {
                                     let msg = SupervisorMsg::ResetDone {
                                         init_pid: init.pidfd.pid(),

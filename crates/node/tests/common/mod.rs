@@ -444,11 +444,18 @@ impl LeakSnapshot {
                 }
             }
         }
-        // Idle pre-built shells (`dsec-shell`, kept by the spawner for fast creates) are part of
-        // the runtime, not of any sandbox; their number fluctuates while they are replaced.
-        let tree: Vec<_> = our_tree()
+        // Idle pre-built shells (`dsec-shell` and the agent waiting under it, kept by the spawner
+        // for fast creates) are part of the runtime, not of any sandbox; their number
+        // fluctuates while they are replaced.
+        let all = our_tree();
+        let shells: BTreeSet<i32> = all
+            .iter()
+            .filter(|p| p.comm == "dsec-shell")
+            .map(|p| p.pid)
+            .collect();
+        let tree: Vec<_> = all
             .into_iter()
-            .filter(|p| p.comm != "dsec-shell")
+            .filter(|p| !shells.contains(&p.pid) && !shells.contains(&p.ppid))
             .collect();
         let me = std::process::id() as i32;
         let supervisors = tree.iter().filter(|p| p.comm == "dsec-sup").count();
