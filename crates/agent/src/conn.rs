@@ -159,6 +159,12 @@ impl Agent {
             self.out.send(id, &Event::Pong, &[]);
             return;
         }
+        // Quick, non-blocking requests are answered on the reader thread: a thread per request
+        // would cost more than the work.
+        if matches!(req, Request::Configure { .. } | Request::ReopenRoot) {
+            self.handle(id, req, body);
+            return;
+        }
         if self.inflight.fetch_add(1, Ordering::SeqCst) >= MAX_INFLIGHT {
             self.inflight.fetch_sub(1, Ordering::SeqCst);
             self.out.error(

@@ -131,6 +131,7 @@ pub fn run(
 
     let (mut create, mut launch, mut create_exec, mut destroy) = (vec![], vec![], vec![], vec![]);
     let (mut cg, mut clone_exec) = (vec![], vec![]);
+    let (mut first_exec, mut second_exec) = (vec![], vec![]);
     for _ in 0..n {
         // Measure each create from a quiet node: the spawner refills its pre-built shells and
         // the kernel tears the previous sandbox's namespaces down in the background; the
@@ -139,11 +140,16 @@ pub fn run(
         let t = Instant::now();
         let (mut sb, phases) = rt.create(&spec)?;
         create.push(us(t));
+        let t_exec = Instant::now();
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        first_exec.push(us(t_exec));
+        create_exec.push(us(t));
+        let t_exec = Instant::now();
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        second_exec.push(us(t_exec));
         launch.push(phases.launch_us);
         cg.push(phases.cgroup_us);
         clone_exec.push(phases.clone_exec_us);
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
-        create_exec.push(us(t));
         let t = Instant::now();
         sb.destroy(&rt)?;
         destroy.push(us(t));
@@ -154,6 +160,8 @@ pub fn run(
     res.insert("cold_create_phase_clone_to_exec", dist(clone_exec));
     res.insert("cold_create_exec_true", dist(create_exec));
     res.insert("destroy", dist(destroy));
+    res.insert("first_exec_true_after_create", dist(first_exec));
+    res.insert("second_exec_true_after_create", dist(second_exec));
     let mut b2b = vec![];
     for _ in 0..n {
         let t = Instant::now();

@@ -349,3 +349,16 @@ pub fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
     // SAFETY: pipe2 succeeded, so both fds are open and owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
+
+/// Switches `pid` (0 = the caller) between `SCHED_IDLE` (runs only when a CPU has nothing else
+/// to do) and the normal `SCHED_OTHER` policy. Children inherit the policy.
+pub fn set_idle_priority(pid: i32, idle: bool) -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    let policy = if idle {
+        libc::SCHED_IDLE
+    } else {
+        libc::SCHED_OTHER
+    };
+    // SAFETY: `param` is a valid sched_param on the stack.
+    cvt(unsafe { libc::sched_setscheduler(pid, policy, &param) }).map(|_| ())
+}

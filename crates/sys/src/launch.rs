@@ -199,7 +199,24 @@ fn cstr(s: impl Into<Vec<u8>>, what: &'static str) -> Result<CString, LaunchErro
 }
 
 fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, LaunchError> {
-    let r = &spec.rootfs;
+    prepare_parts(
+        &spec.rootfs,
+        &spec.ns.hostname,
+        &spec.argv,
+        &spec.env,
+        spec.ns.user.is_some(),
+        root_at,
+    )
+}
+
+fn prepare_parts(
+    r: &RootfsSpec,
+    hostname: &str,
+    argv: &[String],
+    env: &[(String, String)],
+    userns: bool,
+    root_at: Option<&str>,
+) -> Result<Prepared, LaunchError> {
     for l in &r.lowerdirs {
         if l.contains(':') || l.contains(',') {
             return Err(LaunchError::InvalidArgument { what: "lowerdir" });
@@ -238,13 +255,11 @@ fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, 
     .iter()
     .map(|(n, t)| Ok((cstr(format!("{dev}/{n}"), "dev")?, cstr(*t, "dev")?)))
     .collect::<Result<Vec<_>, LaunchError>>()?;
-    let argv: Vec<CString> = spec
-        .argv
+    let argv: Vec<CString> = argv
         .iter()
         .map(|a| cstr(a.as_str(), "argv"))
         .collect::<Result<_, _>>()?;
-    let envp: Vec<CString> = spec
-        .env
+    let envp: Vec<CString> = env
         .iter()
         .map(|(k, v)| cstr(format!("{k}={v}"), "env"))
         .collect::<Result<_, _>>()?;
@@ -283,11 +298,7 @@ fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, 
                 "lowerdir={},upperdir={stage}/upper,workdir={stage}/work{}",
                 r.lowerdirs.join(":"),
                 // Inside a user namespace overlayfs cannot use trusted.* xattrs.
-                if spec.ns.user.is_some() {
-                    ",userxattr"
-                } else {
-                    ""
-                }
+                if userns { ",userxattr" } else { "" }
             ),
             "overlay",
         )?,
@@ -310,13 +321,13 @@ fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, 
         shm_opts: cstr(format!("size={},mode=1777", r.shm_bytes.max(4096)), "shm")?,
         dev_links,
         scratch,
-        hostname: cstr(spec.ns.hostname.as_str(), "hostname")?,
+        hostname: cstr(hostname, "hostname")?,
         stage: cstr(stage, "stage")?,
         _argv: argv,
         _envp: envp,
         argv_ptrs,
         envp_ptrs,
-        userns: spec.ns.user.is_some(),
+        userns,
         placeholder: r.lowerdirs.is_empty(),
         writable_root: r.writable_root,
     })
@@ -749,6 +760,7 @@ fn populate_and_pivot(
     p: &Prepared,
     proc_src: ProcSource<'_>,
     dev_src: DevSource<'_>,
+    root_ready: bool,
 ) -> Result<(), StepError> {
     let nul = c"";
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
@@ -897,7 +909,7 @@ fn populate_and_pivot(
         }
     }
 
-    if !p.writable_root {
+    if !p.writable_root && !root_ready {
         for (s, src) in p.scratch.iter().zip(&p.scratch_src) {
             if p.userns {
                 // Inside a user namespace the template's directories belong to unmapped host
@@ -1056,7 +1068,7 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         );
     }
 
-    if let Err(e) = populate_and_pivot(p, ProcSource::Fresh, DevSource::Fresh) {
+    if let Err(e) = populate_and_pivot(p, ProcSource::Fresh, DevSource::Fresh, false) {
         fail_step(&err, e);
     }
 
@@ -1372,40 +1384,40 @@ fn setns_mnt(fd: &OwnedFd, step: &'static str) -> Result<(), StepError> {
     )
 }
 
-/// Resets a running sandbox in place: builds a fresh writable layer and root, moves the existing
-/// `/proc` into it and `pivot_root`s the sandbox's mount namespace onto it. `pivot_root` moves the
-/// root and working directory of every process of the namespace, so the sandbox init (the agent)
-/// keeps running, now on the fresh root; its namespaces, cgroup and connection are unchanged.
-/// The caller must have killed every other process of the sandbox first.
-///
-/// The new overlay is assembled in the supervisor's own private mount namespace (where the
-/// template's layer paths resolve), cloned as a detached tree and moved into the sandbox.
-/// Returns an `O_PATH` descriptor of the old root: dropping it frees the old writable layer, so
-/// the caller can do that after answering.
-pub fn reset_in_place(
-    spec: &ContainerSpec<'_>,
-    init_pid: i32,
+/// A sandbox root (overlay with its scratch mounts, read-only when asked) assembled in the
+/// supervisor's private mount namespace and detached, ready to be moved into a sandbox.
+#[derive(Debug)]
+pub struct RootTree {
+    fd: OwnedFd,
+    rootfs: RootfsSpec,
+}
+
+impl RootTree {
+    /// Whether this tree was built for `rootfs` (same layers, quota, layout).
+    pub fn matches(&self, rootfs: &RootfsSpec) -> bool {
+        let a = &self.rootfs;
+        a.stage == rootfs.stage
+            && a.lowerdirs == rootfs.lowerdirs
+            && a.disk_bytes == rootfs.disk_bytes
+            && a.disk_inodes == rootfs.disk_inodes
+            && a.writable_root == rootfs.writable_root
+            && a.scratch == rootfs.scratch
+    }
+}
+
+/// Builds a [`RootTree`] for `rootfs`: a fresh size-limited tmpfs, the overlay, scratch binds
+/// and the read-only root, cloned as a detached tree; the staging mounts are then dropped from
+/// the caller's namespace. `warm` paths (absolute, inside the root) are looked up once so that
+/// the first command of the sandbox finds their dentries cached.
+pub fn build_root_tree(
+    rootfs: &RootfsSpec,
     state: &mut ResetState,
-    reuse_dev: bool,
-) -> Result<OwnedFd, LaunchError> {
-    // The new root is mounted inside the old one: under /dev for a reset (the old root is
-    // read-only), at /.dsec-next for a pre-built shell (its placeholder root is writable, and its
-    // /dev is moved into the new root, so the new root must not be beneath it).
-    let (dev_src, mountpoint) = if reuse_dev {
-        (DevSource::Move(c"/dev"), "/.dsec-next")
-    } else {
-        (DevSource::Fresh, RESET_MOUNTPOINT)
-    };
-    if spec.rootfs.lowerdirs.is_empty() {
+    warm: &[&str],
+) -> Result<RootTree, LaunchError> {
+    if rootfs.lowerdirs.is_empty() {
         return Err(LaunchError::InvalidArgument { what: "lowerdirs" });
     }
-    ensure_single_threaded()?;
-    if spec.ns.user.is_some() {
-        return Err(LaunchError::InvalidArgument {
-            what: "in-place reset in a user namespace",
-        });
-    }
-    let p = prepare(spec, Some(mountpoint))?;
+    let p = prepare_parts(rootfs, "", &[], &[], false, None)?;
     state.prepare()?;
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
     try_mount(
@@ -1428,13 +1440,38 @@ pub fn reset_in_place(
             nosuid_nodev,
             Some(&p.overlay_opts),
         )?;
-        // SAFETY: valid path; OPEN_TREE_CLONE returns a detached copy owned by the new fd.
+        // Mount points for the sandbox's /dev and /proc, moved in later.
+        ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+        ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
+        if !p.writable_root {
+            for s in &p.scratch {
+                ck(mkdir(s, 0o755), "mkdir_scratch")?;
+                // A bind mount inherits nosuid/nodev from the overlay mount.
+                try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
+            }
+            try_mount(
+                "ro_root",
+                c"",
+                &p.overlay_target,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
+                None,
+            )?;
+        }
+        for w in warm {
+            if let Ok(c) = CString::new(format!("{}{w}", p.overlay_target.to_string_lossy())) {
+                let _ = path_kind(&c);
+            }
+        }
+        // SAFETY: valid path; OPEN_TREE_CLONE returns a detached copy (with its submounts, by
+        // AT_RECURSIVE) owned by the new fd.
         let fd = unsafe {
             libc::syscall(
                 libc::SYS_open_tree,
                 libc::AT_FDCWD,
                 p.overlay_target.as_ptr(),
-                (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC) as libc::c_uint,
+                (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as u32)
+                    as libc::c_uint,
             )
         } as libc::c_int;
         ck(fd, "open_tree")?;
@@ -1448,7 +1485,36 @@ pub fn reset_in_place(
         libc::umount2(p.overlay_target.as_ptr(), libc::MNT_DETACH);
         libc::umount2(p.stage.as_ptr(), libc::MNT_DETACH);
     }
-    let tree = built?;
+    Ok(RootTree {
+        fd: built?,
+        rootfs: rootfs.clone(),
+    })
+}
+
+/// Moves `tree` into the mount namespace of `init_pid` and pivots every process of that
+/// namespace onto it (`pivot_root` moves the root and working directory of each process that was
+/// at the old root, so a running agent keeps running, now on the new root). `/proc` is moved from
+/// the old root; `/dev` too when `reuse_dev` (a pre-built shell's unused /dev), else a fresh one
+/// is made. Returns an `O_PATH` descriptor of the old root: dropping it frees the old writable
+/// layer, so the caller can do that after answering. The caller must be single-threaded.
+pub fn enter_root_tree(
+    tree: RootTree,
+    init_pid: i32,
+    reuse_dev: bool,
+    shm_bytes: u64,
+) -> Result<OwnedFd, LaunchError> {
+    ensure_single_threaded()?;
+    // The new root is mounted inside the old one: under /dev for a reset (the old root is
+    // read-only), at /.dsec-next for a pre-built shell (its placeholder root is writable, and its
+    // /dev is moved into the new root, so the new root must not be beneath it).
+    let (dev_src, mountpoint) = if reuse_dev {
+        (DevSource::Move(c"/dev"), "/.dsec-next")
+    } else {
+        (DevSource::Fresh, RESET_MOUNTPOINT)
+    };
+    let mut rootfs = tree.rootfs.clone();
+    rootfs.shm_bytes = shm_bytes;
+    let p = prepare_parts(&rootfs, "", &[], &[], false, Some(mountpoint))?;
     let own_ns = open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?;
     let sandbox_ns = open_path(
         &cstr(format!("/proc/{init_pid}/ns/mnt"), "pid")?,
@@ -1461,11 +1527,11 @@ pub fn reset_in_place(
             errno: 0,
         })?;
         ck(mkdir(&mp, 0o700), "mkdir_mountpoint")?;
-        // SAFETY: `tree` is a detached mount; the target path is valid.
+        // SAFETY: `tree.fd` is a detached mount; the target path is valid.
         let rc = unsafe {
             libc::syscall(
                 libc::SYS_move_mount,
-                tree.as_raw_fd(),
+                tree.fd.as_raw_fd(),
                 c"".as_ptr(),
                 libc::AT_FDCWD,
                 mp.as_ptr(),
@@ -1474,7 +1540,7 @@ pub fn reset_in_place(
         } as libc::c_int;
         ck(rc, "move_mount")?;
         let old_root = open_path(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
-        populate_and_pivot(&p, ProcSource::Move(c"/proc"), dev_src)?;
+        populate_and_pivot(&p, ProcSource::Move(c"/proc"), dev_src, true)?;
         Ok(old_root)
     })();
     // Back to our own namespace whatever happened.
@@ -1483,6 +1549,25 @@ pub fn reset_in_place(
     unsafe { libc::chdir(c"/".as_ptr()) };
     back?;
     Ok(inside?)
+}
+
+/// Resets a running sandbox in place: builds a fresh root for its template
+/// ([`build_root_tree`]) and pivots the sandbox onto it ([`enter_root_tree`]); its namespaces,
+/// cgroup, agent and connection are unchanged. The caller must have killed every other process
+/// of the sandbox first.
+pub fn reset_in_place(
+    spec: &ContainerSpec<'_>,
+    init_pid: i32,
+    state: &mut ResetState,
+    reuse_dev: bool,
+) -> Result<OwnedFd, LaunchError> {
+    if spec.ns.user.is_some() {
+        return Err(LaunchError::InvalidArgument {
+            what: "in-place reset in a user namespace",
+        });
+    }
+    let tree = build_root_tree(&spec.rootfs, state, &[])?;
+    enter_root_tree(tree, init_pid, reuse_dev, spec.rootfs.shm_bytes)
 }
 
 /// Sets the hostname of the UTS namespace of `pid` (the supervisor enters it for the call).

@@ -270,7 +270,9 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
     let nofile = setup.nofile;
     let fsize = setup.fsize;
     let hook = move || -> io::Result<()> {
-        // The agent is exempt from the OOM killer; its commands must not be.
+        // Commands are the OOM killer's first choice in their sandbox, before the agent (which
+        // is also exempted outright where the supervisor holds CAP_SYS_RESOURCE). Raising a
+        // score needs no privilege.
         // SAFETY: open/write/close are async-signal-safe; the path is a static C string.
         unsafe {
             let fd = libc::open(
@@ -278,7 +280,7 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
                 libc::O_WRONLY | libc::O_CLOEXEC,
             );
             if fd >= 0 {
-                libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::write(fd, b"1000".as_ptr().cast(), 4);
                 libc::close(fd);
             }
         }

@@ -9,7 +9,7 @@ use dsec_sys::ipc::{self, PidFd};
 use super::proto::{LaunchConfig, SpawnRequest, SupervisorMsg};
 use super::{ContainerRuntime, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
-use crate::sandbox::{SandboxSpec, State};
+use crate::sandbox::{Limits, SandboxSpec, State};
 use dsec_api::agent::Request;
 
 type Env = Vec<(String, String)>;
@@ -99,7 +99,12 @@ impl ContainerRuntime {
             lowerdirs,
             stage: self.stage.display().to_string(),
             run_dir: run_dir.display().to_string(),
-            limits: spec.limits.clone(),
+            limits: Limits {
+                // /dev/shm pages are charged to the sandbox's memory and outlive their writer:
+                // keep them well below the memory limit so that the sandbox stays manageable.
+                shm_bytes: spec.limits.shm_bytes.min(spec.limits.memory_max / 4),
+                ..spec.limits.clone()
+            },
             writable_root: spec.writable_root,
             scratch: SCRATCH_DIRS.iter().map(|s| (*s).to_string()).collect(),
             env,

@@ -236,7 +236,22 @@ impl ContainerRuntime {
             &[cfg.data_dir.clone(), cfg.run_dir.clone()],
         )
         .map_err(RuntimeError::Template)?;
-        let spawner = Arc::new(start_spawner(&cfg)?);
+        // The root most creates ask for: the default template with default limits. Idle shells
+        // build it ahead of time; a create with anything else builds its own.
+        let defaults = crate::sandbox::Limits::default();
+        let likely = dsec_sys::launch::RootfsSpec {
+            stage: stage.display().to_string(),
+            lowerdirs: vec![host_mask.display().to_string(), "/".into()],
+            disk_bytes: defaults.disk_bytes,
+            disk_inodes: defaults.disk_inodes,
+            shm_bytes: defaults.shm_bytes,
+            writable_root: false,
+            scratch: create::SCRATCH_DIRS
+                .iter()
+                .map(|s| (*s).to_string())
+                .collect(),
+        };
+        let spawner = Arc::new(start_spawner(&cfg, &likely)?);
         let reader = Arc::clone(&spawner);
         std::thread::Builder::new()
             .name("dsec-spawner-rx".into())
@@ -286,13 +301,20 @@ impl Drop for ContainerRuntime {
     }
 }
 
-fn start_spawner(cfg: &RuntimeConfig) -> Result<SpawnerLink, RuntimeError> {
+fn start_spawner(
+    cfg: &RuntimeConfig,
+    likely: &dsec_sys::launch::RootfsSpec,
+) -> Result<SpawnerLink, RuntimeError> {
     let (ours, theirs) = ipc::seqpacket_pair().map_err(RuntimeError::Spawner)?;
     let mut cmd = std::process::Command::new(&cfg.shim_bin);
     cmd.arg("spawner")
         .env_clear()
         .env("DSEC_AGENT_BIN", &cfg.agent_bin)
         .env("DSEC_STAGE_DIR", cfg.run_dir.join("stage"))
+        .env(
+            "DSEC_SHELL_ROOTFS",
+            serde_json::to_string(likely).map_err(|e| RuntimeError::Invalid(e.to_string()))?,
+        )
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .stdin(std::process::Stdio::null());
     if let Some(n) = std::env::var_os("DSEC_SPAWNER_SHELLS") {

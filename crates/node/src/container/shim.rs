@@ -57,6 +57,9 @@ struct SpawnerCtx {
     cgroups: CgroupManager,
     /// The node's stage directory (where every sandbox mounts its private tmpfs).
     stage: Option<String>,
+    /// The root most creates ask for (the default template with default limits): idle shells
+    /// build it ahead of time.
+    likely_rootfs: Option<RootfsSpec>,
 }
 
 fn run_spawner() -> io::Result<()> {
@@ -77,12 +80,16 @@ fn run_spawner() -> io::Result<()> {
     drop(bytes);
     let cgroups = CgroupManager::detect(CGROUP_BASE).map_err(io::Error::other)?;
     let stage = std::env::var("DSEC_STAGE_DIR").ok();
+    let likely_rootfs = std::env::var("DSEC_SHELL_ROOTFS")
+        .ok()
+        .and_then(|j| serde_json::from_str::<RootfsSpec>(&j).ok());
     let ctx = SpawnerCtx {
         node,
         agent_exe,
         seccomp: Filter::build(),
         cgroups,
         stage,
+        likely_rootfs,
     };
     // Exited supervisors are reaped by the kernel.
     ipc::ignore_sigchld();
@@ -173,7 +180,22 @@ struct Prebuilt {
     cgroup: Cgroup,
     init: Init,
     reset_state: launch::ResetState,
+    /// The likely root, already built.
+    tree: Option<launch::RootTree>,
 }
+
+/// Paths looked up once in a pre-built root, so that a sandbox's first commands find them cached
+/// (the interpreter, the shell, the dynamic loader and libc of common images).
+const WARM_PATHS: &[&str] = &[
+    "/bin/sh",
+    "/bin/true",
+    "/usr/bin/env",
+    "/usr/bin/python3",
+    "/lib64/ld-linux-x86-64.so.2",
+    "/etc/ld.so.cache",
+    "/lib/x86_64-linux-gnu/libc.so.6",
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+];
 
 fn placeholder_params(stage: &str) -> launch::LaunchParams {
     launch::LaunchParams {
@@ -243,10 +265,15 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, String> {
                 let _ = cgroup.remove();
                 return Err(error_chain(&e));
             }
+            let tree = ctx
+                .likely_rootfs
+                .as_ref()
+                .and_then(|r| launch::build_root_tree(r, &mut reset_state, WARM_PATHS).ok());
             Ok(Prebuilt {
                 cgroup,
                 init,
                 reset_state,
+                tree,
             })
         }
         Err(e) => {
@@ -262,6 +289,9 @@ fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-shell");
     let _ = ipc::setsid();
+    // Building a shell is background work: it must not take CPU from sandboxes that are being
+    // created or used right now.
+    let _ = ipc::set_idle_priority(0, true);
     let Some(stage) = ctx.stage.as_deref() else {
         return 1;
     };
@@ -283,6 +313,8 @@ fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
     match req {
         Some(req) => {
             ipc::set_process_name("dsec-sup");
+            let _ = ipc::set_idle_priority(0, false);
+            let _ = ipc::set_idle_priority(pre.init.pidfd.pid(), false);
             supervise(ctx, req, Some(pre))
         }
         None => {
@@ -366,9 +398,9 @@ fn container_spec<'a>(
     }
 }
 
-/// The sandbox init (the agent) is exempt from the OOM killer: a memory bomb inside the sandbox
-/// must kill the bomb, never the agent. Its children reset their own score (see the agent's
-/// exec set-up), so the exemption is not inherited.
+/// A memory bomb inside the sandbox must kill the bomb, never the agent: the agent's commands
+/// raise their own OOM score to the maximum (see the agent's exec set-up), and where this process
+/// holds CAP_SYS_RESOURCE the agent is exempted outright (best effort: some hosts withhold it).
 fn protect_from_oom(pid: i32) {
     let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "-1000");
 }
@@ -439,14 +471,17 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
     let t0 = std::time::Instant::now();
     let pre = pre.filter(|_| cfg.userns.is_none());
     let mut reset_state = launch::ResetState::default();
+    let mut likely_tree = None;
     let (cgroup, pre) = match pre {
         // A pre-built shell: give its cgroup the sandbox's name and limits.
         Some(Prebuilt {
             cgroup,
             init,
             reset_state: prepared,
+            tree,
         }) => {
             reset_state = prepared;
+            likely_tree = tree;
             let renamed = ctx.cgroups.rename(cgroup, &cfg.id).and_then(|c| {
                 c.set_limits(&cgroup_limits(&cfg))?;
                 Ok(c)
@@ -474,7 +509,13 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
         Some(init) => {
             // Pivot the running shell onto the template's root and give it its identity.
             let spec = container_spec(ctx, &cfg, &init.agent_host);
-            launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state, true)
+            let pivoted = match likely_tree.take().filter(|t| t.matches(&spec.rootfs)) {
+                Some(tree) => {
+                    launch::enter_root_tree(tree, init.pidfd.pid(), true, spec.rootfs.shm_bytes)
+                }
+                None => launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state, true),
+            };
+            pivoted
                 .and_then(|old| {
                     old_placeholder = Some(old);
                     launch::set_hostname_of(init.pidfd.pid(), &spec.ns.hostname)
