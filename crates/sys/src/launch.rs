@@ -1596,3 +1596,20 @@ pub fn set_hostname_of(pid: i32, hostname: &str) -> Result<(), LaunchError> {
     back?;
     Ok(())
 }
+
+/// Moves the (single-threaded) caller into a new mount namespace whose mounts are all private,
+/// so that what it mounts is seen by it and its descendants only, and disappears with them.
+pub fn enter_private_mount_ns() -> Result<(), LaunchError> {
+    ensure_single_threaded()?;
+    // SAFETY: integer-argument syscall in a single-threaded process.
+    ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
+    try_mount(
+        "private",
+        NONE,
+        c"/",
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )?;
+    Ok(())
+}

@@ -216,26 +216,22 @@ impl ContainerRuntime {
         prep_dir(&cfg.run_dir.join("hostroot"))?;
         let cgroups = CgroupManager::detect(shim::CGROUP_BASE).map_err(RuntimeError::Cgroup)?;
         let favordynmods = cgroups.favor_dynmods().unwrap_or(false);
-        let templates = TemplateStore::open(&cfg.data_dir).map_err(RuntimeError::Template)?;
-        // The host template's mask layer must not live on the host root filesystem: overlayfs
-        // refuses a lower layer nested inside another lower layer (`/`) of the same filesystem.
-        // It lives on one small node-wide tmpfs (one mount in the host namespace, not one per
-        // sandbox) and is rebuilt at every start.
+        let templates =
+            TemplateStore::open_with_hidden(&cfg.data_dir, std::slice::from_ref(&cfg.run_dir))
+                .map_err(RuntimeError::Template)?;
+        // The host template's mask layer cannot be used where it is built (under the data dir on
+        // the host root filesystem): overlayfs refuses a lower layer nested inside another lower
+        // layer (`/`) of the same filesystem. The spawner copies it onto a small tmpfs mounted in
+        // its own private mount namespace, which every supervisor and sandbox inherits: no
+        // mount in the host namespace, and it disappears with the last of them.
+        let mask_src = templates
+            .lowerdirs(&templates.host_template())
+            .into_iter()
+            .next()
+            .ok_or_else(|| RuntimeError::Invalid("host template without a mask layer".into()))?;
         let mask_fs = cfg.run_dir.join("mask");
         prep_dir(&mask_fs)?;
-        if !dsec_sys::launch::is_mount_point(&mask_fs) {
-            dsec_sys::launch::mount_tmpfs(&mask_fs, "size=1m,nr_inodes=4096,mode=0755").map_err(
-                |source| RuntimeError::Prepare {
-                    path: mask_fs.clone(),
-                    source,
-                },
-            )?;
-        }
-        let host_mask = crate::template::host_mask_layer(
-            &mask_fs,
-            &[cfg.data_dir.clone(), cfg.run_dir.clone()],
-        )
-        .map_err(RuntimeError::Template)?;
+        let host_mask = mask_fs.join(mask_src.file_name().unwrap_or_default());
         // The root most creates ask for: the default template with default limits. Idle shells
         // build it ahead of time; a create with anything else builds its own.
         let defaults = crate::sandbox::Limits::default();
@@ -251,7 +247,7 @@ impl ContainerRuntime {
                 .map(|s| (*s).to_string())
                 .collect(),
         };
-        let spawner = Arc::new(start_spawner(&cfg, &likely)?);
+        let spawner = Arc::new(start_spawner(&cfg, &likely, &mask_src, &host_mask)?);
         let reader = Arc::clone(&spawner);
         std::thread::Builder::new()
             .name("dsec-spawner-rx".into())
@@ -304,6 +300,8 @@ impl Drop for ContainerRuntime {
 fn start_spawner(
     cfg: &RuntimeConfig,
     likely: &dsec_sys::launch::RootfsSpec,
+    mask_src: &Path,
+    mask_dst: &Path,
 ) -> Result<SpawnerLink, RuntimeError> {
     let (ours, theirs) = ipc::seqpacket_pair().map_err(RuntimeError::Spawner)?;
     let mut cmd = std::process::Command::new(&cfg.shim_bin);
@@ -311,6 +309,8 @@ fn start_spawner(
         .env_clear()
         .env("DSEC_AGENT_BIN", &cfg.agent_bin)
         .env("DSEC_STAGE_DIR", cfg.run_dir.join("stage"))
+        .env("DSEC_MASK_SRC", mask_src)
+        .env("DSEC_MASK_DST", mask_dst)
         .env(
             "DSEC_SHELL_ROOTFS",
             serde_json::to_string(likely).map_err(|e| RuntimeError::Invalid(e.to_string()))?,

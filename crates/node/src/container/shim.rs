@@ -70,6 +70,7 @@ fn run_spawner() -> io::Result<()> {
     // also reaps sandbox inits orphaned by a killed supervisor.
     ipc::set_child_subreaper()?;
     let node = dsec_sys::proc::take_inherited_fd(3).map_err(io::Error::other)?;
+    mount_host_mask()?;
     let agent_path = std::env::var_os("DSEC_AGENT_BIN")
         .map(PathBuf::from)
         .ok_or_else(|| io::Error::other("DSEC_AGENT_BIN is not set"))?;
@@ -326,6 +327,25 @@ fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
             0
         }
     }
+}
+
+/// Copies the host template's mask layer onto a tmpfs mounted in a private mount namespace of
+/// the spawner (inherited by every supervisor and sandbox; nothing is mounted in the node's
+/// namespace). See `ContainerRuntime::start`.
+fn mount_host_mask() -> io::Result<()> {
+    let (Some(src), Some(dst)) = (
+        std::env::var_os("DSEC_MASK_SRC"),
+        std::env::var_os("DSEC_MASK_DST"),
+    ) else {
+        return Ok(());
+    };
+    let dst = PathBuf::from(dst);
+    let fs = dst
+        .parent()
+        .ok_or_else(|| io::Error::other("mask destination has no parent"))?;
+    launch::enter_private_mount_ns().map_err(io::Error::other)?;
+    launch::mount_tmpfs(fs, "size=1m,nr_inodes=4096,mode=0755")?;
+    crate::template::stage_layer(Path::new(&src), &dst).map_err(io::Error::other)
 }
 
 fn send(sock: BorrowedFd<'_>, msg: &SupervisorMsg, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
