@@ -769,8 +769,17 @@ fn populate_and_pivot(
     ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
     match dev_src {
         DevSource::Move(old) => {
-            // A pristine /dev (a pre-built shell's, never used by sandboxed code): move it.
+            // A pristine /dev (a pre-built shell's, never used by sandboxed code): move it, and
+            // give its /dev/shm this sandbox's size.
             try_mount("move_dev", old, &p.dev, None, libc::MS_MOVE, None)?;
+            try_mount(
+                "shm_size",
+                nul,
+                &p.shm,
+                None,
+                libc::MS_REMOUNT | nosuid_nodev,
+                Some(&p.shm_opts),
+            )?;
         }
         DevSource::Fresh => {
             try_mount(

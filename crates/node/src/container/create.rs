@@ -1,13 +1,13 @@
 //! Creating a container sandbox.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dsec_sys::ipc::{self, PidFd};
 
-use super::proto::{LaunchConfig, SpawnRequest, SupervisorMsg};
-use super::{ContainerRuntime, RuntimeError, Sandbox};
+use super::proto::{LaunchConfig, NodeMsg, SpawnRequest, SupervisorMsg, MAX_MSG};
+use super::{ContainerRuntime, Reply, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{Limits, SandboxSpec, State};
 use dsec_api::agent::Request;
@@ -111,32 +111,23 @@ impl ContainerRuntime {
             userns: spec.userns.then_some((100_000, 100_000, 65_536)),
         };
         let req = self.new_req();
-        let (tx, rx) = mpsc::sync_channel(1);
-        self.spawner
-            .pending
-            .lock()
-            .map_err(|_| RuntimeError::Spawner(std::io::Error::other("poisoned")))?
-            .insert(req, tx);
-        let bytes = serde_json::to_vec(&SpawnRequest { req, config })
-            .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-        if let Err(e) = ipc::send_with_fds(self.spawner.sock.as_fd(), &bytes, &[]) {
-            if let Ok(mut p) = self.spawner.pending.lock() {
-                p.remove(&req);
-            }
-            return Err(RuntimeError::Spawner(e));
-        }
-        let reply = rx.recv_timeout(CREATE_DEADLINE);
+        let request = SpawnRequest { req, config };
+        let bytes =
+            serde_json::to_vec(&request).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+        let handed = if request.config.userns.is_none() {
+            self.hand_to_shell(&bytes)
+        } else {
+            None
+        };
+        let reply = match handed {
+            Some(reply_sock) => wait_reply(&reply_sock),
+            None => self.spawn_via_spawner(req, &request),
+        };
         let (msg, mut fds) = match reply {
             Ok(r) => r,
-            Err(_) => {
-                if let Ok(mut p) = self.spawner.pending.lock() {
-                    p.remove(&req);
-                }
+            Err(message) => {
                 self.cleanup_leftovers(&id, &run_dir);
-                return Err(RuntimeError::Launch {
-                    id,
-                    message: "no answer from the spawner".into(),
-                });
+                return Err(RuntimeError::Launch { id, message });
             }
         };
         let launch_us = t0.elapsed().as_micros() as u64;
@@ -177,6 +168,7 @@ impl ContainerRuntime {
             init_pid,
             run_dir,
             oom_kills: 0,
+            configure: configure.clone(),
             uses: 0,
             busy: Duration::ZERO,
             acquired_at: None,
@@ -209,5 +201,67 @@ impl ContainerRuntime {
                 clone_exec_us: sup_phases.1,
             },
         ))
+    }
+}
+
+/// Waits (bounded) for a supervisor's answer on a per-create reply socket.
+fn wait_reply(sock: &OwnedFd) -> Result<Reply, String> {
+    if !ipc::poll_readable(sock.as_fd(), CREATE_DEADLINE).map_err(|e| e.to_string())? {
+        return Err("no answer from the supervisor".into());
+    }
+    let mut buf = vec![0u8; MAX_MSG];
+    let (n, fds) = ipc::recv_with_fds(sock.as_fd(), &mut buf).map_err(|e| e.to_string())?;
+    if n == 0 {
+        return Err("the supervisor closed the reply socket".into());
+    }
+    let msg = serde_json::from_slice::<SupervisorMsg>(&buf[..n]).map_err(|e| e.to_string())?;
+    Ok((msg, fds))
+}
+
+impl ContainerRuntime {
+    /// Sends the request straight to an idle pre-built shell; returns the socket its answer
+    /// will come on, or `None` when no shell took it.
+    fn hand_to_shell(&self, request: &[u8]) -> Option<OwnedFd> {
+        loop {
+            let shell = self.spawner.shells.lock().ok()?.pop_front()?;
+            // Whatever happens, that shell is used up: the spawner builds a replacement.
+            self.notify_spawner(&NodeMsg::ShellTaken);
+            let (ours, theirs) = ipc::seqpacket_pair().ok()?;
+            if ipc::send_with_fds(shell.as_fd(), request, &[theirs.as_fd()]).is_ok() {
+                return Some(ours);
+            }
+            // A shell that failed to build has exited; try the next one.
+        }
+    }
+
+    /// Asks the spawner to fork a supervisor for this request and waits for its answer.
+    fn spawn_via_spawner(&self, req: u64, request: &SpawnRequest) -> Result<Reply, String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.spawner
+            .pending
+            .lock()
+            .map_err(|_| "spawner state poisoned".to_string())?
+            .insert(req, tx);
+        let bytes = serde_json::to_vec(&NodeMsg::Spawn(Box::new(request.clone())))
+            .map_err(|e| e.to_string())?;
+        let sent = ipc::send_with_fds(self.spawner.sock.as_fd(), &bytes, &[]);
+        let reply = sent
+            .map_err(|e| format!("spawner unavailable: {e}"))
+            .and_then(|()| {
+                rx.recv_timeout(CREATE_DEADLINE)
+                    .map_err(|_| "no answer from the spawner".to_string())
+            });
+        if reply.is_err() {
+            if let Ok(mut p) = self.spawner.pending.lock() {
+                p.remove(&req);
+            }
+        }
+        reply
+    }
+
+    fn notify_spawner(&self, msg: &NodeMsg) {
+        if let Ok(bytes) = serde_json::to_vec(msg) {
+            let _ = ipc::send_with_fds(self.spawner.sock.as_fd(), &bytes, &[]);
+        }
     }
 }

@@ -174,6 +174,8 @@ type Reply = (SupervisorMsg, Vec<OwnedFd>);
 struct SpawnerLink {
     sock: OwnedFd,
     pending: Mutex<HashMap<u64, mpsc::SyncSender<Reply>>>,
+    /// Request sockets of idle pre-built shells, handed over by the spawner.
+    shells: Mutex<std::collections::VecDeque<OwnedFd>>,
     child: Mutex<Child>,
 }
 
@@ -280,6 +282,11 @@ impl ContainerRuntime {
         &self.cgroups
     }
 
+    /// Idle pre-built shells the node holds a request socket of (one descriptor each).
+    pub fn idle_shells(&self) -> usize {
+        self.spawner.shells.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
     /// Whether cgroup attaches avoid the RCU grace period (`favordynmods`).
     pub fn favordynmods(&self) -> bool {
         self.favordynmods
@@ -325,6 +332,7 @@ fn start_spawner(
     Ok(SpawnerLink {
         sock: ours,
         pending: Mutex::new(HashMap::new()),
+        shells: Mutex::new(std::collections::VecDeque::new()),
         child: Mutex::new(child),
     })
 }
@@ -342,6 +350,22 @@ fn spawner_reader(link: &SpawnerLink) {
         let Ok(msg) = serde_json::from_slice::<SupervisorMsg>(&buf[..n]) else {
             continue;
         };
+        match msg {
+            SupervisorMsg::ShellReady => {
+                if let (Some(fd), Ok(mut shells)) = (fds.into_iter().next(), link.shells.lock()) {
+                    shells.push_back(fd);
+                }
+                continue;
+            }
+            SupervisorMsg::ShellFailed => {
+                // Let the spawner build a replacement.
+                if let Ok(bytes) = serde_json::to_vec(&proto::NodeMsg::ShellTaken) {
+                    let _ = ipc::send_with_fds(link.sock.as_fd(), &bytes, &[]);
+                }
+                continue;
+            }
+            _ => {}
+        }
         let req = match &msg {
             SupervisorMsg::Launched { req, .. } | SupervisorMsg::Failed { req, .. } => *req,
             _ => continue,
@@ -369,6 +393,8 @@ pub struct Sandbox {
     init_pid: i32,
     run_dir: PathBuf,
     oom_kills: u64,
+    /// The `Configure` request the agent got at create (sent again to a relaunched agent).
+    configure: Request,
     uses: u32,
     busy: Duration,
     acquired_at: Option<Instant>,
@@ -494,11 +520,14 @@ impl Sandbox {
             });
         };
         if let Some(agent_fd) = fds.pop() {
-            // A relaunched init: a new agent on a new socket.
+            // A relaunched init: a new agent on a new socket, configured like the first.
             self.agent = AgentConn::new(agent_fd);
             self.init_pid = init_pid;
             self.agent
                 .wait_hello(Duration::from_secs(10))
+                .map_err(agent_err)?;
+            self.agent
+                .call_ok(&self.configure, &[])
                 .map_err(agent_err)?;
         } else {
             // Same agent, new root: it reopens its root, which doubles as the health check.

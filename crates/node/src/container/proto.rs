@@ -45,6 +45,16 @@ pub struct SpawnRequest {
     pub config: LaunchConfig,
 }
 
+/// Node → spawner.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum NodeMsg {
+    /// Launch a sandbox with a freshly forked supervisor.
+    Spawn(Box<SpawnRequest>),
+    /// The node used (or found dead) one idle shell: build a replacement.
+    ShellTaken,
+}
+
 /// Supervisor → node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
@@ -61,6 +71,11 @@ pub enum SupervisorMsg {
         #[serde(default)]
         phases_us: (u64, u64),
     },
+    /// The spawner holds a new idle shell. Fd: the shell's request socket (`SOCK_SEQPACKET`),
+    /// to which the node sends one [`SpawnRequest`] with a reply socket attached.
+    ShellReady,
+    /// An idle shell could not be built (the spawner should build another).
+    ShellFailed,
     /// Launch failed; the supervisor has cleaned up and exits.
     Failed {
         /// Correlation id.

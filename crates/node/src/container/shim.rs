@@ -13,8 +13,7 @@
 //! The sandbox init has `PR_SET_PDEATHSIG = SIGKILL` tied to its supervisor: killing a
 //! supervisor kills the whole sandbox (its pid namespace dies with its init).
 
-use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -25,7 +24,7 @@ use dsec_sys::ipc::{self, PidFd};
 use dsec_sys::launch::{self, ContainerSpec, Forked, IdMap, NamespaceSpec, Rlimit, RootfsSpec};
 use dsec_sys::seccomp::Filter;
 
-use super::proto::{ControlMsg, LaunchConfig, SpawnRequest, SupervisorMsg, MAX_MSG};
+use super::proto::{ControlMsg, LaunchConfig, NodeMsg, SpawnRequest, SupervisorMsg, MAX_MSG};
 
 /// Name of the cgroup base directory under each hierarchy.
 pub const CGROUP_BASE: &str = "dsec";
@@ -100,21 +99,24 @@ fn run_spawner() -> io::Result<()> {
         .unwrap_or(DEFAULT_SHELLS)
         .min(64)
         * usize::from(ctx.stage.is_some());
-    // Write ends of the request pipes of idle supervisors, each holding a pre-built shell.
-    let mut idle: VecDeque<std::fs::File> = VecDeque::new();
+    // Idle shells handed to the node and not yet used. The node talks to a shell directly (one
+    // process hop less on the create path) and tells us when it took one.
+    let mut idle = 0usize;
     let mut buf = vec![0u8; MAX_MSG];
     loop {
-        while idle.len() < target {
-            let (r, w) = pipe()?;
+        while idle < target {
+            let (node_end, shell_end) = ipc::seqpacket_pair()?;
             match launch::fork_process() {
                 Ok(Forked::Child) => {
-                    drop(w);
-                    // Never keep another shell's pipe open: a shell must see EOF when the
-                    // spawner goes away.
-                    idle.clear();
-                    ipc::exit_now(idle_supervisor(&ctx, r));
+                    ipc::exit_now(idle_supervisor(&ctx, shell_end, node_end));
                 }
-                Ok(Forked::Parent(_)) => idle.push_back(w),
+                Ok(Forked::Parent(_)) => {
+                    // The shell announces itself to the node once it is built (see
+                    // `idle_supervisor`), so that no request waits for a build in progress.
+                    drop(shell_end);
+                    drop(node_end);
+                    idle += 1;
+                }
                 Err(e) => {
                     eprintln!("dsec-shim spawner: pre-building a shell: {e}");
                     break;
@@ -123,35 +125,22 @@ fn run_spawner() -> io::Result<()> {
         }
         let (n, _fds) = ipc::recv_with_fds(ctx.node.as_fd(), &mut buf)?;
         if n == 0 {
-            return Ok(()); // node went away; idle shells see EOF and clean up
+            return Ok(()); // node went away; idle shells see EOF on their sockets and clean up
         }
-        let req: SpawnRequest = match serde_json::from_slice(&buf[..n]) {
-            Ok(r) => r,
+        let req = match serde_json::from_slice::<NodeMsg>(&buf[..n]) {
+            Ok(NodeMsg::Spawn(r)) => *r,
+            Ok(NodeMsg::ShellTaken) => {
+                idle = idle.saturating_sub(1);
+                continue;
+            }
             Err(e) => {
                 eprintln!("dsec-shim spawner: malformed request: {e}");
                 continue;
             }
         };
-        if req.config.userns.is_none() {
-            let mut framed = Vec::with_capacity(n + 4);
-            framed.extend_from_slice(&(n as u32).to_le_bytes());
-            framed.extend_from_slice(&buf[..n]);
-            let mut handed = false;
-            while let Some(mut w) = idle.pop_front() {
-                // A shell that failed to build has exited: the write fails and the next is tried.
-                if w.write_all(&framed).is_ok() {
-                    handed = true;
-                    break;
-                }
-            }
-            if handed {
-                continue;
-            }
-        }
         match launch::fork_process() {
             Ok(Forked::Child) => {
-                idle.clear();
-                let code = supervise(&ctx, req, None);
+                let code = supervise(&ctx, req, None, ctx.node.as_fd());
                 ipc::exit_now(code);
             }
             Ok(Forked::Parent(_)) => {}
@@ -168,11 +157,6 @@ fn run_spawner() -> io::Result<()> {
 
 /// Idle shells the spawner keeps ready by default.
 const DEFAULT_SHELLS: usize = 2;
-
-fn pipe() -> io::Result<(std::fs::File, std::fs::File)> {
-    let (r, w) = ipc::pipe_cloexec()?;
-    Ok((std::fs::File::from(r), std::fs::File::from(w)))
-}
 
 /// A sandbox init already cloned into its namespaces, attached to a cgroup and running the agent
 /// on an empty placeholder root, waiting in an idle supervisor for a request. Assigning it a
@@ -285,8 +269,9 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, String> {
     }
 }
 
-/// An idle supervisor: pre-builds a shell, then waits for the one request it will serve.
-fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
+/// An idle supervisor: pre-builds a shell, then waits for the one request it will serve, sent
+/// by the node on `requests` together with the socket to answer on.
+fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: OwnedFd) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-shell");
     let _ = ipc::setsid();
@@ -297,36 +282,57 @@ fn idle_supervisor(ctx: &SpawnerCtx, mut requests: std::fs::File) -> i32 {
         return 1;
     };
     let Ok(pre) = prebuild(ctx, stage) else {
+        // Tell the node, so that the spawner builds a replacement.
+        let _ = send(ctx.node.as_fd(), &SupervisorMsg::ShellFailed, &[]);
         return 1;
     };
-    let mut len = [0u8; 4];
-    let req = (|| {
-        requests.read_exact(&mut len).ok()?;
-        let n = u32::from_le_bytes(len) as usize;
-        if n > MAX_MSG {
-            return None;
-        }
-        let mut body = vec![0u8; n];
-        requests.read_exact(&mut body).ok()?;
-        serde_json::from_slice::<SpawnRequest>(&body).ok()
-    })();
+    // Ready: hand the node our request socket.
+    if send(
+        ctx.node.as_fd(),
+        &SupervisorMsg::ShellReady,
+        &[node_end.as_fd()],
+    )
+    .is_err()
+    {
+        return discard(pre);
+    }
+    drop(node_end);
+    let mut buf = vec![0u8; MAX_MSG];
+    let got = match ipc::recv_with_fds(requests.as_fd(), &mut buf) {
+        Ok((n, mut fds)) if n > 0 => serde_json::from_slice::<SpawnRequest>(&buf[..n])
+            .ok()
+            .zip(fds.pop()),
+        _ => None,
+    };
     drop(requests);
-    match req {
-        Some(req) => {
+    match got {
+        Some((req, reply)) => {
             ipc::set_process_name("dsec-sup");
             let _ = ipc::set_idle_priority(0, false);
-            let _ = ipc::set_idle_priority(pre.init.pidfd.pid(), false);
-            supervise(ctx, req, Some(pre))
+            // Every thread of the agent (it started its reaper while idle).
+            let init = pre.init.pidfd.pid();
+            let tasks = std::fs::read_dir(format!("/proc/{init}/task"))
+                .into_iter()
+                .flatten();
+            for tid in tasks
+                .flatten()
+                .filter_map(|t| t.file_name().to_str()?.parse::<i32>().ok())
+            {
+                let _ = ipc::set_idle_priority(tid, false);
+            }
+            supervise(ctx, req, Some(pre), reply.as_fd())
         }
-        None => {
-            // The spawner went away (or sent garbage): nothing was handed to us.
-            let _ = pre.init.pidfd.signal(9);
-            let _ = ipc::wait_pid(pre.init.pidfd.pid());
-            let _ = pre.cgroup.kill_all();
-            let _ = pre.cgroup.remove();
-            0
-        }
+        // The node went away (or sent garbage): nothing was handed to us.
+        None => discard(pre),
     }
+}
+
+fn discard(pre: Prebuilt) -> i32 {
+    let _ = pre.init.pidfd.signal(9);
+    let _ = ipc::wait_pid(pre.init.pidfd.pid());
+    let _ = pre.cgroup.kill_all();
+    let _ = pre.cgroup.remove();
+    0
 }
 
 /// Copies the host template's mask layer onto a tmpfs mounted in a private mount namespace of
@@ -457,14 +463,19 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 {
+fn supervise(
+    ctx: &SpawnerCtx,
+    req: SpawnRequest,
+    pre: Option<Prebuilt>,
+    reply: BorrowedFd<'_>,
+) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-sup");
     let _ = ipc::setsid();
     let mut cfg = req.config;
     let fail = |message: String| {
         let _ = send(
-            ctx.node.as_fd(),
+            reply,
             &SupervisorMsg::Failed {
                 req: req.req,
                 message,
@@ -573,7 +584,7 @@ fn supervise(ctx: &SpawnerCtx, req: SpawnRequest, pre: Option<Prebuilt>) -> i32 
         ),
     };
     if send(
-        ctx.node.as_fd(),
+        reply,
         &launched,
         &[init.agent_host.as_fd(), control_node.as_fd()],
     )

@@ -464,9 +464,11 @@ impl LeakSnapshot {
             .iter()
             .filter(|p| p.pid != me && p.comm != "dsec-spawner")
             .count();
+        // Minus the request sockets of idle pre-built shells, which belong to the runtime.
         let fds = fs::read_dir("/proc/self/fd")
             .map(|d| d.count())
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .saturating_sub(fx.rt.idle_shells());
         let net_namespaces = tree
             .iter()
             .filter_map(|p| ns_inode(p.pid, "net"))
