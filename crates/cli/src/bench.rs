@@ -65,10 +65,10 @@ fn us(t: Instant) -> u64 {
     t.elapsed().as_micros() as u64
 }
 
-fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<()> {
+fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<u64> {
     let r = sb.exec(rt, &ExecRequest::argv(argv.iter().copied()), &[], |_, _| {})?;
     anyhow::ensure!(r.status == ExecStatus::Ok, "{argv:?} failed: {r:?}");
-    Ok(())
+    Ok(r.wall_us)
 }
 
 fn host_used_bytes() -> u64 {
@@ -132,6 +132,7 @@ pub fn run(
     let (mut create, mut launch, mut create_exec, mut destroy) = (vec![], vec![], vec![], vec![]);
     let (mut cg, mut clone_exec) = (vec![], vec![]);
     let (mut first_exec, mut second_exec) = (vec![], vec![]);
+    let (mut first_wall, mut second_wall) = (vec![], vec![]);
     for _ in 0..n {
         // Measure each create from a quiet node: the spawner refills its pre-built shells and
         // the kernel tears the previous sandbox's namespaces down in the background; the
@@ -141,11 +142,11 @@ pub fn run(
         let (mut sb, phases) = rt.create(&spec)?;
         create.push(us(t));
         let t_exec = Instant::now();
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        first_wall.push(exec_ok(&mut sb, &rt, &["/bin/true"])?);
         first_exec.push(us(t_exec));
         create_exec.push(us(t));
         let t_exec = Instant::now();
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        second_wall.push(exec_ok(&mut sb, &rt, &["/bin/true"])?);
         second_exec.push(us(t_exec));
         launch.push(phases.launch_us);
         cg.push(phases.cgroup_us);
@@ -162,6 +163,8 @@ pub fn run(
     res.insert("destroy", dist(destroy));
     res.insert("first_exec_true_after_create", dist(first_exec));
     res.insert("second_exec_true_after_create", dist(second_exec));
+    res.insert("first_exec_true_process_wall", dist(first_wall));
+    res.insert("second_exec_true_process_wall", dist(second_wall));
     let mut b2b = vec![];
     for _ in 0..n {
         let t = Instant::now();
