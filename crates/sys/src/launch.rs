@@ -1350,28 +1350,22 @@ pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
 const RESET_MOUNTPOINT: &str = "/dev/.dsec-next";
 
 /// State a supervisor keeps for in-place resets.
+///
+/// Roots are staged in the caller's mount namespace, which must already be private to dsec (the
+/// spawner's, inherited by every supervisor: see `enter_private_mount_ns`), under a directory of
+/// the stage unique to the caller, and detached again before they are moved into a sandbox.
+/// (A private namespace per supervisor would cost a copy of the whole mount table per sandbox.)
 #[derive(Debug, Default)]
 pub struct ResetState {
-    private_ns: bool,
+    prepared: bool,
 }
 
 impl ResetState {
-    /// Moves the (single-threaded) caller into a private mount namespace where resets stage
-    /// their new roots; idempotent. Call it ahead of time to keep it off the reset path.
+    /// Checks that the caller may stage roots (single-threaded); idempotent.
     pub fn prepare(&mut self) -> Result<(), LaunchError> {
-        if !self.private_ns {
+        if !self.prepared {
             ensure_single_threaded()?;
-            // SAFETY: integer-argument syscall in a single-threaded process.
-            ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
-            try_mount(
-                "private",
-                NONE,
-                c"/",
-                None,
-                libc::MS_REC | libc::MS_PRIVATE,
-                None,
-            )?;
-            self.private_ns = true;
+            self.prepared = true;
         }
         Ok(())
     }
@@ -1426,8 +1420,26 @@ pub fn build_root_tree(
     if rootfs.lowerdirs.is_empty() {
         return Err(LaunchError::InvalidArgument { what: "lowerdirs" });
     }
-    let p = prepare_parts(rootfs, "", &[], &[], false, None)?;
     state.prepare()?;
+    // A staging directory of our own (other supervisors stage in the same namespace).
+    let own_stage = format!(
+        "{}/b{}",
+        rootfs.stage.trim_end_matches('/'),
+        std::process::id()
+    );
+    if let Err(e) = std::fs::create_dir(&own_stage) {
+        if e.kind() != io::ErrorKind::AlreadyExists {
+            return Err(LaunchError::Create {
+                what: "staging directory",
+                source: e,
+            });
+        }
+    }
+    let staged = RootfsSpec {
+        stage: own_stage,
+        ..rootfs.clone()
+    };
+    let p = prepare_parts(&staged, "", &[], &[], false, None)?;
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
     try_mount(
         "tmpfs",
@@ -1494,6 +1506,7 @@ pub fn build_root_tree(
         libc::umount2(p.overlay_target.as_ptr(), libc::MNT_DETACH);
         libc::umount2(p.stage.as_ptr(), libc::MNT_DETACH);
     }
+    let _ = std::fs::remove_dir(&staged.stage);
     Ok(RootTree {
         fd: built?,
         rootfs: rootfs.clone(),

@@ -339,6 +339,8 @@ fn discard(pre: Prebuilt) -> i32 {
 /// the spawner (inherited by every supervisor and sandbox; nothing is mounted in the node's
 /// namespace). See `ContainerRuntime::start`.
 fn mount_host_mask() -> io::Result<()> {
+    // Always private: supervisors also stage reset roots in this namespace.
+    launch::enter_private_mount_ns().map_err(io::Error::other)?;
     let (Some(src), Some(dst)) = (
         std::env::var_os("DSEC_MASK_SRC"),
         std::env::var_os("DSEC_MASK_DST"),
@@ -349,7 +351,6 @@ fn mount_host_mask() -> io::Result<()> {
     let fs = dst
         .parent()
         .ok_or_else(|| io::Error::other("mask destination has no parent"))?;
-    launch::enter_private_mount_ns().map_err(io::Error::other)?;
     launch::mount_tmpfs(fs, "size=1m,nr_inodes=4096,mode=0755")?;
     crate::template::stage_layer(Path::new(&src), &dst).map_err(io::Error::other)
 }
