@@ -239,18 +239,22 @@ pub fn read_frame<R: Read>(r: &mut R) -> Result<Option<RawFrame>, FrameError> {
         }
     }
     let (kind, hlen, blen) = parse_prefix(&prefix)?;
-    let mut header = vec![0u8; hlen];
-    read_exact(r, &mut header)?;
-    let mut body = vec![0u8; blen];
-    read_exact(r, &mut body)?;
+    let header = read_len(r, hlen)?;
+    let body = read_len(r, blen)?;
     Ok(Some(RawFrame { kind, header, body }))
 }
 
-fn read_exact<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<(), FrameError> {
-    r.read_exact(buf).map_err(|e| match e.kind() {
-        io::ErrorKind::UnexpectedEof => FrameError::Truncated,
-        _ => FrameError::Io(e),
-    })
+/// Reads exactly `len` bytes, growing the buffer as bytes arrive: a peer that announces a large
+/// frame and sends little makes the reader allocate only what it sent.
+fn read_len<R: Read>(r: &mut R, len: usize) -> Result<Vec<u8>, FrameError> {
+    let mut buf = Vec::with_capacity(len.min(64 << 10));
+    r.take(len as u64)
+        .read_to_end(&mut buf)
+        .map_err(FrameError::Io)?;
+    if buf.len() < len {
+        return Err(FrameError::Truncated);
+    }
+    Ok(buf)
 }
 
 /// Writes an encoded frame to a blocking writer.
