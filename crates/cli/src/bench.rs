@@ -71,6 +71,20 @@ fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Re
     Ok(r.wall_us)
 }
 
+fn meminfo() -> BTreeMap<String, u64> {
+    let Ok(m) = std::fs::read_to_string("/proc/meminfo") else {
+        return BTreeMap::new();
+    };
+    m.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let k = it.next()?.trim_end_matches(':').to_string();
+            let v = it.next()?.parse::<u64>().ok()? * 1024;
+            Some((k, v))
+        })
+        .collect()
+}
+
 fn host_used_bytes() -> u64 {
     let Ok(m) = std::fs::read_to_string("/proc/meminfo") else {
         return 0;
@@ -281,6 +295,7 @@ pub fn run(
     // Density: idle sandboxes held at once, host memory per sandbox.
     if args.idle > 0 {
         let before = host_used_bytes();
+        let mi_before = meminfo();
         let mut held = Vec::with_capacity(args.idle);
         let t = Instant::now();
         for _ in 0..args.idle {
@@ -295,7 +310,25 @@ pub fn run(
         let create_all_ms = t.elapsed().as_millis() as u64;
         std::thread::sleep(std::time::Duration::from_millis(500));
         let after = host_used_bytes();
+        let mi_after = meminfo();
         let count = held.len();
+        // Where the memory went, per sandbox (kernel slabs, page tables, stacks, tmpfs, user).
+        let breakdown: BTreeMap<&str, i64> = [
+            "AnonPages",
+            "Shmem",
+            "Slab",
+            "SUnreclaim",
+            "PageTables",
+            "KernelStack",
+            "Percpu",
+        ]
+        .into_iter()
+        .map(|k| {
+            let d = mi_after.get(k).copied().unwrap_or(0) as i64
+                - mi_before.get(k).copied().unwrap_or(0) as i64;
+            (k, if count > 0 { d / count as i64 } else { 0 })
+        })
+        .collect();
         let per = if count > 0 {
             after.saturating_sub(before) / count as u64
         } else {
@@ -318,6 +351,7 @@ pub fn run(
                 "held": count,
                 "answering_ping": alive,
                 "host_memory_per_sandbox_bytes": per,
+                "per_sandbox_breakdown_bytes": breakdown,
                 "create_all_ms": create_all_ms,
                 "destroy_all_ms": t.elapsed().as_millis() as u64,
             }),

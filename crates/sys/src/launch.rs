@@ -670,6 +670,29 @@ fn mkdir(path: &CStr, mode: libc::mode_t) -> libc::c_int {
     }
 }
 
+/// `mkdir -p`: creates missing parents too (a template may lack `/var` for `/var/tmp`).
+fn mkdir_parents(path: &CStr, mode: libc::mode_t) -> libc::c_int {
+    if mkdir(path, mode) == 0 {
+        return 0;
+    }
+    if io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
+        return -1;
+    }
+    let bytes = path.to_bytes();
+    let mut rc = 0;
+    for (i, b) in bytes.iter().enumerate().skip(1) {
+        if *b == b'/' {
+            if let Ok(parent) = CString::new(&bytes[..i]) {
+                rc = mkdir(&parent, mode);
+            }
+        }
+    }
+    if rc < 0 {
+        return rc;
+    }
+    mkdir(path, mode)
+}
+
 /// Kind of an existing path, without following a final symlink.
 fn path_kind(path: &CStr) -> Option<libc::mode_t> {
     // SAFETY: zeroed stat is a valid out-parameter; path is NUL-terminated.
@@ -938,7 +961,7 @@ fn populate_and_pivot(
                 try_mount("scratch_bind", src, s, None, libc::MS_BIND, None)?;
                 continue;
             }
-            ck(mkdir(s, 0o755), "mkdir_scratch")?;
+            ck(mkdir_parents(s, 0o755), "mkdir_scratch")?;
             try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
             try_mount(
                 "scratch_remount",
@@ -1466,7 +1489,7 @@ pub fn build_root_tree(
         ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
         if !p.writable_root {
             for s in &p.scratch {
-                ck(mkdir(s, 0o755), "mkdir_scratch")?;
+                ck(mkdir_parents(s, 0o755), "mkdir_scratch")?;
                 // A bind mount inherits nosuid/nodev from the overlay mount.
                 try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
             }

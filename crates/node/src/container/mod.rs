@@ -436,7 +436,9 @@ impl Sandbox {
 
     /// Whether the reuse limits say this sandbox must be recycled instead of reset.
     pub fn needs_recycle(&self) -> bool {
-        self.uses >= self.spec.max_uses || self.busy.as_millis() as u64 >= self.spec.max_busy_ms
+        let current = self.acquired_at.map_or(Duration::ZERO, |t| t.elapsed());
+        self.uses >= self.spec.max_uses
+            || (self.busy + current).as_millis() as u64 >= self.spec.max_busy_ms
     }
 
     /// Liveness check of the agent.
