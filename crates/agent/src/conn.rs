@@ -330,15 +330,21 @@ impl Agent {
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
                 }
             }
-            Request::ReopenRoot => match Root::open(&self.root_path) {
-                Ok(r) => {
-                    if let Ok(mut g) = self.root.write() {
-                        *g = Arc::new(r);
+            Request::ReopenRoot => {
+                // A reset: the supervisor killed every other process of the sandbox before
+                // swapping the root, so their handles and sessions go too.
+                lock(&self.procs).clear();
+                self.sessions.clear();
+                match Root::open(&self.root_path) {
+                    Ok(r) => {
+                        if let Ok(mut g) = self.root.write() {
+                            *g = Arc::new(r);
+                        }
+                        ok()
                     }
-                    ok()
+                    Err(e) => out.error(id, ErrorCode::Internal, &e),
                 }
-                Err(e) => out.error(id, ErrorCode::Internal, &e),
-            },
+            }
         }
     }
 
@@ -474,7 +480,7 @@ impl Agent {
             if Instant::now() >= deadline {
                 return Err(msg("processes survived SIGKILL"));
             }
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }

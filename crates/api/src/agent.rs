@@ -181,9 +181,9 @@ pub enum Request {
     /// Kill every process in the sandbox except the agent, reap them, forget all handles and
     /// sessions. Used by reset. Answer: `Ok`.
     KillAll,
-    /// The sandbox root was replaced underneath the agent (an in-place reset pivoted every
-    /// process of the sandbox onto a fresh root): reopen the root used to resolve paths.
-    /// Answer: `Ok`.
+    /// The sandbox root was replaced underneath the agent (an in-place reset: the supervisor
+    /// killed every other process and pivoted the sandbox onto a fresh root): forget all handles
+    /// and sessions and reopen the root used to resolve paths. Answer: `Ok`.
     ReopenRoot,
     /// Assigns the agent to a sandbox: reopen the root (it was just pivoted onto the sandbox's
     /// template), replace the base environment of every later command, and set the open-files

@@ -73,10 +73,13 @@ fn r01_fork_bomb_hits_pids_limit() {
         (bomb, lat)
     });
     let (r, elapsed) = bomb;
-    assert_eq!(
+    // Contained either way: the deadline kills the tree, or the bomb's shells exhaust the
+    // sandbox's memory first and the OOM killer (inside the sandbox only) ends it.
+    assert!(
+        matches!(r.status, ExecStatus::Timeout | ExecStatus::Oom),
+        "fork bomb must end by its timeout or inside its memory limit: {:?} exit {:?}",
         r.status,
-        ExecStatus::Timeout,
-        "fork bomb must end by its timeout: {r:?}"
+        r.exit_code
     );
     assert!(
         elapsed < Duration::from_secs(8),

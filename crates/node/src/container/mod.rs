@@ -507,13 +507,6 @@ impl Sandbox {
             id: id.clone(),
             source,
         };
-        if !self.spec.userns {
-            // In place: everything but the agent dies, then the supervisor swaps the root
-            // underneath it (see `dsec_sys::launch::reset_in_place`).
-            self.agent
-                .call_ok(&Request::KillAll, &[])
-                .map_err(agent_err)?;
-        }
         let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
         let SupervisorMsg::ResetDone { init_pid } = reply else {
             return Err(RuntimeError::Supervisor {

@@ -685,13 +685,14 @@ fn serve(
                     match serde_json::from_slice::<ControlMsg>(&buf[..n]) {
                         // In place only when the agent really left nothing else running
                         // (a compromised agent could lie about KillAll).
+                        // In place: every process of the sandbox but the agent is killed here,
+                        // from outside (the agent is not trusted to do it), then the root is
+                        // swapped underneath the agent. A tree that will not die falls back to
+                        // a relaunch.
                         Ok(ControlMsg::Reset)
                             if cfg.userns.is_none()
-                                && cgroup
-                                    .pids()
-                                    .is_ok_and(|p| p.iter().all(|&x| x == init.pidfd.pid())) =>
+                                && kill_all_but_init(&cgroup, init.pidfd.pid()) =>
                         {
-                            // In place: the node has killed every process but the agent.
                             let spec = container_spec(ctx, cfg, &init.agent_host);
                             match launch::reset_in_place(
                                 &spec,
@@ -782,6 +783,31 @@ enum Ready {
     Init,
     Control,
     Listener,
+}
+
+/// Kills every process of the sandbox's cgroup except its init, through pidfds (no pid reuse
+/// race), until the cgroup lists only the init; false when that does not happen in time (a
+/// fork bomb outrunning the kills is bounded by pids.max, so this converges).
+fn kill_all_but_init(cgroup: &Cgroup, init: i32) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let Ok(pids) = cgroup.pids() else {
+            return false;
+        };
+        let others: Vec<i32> = pids.into_iter().filter(|&p| p != init).collect();
+        if others.is_empty() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        for pid in others {
+            if let Ok(fd) = PidFd::open(pid) {
+                let _ = fd.signal(9);
+            }
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
 }
 
 fn wait_for_destroy(control: Option<OwnedFd>, cgroup: Cgroup, run_dir: &Path) -> i32 {
