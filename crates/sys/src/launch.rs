@@ -640,24 +640,16 @@ fn check(rc: libc::c_int, err: &OwnedFd, step: &str) {
 
 fn mount(
     err: &OwnedFd,
-    step: &str,
+    step: &'static str,
     src: &CStr,
     target: &CStr,
     fstype: Option<&CStr>,
     flags: libc::c_ulong,
     data: Option<&CStr>,
 ) {
-    // SAFETY: every pointer is a valid NUL-terminated string (or null where the kernel allows it).
-    let rc = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            target.as_ptr(),
-            fstype.map_or(std::ptr::null(), CStr::as_ptr),
-            flags,
-            data.map_or(std::ptr::null(), |d| d.as_ptr().cast()),
-        )
-    };
-    check(rc, err, step);
+    if let Err(e) = try_mount(step, src, target, fstype, flags, data) {
+        fail_step(err, e);
+    }
 }
 
 fn mkdir(path: &CStr, mode: libc::mode_t) -> libc::c_int {
