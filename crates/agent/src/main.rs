@@ -36,6 +36,7 @@ fn main() {
 }
 
 fn run() -> anyhow::Result<()> {
+    dsec_sys::ipc::single_malloc_arena();
     proc::block_sigchld().context("block SIGCHLD")?;
     proc::set_child_subreaper().context("become child subreaper")?;
     let sock = proc::take_inherited_fd(PROTOCOL_FD).context("protocol socket on fd 3")?;

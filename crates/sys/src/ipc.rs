@@ -362,3 +362,16 @@ pub fn set_idle_priority(pid: i32, idle: bool) -> io::Result<()> {
     // SAFETY: `param` is a valid sched_param on the stack.
     cvt(unsafe { libc::sched_setscheduler(pid, policy, &param) }).map(|_| ())
 }
+
+/// Keeps the process's heap small: one malloc arena for all threads (each extra arena costs
+/// resident pages in every one of thousands of idle agents).
+pub fn single_malloc_arena() {
+    // SAFETY: mallopt only changes allocator tuning; called before other threads allocate.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+}
+
+/// Returns free heap memory to the kernel.
+pub fn trim_heap() {
+    // SAFETY: malloc_trim walks the allocator's own free lists; no pointers are passed.
+    unsafe { libc::malloc_trim(0) };
+}

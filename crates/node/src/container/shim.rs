@@ -63,6 +63,8 @@ struct SpawnerCtx {
 
 fn run_spawner() -> io::Result<()> {
     ipc::set_process_name("dsec-spawner");
+    // Supervisors are forks of this process and live as long as their sandboxes.
+    ipc::single_malloc_arena();
     // The spawner exits when the node's socket closes (the node exited or died); supervisors,
     // its children, outlive it. (No parent-death signal: it would be tied to the node *thread*
     // that started the spawner, not to the node process.) As a subreaper that ignores SIGCHLD it
@@ -600,6 +602,8 @@ fn supervise(
     // The spawner socket is the node's; this process no longer needs it.
     // (It is closed when this process exits; supervisors never write to it again.)
     drop(old_placeholder);
+    // A supervisor lives as long as its sandbox: give back what the launch allocated.
+    ipc::trim_heap();
     serve(
         ctx,
         &cfg,
