@@ -295,8 +295,8 @@ impl ContainerRuntime {
 
 impl Drop for ContainerRuntime {
     fn drop(&mut self) {
-        // Closing our end makes the spawner exit; running sandboxes are unaffected.
-        let _ = ipc::poll_readable(self.spawner.sock.as_fd(), Duration::ZERO);
+        // The spawner goes; running sandboxes (their supervisors) are unaffected, and idle
+        // shells clean up when the node's ends of their request sockets close.
         if let Ok(mut c) = self.spawner.child.lock() {
             let _ = c.kill();
             let _ = c.wait();
