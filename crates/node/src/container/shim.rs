@@ -17,7 +17,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dsec_sys::cgroup::{Cgroup, CgroupLimits, CgroupManager};
 use dsec_sys::ipc::{self, PidFd};
@@ -104,26 +104,38 @@ fn run_spawner() -> io::Result<()> {
     // Idle shells handed to the node and not yet used. The node talks to a shell directly (one
     // process hop less on the create path) and tells us when it took one.
     let mut idle = 0usize;
+    // When the next refill is due. A shell is replaced only a little after it was taken: building
+    // one (a network namespace, mounts, an exec) right away would compete for the CPU with the
+    // sandbox that was just created and its first commands, which measured as the largest cost
+    // of a create + first exec on a 2-CPU node.
+    let mut refill_at: Option<Instant> = None;
     let mut buf = vec![0u8; MAX_MSG];
     loop {
-        while idle < target {
-            let (node_end, shell_end) = ipc::seqpacket_pair()?;
-            match launch::fork_process() {
-                Ok(Forked::Child) => {
-                    ipc::exit_now(idle_supervisor(&ctx, shell_end, node_end));
-                }
-                Ok(Forked::Parent(_)) => {
-                    // The shell announces itself to the node once it is built (see
-                    // `idle_supervisor`), so that no request waits for a build in progress.
-                    drop(shell_end);
-                    drop(node_end);
-                    idle += 1;
-                }
-                Err(e) => {
-                    eprintln!("dsec-shim spawner: pre-building a shell: {e}");
-                    break;
+        if refill_at.is_none_or(|t| Instant::now() >= t) {
+            refill_at = None;
+            while idle < target {
+                let (node_end, shell_end) = ipc::seqpacket_pair()?;
+                match launch::fork_process() {
+                    Ok(Forked::Child) => {
+                        ipc::exit_now(idle_supervisor(&ctx, shell_end, node_end));
+                    }
+                    Ok(Forked::Parent(_)) => {
+                        // The shell announces itself to the node once it is built (see
+                        // `idle_supervisor`), so that no request waits for a build in progress.
+                        drop(shell_end);
+                        drop(node_end);
+                        idle += 1;
+                    }
+                    Err(e) => {
+                        eprintln!("dsec-shim spawner: pre-building a shell: {e}");
+                        break;
+                    }
                 }
             }
+        }
+        let wait = refill_at.map(|t| t.saturating_duration_since(Instant::now()));
+        if !ipc::poll_readable(ctx.node.as_fd(), wait.unwrap_or(Duration::MAX))? {
+            continue; // the refill is due
         }
         let (n, _fds) = ipc::recv_with_fds(ctx.node.as_fd(), &mut buf)?;
         if n == 0 {
@@ -133,6 +145,7 @@ fn run_spawner() -> io::Result<()> {
             Ok(NodeMsg::Spawn(r)) => *r,
             Ok(NodeMsg::ShellTaken) => {
                 idle = idle.saturating_sub(1);
+                refill_at.get_or_insert(Instant::now() + REFILL_DELAY);
                 continue;
             }
             Err(e) => {
@@ -156,6 +169,9 @@ fn run_spawner() -> io::Result<()> {
         }
     }
 }
+
+/// How long after a shell was taken its replacement is built.
+const REFILL_DELAY: Duration = Duration::from_millis(15);
 
 /// Idle shells the spawner keeps ready by default.
 const DEFAULT_SHELLS: usize = 2;
