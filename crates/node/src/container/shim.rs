@@ -142,7 +142,14 @@ fn run_spawner() -> io::Result<()> {
             return Ok(()); // node went away; idle shells see EOF on their sockets and clean up
         }
         let req = match serde_json::from_slice::<NodeMsg>(&buf[..n]) {
-            Ok(NodeMsg::Spawn(r)) => *r,
+            Ok(NodeMsg::Spawn(r)) => {
+                // A create found no idle shell: demand is outrunning the shells, so waiting
+                // for a quiet moment would only send more creates down the slow path.
+                if idle < target && r.config.userns.is_none() {
+                    refill_at = Some(Instant::now());
+                }
+                *r
+            }
             Ok(NodeMsg::ShellTaken) => {
                 idle = idle.saturating_sub(1);
                 refill_at.get_or_insert(Instant::now() + REFILL_DELAY);
@@ -170,11 +177,14 @@ fn run_spawner() -> io::Result<()> {
     }
 }
 
+/// How long after a reset or an activation the old root is released.
+const RELEASE_DELAY: Duration = Duration::from_millis(20);
+
 /// How long after a shell was taken its replacement is built.
 const REFILL_DELAY: Duration = Duration::from_millis(15);
 
 /// Idle shells the spawner keeps ready by default.
-const DEFAULT_SHELLS: usize = 2;
+const DEFAULT_SHELLS: usize = 4;
 
 /// A sandbox init already cloned into its namespaces, attached to a cgroup and running the agent
 /// on an empty placeholder root, waiting in an idle supervisor for a request. Assigning it a
@@ -617,7 +627,6 @@ fn supervise(
     drop(control_node);
     // The spawner socket is the node's; this process no longer needs it.
     // (It is closed when this process exits; supervisors never write to it again.)
-    drop(old_placeholder);
     // A supervisor lives as long as its sandbox: give back what the launch allocated.
     ipc::trim_heap();
     serve(
@@ -629,6 +638,7 @@ fn supervise(
         listener,
         &run_dir,
         reset_state,
+        old_placeholder,
     )
 }
 
@@ -647,9 +657,12 @@ fn serve(
     listener: Option<UnixListener>,
     run_dir: &Path,
     mut reset_state: launch::ResetState,
+    old_placeholder: Option<OwnedFd>,
 ) -> i32 {
     let mut dying: Vec<PidFd> = Vec::new();
     let mut buf = vec![0u8; MAX_MSG];
+    let mut old_roots: Vec<OwnedFd> = old_placeholder.into_iter().collect();
+    let mut release_at = (!old_roots.is_empty()).then(|| Instant::now() + RELEASE_DELAY);
     loop {
         // Reap inits killed by a reset.
         while ipc::try_reap().is_some() {}
@@ -661,11 +674,21 @@ fn serve(
         if let Some(l) = &listener {
             fds.push(l.as_fd());
         }
-        let wait = if dying.is_empty() {
+        // Old roots are released a little after the answer: tearing a mount tree and its
+        // tmpfs down right away competes for the CPU with the sandbox's next commands.
+        if release_at.is_some_and(|t| Instant::now() >= t) {
+            old_roots.clear();
+            release_at = None;
+        }
+        let mut wait = if dying.is_empty() {
             None
         } else {
             Some(Duration::from_millis(50))
         };
+        if let Some(t) = release_at {
+            let left = t.saturating_duration_since(Instant::now());
+            wait = Some(wait.map_or(left, |w| w.min(left)));
+        }
         let ready = match ipc::poll_many(&fds, wait) {
             Ok(r) => r,
             Err(_) => continue,
@@ -725,9 +748,10 @@ fn serve(
                                         init_pid: init.pidfd.pid(),
                                     };
                                     let _ = send(c.as_fd(), &msg, &[]);
-                                    // Freeing the old writable layer happens here, after the
-                                    // answer, off the caller's path.
-                                    drop(old_root);
+                                    // The old writable layer is freed later, off the path of
+                                    // the answer and of the sandbox's next commands.
+                                    old_roots.push(old_root);
+                                    release_at.get_or_insert(Instant::now() + RELEASE_DELAY);
                                 }
                                 Err(e) => {
                                     let message = error_chain(&e);
