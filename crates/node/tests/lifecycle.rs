@@ -74,7 +74,7 @@ fn check_reset(spec: &SandboxSpec, marker: &str) {
     sb.mark_acquired().expect("acquire");
     let r = sb.sh(
         &format!(
-            "echo before > /tmp/marker; echo x > /workspace/ws-marker; \
+            "echo before > /tmp/marker; echo x > /workspace/ws-marker; echo s > /dev/shm/shm-marker; \
              setsid {marker} </dev/null >/dev/null 2>&1 & echo ok"
         ),
         5000,
@@ -105,11 +105,11 @@ fn check_reset(spec: &SandboxSpec, marker: &str) {
             .collect::<Vec<_>>()
     );
     sb.ping().expect("ping after reset");
-    let r = sb.sh("ls -A /tmp /workspace", 5000);
+    let r = sb.sh("ls -A /tmp /workspace /dev/shm", 5000);
     assert_eq!(
         stdout(&r),
-        "/tmp:\n\n/workspace:\n",
-        "old writable layer visible after reset ({spec:?}): {r:?}"
+        "/dev/shm:\n\n/tmp:\n\n/workspace:\n",
+        "old writable layer or /dev/shm visible after reset ({spec:?}): {r:?}"
     );
     let r = sb.sh("echo after > /tmp/marker && cat /tmp/marker", 5000);
     assert_eq!(
@@ -359,4 +359,21 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
         Ok((true, true)),
         "runtime started on a thread that has exited cannot create sandboxes"
     );
+}
+
+/// /dev takes no writes (only /dev/shm and /dev/pts do), so a reset can reuse it as it is.
+#[test]
+fn lifecycle_dev_is_read_only_but_shm_is_writable() {
+    let _serial = serial();
+    let mut sb = create_spec(&SandboxSpec {
+        limits: small_limits(),
+        ..Default::default()
+    });
+    let r = sb.sh(
+        "touch /dev/planted 2>/dev/null && echo planted; echo s > /dev/shm/x && cat /dev/shm/x; \
+         echo data > /dev/null && echo null-ok",
+        5000,
+    );
+    sb.destroy().expect("destroy");
+    assert_eq!(stdout(&r), "s\nnull-ok\n", "{r:?}");
 }

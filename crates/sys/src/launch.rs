@@ -784,15 +784,22 @@ fn populate_and_pivot(
     ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
     match dev_src {
         DevSource::Move(old) => {
-            // A pristine /dev (a pre-built shell's, never used by sandboxed code): move it, and
-            // give its /dev/shm this sandbox's size.
+            // The read-only /dev of the previous root (or of a pre-built shell) moves as it is;
+            // only /dev/shm, the one writable tmpfs in it, is replaced by a fresh one of this
+            // sandbox's size. (/dev/pts has nothing open: every process but the agent is gone.)
             try_mount("move_dev", old, &p.dev, None, libc::MS_MOVE, None)?;
+            // SAFETY: valid path.
+            ck(
+                // SAFETY: valid path.
+                unsafe { libc::umount2(p.shm.as_ptr(), libc::MNT_DETACH) },
+                "umount_shm",
+            )?;
             try_mount(
-                "shm_size",
-                nul,
+                "shm",
+                c"shm",
                 &p.shm,
-                None,
-                libc::MS_REMOUNT | nosuid_nodev,
+                Some(c"tmpfs"),
+                nosuid_nodev,
                 Some(&p.shm_opts),
             )?;
         }
@@ -866,6 +873,20 @@ fn populate_and_pivot(
                     "dev_link",
                 )?;
             }
+            // Read-only from here (only /dev/shm and /dev/pts take writes): nothing sandboxed
+            // code does can change it, so a reset can move it into the fresh root as it is.
+            try_mount(
+                "dev_ro",
+                nul,
+                &p.dev,
+                None,
+                libc::MS_BIND
+                    | libc::MS_REMOUNT
+                    | libc::MS_RDONLY
+                    | libc::MS_NOSUID
+                    | libc::MS_NOEXEC,
+                None,
+            )?;
         }
     }
 
@@ -1541,11 +1562,10 @@ pub fn enter_root_tree(
     shm_bytes: u64,
 ) -> Result<OwnedFd, LaunchError> {
     ensure_single_threaded()?;
-    // The new root is mounted inside the old one: under /dev for a reset (the old root is
-    // read-only), at /.dsec-next for a pre-built shell (its placeholder root is writable, and its
-    // /dev is moved into the new root, so the new root must not be beneath it).
+    // The new root is mounted inside the old one, on /tmp (a writable scratch directory of a
+    // read-only root, or creatable in a writable one); not beneath /dev, which moves into it.
     let (dev_src, mountpoint) = if reuse_dev {
-        (DevSource::Move(c"/dev"), "/.dsec-next")
+        (DevSource::Move(c"/dev"), "/tmp")
     } else {
         (DevSource::Fresh, RESET_MOUNTPOINT)
     };

@@ -741,7 +741,7 @@ fn serve(
                                 &spec,
                                 init.pidfd.pid(),
                                 &mut reset_state,
-                                false,
+                                true,
                             ) {
                                 Ok(old_root) => {
                                     let msg = SupervisorMsg::ResetDone {
