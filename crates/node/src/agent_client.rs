@@ -170,6 +170,23 @@ impl AgentConn {
         self.greeted
     }
 
+    /// Waits for the terminal answer to a request someone else sent on this connection with
+    /// id `id` (the supervisor, during a reset); it must be `Ok`.
+    pub fn await_reply(&mut self, id: u64, timeout: Duration) -> Result<(), AgentError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (rid, ev, _) = self.read_event(deadline)?;
+            if rid != id || !ev.is_terminal() {
+                continue;
+            }
+            return match ev {
+                Event::Ok => Ok(()),
+                Event::Error { code, message } => Err(AgentError::Remote { code, message }),
+                other => Err(AgentError::Unexpected(format!("{other:?}"))),
+            };
+        }
+    }
+
     /// Liveness check.
     pub fn ping(&mut self) -> Result<(), AgentError> {
         match self

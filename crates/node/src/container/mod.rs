@@ -508,7 +508,11 @@ impl Sandbox {
             source,
         };
         let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
-        let SupervisorMsg::ResetDone { init_pid } = reply else {
+        let SupervisorMsg::ResetDone {
+            init_pid,
+            reopen_id,
+        } = reply
+        else {
             return Err(RuntimeError::Supervisor {
                 id: self.id.clone(),
                 message: format!("unexpected {reply:?}"),
@@ -524,8 +528,13 @@ impl Sandbox {
             self.agent
                 .call_ok(&self.configure, &[])
                 .map_err(agent_err)?;
+        } else if let Some(rid) = reopen_id {
+            // Same agent, new root: the supervisor already asked it to reopen its root; its
+            // answer is the health check.
+            self.agent
+                .await_reply(rid, Duration::from_secs(10))
+                .map_err(agent_err)?;
         } else {
-            // Same agent, new root: it reopens its root, which doubles as the health check.
             self.agent
                 .call_ok(&Request::ReopenRoot, &[])
                 .map_err(agent_err)?;

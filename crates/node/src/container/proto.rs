@@ -87,6 +87,11 @@ pub enum SupervisorMsg {
     ResetDone {
         /// New init pid.
         init_pid: i32,
+        /// After an in-place reset the supervisor has already sent the agent `ReopenRoot` with
+        /// this request id; the node waits for its answer (the health check) instead of sending
+        /// its own — one process hop less on the reset path.
+        #[serde(default)]
+        reopen_id: Option<u64>,
     },
     /// The sandbox init exited on its own (crash, OOM of the agent, killed from outside).
     Exited {

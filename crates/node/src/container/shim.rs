@@ -660,6 +660,8 @@ fn serve(
     old_placeholder: Option<OwnedFd>,
 ) -> i32 {
     let mut dying: Vec<PidFd> = Vec::new();
+    // Request ids the supervisor uses on the agent socket: far from the node's own counter.
+    let mut reopen_id: u64 = 1 << 62;
     let mut buf = vec![0u8; MAX_MSG];
     let mut old_roots: Vec<OwnedFd> = old_placeholder.into_iter().collect();
     let mut release_at = (!old_roots.is_empty()).then(|| Instant::now() + RELEASE_DELAY);
@@ -744,8 +746,13 @@ fn serve(
                                 true,
                             ) {
                                 Ok(old_root) => {
+                                    // Tell the agent first (the node is waiting on us, so it is
+                                    // not writing to the agent socket now), then the node.
+                                    reopen_id += 1;
+                                    let sent = send_reopen_root(&init.agent_host, reopen_id);
                                     let msg = SupervisorMsg::ResetDone {
                                         init_pid: init.pidfd.pid(),
+                                        reopen_id: sent.then_some(reopen_id),
                                     };
                                     let _ = send(c.as_fd(), &msg, &[]);
                                     // The old writable layer is freed later, off the path of
@@ -767,6 +774,7 @@ fn serve(
                                     dying.push(old.pidfd);
                                     let msg = SupervisorMsg::ResetDone {
                                         init_pid: init.pidfd.pid(),
+                                        reopen_id: None,
                                     };
                                     let _ = send(c.as_fd(), &msg, &[init.agent_host.as_fd()]);
                                 }
@@ -852,6 +860,21 @@ fn kill_all_but_init(cgroup: &Cgroup, init: i32) -> bool {
         }
         std::thread::sleep(Duration::from_micros(100));
     }
+}
+
+/// Sends the agent a `ReopenRoot` frame on the shared agent socket; false if it could not.
+fn send_reopen_root(agent: &OwnedFd, id: u64) -> bool {
+    use std::io::Write as _;
+    let Ok(frame) = dsec_api::frame::encode_request(id, &dsec_api::agent::Request::ReopenRoot, &[])
+    else {
+        return false;
+    };
+    let Ok(dup) = agent.try_clone() else {
+        return false;
+    };
+    std::os::unix::net::UnixStream::from(dup)
+        .write_all(&frame)
+        .is_ok()
 }
 
 fn wait_for_destroy(control: Option<OwnedFd>, cgroup: Cgroup, run_dir: &Path) -> i32 {
