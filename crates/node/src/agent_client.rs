@@ -176,6 +176,15 @@ impl AgentConn {
         let deadline = Instant::now() + timeout;
         loop {
             let (rid, ev, _) = self.read_event(deadline)?;
+            if let Event::Hello { version, .. } = ev {
+                if version != PROTOCOL_VERSION {
+                    return Err(AgentError::Unexpected(format!(
+                        "agent protocol version {version}"
+                    )));
+                }
+                self.greeted = true;
+                continue;
+            }
             if rid != id || !ev.is_terminal() {
                 continue;
             }

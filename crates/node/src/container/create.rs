@@ -131,13 +131,14 @@ impl ContainerRuntime {
             }
         };
         let launch_us = t0.elapsed().as_micros() as u64;
-        let (sup_pid, init_pid, sup_phases) = match msg {
+        let (sup_pid, init_pid, sup_phases, configured_by) = match msg {
             SupervisorMsg::Launched {
                 sup_pid,
                 init_pid,
                 phases_us,
+                configure_id,
                 ..
-            } => (sup_pid, init_pid, phases_us),
+            } => (sup_pid, init_pid, phases_us, configure_id),
             SupervisorMsg::Failed { message, .. } => {
                 return Err(RuntimeError::Launch { id, message })
             }
@@ -176,8 +177,13 @@ impl ContainerRuntime {
         let id = sandbox.id.clone();
         // The agent may have started before this request (a pre-built shell): it receives
         // its sandbox's environment and limits, and reopens the root it was pivoted onto.
-        // `Configure` is pipelined behind the agent's greeting: one round trip, not two.
-        let ready = sandbox.agent.call_ok(&configure, &[]).and_then(|()| {
+        // The supervisor sent `Configure` (or, failing that, we pipeline it behind the agent's
+        // greeting): its answer, after the greeting, means the agent is ready.
+        let configured = match configured_by {
+            Some(cid) => sandbox.agent.await_reply(cid, Duration::from_secs(10)),
+            None => sandbox.agent.call_ok(&configure, &[]),
+        };
+        let ready = configured.and_then(|()| {
             if sandbox.agent.greeted() {
                 Ok(())
             } else {

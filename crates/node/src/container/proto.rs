@@ -70,6 +70,10 @@ pub enum SupervisorMsg {
         /// Supervisor-side phase latencies, microseconds: cgroup create, then clone → agent exec'd.
         #[serde(default)]
         phases_us: (u64, u64),
+        /// The supervisor already sent the agent its `Configure` (environment, per-command
+        /// limits, root reopen) with this request id; the node awaits its answer.
+        #[serde(default)]
+        configure_id: Option<u64>,
     },
     /// The spawner holds a new idle shell. Fd: the shell's request socket (`SOCK_SEQPACKET`),
     /// to which the node sends one [`SpawnRequest`] with a reply socket attached.

@@ -603,6 +603,14 @@ fn supervise(
             return fail(format!("control socketpair: {e}"));
         }
     };
+    // Configure the agent ourselves, before answering: the node then only awaits the answer,
+    // one process hop less than sending it after our reply.
+    let configure = dsec_api::agent::Request::Configure {
+        env: cfg.env.clone(),
+        nofile: Some(cfg.limits.open_files_max),
+        fsize: Some(cfg.limits.file_size_max),
+    };
+    let configured = send_agent_request(&init.agent_host, CONFIGURE_ID, &configure);
     let launched = SupervisorMsg::Launched {
         req: req.req,
         sup_pid: std::process::id() as i32,
@@ -611,6 +619,7 @@ fn supervise(
             cgroup_us,
             (t0.elapsed().as_micros() as u64).saturating_sub(cgroup_us),
         ),
+        configure_id: configured.then_some(CONFIGURE_ID),
     };
     if send(
         reply,
@@ -661,7 +670,7 @@ fn serve(
 ) -> i32 {
     let mut dying: Vec<PidFd> = Vec::new();
     // Request ids the supervisor uses on the agent socket: far from the node's own counter.
-    let mut reopen_id: u64 = 1 << 62;
+    let mut reopen_id: u64 = CONFIGURE_ID;
     let mut buf = vec![0u8; MAX_MSG];
     let mut old_roots: Vec<OwnedFd> = old_placeholder.into_iter().collect();
     let mut release_at = (!old_roots.is_empty()).then(|| Instant::now() + RELEASE_DELAY);
@@ -749,7 +758,11 @@ fn serve(
                                     // Tell the agent first (the node is waiting on us, so it is
                                     // not writing to the agent socket now), then the node.
                                     reopen_id += 1;
-                                    let sent = send_reopen_root(&init.agent_host, reopen_id);
+                                    let sent = send_agent_request(
+                                        &init.agent_host,
+                                        reopen_id,
+                                        &dsec_api::agent::Request::ReopenRoot,
+                                    );
                                     let msg = SupervisorMsg::ResetDone {
                                         init_pid: init.pidfd.pid(),
                                         reopen_id: sent.then_some(reopen_id),
@@ -812,6 +825,7 @@ fn serve(
                                 sup_pid: std::process::id() as i32,
                                 init_pid: init.pidfd.pid(),
                                 phases_us: (0, 0),
+                                configure_id: None,
                             };
                             if send(
                                 stream.as_fd(),
@@ -862,11 +876,14 @@ fn kill_all_but_init(cgroup: &Cgroup, init: i32) -> bool {
     }
 }
 
-/// Sends the agent a `ReopenRoot` frame on the shared agent socket; false if it could not.
-fn send_reopen_root(agent: &OwnedFd, id: u64) -> bool {
+/// Request id of the `Configure` the supervisor sends at launch; resets use ids above it.
+const CONFIGURE_ID: u64 = 1 << 62;
+
+/// Sends the agent a request on the shared agent socket (only while the node is waiting on us,
+/// so that frames never interleave); false if it could not.
+fn send_agent_request(agent: &OwnedFd, id: u64, req: &dsec_api::agent::Request) -> bool {
     use std::io::Write as _;
-    let Ok(frame) = dsec_api::frame::encode_request(id, &dsec_api::agent::Request::ReopenRoot, &[])
-    else {
+    let Ok(frame) = dsec_api::frame::encode_request(id, req, &[]) else {
         return false;
     };
     let Ok(dup) = agent.try_clone() else {
