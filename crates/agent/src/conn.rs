@@ -76,6 +76,82 @@ pub struct Agent {
     sessions: Sessions,
     next_handle: AtomicU64,
     inflight: AtomicUsize,
+    workers: Arc<Workers>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Worker threads for requests that may block (exec, files, sessions). A request runs on an
+/// idle worker when there is one (no thread creation on the exec path), else on a new one;
+/// workers idle for longer than [`WORKER_IDLE`] exit, so an idle sandbox keeps none.
+#[derive(Default)]
+struct Workers {
+    queue: Mutex<WorkQueue>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct WorkQueue {
+    jobs: std::collections::VecDeque<Job>,
+    idle: usize,
+}
+
+/// How long a worker waits for the next request before it exits.
+const WORKER_IDLE: Duration = Duration::from_secs(2);
+
+impl Workers {
+    fn run(self: &Arc<Self>, job: Job) -> io::Result<()> {
+        let spawn = {
+            let mut q = lock(&self.queue);
+            q.jobs.push_back(job);
+            // Every idle worker takes one queued job; more jobs than idle workers need a new one
+            // (a long exec must never delay a concurrent request).
+            q.jobs.len() > q.idle
+        };
+        if !spawn {
+            self.ready.notify_one();
+            return Ok(());
+        }
+        let me = Arc::clone(self);
+        match std::thread::Builder::new()
+            .name("worker".into())
+            .spawn(move || me.work())
+        {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // Take the job back out so that it is not left without a worker.
+                lock(&self.queue).jobs.pop_back();
+                Err(e)
+            }
+        }
+    }
+
+    fn work(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(j) = q.jobs.pop_front() {
+                        break Some(j);
+                    }
+                    q.idle += 1;
+                    let (guard, timeout) = match self.ready.wait_timeout(q, WORKER_IDLE) {
+                        Ok(r) => r,
+                        Err(poisoned) => poisoned.into_inner(),
+                    };
+                    q = guard;
+                    q.idle -= 1;
+                    if timeout.timed_out() && q.jobs.is_empty() {
+                        break None;
+                    }
+                }
+            };
+            match job {
+                Some(j) => j(),
+                None => return,
+            }
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +186,7 @@ impl Agent {
             sessions: Sessions::default(),
             next_handle: AtomicU64::new(1),
             inflight: AtomicUsize::new(0),
+            workers: Arc::new(Workers::default()),
         }
     }
 
@@ -175,13 +252,11 @@ impl Agent {
             return;
         }
         let me = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name(format!("req-{id}"))
-            .spawn(move || {
-                me.handle(id, req, body);
-                me.inflight.fetch_sub(1, Ordering::SeqCst);
-            });
-        if let Err(e) = spawned {
+        let job: Job = Box::new(move || {
+            me.handle(id, req, body);
+            me.inflight.fetch_sub(1, Ordering::SeqCst);
+        });
+        if let Err(e) = self.workers.run(job) {
             self.inflight.fetch_sub(1, Ordering::SeqCst);
             self.out.error(id, ErrorCode::ResourceExhausted, &e);
         }
