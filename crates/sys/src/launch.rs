@@ -1382,9 +1382,6 @@ pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Where a reset builds the next root inside the sandbox's mount namespace.
-const RESET_MOUNTPOINT: &str = "/dev/.dsec-next";
-
 /// State a supervisor keeps for in-place resets.
 ///
 /// Roots are staged in the caller's mount namespace, which must already be private to dsec (the
@@ -1552,23 +1549,19 @@ pub fn build_root_tree(
 /// Moves `tree` into the mount namespace of `init_pid` and pivots every process of that
 /// namespace onto it (`pivot_root` moves the root and working directory of each process that was
 /// at the old root, so a running agent keeps running, now on the new root). `/proc` is moved from
-/// the old root; `/dev` too when `reuse_dev` (a pre-built shell's unused /dev), else a fresh one
-/// is made. Returns an `O_PATH` descriptor of the old root: dropping it frees the old writable
-/// layer, so the caller can do that after answering. The caller must be single-threaded.
+/// the old root, and so is `/dev` (read-only: nothing in it can have changed) with a fresh
+/// `/dev/shm` of `shm_bytes`. Returns an `O_PATH` descriptor of the old root: dropping it frees
+/// the old writable layer, so the caller can do that after answering. The caller must be
+/// single-threaded.
 pub fn enter_root_tree(
     tree: RootTree,
     init_pid: i32,
-    reuse_dev: bool,
     shm_bytes: u64,
 ) -> Result<OwnedFd, LaunchError> {
     ensure_single_threaded()?;
     // The new root is mounted inside the old one, on /tmp (a writable scratch directory of a
     // read-only root, or creatable in a writable one); not beneath /dev, which moves into it.
-    let (dev_src, mountpoint) = if reuse_dev {
-        (DevSource::Move(c"/dev"), "/tmp")
-    } else {
-        (DevSource::Fresh, RESET_MOUNTPOINT)
-    };
+    let (dev_src, mountpoint) = (DevSource::Move(c"/dev"), "/tmp");
     let mut rootfs = tree.rootfs.clone();
     rootfs.shm_bytes = shm_bytes;
     let p = prepare_parts(&rootfs, "", &[], &[], false, Some(mountpoint))?;
@@ -1616,7 +1609,6 @@ pub fn reset_in_place(
     spec: &ContainerSpec<'_>,
     init_pid: i32,
     state: &mut ResetState,
-    reuse_dev: bool,
 ) -> Result<OwnedFd, LaunchError> {
     if spec.ns.user.is_some() {
         return Err(LaunchError::InvalidArgument {
@@ -1624,7 +1616,7 @@ pub fn reset_in_place(
         });
     }
     let tree = build_root_tree(&spec.rootfs, state, &[])?;
-    enter_root_tree(tree, init_pid, reuse_dev, spec.rootfs.shm_bytes)
+    enter_root_tree(tree, init_pid, spec.rootfs.shm_bytes)
 }
 
 /// Sets the hostname of the UTS namespace of `pid` (the supervisor enters it for the call).

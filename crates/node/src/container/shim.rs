@@ -571,9 +571,9 @@ fn supervise(
             let spec = container_spec(ctx, &cfg, &init.agent_host);
             let pivoted = match likely_tree.take().filter(|t| t.matches(&spec.rootfs)) {
                 Some(tree) => {
-                    launch::enter_root_tree(tree, init.pidfd.pid(), true, spec.rootfs.shm_bytes)
+                    launch::enter_root_tree(tree, init.pidfd.pid(), spec.rootfs.shm_bytes)
                 }
-                None => launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state, true),
+                None => launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state),
             };
             pivoted
                 .and_then(|old| {
@@ -748,12 +748,8 @@ fn serve(
                                 && kill_all_but_init(&cgroup, init.pidfd.pid()) =>
                         {
                             let spec = container_spec(ctx, cfg, &init.agent_host);
-                            match launch::reset_in_place(
-                                &spec,
-                                init.pidfd.pid(),
-                                &mut reset_state,
-                                true,
-                            ) {
+                            match launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state)
+                            {
                                 Ok(old_root) => {
                                     // Tell the agent first (the node is waiting on us, so it is
                                     // not writing to the agent socket now), then the node.
