@@ -37,6 +37,9 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     dsec_sys::ipc::single_malloc_arena();
+    // Sandboxed code runs as the same uid: without this it could rewrite PID 1 through
+    // /proc/1/mem.
+    proc::set_not_dumpable().context("mark the agent not dumpable")?;
     proc::block_sigchld().context("block SIGCHLD")?;
     proc::set_child_subreaper().context("become child subreaper")?;
     let sock = proc::take_inherited_fd(PROTOCOL_FD).context("protocol socket on fd 3")?;

@@ -377,3 +377,34 @@ fn lifecycle_dev_is_read_only_but_shm_is_writable() {
     sb.destroy().expect("destroy");
     assert_eq!(stdout(&r), "s\nnull-ok\n", "{r:?}");
 }
+
+/// The agent (PID 1) runs as the same uid as sandboxed code: its memory, environment and
+/// descriptors must still be out of reach (it is not dumpable), or sandboxed code could rewrite
+/// the agent through /proc/1/mem and survive resets inside it.
+#[test]
+fn c02b_agent_memory_and_fds_are_out_of_reach() {
+    let _serial = serial();
+    let mut sb = create_spec(&SandboxSpec {
+        limits: small_limits(),
+        ..Default::default()
+    });
+    let probe = "import os\n\
+                 for path, mode in (('/proc/1/mem', 'r+b'), ('/proc/1/mem', 'rb'), ('/proc/1/environ', 'rb')):\n\
+                 \x20   try:\n\
+                 \x20       open(path, mode).close(); print('open', path, mode)\n\
+                 \x20   except OSError as e:\n\
+                 \x20       print('denied', path, mode, e.errno)\n\
+                 try:\n\
+                 \x20   print('link', os.readlink('/proc/1/fd/3'))\n\
+                 except OSError as e:\n\
+                 \x20   print('denied fd link', e.errno)\n";
+    let r = sb.argv(&["/usr/bin/python3", "-c", probe], 10_000);
+    sb.destroy().expect("destroy");
+    let out = stdout(&r);
+    assert!(
+        !out.lines()
+            .any(|l| l.starts_with("open ") || l.starts_with("link ")),
+        "PID 1 reachable from inside: {out} {r:?}"
+    );
+    assert_eq!(out.matches("denied").count(), 4, "{out}");
+}

@@ -18,6 +18,9 @@ pub enum ProcError {
     /// `prctl(PR_SET_CHILD_SUBREAPER)` failed.
     #[error("set child subreaper")]
     SetSubreaper(#[source] io::Error),
+    /// `prctl(PR_SET_DUMPABLE)` failed.
+    #[error("mark the process not dumpable")]
+    SetNotDumpable(#[source] io::Error),
     /// Changing the signal mask failed.
     #[error("block SIGCHLD")]
     BlockSigchld(#[source] io::Error),
@@ -445,6 +448,18 @@ pub fn poll(
         return Err(ProcError::Poll(err));
     }
     Ok(pfds.iter().map(|p| p.revents != 0).collect())
+}
+
+/// Marks the calling process not dumpable: its `/proc/<pid>/mem`, `environ`, `fd/` and the like
+/// are then out of reach of processes without `CAP_SYS_PTRACE`, even under the same uid. The agent
+/// does this so that sandboxed code (uid 0 inside, no capabilities) cannot rewrite PID 1's
+/// memory through `/proc/1/mem`. Commands it starts become dumpable again at exec.
+pub fn set_not_dumpable() -> Result<(), ProcError> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong) } != 0 {
+        return Err(ProcError::SetNotDumpable(io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
