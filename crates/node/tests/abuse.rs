@@ -201,6 +201,11 @@ fn r02_setsid_escapee_dies_with_sandbox() {
             .map(|p| cmdline(*p))
             .collect::<Vec<_>>()
     );
+    // Everything that lived in the sandbox's pid namespace, by pid. (Namespace inode numbers are
+    // reused once a namespace is gone — by the next pre-built shell, say — so "nothing left in
+    // that namespace" is checked for these processes, not for whatever gets the number next.)
+    let members = live_procs_in_pid_ns(ns);
+    assert!(members.len() >= 4, "{members:?}");
     sb.destroy().expect("destroy");
     let survivors = || {
         common::all_procs()
@@ -209,11 +214,20 @@ fn r02_setsid_escapee_dies_with_sandbox() {
             .filter(|p| marked(p) && ns_inode(*p, "pid") != Some(ours))
             .collect::<Vec<_>>()
     };
+    let members_alive = || {
+        let now = live_procs_in_pid_ns(ns);
+        members
+            .iter()
+            .copied()
+            .filter(|p| now.contains(p))
+            .collect::<Vec<_>>()
+    };
     assert!(
         wait_until(Duration::from_secs(1), || survivors().is_empty()
-            && live_procs_in_pid_ns(ns).is_empty()),
-        "processes of the destroyed sandbox survive: {:?}",
-        survivors()
+            && members_alive().is_empty()),
+        "processes of the destroyed sandbox survive: {:?} {:?}",
+        survivors(),
+        members_alive()
     );
 }
 
@@ -808,6 +822,7 @@ fn r12_kill_supervisor_kills_the_whole_tree() {
         >= 2));
     assert!(rt().cgroups().open(&id).is_some());
 
+    let members = live_procs_in_pid_ns(ns);
     let status = std::process::Command::new("kill")
         .args(["-9", &sup.to_string()])
         .status()
@@ -821,10 +836,10 @@ fn r12_kill_supervisor_kills_the_whole_tree() {
     let t = Instant::now();
     assert!(
         wait_until(Duration::from_secs(1), || gone(init)
-            && live_procs_in_pid_ns(ns).is_empty()),
+            && common::members_alive(ns, &members).is_empty()),
         "sandbox tree alive {:?} after kill -9 of its supervisor: {:?}",
         t.elapsed(),
-        live_procs_in_pid_ns(ns)
+        common::members_alive(ns, &members)
             .iter()
             .map(|p| common::describe(*p))
             .collect::<Vec<_>>()

@@ -228,12 +228,15 @@ fn lifecycle_destroy_takes_background_work_with_it() {
             == 2),
         "background processes not running"
     );
+    let members = common::live_procs_in_pid_ns(ns);
     sb.destroy().expect("destroy with background work");
     assert!(
-        common::wait_until(Duration::from_secs(1), || common::live_procs_in_pid_ns(ns)
-            .is_empty()),
+        common::wait_until(Duration::from_secs(1), || common::members_alive(
+            ns, &members
+        )
+        .is_empty()),
         "survivors: {:?}",
-        common::live_procs_in_pid_ns(ns)
+        common::members_alive(ns, &members)
             .iter()
             .map(|p| common::describe(*p))
             .collect::<Vec<_>>()

@@ -327,6 +327,18 @@ pub fn live_procs_in_pid_ns(ns: u64) -> Vec<i32> {
         .collect()
 }
 
+/// Which of `members` (processes seen in pid namespace `ns` earlier) are still alive in it.
+/// Checking named processes, not "anything in that namespace", matters because namespace inode
+/// numbers are reused as soon as a namespace is gone (e.g. by the next pre-built shell).
+pub fn members_alive(ns: u64, members: &[i32]) -> Vec<i32> {
+    let now = live_procs_in_pid_ns(ns);
+    members
+        .iter()
+        .copied()
+        .filter(|p| now.contains(p))
+        .collect()
+}
+
 /// The command line of a process, NULs replaced by spaces.
 pub fn cmdline(pid: i32) -> String {
     fs::read(format!("/proc/{pid}/cmdline"))
