@@ -1,0 +1,294 @@
+//! Roots built in the supervisor and moved into a running sandbox: how an activation gives a
+//! pre-built shell its template's root and how an in-place reset swaps the writable layer
+//! underneath a running agent.
+
+use std::ffi::{CStr, CString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use super::{
+    ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind, populate_and_pivot,
+    prepare_parts, try_mount, ContainerSpec, DevSource, LaunchError, ProcSource, RootfsSpec,
+    StepError, NONE,
+};
+
+/// State a supervisor keeps for in-place resets.
+///
+/// Roots are staged in the caller's mount namespace, which must already be private to dsec (the
+/// spawner's, inherited by every supervisor: see `enter_private_mount_ns`), under a directory of
+/// the stage unique to the caller, and detached again before they are moved into a sandbox.
+/// (A private namespace per supervisor would cost a copy of the whole mount table per sandbox.)
+#[derive(Debug, Default)]
+pub struct ResetState {
+    prepared: bool,
+}
+
+impl ResetState {
+    /// Checks that the caller may stage roots (single-threaded); idempotent.
+    pub fn prepare(&mut self) -> Result<(), LaunchError> {
+        if !self.prepared {
+            ensure_single_threaded()?;
+            self.prepared = true;
+        }
+        Ok(())
+    }
+}
+
+fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
+    // SAFETY: valid NUL-terminated path; the returned fd is fresh and owned by us.
+    let fd = unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC) };
+    ck(fd, "open")?;
+    // SAFETY: open succeeded.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn setns_mnt(fd: &OwnedFd, step: &'static str) -> Result<(), StepError> {
+    // SAFETY: fd is a mount namespace fd; the caller is single-threaded (checked by the caller).
+    ck(
+        unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNS) },
+        step,
+    )
+}
+
+/// A sandbox root (overlay with its scratch mounts, read-only when asked) assembled in the
+/// supervisor's private mount namespace and detached, ready to be moved into a sandbox.
+#[derive(Debug)]
+pub struct RootTree {
+    fd: OwnedFd,
+    rootfs: RootfsSpec,
+}
+
+impl RootTree {
+    /// Whether this tree was built for `rootfs` (same layers, quota, layout).
+    pub fn matches(&self, rootfs: &RootfsSpec) -> bool {
+        let a = &self.rootfs;
+        a.stage == rootfs.stage
+            && a.lowerdirs == rootfs.lowerdirs
+            && a.disk_bytes == rootfs.disk_bytes
+            && a.disk_inodes == rootfs.disk_inodes
+            && a.writable_root == rootfs.writable_root
+            && a.scratch == rootfs.scratch
+    }
+}
+
+/// Builds a [`RootTree`] for `rootfs`: a fresh size-limited tmpfs, the overlay, scratch binds
+/// and the read-only root, cloned as a detached tree; the staging mounts are then dropped from
+/// the caller's namespace. `warm` paths (absolute, inside the root) are looked up once so that
+/// the first command of the sandbox finds their dentries cached.
+pub fn build_root_tree(
+    rootfs: &RootfsSpec,
+    state: &mut ResetState,
+    warm: &[&str],
+) -> Result<RootTree, LaunchError> {
+    if rootfs.lowerdirs.is_empty() {
+        return Err(LaunchError::InvalidArgument { what: "lowerdirs" });
+    }
+    state.prepare()?;
+    // A staging directory of our own (other supervisors stage in the same namespace).
+    let own_stage = format!(
+        "{}/b{}",
+        rootfs.stage.trim_end_matches('/'),
+        std::process::id()
+    );
+    if let Err(e) = std::fs::create_dir(&own_stage) {
+        if e.kind() != io::ErrorKind::AlreadyExists {
+            return Err(LaunchError::Create {
+                what: "staging directory",
+                source: e,
+            });
+        }
+    }
+    let staged = RootfsSpec {
+        stage: own_stage,
+        ..rootfs.clone()
+    };
+    let p = prepare_parts(&staged, "", &[], &[], false, None)?;
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    try_mount(
+        "tmpfs",
+        c"tmpfs",
+        &p.stage,
+        Some(c"tmpfs"),
+        nosuid_nodev,
+        Some(&p.tmpfs_opts),
+    )?;
+    let built = (|| -> Result<OwnedFd, StepError> {
+        for d in [&p.upper, &p.work, &p.overlay_target] {
+            ck(mkdir(d, 0o755), "mkdir_stage")?;
+        }
+        try_mount(
+            "overlay",
+            c"overlay",
+            &p.overlay_target,
+            Some(c"overlay"),
+            nosuid_nodev,
+            Some(&p.overlay_opts),
+        )?;
+        // Mount points for the sandbox's /dev and /proc, moved in later.
+        ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+        ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
+        if !p.writable_root {
+            for s in &p.scratch {
+                ck(mkdir_parents(s, 0o755), "mkdir_scratch")?;
+                // A bind mount inherits nosuid/nodev from the overlay mount.
+                try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
+            }
+            try_mount(
+                "ro_root",
+                c"",
+                &p.overlay_target,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
+                None,
+            )?;
+        }
+        for w in warm {
+            if let Ok(c) = CString::new(format!("{}{w}", p.overlay_target.to_string_lossy())) {
+                let _ = path_kind(&c);
+            }
+        }
+        // SAFETY: valid path; OPEN_TREE_CLONE returns a detached copy (with its submounts, by
+        // AT_RECURSIVE) owned by the new fd.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD,
+                p.overlay_target.as_ptr(),
+                (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as u32)
+                    as libc::c_uint,
+            )
+        } as libc::c_int;
+        ck(fd, "open_tree")?;
+        // SAFETY: open_tree succeeded; the fd is fresh.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    })();
+    // The staging mounts are not needed in our namespace any more; the detached clone keeps the
+    // overlay (and through it the tmpfs upper) alive.
+    // SAFETY: valid paths.
+    unsafe {
+        libc::umount2(p.overlay_target.as_ptr(), libc::MNT_DETACH);
+        libc::umount2(p.stage.as_ptr(), libc::MNT_DETACH);
+    }
+    let _ = std::fs::remove_dir(&staged.stage);
+    Ok(RootTree {
+        fd: built?,
+        rootfs: rootfs.clone(),
+    })
+}
+
+/// Moves `tree` into the mount namespace of `init_pid` and pivots every process of that
+/// namespace onto it (`pivot_root` moves the root and working directory of each process that was
+/// at the old root, so a running agent keeps running, now on the new root). `/proc` is moved from
+/// the old root, and so is `/dev` (read-only: nothing in it can have changed) with a fresh
+/// `/dev/shm` of `shm_bytes`. Returns an `O_PATH` descriptor of the old root: dropping it frees
+/// the old writable layer, so the caller can do that after answering. The caller must be
+/// single-threaded.
+pub fn enter_root_tree(
+    tree: RootTree,
+    init_pid: i32,
+    shm_bytes: u64,
+) -> Result<OwnedFd, LaunchError> {
+    ensure_single_threaded()?;
+    // The new root is mounted inside the old one, on /tmp (a writable scratch directory of a
+    // read-only root, or creatable in a writable one); not beneath /dev, which moves into it.
+    let (dev_src, mountpoint) = (DevSource::Move(c"/dev"), "/tmp");
+    let mut rootfs = tree.rootfs.clone();
+    rootfs.shm_bytes = shm_bytes;
+    let p = prepare_parts(&rootfs, "", &[], &[], false, Some(mountpoint))?;
+    let own_ns = open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?;
+    let sandbox_ns = open_path(
+        &cstr(format!("/proc/{init_pid}/ns/mnt"), "pid")?,
+        libc::O_RDONLY,
+    )?;
+    setns_mnt(&sandbox_ns, "setns_sandbox")?;
+    let inside = (|| -> Result<OwnedFd, StepError> {
+        let mp = cstr(mountpoint, "mountpoint").map_err(|_| StepError {
+            step: "mountpoint",
+            errno: 0,
+        })?;
+        ck(mkdir(&mp, 0o700), "mkdir_mountpoint")?;
+        // SAFETY: `tree.fd` is a detached mount; the target path is valid.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                tree.fd.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                mp.as_ptr(),
+                libc::MOVE_MOUNT_F_EMPTY_PATH as libc::c_uint,
+            )
+        } as libc::c_int;
+        ck(rc, "move_mount")?;
+        let old_root = open_path(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
+        populate_and_pivot(&p, ProcSource::Move(c"/proc"), dev_src, true)?;
+        Ok(old_root)
+    })();
+    // Back to our own namespace whatever happened.
+    let back = setns_mnt(&own_ns, "setns_back");
+    // SAFETY: valid path.
+    unsafe { libc::chdir(c"/".as_ptr()) };
+    back?;
+    Ok(inside?)
+}
+
+/// Resets a running sandbox in place: builds a fresh root for its template
+/// ([`build_root_tree`]) and pivots the sandbox onto it ([`enter_root_tree`]); its namespaces,
+/// cgroup, agent and connection are unchanged. The caller must have killed every other process
+/// of the sandbox first.
+pub fn reset_in_place(
+    spec: &ContainerSpec<'_>,
+    init_pid: i32,
+    state: &mut ResetState,
+) -> Result<OwnedFd, LaunchError> {
+    if spec.ns.user.is_some() {
+        return Err(LaunchError::InvalidArgument {
+            what: "in-place reset in a user namespace",
+        });
+    }
+    let tree = build_root_tree(&spec.rootfs, state, &[])?;
+    enter_root_tree(tree, init_pid, spec.rootfs.shm_bytes)
+}
+
+/// Sets the hostname of the UTS namespace of `pid` (the supervisor enters it for the call).
+pub fn set_hostname_of(pid: i32, hostname: &str) -> Result<(), LaunchError> {
+    ensure_single_threaded()?;
+    let name = cstr(hostname, "hostname")?;
+    let own = open_path(c"/proc/self/ns/uts", libc::O_RDONLY)?;
+    let theirs = open_path(&cstr(format!("/proc/{pid}/ns/uts"), "pid")?, libc::O_RDONLY)?;
+    // SAFETY: setns on namespace fds we own; the caller is single-threaded (checked).
+    ck(
+        // SAFETY: setns on namespace fds we own; the caller is single-threaded (checked).
+        unsafe { libc::setns(theirs.as_raw_fd(), libc::CLONE_NEWUTS) },
+        "setns_uts",
+    )?;
+    // SAFETY: valid buffer and length.
+    let set = ck(
+        unsafe { libc::sethostname(name.as_ptr(), name.as_bytes().len()) },
+        "sethostname",
+    );
+    // SAFETY: as above, back to our own namespace.
+    let back = ck(
+        unsafe { libc::setns(own.as_raw_fd(), libc::CLONE_NEWUTS) },
+        "setns_uts_back",
+    );
+    set?;
+    back?;
+    Ok(())
+}
+
+/// Moves the (single-threaded) caller into a new mount namespace whose mounts are all private,
+/// so that what it mounts is seen by it and its descendants only, and disappears with them.
+pub fn enter_private_mount_ns() -> Result<(), LaunchError> {
+    ensure_single_threaded()?;
+    // SAFETY: integer-argument syscall in a single-threaded process.
+    ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
+    try_mount(
+        "private",
+        NONE,
+        c"/",
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )?;
+    Ok(())
+}
