@@ -38,23 +38,13 @@ const DRAIN_IDLE: Duration = Duration::from_millis(3);
 /// Environment variable naming the agent's root (tests only); never passed to children.
 pub const ROOT_ENV: &str = "DSEC_AGENT_ROOT";
 
-/// Environment variable carrying the sandbox's open-files limit for commands. The agent itself
-/// runs with a larger limit (it needs descriptors for every command's pipes); the sandbox's limit
-/// is applied to each command it starts.
-pub const NOFILE_ENV: &str = "DSEC_NOFILE";
-
+/// Per-command limits from `Configure` (0 = none). The agent itself runs with a larger open-files
+/// limit (it needs descriptors for every command's pipes); the sandbox's is applied per command.
 static COMMAND_NOFILE: AtomicU64 = AtomicU64::new(0);
 static COMMAND_FSIZE: AtomicU64 = AtomicU64::new(0);
 
 /// The base environment of commands once the node configured one (`None`: the agent's own).
 static BASE_ENV: RwLock<Option<Vec<(String, String)>>> = RwLock::new(None);
-
-/// Reads [`NOFILE_ENV`] once (call at start-up, before threads).
-pub fn init_command_nofile() {
-    if let Some(v) = std::env::var(NOFILE_ENV).ok().and_then(|v| v.parse().ok()) {
-        COMMAND_NOFILE.store(v, Ordering::Relaxed);
-    }
-}
 
 /// Applies a `Configure` request: base environment and open-files limit of later commands.
 pub fn configure(env: Vec<(String, String)>, nofile: Option<u64>, fsize: Option<u64>) {
@@ -251,7 +241,6 @@ pub fn prepare(
         cmd.env_clear().envs(base);
     }
     cmd.env_remove(ROOT_ENV)
-        .env_remove(NOFILE_ENV)
         .envs(env)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -44,7 +44,6 @@ fn run() -> anyhow::Result<()> {
     proc::set_child_subreaper().context("become child subreaper")?;
     let sock = proc::take_inherited_fd(PROTOCOL_FD).context("protocol socket on fd 3")?;
     let sock = UnixStream::from(sock);
-    exec::init_command_nofile();
     let root = std::env::var_os(exec::ROOT_ENV).map_or_else(|| PathBuf::from("/"), PathBuf::from);
     let root_path = root;
     let root = files::Root::open(&root_path).context("open sandbox root")?;

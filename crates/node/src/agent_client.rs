@@ -78,19 +78,6 @@ impl AgentConn {
         }
     }
 
-    /// Waits for the agent's unprompted `Hello`.
-    pub fn wait_hello(&mut self, timeout: Duration) -> Result<i32, AgentError> {
-        let deadline = Instant::now() + timeout;
-        let (id, ev, _) = self.read_event(deadline)?;
-        match ev {
-            Event::Hello { version, pid } if id == 0 && version == PROTOCOL_VERSION => {
-                self.greeted = true;
-                Ok(pid)
-            }
-            other => Err(AgentError::Unexpected(format!("{other:?}"))),
-        }
-    }
-
     fn read_event(&mut self, deadline: Instant) -> Result<(u64, Event, Vec<u8>), AgentError> {
         loop {
             if let Some(raw) = self.decoder.next_frame().map_err(AgentError::Protocol)? {

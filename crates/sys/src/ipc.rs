@@ -272,12 +272,6 @@ pub fn set_process_name(name: &str) {
     unsafe { libc::prctl(libc::PR_SET_NAME, buf.as_ptr()) };
 }
 
-/// Asks the kernel to send `signal` to the calling process when its parent exits.
-pub fn set_parent_death_signal(signal: i32) -> io::Result<()> {
-    // SAFETY: integer arguments.
-    cvt(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) }).map(|_| ())
-}
-
 /// Makes the calling process a child subreaper (orphans are re-parented to it).
 pub fn set_child_subreaper() -> io::Result<()> {
     // SAFETY: integer arguments.

@@ -757,6 +757,19 @@ fn try_mount(
     ck(rc, step)
 }
 
+/// Mounts a fresh `/dev/shm` of the sandbox's size at `p.shm`.
+fn mount_shm(p: &Prepared) -> Result<(), StepError> {
+    let flags = libc::MS_NOSUID | libc::MS_NODEV;
+    try_mount(
+        "shm",
+        c"shm",
+        &p.shm,
+        Some(c"tmpfs"),
+        flags,
+        Some(&p.shm_opts),
+    )
+}
+
 /// Where the new root's `/dev` comes from.
 #[derive(Clone, Copy)]
 enum DevSource<'a> {
@@ -795,20 +808,12 @@ fn populate_and_pivot(
             // only /dev/shm, the one writable tmpfs in it, is replaced by a fresh one of this
             // sandbox's size. (/dev/pts has nothing open: every process but the agent is gone.)
             try_mount("move_dev", old, &p.dev, None, libc::MS_MOVE, None)?;
-            // SAFETY: valid path.
             ck(
                 // SAFETY: valid path.
                 unsafe { libc::umount2(p.shm.as_ptr(), libc::MNT_DETACH) },
                 "umount_shm",
             )?;
-            try_mount(
-                "shm",
-                c"shm",
-                &p.shm,
-                Some(c"tmpfs"),
-                nosuid_nodev,
-                Some(&p.shm_opts),
-            )?;
+            mount_shm(p)?;
         }
         DevSource::Fresh => {
             try_mount(
@@ -844,7 +849,6 @@ fn populate_and_pivot(
                     )?;
                 } else {
                     let dev = libc::makedev(*major, *minor);
-                    // SAFETY: valid path and a character device number.
                     ck(
                         // SAFETY: valid path and a character device number.
                         unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
@@ -864,16 +868,8 @@ fn populate_and_pivot(
                 Some(c"newinstance,ptmxmode=0666,mode=0620"),
             )?;
             ck(mkdir(&p.shm, 0o1777), "mkdir_shm")?;
-            try_mount(
-                "shm",
-                c"shm",
-                &p.shm,
-                Some(c"tmpfs"),
-                nosuid_nodev,
-                Some(&p.shm_opts),
-            )?;
+            mount_shm(p)?;
             for (link, target) in &p.dev_links {
-                // SAFETY: both are valid NUL-terminated strings.
                 ck(
                     // SAFETY: both are valid NUL-terminated strings.
                     unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
@@ -972,7 +968,6 @@ fn populate_and_pivot(
                 }
                 ck(mkdir(src, 0o755), "mkdir_scratch_src")?;
                 let sticky = s.to_bytes().ends_with(b"tmp");
-                // SAFETY: valid path.
                 ck(
                     // SAFETY: valid path.
                     unsafe { libc::chmod(src.as_ptr(), if sticky { 0o1777 } else { 0o755 }) },
@@ -1005,13 +1000,11 @@ fn populate_and_pivot(
     // pivot_root(".", ".") stacks the old root on top of the new one; detach it.
     // SAFETY: valid path.
     ck(unsafe { libc::chdir(p.root.as_ptr()) }, "chdir_root")?;
-    // SAFETY: valid NUL-terminated strings.
     ck(
         // SAFETY: valid NUL-terminated strings.
         unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int },
         "pivot_root",
     )?;
-    // SAFETY: valid path.
     ck(
         // SAFETY: valid path.
         unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) },
@@ -1336,16 +1329,6 @@ pub fn mount_tmpfs(target: &std::path::Path, options: &str) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// Whether `path` is a mount point in the caller's mount namespace.
-pub fn is_mount_point(path: &std::path::Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = path.to_string_lossy();
-    info.lines()
-        .any(|l| l.split(' ').nth(4) == Some(want.as_ref()))
 }
 
 /// Moves the caller into a private mount namespace and binds the host root (without its

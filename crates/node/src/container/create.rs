@@ -10,7 +10,6 @@ use super::proto::{LaunchConfig, NodeMsg, SpawnRequest, SupervisorMsg, MAX_MSG};
 use super::{ContainerRuntime, Reply, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{Limits, SandboxSpec, State};
-use dsec_api::agent::Request;
 
 type Env = Vec<(String, String)>;
 
@@ -89,11 +88,6 @@ impl ContainerRuntime {
             env.retain(|(ek, _)| *ek != k);
             env.push((k, v));
         }
-        let configure = Request::Configure {
-            env: env.clone(),
-            nofile: Some(spec.limits.open_files_max),
-            fsize: Some(spec.limits.file_size_max),
-        };
         let config = LaunchConfig {
             id: id.clone(),
             lowerdirs,
@@ -169,20 +163,17 @@ impl ContainerRuntime {
             init_pid,
             run_dir,
             oom_kills: 0,
-            configure: configure.clone(),
             uses: 0,
             busy: Duration::ZERO,
             acquired_at: None,
         };
         let id = sandbox.id.clone();
-        // The agent may have started before this request (a pre-built shell): it receives
-        // its sandbox's environment and limits, and reopens the root it was pivoted onto.
-        // The supervisor sent `Configure` (or, failing that, we pipeline it behind the agent's
-        // greeting): its answer, after the greeting, means the agent is ready.
-        let configured = match configured_by {
-            Some(cid) => sandbox.agent.await_reply(cid, Duration::from_secs(10)),
-            None => sandbox.agent.call_ok(&configure, &[]),
-        };
+        // The supervisor sent the agent its `Configure` before answering (the agent of a
+        // pre-built shell started before this request and reopens the root it was pivoted onto);
+        // its answer, after the agent's greeting, means the agent is ready.
+        let configured = sandbox
+            .agent
+            .await_reply(configured_by, Duration::from_secs(10));
         let ready = configured.and_then(|()| {
             if sandbox.agent.greeted() {
                 Ok(())

@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dsec_api::agent::Request;
 use dsec_api::ErrorCode;
 use dsec_sys::cgroup::CgroupManager;
 use dsec_sys::ipc::{self, PidFd};
@@ -393,8 +392,6 @@ pub struct Sandbox {
     init_pid: i32,
     run_dir: PathBuf,
     oom_kills: u64,
-    /// The `Configure` request the agent got at create (sent again to a relaunched agent).
-    configure: Request,
     uses: u32,
     busy: Duration,
     acquired_at: Option<Instant>,
@@ -508,36 +505,26 @@ impl Sandbox {
             source,
         };
         let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
-        let SupervisorMsg::ResetDone {
-            init_pid,
-            reopen_id,
-        } = reply
-        else {
+        let SupervisorMsg::ResetDone { init_pid, await_id } = reply else {
             return Err(RuntimeError::Supervisor {
                 id: self.id.clone(),
                 message: format!("unexpected {reply:?}"),
             });
         };
         if let Some(agent_fd) = fds.pop() {
-            // A relaunched init: a new agent on a new socket, configured like the first.
+            // A relaunched init: a new agent on a new socket.
             self.agent = AgentConn::new(agent_fd);
             self.init_pid = init_pid;
-            self.agent
-                .wait_hello(Duration::from_secs(10))
-                .map_err(agent_err)?;
-            self.agent
-                .call_ok(&self.configure, &[])
-                .map_err(agent_err)?;
-        } else if let Some(rid) = reopen_id {
-            // Same agent, new root: the supervisor already asked it to reopen its root; its
-            // answer is the health check.
-            self.agent
-                .await_reply(rid, Duration::from_secs(10))
-                .map_err(agent_err)?;
-        } else {
-            self.agent
-                .call_ok(&Request::ReopenRoot, &[])
-                .map_err(agent_err)?;
+        }
+        // The supervisor already sent the agent `ReopenRoot` (in place) or `Configure` (a new
+        // agent); its answer is the health check.
+        self.agent
+            .await_reply(await_id, Duration::from_secs(10))
+            .map_err(agent_err)?;
+        if !self.agent.greeted() {
+            return Err(agent_err(AgentError::Unexpected(
+                "no hello from the agent".into(),
+            )));
         }
         Ok(())
     }

@@ -70,10 +70,9 @@ pub enum SupervisorMsg {
         /// Supervisor-side phase latencies, microseconds: cgroup create, then clone → agent exec'd.
         #[serde(default)]
         phases_us: (u64, u64),
-        /// The supervisor already sent the agent its `Configure` (environment, per-command
-        /// limits, root reopen) with this request id; the node awaits its answer.
-        #[serde(default)]
-        configure_id: Option<u64>,
+        /// The supervisor sent the agent its `Configure` (environment, per-command limits, root
+        /// reopen) with this request id before answering; the node awaits the agent's answer.
+        configure_id: u64,
     },
     /// The spawner holds a new idle shell. Fd: the shell's request socket (`SOCK_SEQPACKET`),
     /// to which the node sends one [`SpawnRequest`] with a reply socket attached.
@@ -91,11 +90,10 @@ pub enum SupervisorMsg {
     ResetDone {
         /// New init pid.
         init_pid: i32,
-        /// After an in-place reset the supervisor has already sent the agent `ReopenRoot` with
-        /// this request id; the node waits for its answer (the health check) instead of sending
-        /// its own — one process hop less on the reset path.
-        #[serde(default)]
-        reopen_id: Option<u64>,
+        /// The request the supervisor sent the agent before answering, whose answer is the
+        /// health check the node awaits: `ReopenRoot` after an in-place reset, `Configure` to a
+        /// relaunched agent.
+        await_id: u64,
     },
     /// The sandbox init exited on its own (crash, OOM of the agent, killed from outside).
     Exited {

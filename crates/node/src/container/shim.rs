@@ -605,12 +605,12 @@ fn supervise(
     };
     // Configure the agent ourselves, before answering: the node then only awaits the answer,
     // one process hop less than sending it after our reply.
-    let configure = dsec_api::agent::Request::Configure {
-        env: cfg.env.clone(),
-        nofile: Some(cfg.limits.open_files_max),
-        fsize: Some(cfg.limits.file_size_max),
-    };
-    let configured = send_agent_request(&init.agent_host, CONFIGURE_ID, &configure);
+    if !send_agent_request(&init.agent_host, CONFIGURE_ID, &configure_request(&cfg)) {
+        let _ = init.pidfd.signal(9);
+        cleanup(&cgroup, &run_dir);
+        let _ = cgroup.remove();
+        return fail("could not configure the agent".into());
+    }
     let launched = SupervisorMsg::Launched {
         req: req.req,
         sup_pid: std::process::id() as i32,
@@ -619,7 +619,7 @@ fn supervise(
             cgroup_us,
             (t0.elapsed().as_micros() as u64).saturating_sub(cgroup_us),
         ),
-        configure_id: configured.then_some(CONFIGURE_ID),
+        configure_id: CONFIGURE_ID,
     };
     if send(
         reply,
@@ -670,7 +670,7 @@ fn serve(
 ) -> i32 {
     let mut dying: Vec<PidFd> = Vec::new();
     // Request ids the supervisor uses on the agent socket: far from the node's own counter.
-    let mut reopen_id: u64 = CONFIGURE_ID;
+    let mut agent_req_id: u64 = CONFIGURE_ID;
     let mut buf = vec![0u8; MAX_MSG];
     let mut old_roots: Vec<OwnedFd> = old_placeholder.into_iter().collect();
     let mut release_at = (!old_roots.is_empty()).then(|| Instant::now() + RELEASE_DELAY);
@@ -753,15 +753,20 @@ fn serve(
                                 Ok(old_root) => {
                                     // Tell the agent first (the node is waiting on us, so it is
                                     // not writing to the agent socket now), then the node.
-                                    reopen_id += 1;
-                                    let sent = send_agent_request(
+                                    agent_req_id += 1;
+                                    let msg = if send_agent_request(
                                         &init.agent_host,
-                                        reopen_id,
+                                        agent_req_id,
                                         &dsec_api::agent::Request::ReopenRoot,
-                                    );
-                                    let msg = SupervisorMsg::ResetDone {
-                                        init_pid: init.pidfd.pid(),
-                                        reopen_id: sent.then_some(reopen_id),
+                                    ) {
+                                        SupervisorMsg::ResetDone {
+                                            init_pid: init.pidfd.pid(),
+                                            await_id: agent_req_id,
+                                        }
+                                    } else {
+                                        SupervisorMsg::Error {
+                                            message: "agent socket unwritable after reset".into(),
+                                        }
                                     };
                                     let _ = send(c.as_fd(), &msg, &[]);
                                     // The old writable layer is freed later, off the path of
@@ -781,9 +786,22 @@ fn serve(
                                 Ok(new) => {
                                     let old = std::mem::replace(init, new);
                                     dying.push(old.pidfd);
-                                    let msg = SupervisorMsg::ResetDone {
-                                        init_pid: init.pidfd.pid(),
-                                        reopen_id: None,
+                                    // A new agent: configure it like the first one.
+                                    agent_req_id += 1;
+                                    let msg = if send_agent_request(
+                                        &init.agent_host,
+                                        agent_req_id,
+                                        &configure_request(cfg),
+                                    ) {
+                                        SupervisorMsg::ResetDone {
+                                            init_pid: init.pidfd.pid(),
+                                            await_id: agent_req_id,
+                                        }
+                                    } else {
+                                        SupervisorMsg::Error {
+                                            message: "could not configure the relaunched agent"
+                                                .into(),
+                                        }
                                     };
                                     let _ = send(c.as_fd(), &msg, &[init.agent_host.as_fd()]);
                                 }
@@ -821,7 +839,7 @@ fn serve(
                                 sup_pid: std::process::id() as i32,
                                 init_pid: init.pidfd.pid(),
                                 phases_us: (0, 0),
-                                configure_id: None,
+                                configure_id: CONFIGURE_ID,
                             };
                             if send(
                                 stream.as_fd(),
@@ -869,6 +887,16 @@ fn kill_all_but_init(cgroup: &Cgroup, init: i32) -> bool {
             }
         }
         std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+/// The `Configure` an agent gets from its supervisor: its sandbox's environment and the limits
+/// applied to each command.
+fn configure_request(cfg: &LaunchConfig) -> dsec_api::agent::Request {
+    dsec_api::agent::Request::Configure {
+        env: cfg.env.clone(),
+        nofile: Some(cfg.limits.open_files_max),
+        fsize: Some(cfg.limits.file_size_max),
     }
 }
 

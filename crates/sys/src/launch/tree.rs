@@ -255,7 +255,6 @@ pub fn set_hostname_of(pid: i32, hostname: &str) -> Result<(), LaunchError> {
     let name = cstr(hostname, "hostname")?;
     let own = open_path(c"/proc/self/ns/uts", libc::O_RDONLY)?;
     let theirs = open_path(&cstr(format!("/proc/{pid}/ns/uts"), "pid")?, libc::O_RDONLY)?;
-    // SAFETY: setns on namespace fds we own; the caller is single-threaded (checked).
     ck(
         // SAFETY: setns on namespace fds we own; the caller is single-threaded (checked).
         unsafe { libc::setns(theirs.as_raw_fd(), libc::CLONE_NEWUTS) },
