@@ -823,11 +823,9 @@ fn r12_kill_supervisor_kills_the_whole_tree() {
     assert!(rt().cgroups().open(&id).is_some());
 
     let members = live_procs_in_pid_ns(ns);
-    let status = std::process::Command::new("kill")
-        .args(["-9", &sup.to_string()])
-        .status()
-        .expect("run kill");
-    assert!(status.success());
+    let sup_pid = rustix::process::Pid::from_raw(sup as i32).expect("supervisor pid");
+    rustix::process::kill_process(sup_pid, rustix::process::Signal::KILL)
+        .expect("kill the supervisor");
     let gone = |pid: i32| {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .map(|s| s[s.rfind(')').map_or(0, |i| i + 2)..].starts_with('Z'))
