@@ -442,7 +442,7 @@ impl CgroupManager {
         self.dirs_for(None).all()
     }
 
-    fn dirs_for(&self, name: Option<&str>) -> CgroupDirs {
+    fn dirs_for(&self, name: Option<&str>) -> CgroupLayout {
         let dir = |root: &Path| {
             let base = root.join(&self.base);
             match name {
@@ -456,13 +456,13 @@ impl CgroupManager {
                 cpuacct,
                 memory,
                 pids,
-            } => CgroupDirs::V1 {
+            } => CgroupLayout::V1 {
                 cpu: dir(cpu),
                 cpuacct: cpuacct.as_deref().map(dir),
                 memory: dir(memory),
                 pids: dir(pids),
             },
-            CgroupLayout::V2 { root } => CgroupDirs::V2 { dir: dir(root) },
+            CgroupLayout::V2 { root } => CgroupLayout::V2 { root: dir(root) },
         }
     }
 
@@ -742,25 +742,12 @@ fn enable_controllers(dir: &Path, wanted: &[&str]) -> Result<(), CgroupError> {
     write_file(&file, &missing.join(" "))
 }
 
-/// Per-hierarchy directories of one cgroup.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum CgroupDirs {
-    V1 {
-        cpu: PathBuf,
-        cpuacct: Option<PathBuf>,
-        memory: PathBuf,
-        pids: PathBuf,
-    },
-    V2 {
-        dir: PathBuf,
-    },
-}
-
-impl CgroupDirs {
+/// A cgroup's own directories have the shape of the layout: one per hierarchy.
+impl CgroupLayout {
     /// Every distinct directory (co-mounted hierarchies share one).
     fn all(&self) -> Vec<PathBuf> {
         match self {
-            CgroupDirs::V1 {
+            CgroupLayout::V1 {
                 cpu,
                 cpuacct,
                 memory,
@@ -777,15 +764,15 @@ impl CgroupDirs {
                 }
                 out
             }
-            CgroupDirs::V2 { dir } => vec![dir.clone()],
+            CgroupLayout::V2 { root: dir } => vec![dir.clone()],
         }
     }
 
     /// The directory whose `cgroup.procs` is authoritative for membership.
     fn primary(&self) -> &Path {
         match self {
-            CgroupDirs::V1 { pids, .. } => pids,
-            CgroupDirs::V2 { dir } => dir,
+            CgroupLayout::V1 { pids, .. } => pids,
+            CgroupLayout::V2 { root: dir } => dir,
         }
     }
 }
@@ -795,7 +782,8 @@ impl CgroupDirs {
 #[derive(Debug)]
 pub struct Cgroup {
     name: String,
-    dirs: CgroupDirs,
+    /// The cgroup's directory in each hierarchy.
+    dirs: CgroupLayout,
     swap: Option<SwapLimit>,
 }
 
@@ -807,10 +795,7 @@ impl Cgroup {
 
     /// The cgroup version.
     pub fn version(&self) -> CgroupVersion {
-        match self.dirs {
-            CgroupDirs::V1 { .. } => CgroupVersion::V1,
-            CgroupDirs::V2 { .. } => CgroupVersion::V2,
-        }
+        self.dirs.version()
     }
 
     /// Every directory of this cgroup (one per distinct hierarchy).
@@ -848,10 +833,10 @@ impl Cgroup {
     pub fn set_limits(&self, limits: &CgroupLimits) -> Result<SwapLimit, CgroupError> {
         limits.validate()?;
         match &self.dirs {
-            CgroupDirs::V1 {
+            CgroupLayout::V1 {
                 cpu, memory, pids, ..
             } => set_limits_v1(cpu, memory, pids, limits),
-            CgroupDirs::V2 { dir } => set_limits_v2(dir, limits),
+            CgroupLayout::V2 { root: dir } => set_limits_v2(dir, limits),
         }
     }
 
@@ -869,7 +854,7 @@ impl Cgroup {
     /// signalled. Directories that no longer exist are skipped.
     pub fn kill_all(&self) -> Result<(), CgroupError> {
         let started = Instant::now();
-        if let CgroupDirs::V2 { dir } = &self.dirs {
+        if let CgroupLayout::V2 { root: dir } = &self.dirs {
             let kill_file = dir.join("cgroup.kill");
             match write_raw(&kill_file, "1") {
                 Ok(()) => return self.wait_empty(started),
@@ -961,7 +946,7 @@ impl Cgroup {
     /// Reads usage counters.
     pub fn stats(&self) -> Result<CgroupStats, CgroupError> {
         match &self.dirs {
-            CgroupDirs::V1 {
+            CgroupLayout::V1 {
                 cpuacct,
                 memory,
                 pids,
@@ -984,7 +969,7 @@ impl Cgroup {
                     pids_current: read_u64(&pids.join("pids.current"))?,
                 })
             }
-            CgroupDirs::V2 { dir } => {
+            CgroupLayout::V2 { root: dir } => {
                 let events_file = dir.join("memory.events");
                 let events =
                     parse_memory_events(&read_file(&events_file)?).ok_or(CgroupError::Parse {
@@ -1017,10 +1002,10 @@ impl Cgroup {
     /// file), so this is a no-op there.
     pub fn reset_peak(&self) -> Result<(), CgroupError> {
         match &self.dirs {
-            CgroupDirs::V1 { memory, .. } => {
+            CgroupLayout::V1 { memory, .. } => {
                 write_file(&memory.join("memory.max_usage_in_bytes"), "0")
             }
-            CgroupDirs::V2 { .. } => Ok(()),
+            CgroupLayout::V2 { .. } => Ok(()),
         }
     }
 
@@ -1285,7 +1270,7 @@ mod tests {
     #[test]
     fn co_mounted_hierarchies_are_deduplicated() {
         let cpu = PathBuf::from("/c/cpu,cpuacct/dsec/x");
-        let dirs = CgroupDirs::V1 {
+        let dirs = CgroupLayout::V1 {
             cpu: cpu.clone(),
             cpuacct: Some(cpu.clone()),
             memory: "/c/memory/dsec/x".into(),
