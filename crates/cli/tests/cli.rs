@@ -100,6 +100,12 @@ impl Env {
             })
             .unwrap_or_default()
     }
+
+    /// Asserts that every sandbox the CLI created is gone.
+    fn assert_no_sandbox_left(&self) {
+        let left = self.sandboxes_left();
+        assert!(left.is_empty(), "sandboxes left behind: {left:?}");
+    }
 }
 
 impl Drop for Env {
@@ -116,6 +122,15 @@ fn code(out: &Output) -> i32 {
     out.status
         .code()
         .unwrap_or_else(|| panic!("dsec was killed by a signal: {out:?}"))
+}
+
+/// Asserts that stderr contains `needle`, showing it when it does not.
+fn assert_stderr_has(out: &Output, needle: &str) {
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(needle),
+        "stderr lacks {needle:?}: {stderr:?}"
+    );
 }
 
 /// Asserts the exit code, showing stdout and stderr when it differs.
@@ -155,16 +170,8 @@ fn cli_run_prints_output_and_exits_with_the_command_code() {
     ]);
     assert_code(&out, 3);
     assert_eq!(text(&out.stdout), "hi\n");
-    assert!(
-        text(&out.stderr).contains("err\n"),
-        "{:?}",
-        text(&out.stderr)
-    );
-    assert!(
-        env.sandboxes_left().is_empty(),
-        "{:?}",
-        env.sandboxes_left()
-    );
+    assert_stderr_has(&out, "err\n");
+    env.assert_no_sandbox_left();
 
     let out = env.dsec(&["run", "--", "/bin/true"]);
     assert_code(&out, 0);
@@ -182,16 +189,8 @@ fn cli_run_timeout_exits_124_quickly() {
         took < Duration::from_secs(4),
         "a 200 ms timeout took {took:?} (runtime start included)"
     );
-    assert!(
-        text(&out.stderr).contains("timed out"),
-        "{:?}",
-        text(&out.stderr)
-    );
-    assert!(
-        env.sandboxes_left().is_empty(),
-        "{:?}",
-        env.sandboxes_left()
-    );
+    assert_stderr_has(&out, "timed out");
+    env.assert_no_sandbox_left();
 }
 
 #[test]
@@ -209,16 +208,8 @@ fn cli_run_oom_exits_137() {
         "b'x'*(1<<30)",
     ]);
     assert_code(&out, 137);
-    assert!(
-        text(&out.stderr).contains("out of memory"),
-        "{:?}",
-        text(&out.stderr)
-    );
-    assert!(
-        env.sandboxes_left().is_empty(),
-        "{:?}",
-        env.sandboxes_left()
-    );
+    assert_stderr_has(&out, "out of memory");
+    env.assert_no_sandbox_left();
 }
 
 #[test]
@@ -271,27 +262,15 @@ fn cli_bad_flags_exit_2_naming_the_flag() {
 
     let out = env.dsec(&["run", "--timeout", "soon", "--", "/bin/true"]);
     assert_code(&out, 2);
-    assert!(
-        text(&out.stderr).contains("--timeout"),
-        "{:?}",
-        text(&out.stderr)
-    );
+    assert_stderr_has(&out, "--timeout");
 
     let out = env.dsec(&["run", "-e", "NOEQUALS", "--", "/bin/true"]);
     assert_code(&out, 2);
-    assert!(
-        text(&out.stderr).contains("--env"),
-        "{:?}",
-        text(&out.stderr)
-    );
+    assert_stderr_has(&out, "--env");
 
     let out = env.dsec(&["run", "--no-such-flag", "--", "/bin/true"]);
     assert_code(&out, 2);
-    assert!(
-        text(&out.stderr).contains("--no-such-flag"),
-        "{:?}",
-        text(&out.stderr)
-    );
+    assert_stderr_has(&out, "--no-such-flag");
 
     // No command at all.
     let out = env.dsec(&["run"]);
@@ -312,16 +291,8 @@ fn cli_unknown_template_is_an_infrastructure_error() {
     let env = Env::new();
     let out = env.dsec(&["run", "--template", "no-such-template", "--", "/bin/true"]);
     assert_code(&out, 70);
-    assert!(
-        text(&out.stderr).contains("create sandbox"),
-        "{:?}",
-        text(&out.stderr)
-    );
-    assert!(
-        env.sandboxes_left().is_empty(),
-        "{:?}",
-        env.sandboxes_left()
-    );
+    assert_stderr_has(&out, "create sandbox");
+    env.assert_no_sandbox_left();
 }
 
 #[test]
