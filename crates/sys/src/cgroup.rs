@@ -402,8 +402,7 @@ pub struct CgroupManager {
 impl CgroupManager {
     /// Detects the host's layout from `/proc/self/mountinfo`.
     pub fn detect(base_name: &str) -> Result<Self, CgroupError> {
-        let text = fs::read_to_string("/proc/self/mountinfo").map_err(CgroupError::Mountinfo)?;
-        let mounts = parse_mountinfo(&text);
+        let mounts = read_mountinfo()?;
         let layout = CgroupLayout::from_mounts(&mounts, |root| {
             fs::read_to_string(root.join("cgroup.controllers")).ok()
         })?;
