@@ -823,7 +823,7 @@ fn r12_kill_supervisor_kills_the_whole_tree() {
     assert!(rt().cgroups().open(&id).is_some());
 
     let members = live_procs_in_pid_ns(ns);
-    let sup_pid = rustix::process::Pid::from_raw(sup as i32).expect("supervisor pid");
+    let sup_pid = rustix::process::Pid::from_raw(sup).expect("supervisor pid");
     rustix::process::kill_process(sup_pid, rustix::process::Signal::KILL)
         .expect("kill the supervisor");
     let gone = |pid: i32| {
