@@ -6,7 +6,11 @@
 //! - **opaque empty directories** (`trusted.overlay.opaque=y`) over [`HIDDEN_DIRS`] and the
 //!   caller's extra paths (the data dir, the runtime dir), keeping the host directory's mode
 //!   and owner — except `/tmp`, which is always present, empty and `1777 root:root`;
-//! - **whiteouts** (character devices 0/0) over [`HIDDEN_FILES`] and `/etc/ssh/ssh_host_*`.
+//! - **whiteouts** (character devices 0/0) over [`HIDDEN_FILES`] and `/etc/ssh/ssh_host_*`;
+//! - **whiteouts over every other top-level entry**: only [`VISIBLE_TOP`] and the top-level
+//!   [`HIDDEN_DIRS`] exist in the sandbox's `/`. A host's own top-level directories (a CI
+//!   checkout under `/check`, `/data`, `/nix`, a container's `/old_root`…) are unknown to us
+//!   and may hold anything, so they are default-deny, not default-allow.
 //!
 //! Only paths that exist on the host are masked: an opaque dir where the host has a
 //! directory, a whiteout where it has anything else. A hidden path that is a symlink is left
@@ -57,6 +61,13 @@ pub const HIDDEN_DIRS: &[&str] = &[
     "/var/lib/dsec",
 ];
 
+/// Top-level host entries the `host` template shows (when they exist). Every other top-level
+/// entry except the top-level [`HIDDEN_DIRS`] is whited out.
+pub const VISIBLE_TOP: &[&str] = &[
+    "bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "opt", "var", "dev", "proc",
+    "sys",
+];
+
 /// Host files the `host` template hides (plus `/etc/ssh/ssh_host_*`).
 pub const HIDDEN_FILES: &[&str] = &[
     "/etc/shadow",
@@ -66,7 +77,7 @@ pub const HIDDEN_FILES: &[&str] = &[
 ];
 
 /// Bumped when the mask format changes, so old masks are not reused.
-const MASK_FORMAT: u32 = 1;
+const MASK_FORMAT: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 enum Kind {
@@ -134,7 +145,30 @@ fn describe(host_root: &Path, extra_hidden: &[PathBuf]) -> BTreeMap<PathBuf, Mas
     hidden.sort();
     hidden.dedup();
 
+    // Default-deny at the top level: anything not known to be a system directory goes.
     let mut entries: BTreeMap<PathBuf, MaskEntry> = BTreeMap::new();
+    let mut gone: Vec<PathBuf> = Vec::new();
+    if let Ok(rd) = fs::read_dir(host_root) {
+        for ent in rd.flatten() {
+            let name = PathBuf::from(ent.file_name());
+            let known = VISIBLE_TOP.iter().any(|v| name == Path::new(v))
+                || HIDDEN_DIRS.iter().any(|h| rel(Path::new(h)) == name);
+            if !known {
+                entries.insert(
+                    name.clone(),
+                    MaskEntry {
+                        kind: Kind::Whiteout,
+                        mode: 0,
+                        uid: 0,
+                        gid: 0,
+                    },
+                );
+                gone.push(name);
+            }
+        }
+    }
+    hidden.retain(|p| !gone.iter().any(|g| p.starts_with(g)));
+
     let mut opaque: Vec<PathBuf> = Vec::new();
     let covered = |opaque: &[PathBuf], p: &Path| opaque.iter().any(|o| p.starts_with(o));
     for r in &hidden {
@@ -370,6 +404,8 @@ mod tests {
             "etc/ssh",
             "usr/bin",
             "data/dsec",
+            "check/work/main",
+            "opt/dsec-data/x",
         ] {
             fs::create_dir_all(h.join(d))?;
         }
@@ -377,10 +413,13 @@ mod tests {
         std::os::unix::fs::symlink("/run", h.join("var/run"))?;
         std::os::unix::fs::symlink("/elsewhere", h.join("media"))?;
         fs::write(h.join("etc/shadow"), b"x")?;
+        fs::write(h.join("container_info.json"), b"{}")?;
+        std::os::unix::fs::symlink("usr/bin", h.join("bin"))?;
+        std::os::unix::fs::symlink("check/work", h.join("w"))?;
         fs::write(h.join("etc/ssh/ssh_host_ed25519_key"), b"x")?;
         fs::write(h.join("etc/ssh/sshd_config"), b"x")?;
         let data = tempfile::tempdir()?;
-        let extra = vec![h.join("data/dsec")];
+        let extra = vec![h.join("data/dsec"), h.join("opt/./dsec-data")];
         let m = build_host_mask(h, data.path(), &extra)?;
         assert_eq!(build_host_mask(h, data.path(), &extra)?, m, "idempotent");
 
@@ -406,9 +445,18 @@ mod tests {
         );
         assert!(meta("usr").is_err());
         assert!(meta("srv").is_err(), "only existing dirs are masked");
-        // The extra path was canonicalized, i.e. relative to the real `/`.
-        assert!(meta("data/dsec")?.is_dir());
-        assert!(meta("data")?.is_dir());
+        // Unknown top-level entries are whited out whole, with nothing below them (the extra
+        // path `data/dsec` lies inside one).
+        for gone in ["data", "check", "container_info.json", "w"] {
+            assert!(
+                meta(gone)?.file_type().is_char_device(),
+                "{gone} is whited out"
+            );
+        }
+        assert!(meta("bin").is_err(), "a known top-level symlink stays");
+        // An extra path is canonicalized, i.e. relative to the real `/`.
+        assert!(meta("opt/dsec-data")?.is_dir());
+        assert_eq!(fs::read_dir(m.join("opt/dsec-data"))?.count(), 0);
 
         let staged = tempfile::tempdir()?;
         let copy = staged.path().join("mask");

@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 pub use host::{
     host_mask_layer, shares_filesystem_with_root, stage_layer, HIDDEN_DIRS, HIDDEN_FILES,
+    VISIBLE_TOP,
 };
 pub use oci::OciSource;
 pub use store::{LayerStore, TemplateStore};
