@@ -6,4 +6,5 @@ pub mod agent_client;
 pub mod container;
 pub mod pool;
 pub mod sandbox;
+pub mod server;
 pub mod template;
