@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod agent_client;
+pub mod autoscale;
 pub mod container;
 pub mod pool;
 pub mod sandbox;
