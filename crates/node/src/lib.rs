@@ -5,6 +5,7 @@
 pub mod agent_client;
 pub mod autoscale;
 pub mod container;
+pub mod metrics;
 pub mod pool;
 pub mod sandbox;
 pub mod template;
