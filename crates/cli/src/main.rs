@@ -57,9 +57,12 @@ struct ServerArgs {
     /// Seconds in-flight requests get after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
-    /// Keep this many ready sandboxes of the `host` template (0: no pool).
+    /// Ready sandboxes of the `host` template kept at least (the pool grows with demand).
     #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
     pool_min: usize,
+    /// Ready sandboxes of the `host` template kept at most (0: no pool).
+    #[arg(long, env = "DSEC_POOL_MAX", default_value_t = 64)]
+    pool_max: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -220,9 +223,9 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         runtime,
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
-        host_pool: (args.pool_min > 0).then_some(dsec_node::server::PoolSize {
-            min: args.pool_min,
-            max: args.pool_min.max(1) * 4,
+        host_pool: (args.pool_max > 0).then_some(dsec_node::server::PoolSize {
+            min: args.pool_min.min(args.pool_max),
+            max: args.pool_max,
         }),
     };
     let key_file = cli.data_dir.join("admin.key");

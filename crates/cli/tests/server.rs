@@ -39,12 +39,17 @@ fn dirs(tag: &str) -> (PathBuf, PathBuf) {
 
 impl Daemon {
     fn start(data: &Path, run: &Path, env: &[(&str, &str)]) -> Self {
+        Self::start_with(data, run, env, &["--pool-max", "0"])
+    }
+
+    fn start_with(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
         cmd.arg("--data-dir")
             .arg(data)
             .arg("--run-dir")
             .arg(run)
             .args(["server", "--listen", "127.0.0.1:0", "--drain-seconds", "10"])
+            .args(args)
             .env("DSEC_SPAWNER_SHELLS", "2")
             .stdout(Stdio::piped())
             .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
@@ -773,5 +778,56 @@ fn bad_requests_get_typed_errors() {
     );
     let (s, _) = d.req("GET", "/openapi.json", None, None);
     assert_eq!(s, 200);
+    d.finish();
+}
+
+#[test]
+fn pool_serves_creates_refills_and_survives_a_restart() {
+    let (data, run) = dirs("pool");
+    let args = ["--pool-min", "2", "--pool-max", "8"];
+    let mut d = Daemon::start_with(&data, &run, &[], &args);
+    let pool = |d: &Daemon| d.req("GET", "/v1/pools/host", None, None).1;
+    let wait_ready = |d: &Daemon, n: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let p = pool(d);
+            if p["ready"].as_u64() == Some(n) && p["creating"].as_u64() == Some(0) {
+                return p;
+            }
+            assert!(Instant::now() < deadline, "pool reaches {n} ready: {p}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_ready(&d, 2);
+    let v = d.create(None);
+    assert_eq!(v["pooled"], true, "served from the pool: {v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    assert_eq!(d.exec_ok(&id, "hostname"), format!("{id}\n"));
+    let p = wait_ready(&d, 2);
+    assert_eq!(p["hits"], 1, "{p}");
+    // Non-default limits are not served from the pool.
+    let (_, v) = d.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"limits": {"pids_max": 64}})),
+        None,
+    );
+    assert_eq!(v["pooled"], false, "{v}");
+    d.kill9();
+    d = Daemon::start_with(&data, &run, &[], &args);
+    let p = wait_ready(&d, 2);
+    assert_eq!(p["ready"], 2, "pooled sandboxes are adopted back: {p}");
+    // Everything on the machine is either listed or in the pool.
+    let listed = d.listed();
+    let machine = d.on_machine(&listed);
+    assert_eq!(machine.len(), listed.len() + 2, "{machine:?} vs {listed:?}");
+    let (s, v) = d.req(
+        "PUT",
+        "/v1/pools/host",
+        Some(json!({"min": 0, "max": 0})),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    wait_ready(&d, 0);
     d.finish();
 }
