@@ -1048,12 +1048,15 @@ impl App {
             }
             if alive && adoptable {
                 if pooled_ready {
-                    let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Some(p) = pools.get_mut(&rec.spec.template) {
-                        p.ready.push_back(rec.id.clone());
-                    } else {
+                    let pooled_again = {
+                        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+                        pools
+                            .get_mut(&rec.spec.template)
+                            .map(|p| p.ready.push_back(rec.id.clone()))
+                            .is_some()
+                    };
+                    if !pooled_again {
                         // Its pool is not configured any more.
-                        drop(pools);
                         let _ = self.destroy(&e).await;
                         report.reaped.push(rec.id.clone());
                         continue;
