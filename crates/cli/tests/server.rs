@@ -815,8 +815,12 @@ fn pool_serves_creates_refills_and_survives_a_restart() {
     assert_eq!(v["pooled"], false, "{v}");
     d.kill9();
     d = Daemon::start_with(&data, &run, &[], &args);
+    let (_, ready) = d.req("GET", "/readyz", None, None);
+    let adopted = ready["recovery"]["adopted"].as_array().map_or(0, Vec::len);
+    assert_eq!(adopted, 4, "2 in use + 2 pooled adopted back: {ready}");
+    assert_eq!(ready["recovery"]["reaped"], json!([]), "{ready}");
     let p = wait_ready(&d, 2);
-    assert_eq!(p["ready"], 2, "pooled sandboxes are adopted back: {p}");
+    assert_eq!(p["misses"], 0, "no refill was needed: {p}");
     // Everything on the machine is either listed or in the pool.
     let listed = d.listed();
     let machine = d.on_machine(&listed);
@@ -829,5 +833,53 @@ fn pool_serves_creates_refills_and_survives_a_restart() {
     );
     assert_eq!(s, 200, "{v}");
     wait_ready(&d, 0);
+    d.finish();
+}
+
+/// Every operation in `/openapi.json` is routed (an unauthenticated call gets `unauthorized`,
+/// not `not_found` or 405), and it is a valid OpenAPI 3.1 skeleton.
+#[test]
+fn openapi_document_matches_the_router() {
+    let (data, run) = dirs("oapi");
+    let d = Daemon::start(&data, &run, &[]);
+    let (s, doc) = d.req("GET", "/openapi.json", None, None);
+    assert_eq!(s, 200);
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().expect("paths");
+    assert!(paths.len() >= 25, "{} paths", paths.len());
+    let bare = agent();
+    let mut checked = 0;
+    for (path, ops) in paths {
+        let concrete = path
+            .replace("{id}", "sb-0000000000000000")
+            .replace("{handle}", "1")
+            .replace("{session}", "1")
+            .replace("{name}", "host")
+            .replace("{template}", "host");
+        for (method, op) in ops.as_object().expect("ops") {
+            assert!(
+                op["summary"].is_string() && op["responses"].is_object(),
+                "{method} {path}"
+            );
+            let url = format!("{}{concrete}", d.url);
+            let r = match method.as_str() {
+                "get" => bare.get(&url).call(),
+                "delete" => bare.delete(&url).call(),
+                "post" => bare.post(&url).send("{}"),
+                "put" => bare.put(&url).send("{}"),
+                other => panic!("method {other}"),
+            };
+            let mut r = r.expect("http");
+            let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+                .unwrap_or(Value::Null);
+            assert_eq!(
+                (r.status().as_u16(), v["code"].as_str()),
+                (401, Some("unauthorized")),
+                "{method} {path} is routed and authenticated"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 30, "{checked} operations");
     d.finish();
 }

@@ -845,6 +845,12 @@ impl App {
 
     /// Sets a template's pool bounds (the size between them follows demand).
     pub fn set_pool(self: &Arc<Self>, template: &str, size: PoolSize) -> ApiResult<()> {
+        self.store.put_pool(template, size.min, size.max)?;
+        self.configure_pool(template, size)
+    }
+
+    /// Sets a pool's bounds in memory only (at start, from the store).
+    pub fn configure_pool(self: &Arc<Self>, template: &str, size: PoolSize) -> ApiResult<()> {
         {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
             let mut fresh = PoolState::new(size).map_err(ApiError::invalid)?;
@@ -888,7 +894,8 @@ impl App {
 
     /// Applies each pool's plan: starts background creates below target, destroys surplus.
     pub fn kick_pools(self: &Arc<Self>) {
-        if self.draining.load(Ordering::Relaxed) {
+        // Not while recovery may still hand adopted sandboxes back to their pools.
+        if self.draining.load(Ordering::Relaxed) || !self.ready.load(Ordering::Relaxed) {
             return;
         }
         let now = Instant::now();

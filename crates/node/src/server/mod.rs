@@ -87,7 +87,28 @@ async fn serve(
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
     let app = App::new(runtime, store);
+    // Pools first (recovery hands their adopted sandboxes back), from the store; the host
+    // pool from the flags unless it was configured through the API before.
+    let stored = app.store.pools()?;
+    for (template, min, max) in &stored {
+        app.configure_pool(
+            template,
+            PoolSize {
+                min: *min,
+                max: *max,
+            },
+        )
+        .map_err(|e| ServerError::Other(format!("pool {template}: {e}")))?;
+    }
+    if let Some(size) = cfg
+        .host_pool
+        .filter(|_| !stored.iter().any(|(t, ..)| t == "host"))
+    {
+        app.configure_pool("host", size)
+            .map_err(|e| ServerError::Other(format!("host pool: {e}")))?;
+    }
     let report = app.recover().await;
+    app.kick_pools();
     log::info(
         "recovered",
         &[
@@ -97,10 +118,6 @@ async fn serve(
             ("took_ms", &report.took_ms.to_string()),
         ],
     );
-    if let Some(size) = cfg.host_pool {
-        app.set_pool("host", size)
-            .map_err(|e| ServerError::Other(format!("host pool: {e}")))?;
-    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ServerError::Other(format!("listen on {}: {e}", cfg.listen)))?;
