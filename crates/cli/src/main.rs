@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_api;
 mod units;
 
 use std::io::Write;
@@ -248,6 +249,7 @@ fn main() -> ExitCode {
         Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
         Command::Template { command } => template(&cli, command),
+        Command::Bench(args) if args.what == "api" => bench_api::run(args),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),
     };
     match result {
