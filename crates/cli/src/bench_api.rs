@@ -174,12 +174,15 @@ fn rss_kb(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Latencies of one worker: create, exec, delete, whole cycle.
+type Samples = (Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>);
+
 /// Runs `threads` workers doing `per_thread` create + exec + delete cycles each.
 fn cycles(c: &Client, threads: usize, per_thread: usize) -> anyhow::Result<Value> {
     let errors = Arc::new(AtomicU64::new(0));
     let hits = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
-    let results: Vec<(Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>)> = std::thread::scope(|s| {
+    let results: Vec<Samples> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|_| {
                 let c = c.clone();
