@@ -72,7 +72,13 @@ pub struct Entry {
     pids: Mutex<Option<(i32, i32)>>,
     /// A destroy was asked for: a create in progress gives up instead of finishing.
     doomed: AtomicBool,
+    /// Destroys the sweeper tried and that failed (bounded by [`MAX_SWEEP_DESTROYS`]).
+    sweep_failures: std::sync::atomic::AtomicU32,
 }
+
+/// Failed destroys the sweeper retries before it leaves a sandbox `failed` for an operator
+/// (its record says why; an explicit DELETE still tries).
+pub const MAX_SWEEP_DESTROYS: u32 = 5;
 
 /// The monotonic instant of a record's earliest expiry (TTL or lease).
 fn deadline_of(r: &SandboxRecord) -> Option<Instant> {
@@ -93,6 +99,7 @@ impl Entry {
             deadline: Mutex::new(deadline_of(&rec)),
             pids: Mutex::new(sandbox.as_ref().map(|s| (s.supervisor_pid(), s.init_pid()))),
             doomed: AtomicBool::new(false),
+            sweep_failures: std::sync::atomic::AtomicU32::new(0),
             rec: Mutex::new(rec),
             live: Arc::new(tokio::sync::Mutex::new(sandbox)),
             watch,
@@ -1005,11 +1012,27 @@ impl App {
             let state = e.record().state;
             let due = (expired && matches!(state, State::Running | State::Ready))
                 || state == State::Failed;
-            if due && self.destroy(&e).await.is_ok() {
-                n += 1;
-                if expired {
-                    self.metrics.expired.inc();
-                    log::info("sandbox expired", &[("sandbox", &r.id)]);
+            if !due || e.sweep_failures.load(Ordering::Relaxed) >= MAX_SWEEP_DESTROYS {
+                continue;
+            }
+            match self.destroy(&e).await {
+                Ok(_) => {
+                    n += 1;
+                    if expired {
+                        self.metrics.expired.inc();
+                        log::info("sandbox expired", &[("sandbox", &r.id)]);
+                    }
+                }
+                Err(err) => {
+                    let tries = e.sweep_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                    log::warn(
+                        "destroy failed",
+                        &[
+                            ("sandbox", &r.id),
+                            ("error", &err.detail),
+                            ("attempt", &tries.to_string()),
+                        ],
+                    );
                 }
             }
         }
