@@ -16,6 +16,7 @@ const MAX_JSON: u64 = 256 << 20;
 pub const EXIT_CODES: &str = "\
 Exit codes of the commands that talk to the daemon (sandbox, pool, tenant):
   0    success
+  1    a local file could not be read or written
   2    usage error, or the daemon refused the request as invalid (invalid_request, path_escape,
        wrong_file_type, permission_denied, spawn_failed, too_large, template_invalid)
   3    not found (sandbox_not_found, template_not_found, not_found, handle_not_found)
@@ -24,9 +25,9 @@ Exit codes of the commands that talk to the daemon (sandbox, pool, tenant):
   6    the daemon is unreachable (nothing listens at --url / DSEC_URL, or the connection broke)
   7    conflict (invalid_transition, idempotency_conflict)
   70   internal error (internal, agent_unavailable, an answer the client does not understand)
-  1    a local file could not be read or written
-`dsec sandbox exec` exits with the command's own exit code instead: 124 when it timed out, 137
-when it was killed for memory, 125 when its output overflowed, 128+N when killed by signal N.
+`dsec sandbox exec` exits with the command's own exit code instead: 124 when it timed out (or
+the daemon answered exec_timeout), 137 when it was killed for memory, 125 when its output
+overflowed, 128+N when killed by signal N.
 A failure of dsec itself is then told apart by the `dsec:` line on stderr.";
 
 /// Exit code: usage error or a request the daemon refused as invalid.

@@ -440,14 +440,12 @@ fn show(v: &Value, json: bool) -> Result<ExitCode, ClientError> {
             what: "a sandbox is not an object".into(),
         });
     };
-    let line = |out: &mut String, k: &str, v: &Value| {
-        out.push_str(&format!("{:<17} {}\n", format!("{k}:"), text(v)));
-    };
+    let mut lines: Vec<(String, String)> = Vec::new();
     for k in order {
         if let Some(x) = m.get(k) {
-            line(&mut out, k, x);
+            lines.push((k.to_owned(), text(x)));
             if k == "created_at" {
-                line(&mut out, "age", &Value::String(age(&text(x))));
+                lines.push(("age".into(), age(&text(x))));
             }
         }
     }
@@ -457,16 +455,21 @@ fn show(v: &Value, json: bool) -> Result<ExitCode, ClientError> {
                 (
                     "memory_max" | "memory_high" | "disk_bytes" | "file_size_max" | "shm_bytes",
                     Some(n),
-                ) => Value::String(output::size(n)),
-                _ => x.clone(),
+                ) => output::size(n),
+                _ => text(x),
             };
-            line(&mut out, &format!("limits.{k}"), &shown);
+            lines.push((format!("limits.{k}"), shown));
         }
     }
     for (k, x) in m {
         if !order.contains(&k.as_str()) && k != "limits" {
-            line(&mut out, k, x);
+            lines.push((k.clone(), text(x)));
         }
+    }
+    let width = lines.iter().map(|(k, _)| k.len() + 1).max().unwrap_or(0);
+    for (k, v) in lines {
+        let v = if v.is_empty() { "-".to_owned() } else { v };
+        out.push_str(&format!("{:<width$} {v}\n", format!("{k}:")));
     }
     write_out(out.as_bytes(), false)?;
     Ok(ExitCode::SUCCESS)
