@@ -177,7 +177,27 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
+    /// After a failed assertion: destroy what the admin key can see (sandboxes outlive the
+    /// daemon), then kill it.
     fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let out = dsec_at(
+                &self.url,
+                Some(&self.key),
+                &["sandbox", "list", "--json"],
+                b"",
+            );
+            let ids: Vec<String> = serde_json::from_slice::<Value>(&out.stdout)
+                .ok()
+                .and_then(|v| v.as_array().cloned())
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|s| s["id"].as_str().map(str::to_owned))
+                .collect();
+            for id in ids {
+                let _ = dsec_at(&self.url, Some(&self.key), &["sandbox", "kill", &id], b"");
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
