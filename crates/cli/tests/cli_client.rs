@@ -472,7 +472,7 @@ fn failures_name_their_fix_and_exit_with_documented_codes() {
         .ok(&[
             "tenant",
             "create",
-            "team-a",
+            "tenant-a",
             "--max-sandboxes",
             "1",
             "--max-memory",
@@ -484,7 +484,7 @@ fn failures_name_their_fix_and_exit_with_documented_codes() {
     assert!(!key.is_empty());
     let tenants = d.ok(&["tenant", "list"]).text();
     assert!(
-        tenants.contains("team-a") && tenants.contains("1G"),
+        tenants.contains("tenant-a") && tenants.contains("1G"),
         "{tenants}"
     );
     let t = |args: &[&str]| dsec_at(&d.url, Some(&key), args, b"");
