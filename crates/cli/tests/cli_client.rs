@@ -91,7 +91,15 @@ impl Daemon {
             .arg(data)
             .arg("--run-dir")
             .arg(run)
-            .args(["server", "--listen", "127.0.0.1:0", "--drain-seconds", "10"])
+            .args([
+                "server",
+                "--listen",
+                "127.0.0.1:0",
+                "--drain-seconds",
+                "10",
+                "--pool-max",
+                "0",
+            ])
             .env("DSEC_SPAWNER_SHELLS", "2")
             .stdout(Stdio::piped())
             .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {

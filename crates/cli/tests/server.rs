@@ -655,6 +655,23 @@ fn tenants_are_isolated_and_quotas_hold() {
     );
     let (s, _) = b("GET", "/v1/tenants", None);
     assert_eq!(s, 403, "only the admin lists tenants");
+    let (s, _) = b(
+        "GET",
+        &format!("/v1/sandboxes?tenant={}", t["id"].as_str().unwrap_or("")),
+        None,
+    );
+    assert_eq!(s, 403, "only the admin lists another tenant's sandboxes");
+    // The admin (operator) sees and can inspect B's sandbox.
+    let (s, v) = d.req(
+        "GET",
+        &format!("/v1/sandboxes?tenant={}", t["id"].as_str().unwrap_or("")),
+        None,
+        None,
+    );
+    assert_eq!(s, 200);
+    assert_eq!(v["items"][0]["id"], b_id.as_str(), "{v}");
+    let (s, _) = d.req("GET", &format!("/v1/sandboxes/{b_id}"), None, None);
+    assert_eq!(s, 200);
     let (s, _) = b("DELETE", &format!("/v1/sandboxes/{b_id}"), None);
     assert_eq!(s, 200);
     d.finish();

@@ -560,7 +560,7 @@ async fn get_sandbox(
             _ => Err(ApiError::no_sandbox(&id)),
         };
     };
-    if e.record().tenant.as_deref() != Some(&t.id) {
+    if e.record().tenant.as_deref() != Some(&t.id) && !t.admin {
         return Err(ApiError::no_sandbox(&id));
     }
     let admin_view = |e: &Entry| {
@@ -606,8 +606,13 @@ async fn list_sandboxes(
     let mut labels = BTreeMap::new();
     let mut limit = 100usize;
     let mut cursor = String::new();
+    let mut owner = t.id.clone();
     for (k, v) in q {
         match k.as_str() {
+            "tenant" => {
+                require_admin(&t)?;
+                owner = v;
+            }
             "state" => state = Some(parse_state(&v)?),
             "label" => {
                 let (lk, lv) = v
@@ -634,7 +639,7 @@ async fn list_sandboxes(
     let mut items = Vec::new();
     let mut next = None;
     'scan: loop {
-        let page = app.store.tenant_sandboxes(&t.id, &cursor, 500)?;
+        let page = app.store.tenant_sandboxes(&owner, &cursor, 500)?;
         let exhausted = page.len() < 500;
         for r in page {
             cursor = r.id.clone();
@@ -662,7 +667,7 @@ async fn delete_sandbox(
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    let e = app.owned(&t, &id)?;
+    let e = app.owned_or_admin(&t, &id)?;
     let rec = app.destroy(&e).await?;
     Ok(Json(view(&rec)))
 }
