@@ -973,3 +973,59 @@ fn templates_import_use_and_delete() {
     assert_eq!((s, v["code"].clone()), (404, json!("template_not_found")));
     d.finish();
 }
+
+/// Creating and destroying sandboxes through the daemon leaves its descriptors, the host's
+/// mount table and the sandbox cgroups where they were.
+#[test]
+fn leak_counters_return_to_baseline() {
+    let (data, run) = dirs("leak");
+    let d = Daemon::start(&data, &run, &[]);
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
+            .map(|r| r.count())
+            .unwrap_or(0)
+    };
+    let host_mounts = || {
+        std::fs::read_to_string("/proc/1/mountinfo")
+            .map(|m| m.lines().count())
+            .unwrap_or(0)
+    };
+    // One round first, so that lazily opened descriptors (store, pooled connections) exist.
+    let warm = d.create(None)["id"].as_str().expect("id").to_owned();
+    d.exec_ok(&warm, "true");
+    d.req("DELETE", &format!("/v1/sandboxes/{warm}"), None, None);
+    let (fd0, mounts0) = (fds(), host_mounts());
+    for _ in 0..3 {
+        let (s, v) = d.req(
+            "POST",
+            "/v1/sandboxes/batch",
+            Some(json!({"count": 10, "spec": {"labels": {"leak": "1"}}})),
+            None,
+        );
+        assert_eq!(s, 200, "{v}");
+        for it in v["items"].as_array().expect("items") {
+            let id = it["sandbox"]["id"].as_str().expect("id");
+            d.exec_ok(id, "echo x > /tmp/x; sleep 0.01 &");
+        }
+        let (s, _) = d.req(
+            "POST",
+            "/v1/sandboxes/batch-delete",
+            Some(json!({"labels": {"leak": "1"}})),
+            None,
+        );
+        assert_eq!(s, 200);
+    }
+    assert!(d.listed().is_empty());
+    let fd1 = fds();
+    assert!(
+        fd1 <= fd0 + 2,
+        "daemon descriptors: {fd0} before, {fd1} after"
+    );
+    assert_eq!(
+        host_mounts(),
+        mounts0,
+        "the host's mount table is unchanged"
+    );
+    assert!(d.on_machine(&BTreeSet::new()).is_empty());
+    d.finish();
+}
