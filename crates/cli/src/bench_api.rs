@@ -24,8 +24,41 @@ struct Daemon {
     base: std::path::PathBuf,
 }
 
+impl Daemon {
+    /// Destroys every sandbox the bench made (sandboxes outlive their daemon by design, so a
+    /// bench that stops early must not leave its abusers running).
+    fn destroy_everything(&self) {
+        let c = Client {
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(60)))
+                .build()
+                .into(),
+            url: self.url.clone(),
+            key: self.key.clone(),
+        };
+        let _ = c.set_pool(0, 0);
+        for _ in 0..3 {
+            let Ok(v) = c.ok("GET", "/v1/sandboxes?limit=1000", None) else {
+                return;
+            };
+            let ids: Vec<&str> = v["items"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|i| i["id"].as_str()).collect())
+                .unwrap_or_default();
+            if ids.is_empty() {
+                break;
+            }
+            let _ = c.ok("POST", "/v1/sandboxes/batch-delete", Some(&json!({"ids": ids})));
+        }
+        // Pooled ones go once the pool is sized 0; give the daemon a moment.
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
+        self.destroy_everything();
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
