@@ -51,8 +51,15 @@ impl Daemon {
             }
             let _ = c.ok("POST", "/v1/sandboxes/batch-delete", Some(&json!({"ids": ids})));
         }
-        // Pooled ones go once the pool is sized 0; give the daemon a moment.
-        std::thread::sleep(Duration::from_millis(500));
+        // Pooled ones go once the pool is sized 0.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match c.ok("GET", "/v1/pools/host", None) {
+                Ok(p) if p["ready"] == 0 && p["creating"] == 0 => break,
+                Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => break,
+            }
+        }
     }
 }
 
