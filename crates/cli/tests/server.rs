@@ -243,6 +243,13 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // A failed test must not leave sandboxes running (they outlive the daemon by design):
+        // the admin destroys whatever this node still has a runtime dir for.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            for id in self.on_machine(&BTreeSet::new()) {
+                let _ = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
