@@ -49,7 +49,11 @@ impl Daemon {
             if ids.is_empty() {
                 break;
             }
-            let _ = c.ok("POST", "/v1/sandboxes/batch-delete", Some(&json!({"ids": ids})));
+            let _ = c.ok(
+                "POST",
+                "/v1/sandboxes/batch-delete",
+                Some(&json!({"ids": ids})),
+            );
         }
         // Pooled ones go once the pool is sized 0.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -434,20 +438,23 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             2 => "f() { f | f & }; f",
             _ => "/usr/bin/python3 -c 'a=[]\nwhile 1: a.append(bytearray(1<<20))' ; while :; do :; done",
         };
-        if c
-            .ok(
-                "POST",
-                &format!("/v1/sandboxes/{id}/processes"),
-                Some(&json!({"shell": script})),
-            )
-            .is_err()
+        if c.ok(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(&json!({"shell": script})),
+        )
+        .is_err()
         {
             abuse_start_errors += 1;
         }
     }
     std::thread::sleep(Duration::from_millis(500));
     let abused = dist(quiet(&c, &victim)?);
-    c.ok("POST", "/v1/sandboxes/batch-delete", Some(&json!({"labels": {"bench": "abuse"}})))?;
+    c.ok(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"bench": "abuse"}})),
+    )?;
     c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
     out.insert(
         "exec_true_under_20_abusers".into(),

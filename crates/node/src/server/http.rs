@@ -123,7 +123,23 @@ async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(auth::random_id, str::to_owned);
-    let mut resp = REQUEST_ID.scope(id.clone(), next.run(req)).await;
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let mut resp = REQUEST_ID
+        .scope(id.clone(), async move {
+            let resp = next.run(req).await;
+            if resp.status().is_server_error() {
+                log::warn(
+                    "request failed",
+                    &[
+                        ("method", method.as_str()),
+                        ("path", &path),
+                        ("status", resp.status().as_str()),
+                    ],
+                );
+            }
+            resp
+        })
+        .await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -669,6 +685,13 @@ async fn delete_sandbox(
 ) -> ApiResult<Json<Value>> {
     let e = app.owned_or_admin(&t, &id)?;
     let rec = app.destroy(&e).await?;
+    log::info(
+        "sandbox destroyed",
+        &[
+            ("sandbox", &rec.id),
+            ("tenant", rec.tenant.as_deref().unwrap_or("-")),
+        ],
+    );
     Ok(Json(view(&rec)))
 }
 
