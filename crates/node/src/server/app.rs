@@ -610,7 +610,12 @@ impl App {
                 id.and_then(|id| entries.get(&id).cloned())
             });
             match hit {
-                Some(e) => Ok(e),
+                Some(e) => {
+                    // Counted against the tenant from now on (persisted with the handover).
+                    e.rec.lock().unwrap_or_else(|p| p.into_inner()).tenant =
+                        Some(tenant.id.clone());
+                    Ok(e)
+                }
                 None => {
                     let id = crate::container::new_id();
                     let mut rec = SandboxRecord {
