@@ -1582,20 +1582,30 @@ async fn events(
     Extension(t): Extension<Tenant>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let rx = app.events.subscribe();
-    let stream = futures_util::stream::unfold((rx, t), |(mut rx, t)| async move {
+    let stream = futures_util::stream::unfold((rx, t, app), |(mut rx, t, app)| async move {
         loop {
-            match rx.recv().await {
+            // The stream ends when the node drains, so that shutdown does not wait for it.
+            if app.draining.load(Ordering::Relaxed) {
+                return None;
+            }
+            let Ok(next) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await else {
+                continue;
+            };
+            match next {
                 Ok(ev) if t.admin || ev.tenant.as_deref() == Some(&t.id) => {
                     let data = serde_json::to_string(&ev).unwrap_or_default();
                     return Some((
                         Ok(SseEvent::default().event("lifecycle").data(data)),
-                        (rx, t),
+                        (rx, t, app),
                     ));
                 }
                 Ok(_) => continue,
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                     let data = json!({"lagged": n}).to_string();
-                    return Some((Ok(SseEvent::default().event("lagged").data(data)), (rx, t)));
+                    return Some((
+                        Ok(SseEvent::default().event("lagged").data(data)),
+                        (rx, t, app),
+                    ));
                 }
                 Err(_) => return None,
             }
