@@ -1107,3 +1107,50 @@ fn events_stream_and_long_poll() {
     }
     d.finish();
 }
+
+/// A sandbox on the machine with no record (its row lost) is found and destroyed at start;
+/// the node-wide limit answers `resource_exhausted`.
+#[test]
+fn orphans_are_reaped_and_the_node_limit_holds() {
+    let (data, run) = dirs("orph");
+    let mut d = Daemon::start_with(
+        &data,
+        &run,
+        &[],
+        &["--pool-max", "0", "--max-sandboxes", "2"],
+    );
+    let kept = d.create(None)["id"].as_str().expect("id").to_owned();
+    let lost = d.create(None)["id"].as_str().expect("id").to_owned();
+    let (s, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), None);
+    assert_eq!(
+        (s, v["code"].clone()),
+        (503, json!("resource_exhausted")),
+        "{v}"
+    );
+    d.kill9();
+    let db = data.join("state.db");
+    let st = Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import sqlite3; c = sqlite3.connect({:?}); c.execute(\"DELETE FROM sandboxes WHERE id = '{lost}'\"); c.commit()",
+            db.display().to_string()
+        ))
+        .status()
+        .expect("python3");
+    assert!(st.success(), "drop the record");
+    let d = Daemon::start(&data, &run, &[]);
+    let (_, ready) = d.req("GET", "/readyz", None, None);
+    assert_eq!(
+        ready["recovery"]["orphans"],
+        json!([lost.clone()]),
+        "{ready}"
+    );
+    assert_eq!(
+        ready["recovery"]["adopted"],
+        json!([kept.clone()]),
+        "{ready}"
+    );
+    assert!(!cgroups().contains(&lost), "the orphan's cgroup is gone");
+    d.assert_converged("after the orphan was reaped");
+    d.finish();
+}

@@ -550,8 +550,33 @@ async fn create_sandbox(
 #[derive(Deserialize)]
 struct GetQuery {
     wait: Option<String>,
-    timeout: Option<u64>,
+    timeout: Option<String>,
     after_version: Option<u64>,
+}
+
+/// A duration parameter: `30s`, `500ms`, `2m`, or bare milliseconds.
+fn parse_duration(s: &str) -> ApiResult<Duration> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num.parse().map_err(|_| {
+        ApiError::invalid(format!(
+            "bad duration {:?}",
+            s.chars().take(32).collect::<String>()
+        ))
+    })?;
+    let ms = match unit {
+        "" | "ms" => n,
+        "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        _ => {
+            return Err(ApiError::invalid(
+                "durations are <n>ms, <n>s, <n>m or bare milliseconds",
+            ))
+        }
+    };
+    Ok(Duration::from_millis(ms))
 }
 
 fn parse_state(s: &str) -> ApiResult<State> {
@@ -591,7 +616,13 @@ async fn get_sandbox(
     };
     let want = q.wait.as_deref().map(parse_state).transpose()?;
     if want.is_some() || q.after_version.is_some() {
-        let timeout = Duration::from_millis(q.timeout.unwrap_or(30_000).min(MAX_WAIT_MS));
+        let timeout = q
+            .timeout
+            .as_deref()
+            .map(parse_duration)
+            .transpose()?
+            .unwrap_or(Duration::from_secs(30))
+            .min(Duration::from_millis(MAX_WAIT_MS));
         let mut rx = e.subscribe();
         let done = |(s, v): (State, u64)| {
             want.is_some_and(|w| w == s)
@@ -1612,4 +1643,30 @@ async fn events(
         }
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s").ok(), Some(Duration::from_secs(30)));
+        assert_eq!(parse_duration("250").ok(), Some(Duration::from_millis(250)));
+        assert_eq!(
+            parse_duration("250ms").ok(),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(parse_duration("2m").ok(), Some(Duration::from_secs(120)));
+        assert!(parse_duration("2h").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339(1_796_042_274_227), "2026-11-30T12:37:54.227Z");
+    }
 }
