@@ -135,11 +135,7 @@ impl Index {
 
     /// The first intent and the first result recorded for `(trajectory, step)`, or `None` if the
     /// step has no record at all (annotations count as records).
-    pub fn step(
-        &self,
-        trajectory: &str,
-        step: u64,
-    ) -> Option<StepSlots> {
+    pub fn step(&self, trajectory: &str, step: u64) -> Option<StepSlots> {
         let t = self.trajs.get(trajectory)?;
         let mut any = false;
         let mut intent = None;

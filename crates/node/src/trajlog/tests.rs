@@ -149,6 +149,8 @@ enum Damage {
     Truncate(usize),
     Flip(usize, u8),
     TruncateAndFlip(usize, usize, u8),
+    /// Up to three flips anywhere (CRC-32 detects any three-bit error in a frame).
+    Flips(Vec<(usize, u8)>),
 }
 
 fn damage_strategy() -> impl Strategy<Value = Damage> {
@@ -157,6 +159,7 @@ fn damage_strategy() -> impl Strategy<Value = Damage> {
         (any::<usize>(), 0u8..8).prop_map(|(p, b)| Damage::Flip(p, b)),
         (any::<usize>(), any::<usize>(), 0u8..8)
             .prop_map(|(c, p, b)| Damage::TruncateAndFlip(c, p, b)),
+        proptest::collection::vec((any::<usize>(), 0u8..8), 1..=3).prop_map(Damage::Flips),
     ]
 }
 
@@ -172,7 +175,7 @@ fn at_global(segs: &[(PathBuf, usize)], total: usize, pos: usize, op: impl FnOnc
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(192))]
+    #![proptest_config(ProptestConfig::with_cases(512))]
 
     /// L-02: whatever single truncation and/or bit flip hits the log (in any segment), recovery
     /// does not panic, and what it yields is exactly the records before the first damaged one —
@@ -222,6 +225,22 @@ proptest! {
                 }
                 cut_at(c);
                 first_bad = first_bad.min(c).min(if p < c { p } else { total });
+            }
+            Damage::Flips(flips) => {
+                let mut seen = std::collections::BTreeMap::new();
+                for (p, b) in flips {
+                    *seen.entry(p % total).or_insert(0u8) ^= 1 << b;
+                }
+                for (&p, &mask) in &seen {
+                    for b in (0..8).filter(|b| mask & (1 << b) != 0) {
+                        flip(p, b);
+                    }
+                }
+                // Flips that cancel out leave the byte intact.
+                first_bad = seen
+                    .iter()
+                    .find(|(_, &m)| m != 0)
+                    .map_or(total, |(&p, _)| p);
             }
         }
         let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("open");
