@@ -94,6 +94,10 @@ struct ServerArgs {
     /// Ready sandboxes of the `host` template kept at least (the pool grows with demand).
     #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
     pool_min: usize,
+    /// Extra regular expressions masked in the trajectory log (repeatable; API-key and token
+    /// patterns of common providers are always masked).
+    #[arg(long = "redact")]
+    redact: Vec<String>,
     /// Most sandboxes this node holds at once, pools included.
     #[arg(long, env = "DSEC_MAX_SANDBOXES", default_value_t = 10_000)]
     max_sandboxes: usize,
@@ -261,6 +265,11 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
         max_sandboxes: args.max_sandboxes,
+        redact_patterns: dsec_node::server::trajectory::DEFAULT_PATTERNS
+            .iter()
+            .map(|p| (*p).to_owned())
+            .chain(args.redact.iter().cloned())
+            .collect(),
         host_pool: (args.pool_max > 0).then_some(dsec_node::server::PoolSize {
             min: args.pool_min.min(args.pool_max),
             max: args.pool_max,
