@@ -7,6 +7,7 @@ mod bench_api;
 mod client;
 mod output;
 mod sandbox_cmd;
+mod trajectory_cmd;
 mod units;
 
 use std::io::Write;
@@ -80,6 +81,12 @@ enum Command {
     Tenant {
         #[command(subcommand)]
         command: admin_cmd::TenantCmd,
+    },
+    /// List, show, annotate and export trajectories of a running daemon.
+    #[command(after_long_help = client::EXIT_CODES)]
+    Trajectory {
+        #[command(subcommand)]
+        command: trajectory_cmd::TrajectoryCmd,
     },
 }
 
@@ -316,6 +323,9 @@ fn main() -> ExitCode {
         Command::Sandbox { command } => return remote(&cli, |c| sandbox_cmd::run(c, command)),
         Command::Pool { command } => return remote(&cli, |c| admin_cmd::pool(c, command)),
         Command::Tenant { command } => return remote(&cli, |c| admin_cmd::tenant(c, command)),
+        Command::Trajectory { command } => {
+            return remote(&cli, |c| trajectory_cmd::run(c, command))
+        }
         Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
         Command::Template { command } => template(&cli, command),
