@@ -105,6 +105,12 @@ struct ServerArgs {
     /// patterns of common providers are always masked).
     #[arg(long = "redact")]
     redact: Vec<String>,
+    /// Delete trajectory log segments older than this many hours (never the active one).
+    #[arg(long)]
+    log_retention_hours: Option<u64>,
+    /// Keep at most this many bytes of trajectory log (oldest segments go first).
+    #[arg(long, value_parser = units::parse_bytes)]
+    log_retention_bytes: Option<u64>,
     /// Most sandboxes this node holds at once, pools included.
     #[arg(long, env = "DSEC_MAX_SANDBOXES", default_value_t = 10_000)]
     max_sandboxes: usize,
@@ -272,6 +278,11 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
         max_sandboxes: args.max_sandboxes,
+        log_retention: (
+            args.log_retention_hours
+                .map(|h| std::time::Duration::from_secs(h.saturating_mul(3600))),
+            args.log_retention_bytes,
+        ),
         redact_patterns: dsec_node::server::trajectory::DEFAULT_PATTERNS
             .iter()
             .map(|p| (*p).to_owned())

@@ -1110,6 +1110,10 @@ impl App {
                 log::warn("orphan removed", &[("sandbox", &id)]);
             }
         }
+        if self.sweeps.load(Ordering::Relaxed) % 60 == 0 {
+            let app = Arc::clone(self);
+            let _ = tokio::task::spawn_blocking(move || app.trajectories.enforce_retention()).await;
+        }
         let now = now_ms();
         let day_ago = now.saturating_sub(24 * 3600 * 1000);
         let hour_ago = now.saturating_sub(3600 * 1000);

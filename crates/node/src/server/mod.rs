@@ -48,6 +48,9 @@ pub struct ServerConfig {
     pub max_sandboxes: usize,
     /// Patterns masked in the trajectory log (on top of secret env values).
     pub redact_patterns: Vec<String>,
+    /// Trajectory log retention: whole segments older than this, or beyond this many bytes,
+    /// are deleted (never the active one).
+    pub log_retention: (Option<Duration>, Option<u64>),
 }
 
 /// A failure to start or run the daemon.
@@ -94,11 +97,13 @@ async fn serve(
         .map_err(|e| ServerError::Other(e.to_string()))??;
     let traj_dir = cfg.runtime.data_dir.join("trajectories");
     let patterns = cfg.redact_patterns.clone();
-    let trajectories =
-        tokio::task::spawn_blocking(move || trajectory::Trajectories::open(traj_dir, &patterns))
-            .await
-            .map_err(|e| ServerError::Other(e.to_string()))?
-            .map_err(ServerError::Other)?;
+    let retention = cfg.log_retention;
+    let trajectories = tokio::task::spawn_blocking(move || {
+        trajectory::Trajectories::open(traj_dir, &patterns, retention)
+    })
+    .await
+    .map_err(|e| ServerError::Other(e.to_string()))?
+    .map_err(ServerError::Other)?;
     if trajectories.recovery.is_corrupt() {
         log::warn(
             "trajectory log: corruption found; serving its valid prefix (damaged segments kept as *.corrupt-*)",

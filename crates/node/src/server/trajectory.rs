@@ -217,12 +217,18 @@ fn log_err(e: crate::trajlog::LogError) -> ApiError {
 
 impl Trajectories {
     /// Opens the log under `dir` (recovering it) with the given redaction patterns.
-    pub fn open(dir: PathBuf, patterns: &[String]) -> Result<Self, String> {
+    pub fn open(
+        dir: PathBuf,
+        patterns: &[String],
+        retention: (Option<std::time::Duration>, Option<u64>),
+    ) -> Result<Self, String> {
         let redactor = Redactor::new(patterns)?;
         let blobs = dir.join("blobs");
         std::fs::create_dir_all(&blobs).map_err(|e| format!("{}: {e}", blobs.display()))?;
-        let (log, recovery) = TrajLog::open(Config::new(dir.join("segments")))
-            .map_err(|e| format!("trajectory log: {e}"))?;
+        let mut config = Config::new(dir.join("segments"));
+        config.retention_max_age = retention.0;
+        config.retention_max_bytes = retention.1;
+        let (log, recovery) = TrajLog::open(config).map_err(|e| format!("trajectory log: {e}"))?;
         Ok(Self {
             log,
             blobs,
@@ -236,6 +242,15 @@ impl Trajectories {
     /// The log.
     pub fn log(&self) -> &TrajLog {
         &self.log
+    }
+
+    /// Applies the log's retention; forgets cached chains when segments went.
+    pub fn enforce_retention(&self) {
+        if let Ok(r) = self.log.enforce_retention() {
+            if !r.deleted.is_empty() {
+                self.cache.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            }
+        }
     }
 
     /// The redactor.
