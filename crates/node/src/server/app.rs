@@ -1110,7 +1110,7 @@ impl App {
                 log::warn("orphan removed", &[("sandbox", &id)]);
             }
         }
-        if self.sweeps.load(Ordering::Relaxed) % 60 == 0 {
+        if self.sweeps.load(Ordering::Relaxed).is_multiple_of(60) {
             let app = Arc::clone(self);
             let _ = tokio::task::spawn_blocking(move || app.trajectories.enforce_retention()).await;
         }
