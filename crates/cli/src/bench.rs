@@ -17,7 +17,8 @@ use serde::Serialize;
 /// Arguments of `dsec bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// What to measure: `container` (the substrate, in process) or `api` (the daemon over HTTP).
+    /// What to measure: `container` (the substrate, in process), `api` (the daemon over HTTP) or
+    /// `log` (the trajectory log's durable appends and replay, with SQLite as the peer).
     pub what: String,
     /// Iterations per latency figure.
     #[arg(long, default_value_t = 200)]
@@ -127,7 +128,7 @@ pub fn run(
 ) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         args.what == "container",
-        "unknown benchmark {:?} (available: container)",
+        "unknown benchmark {:?} (available: container, api, log)",
         args.what
     );
     let rt = rt()?;

@@ -4,6 +4,7 @@
 mod admin_cmd;
 mod bench;
 mod bench_api;
+mod bench_log;
 mod client;
 mod output;
 mod sandbox_cmd;
@@ -341,6 +342,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run(&cli, args),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) if args.what == "api" => bench_api::run(args),
+        Command::Bench(args) if args.what == "log" => bench_log::run(args, &cli.data_dir),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),
     };
     match result {

@@ -22,6 +22,7 @@
 //! and read payloads with positioned reads (`pread`) from the segment files; they block on disk,
 //! so async callers should use `spawn_blocking` for large reads.
 
+pub mod export;
 mod format;
 mod index;
 mod queue;
