@@ -2034,9 +2034,58 @@ async fn export_trajectory(
             );
             Ok(resp)
         }
+        "parquet" => {
+            let rows: Vec<crate::trajlog::export::ExportRow> = rows.iter().map(export_row).collect();
+            let bytes = tokio::task::spawn_blocking(move || {
+                let mut out = Vec::new();
+                crate::trajlog::export::to_parquet(&rows, &mut out).map(|()| out)
+            })
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|e| ApiError::internal(format!("parquet: {e}")))?;
+            let mut resp = (StatusCode::OK, bytes).into_response();
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/vnd.apache.parquet"),
+            );
+            Ok(resp)
+        }
         other => Err(ApiError::invalid(format!(
-            "unknown export format {:?} (jsonl)",
+            "unknown export format {:?} (jsonl, parquet)",
             other.chars().take(16).collect::<String>()
         ))),
+    }
+}
+
+/// One export row in the columns of the Parquet schema: the step's annotations decide the
+/// reward (the last one given, the step's over the trajectory's) and the labels (all).
+fn export_row(r: &Value) -> crate::trajlog::export::ExportRow {
+    let notes: Vec<&Value> = r["trajectory_annotations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .chain(r["annotations"].as_array().into_iter().flatten())
+        .collect();
+    let reward = notes.iter().filter_map(|n| n["reward"].as_f64()).next_back();
+    let mut labels: Vec<String> = notes
+        .iter()
+        .flat_map(|n| n["labels"].as_array().into_iter().flatten())
+        .filter_map(|l| l.as_str().map(str::to_owned))
+        .collect();
+    labels.dedup();
+    crate::trajlog::export::ExportRow {
+        trajectory: r["trajectory"].as_str().unwrap_or_default().to_owned(),
+        step: r["step"].as_u64().unwrap_or(0),
+        action: r["action"].to_string(),
+        observation: r["observation"].to_string(),
+        exit_status: r["exit_status"].as_str().map(str::to_owned),
+        exit_code: r["exit_code"].as_i64(),
+        wall_us: r["wall_us"].as_i64(),
+        started_at_ms: r["started_at_ms"].as_i64(),
+        finished_at_ms: r["finished_at_ms"].as_i64(),
+        reward,
+        labels,
+        annotations: json!({"step": r["annotations"], "trajectory": r["trajectory_annotations"]})
+            .to_string(),
     }
 }
