@@ -1,0 +1,48 @@
+"""The durability promise: kill -9 of the daemon loses no acknowledged sandbox."""
+
+from __future__ import annotations
+
+import pytest
+
+import dsec
+
+
+@pytest.mark.durability
+def test_sandbox_survives_server_kill9(fresh_server) -> None:
+    c = fresh_server.client()
+    sb = dsec.Sandbox.create(c, labels={"durable": "yes"})
+    sb.files.write("/tmp/keep", b"still here")
+    p = sb.spawn(["/bin/sleep", "300"])
+    key = fresh_server.admin_key
+    c.close()
+
+    fresh_server.kill9()
+    fresh_server.clients = []
+    fresh_server.start()  # same data dir, same run dir, same port
+    assert fresh_server.admin_key == key, "the admin key changed across a restart"
+
+    c2 = fresh_server.client()
+    again = dsec.Sandbox.connect(sb.id, c2)
+    assert again.state == "running"
+    assert [s.id for s in c2.list_sandboxes(labels={"durable": "yes"})] == [sb.id]
+    # the same sandbox (not a new one): its files and processes are still there
+    assert again.files.read("/tmp/keep") == b"still here"
+    r = again.exec("echo alive; ls /tmp/keep")
+    assert r.ok and r.text == "alive\n/tmp/keep\n"
+    assert dsec.Process(again, {"handle": p.handle}).status().running
+    again.destroy()
+    # fresh_server's teardown: SIGTERM exits 0, and no cgroup of this sandbox is left
+
+
+@pytest.mark.durability
+def test_idempotent_create_replays_after_kill9(fresh_server) -> None:
+    c = fresh_server.client()
+    sb = c.create_sandbox(idempotency_key="durable-create-1")
+    fresh_server.kill9()
+    fresh_server.clients = []
+    fresh_server.start()
+    c2 = fresh_server.client()
+    again = c2.create_sandbox(idempotency_key="durable-create-1")
+    assert again.id == sb.id
+    assert len([s for s in c2.list_sandboxes() if s.state not in dsec.FINAL_STATES]) == 1
+    again.destroy()
