@@ -34,6 +34,8 @@ __all__ = [
     "WrongFileType",
     "SpawnFailed",
     "InternalError",
+    "TemplateInvalid",
+    "UnsupportedVersion",
     "ERROR_CLASSES",
     "error_from_problem",
 ]
@@ -221,6 +223,18 @@ class InternalError(DsecError):
     default_code = "internal"
 
 
+class TemplateInvalid(DsecError):
+    """``template_invalid`` (400): an imported template is malformed or hostile."""
+
+    default_code = "template_invalid"
+
+
+class UnsupportedVersion(DsecError):
+    """``unsupported_version`` (400): a protocol version the node does not speak."""
+
+    default_code = "unsupported_version"
+
+
 #: stable error code -> exception class
 ERROR_CLASSES: Dict[str, Type[DsecError]] = {
     cls.default_code: cls
@@ -246,6 +260,8 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         WrongFileType,
         SpawnFailed,
         InternalError,
+        TemplateInvalid,
+        UnsupportedVersion,
     )
 }
 

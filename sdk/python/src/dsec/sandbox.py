@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import time
@@ -237,6 +238,7 @@ class Sandbox(_SandboxData):
             )
             if self.state == state or self.state in FINAL_STATES or left == 0:
                 return self
+            time.sleep(0.05)  # the server answered early: don't spin
 
     def wait_for_change(self, after_version: Optional[int] = None, timeout_ms: int = 30_000) -> "Sandbox":
         """Long-poll until the version exceeds ``after_version`` (default: the current one)."""
@@ -613,6 +615,7 @@ class AsyncSandbox(_SandboxData):
             )
             if self.state == state or self.state in FINAL_STATES or left == 0:
                 return self
+            await asyncio.sleep(0.05)  # the server answered early: don't spin
 
     async def wait_for_change(self, after_version: Optional[int] = None, timeout_ms: int = 30_000) -> "AsyncSandbox":
         v = self.version if after_version is None else after_version
