@@ -7,7 +7,7 @@ import json
 import os
 import random
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import httpx
 
@@ -25,7 +25,7 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 NON_TRANSIENT_CODES = frozenset({"exec_timeout"})
 #: transport failures after which the request may be retried (the server may or may not have
 #: seen it; the idempotency key makes the retry safe)
-RETRY_EXCEPTIONS: Tuple[type, ...] = (
+RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
     httpx.ReadError,
@@ -34,7 +34,8 @@ RETRY_EXCEPTIONS: Tuple[type, ...] = (
     httpx.PoolTimeout,
 )
 
-Params = Union[Mapping[str, Any], Sequence[Tuple[str, Any]], None]
+#: query parameters as httpx takes them (a mapping, or pairs for repeated keys)
+Params = Any
 
 
 def resolve_config(

@@ -98,7 +98,7 @@ class _ClientBase:
         self, method: str, headers: Optional[Mapping[str, str]], idempotency_key: Optional[str]
     ) -> Dict[str, str]:
         hdrs = dict(headers or {})
-        if method.upper() in t.MUTATING_METHODS and idempotency_key is not False:
+        if method.upper() in t.MUTATING_METHODS:
             hdrs.setdefault("Idempotency-Key", idempotency_key or t.new_idempotency_key())
         return hdrs
 
