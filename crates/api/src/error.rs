@@ -44,6 +44,14 @@ pub enum ErrorCode {
     AgentUnavailable,
     /// An infrastructure bug or unexpected host failure.
     Internal,
+    /// The request carries no valid API key.
+    Unauthorized,
+    /// The caller's tenant may not do this.
+    Forbidden,
+    /// An idempotency key was reused with a different request.
+    IdempotencyConflict,
+    /// The node is shutting down and takes no new work.
+    Draining,
 }
 
 impl ErrorCode {
@@ -69,6 +77,10 @@ impl ErrorCode {
             Self::ExecTimeout => "exec_timeout",
             Self::AgentUnavailable => "agent_unavailable",
             Self::Internal => "internal",
+            Self::Unauthorized => "unauthorized",
+            Self::Forbidden => "forbidden",
+            Self::IdempotencyConflict => "idempotency_conflict",
+            Self::Draining => "draining",
         }
     }
 }
@@ -91,6 +103,8 @@ mod tests {
             ErrorCode::SandboxNotFound,
             ErrorCode::Internal,
             ErrorCode::ResourceExhausted,
+            ErrorCode::IdempotencyConflict,
+            ErrorCode::Unauthorized,
         ] {
             let json = serde_json::to_string(&code).expect("serialize");
             assert_eq!(json, format!("\"{}\"", code.as_str()));

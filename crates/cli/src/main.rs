@@ -35,6 +35,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the node daemon: the HTTP API (docs/api.md) over SQLite state in the data dir.
+    Server(ServerArgs),
     /// Create a sandbox, run one command in it, print its output, destroy it and exit with the
     /// command's exit code.
     Run(RunArgs),
@@ -45,6 +47,19 @@ enum Command {
     },
     /// Measure the substrate and print JSON.
     Bench(bench::BenchArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServerArgs {
+    /// Address to listen on (`127.0.0.1:0` picks a free port).
+    #[arg(long, env = "DSEC_LISTEN", default_value = "127.0.0.1:7700")]
+    listen: std::net::SocketAddr,
+    /// Seconds in-flight requests get after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    drain_seconds: u64,
+    /// Keep this many ready sandboxes of the `host` template (0: no pool).
+    #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
+    pool_min: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -197,9 +212,37 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
+    let mut runtime = RuntimeConfig::from_env().context("locate dsec binaries")?;
+    runtime.data_dir = cli.data_dir.clone();
+    runtime.run_dir = cli.run_dir.clone();
+    let cfg = dsec_node::server::ServerConfig {
+        runtime,
+        listen: args.listen,
+        drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
+        host_pool: (args.pool_min > 0).then_some(dsec_node::server::PoolSize {
+            min: args.pool_min,
+            max: args.pool_min.max(1) * 4,
+        }),
+    };
+    let key_file = cli.data_dir.join("admin.key");
+    dsec_node::server::run(cfg, move |addr, key| {
+        let mut out = std::io::stdout().lock();
+        if let Some(key) = key {
+            let _ = writeln!(out, "admin api key: {key}");
+            let _ = writeln!(out, "(also saved in {})", key_file.display());
+        }
+        let _ = writeln!(out, "dsec server listening on http://{addr}");
+        let _ = out.flush();
+    })
+    .context("dsec server (it needs root)")?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
+        Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),

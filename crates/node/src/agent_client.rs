@@ -78,6 +78,20 @@ impl AgentConn {
         }
     }
 
+    /// Wraps the socket of an agent that an earlier node process talked to: its greeting was
+    /// consumed then, and request ids start at the current time in microseconds since the
+    /// epoch, above anything an earlier process could have used (they started lower and take
+    /// far fewer than one id per microsecond), so a late answer to one of their requests is
+    /// never taken for an answer to ours.
+    pub fn adopted(fd: OwnedFd) -> Self {
+        let mut c = Self::new(fd);
+        c.greeted = true;
+        c.next_id = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1 << 50, |d| d.as_micros() as u64);
+        c
+    }
+
     fn read_event(&mut self, deadline: Instant) -> Result<(u64, Event, Vec<u8>), AgentError> {
         loop {
             if let Some(raw) = self.decoder.next_frame().map_err(AgentError::Protocol)? {

@@ -3,7 +3,10 @@
 #![warn(missing_docs)]
 
 pub mod agent_client;
+pub mod autoscale;
 pub mod container;
+pub mod metrics;
 pub mod pool;
 pub mod sandbox;
+pub mod server;
 pub mod template;

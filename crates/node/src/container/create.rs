@@ -45,6 +45,15 @@ pub fn new_id() -> String {
     format!("sb-{mix:016x}")
 }
 
+/// Whether `id` has the form [`new_id`] makes (`sb-` + 16 lowercase hex digits).
+pub fn valid_id(id: &str) -> bool {
+    id.len() == 19
+        && id.starts_with("sb-")
+        && id[3..]
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 impl ContainerRuntime {
     fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
         if template == "host" {
@@ -68,10 +77,23 @@ impl ContainerRuntime {
 
     /// Creates a sandbox and waits until its agent is ready.
     pub fn create(&self, spec: &SandboxSpec) -> Result<(Sandbox, Phases), RuntimeError> {
+        self.create_with_id(&new_id(), spec)
+    }
+
+    /// Like [`ContainerRuntime::create`], with an id from [`new_id`] the caller already
+    /// recorded (so that a crash between the two leaves a record naming what to clean up).
+    pub fn create_with_id(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+    ) -> Result<(Sandbox, Phases), RuntimeError> {
         spec.limits.validate().map_err(RuntimeError::Invalid)?;
+        if !valid_id(id) {
+            return Err(RuntimeError::Invalid(format!("invalid sandbox id {id:?}")));
+        }
         let t0 = Instant::now();
         let (lowerdirs, template_env) = self.lowerdirs(&spec.template)?;
-        let id = new_id();
+        let id = id.to_owned();
         let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
         let mut env: Vec<(String, String)> = vec![
             (

@@ -7,6 +7,7 @@
 pub mod proto;
 pub mod shim;
 
+mod adopt;
 mod create;
 mod exec;
 
@@ -29,7 +30,7 @@ use crate::template::TemplateStore;
 
 use proto::{ControlMsg, SupervisorMsg, MAX_MSG};
 
-pub use create::Phases;
+pub use create::{new_id, valid_id, Phases};
 
 /// Errors of the container runtime.
 #[derive(Debug, thiserror::Error)]

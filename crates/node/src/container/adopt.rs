@@ -1,0 +1,98 @@
+//! Re-attaching to sandboxes that outlived the node process that created them.
+//!
+//! Every supervisor listens on `<run_dir>/sandboxes/<id>/sup.sock`. A restarted node connects,
+//! and the supervisor answers with a `Launched` message carrying the agent socket and a fresh
+//! control socket: the sandbox continues exactly as it was, processes and files included.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dsec_sys::ipc::{self, PidFd};
+
+use super::proto::{SupervisorMsg, MAX_MSG};
+use super::{ContainerRuntime, RuntimeError, Sandbox};
+use crate::agent_client::AgentConn;
+use crate::sandbox::{SandboxSpec, State};
+
+/// How long a supervisor gets to answer a reconnect.
+const ADOPT_DEADLINE: Duration = Duration::from_secs(5);
+
+impl ContainerRuntime {
+    /// The runtime directory of sandbox `id`.
+    pub fn sandbox_run_dir(&self, id: &str) -> PathBuf {
+        self.cfg.run_dir.join("sandboxes").join(id)
+    }
+
+    /// Ids of the sandboxes with a runtime directory on this node (live or left over).
+    pub fn sandbox_dirs(&self) -> Vec<String> {
+        let mut ids: Vec<String> = std::fs::read_dir(self.cfg.run_dir.join("sandboxes"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                    .filter(|n| n.starts_with("sb-"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort();
+        ids
+    }
+
+    /// Reconnects to the supervisor of a sandbox created by an earlier node process. `spec` is
+    /// what it was created with (from the node's store). The sandbox comes back `Running` with
+    /// its processes, sessions and files untouched.
+    pub fn adopt(&self, id: &str, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        let run_dir = self.sandbox_run_dir(id);
+        let sup_err = |message: String| RuntimeError::Supervisor {
+            id: id.to_owned(),
+            message,
+        };
+        let stream = UnixStream::connect(run_dir.join("sup.sock"))
+            .map_err(|e| sup_err(format!("connect sup.sock: {e}")))?;
+        if !ipc::poll_readable(stream.as_fd(), ADOPT_DEADLINE)
+            .map_err(|e| sup_err(e.to_string()))?
+        {
+            return Err(sup_err("no answer on sup.sock".into()));
+        }
+        let mut buf = vec![0u8; MAX_MSG];
+        let (n, mut fds) =
+            ipc::recv_with_fds(stream.as_fd(), &mut buf).map_err(|e| sup_err(e.to_string()))?;
+        if n == 0 {
+            return Err(sup_err("sup.sock closed".into()));
+        }
+        let msg: SupervisorMsg =
+            serde_json::from_slice(&buf[..n]).map_err(|e| sup_err(e.to_string()))?;
+        let SupervisorMsg::Launched {
+            sup_pid, init_pid, ..
+        } = msg
+        else {
+            return Err(sup_err(format!("unexpected {msg:?}")));
+        };
+        let (Some(control), Some(agent_fd)) = (fds.pop(), fds.pop()) else {
+            return Err(sup_err("supervisor sent no descriptors".into()));
+        };
+        let sup = PidFd::open(sup_pid).map_err(|e| sup_err(format!("pidfd: {e}")))?;
+        let oom_kills = self
+            .cgroups()
+            .open(id)
+            .and_then(|c| c.stats().ok())
+            .map_or(0, |s| s.oom_kills);
+        let mut sandbox = Sandbox {
+            id: id.to_owned(),
+            spec,
+            state: State::Running,
+            agent: AgentConn::adopted(agent_fd),
+            control,
+            sup,
+            init_pid,
+            run_dir,
+            oom_kills,
+            uses: 1,
+            busy: Duration::ZERO,
+            acquired_at: Some(std::time::Instant::now()),
+        };
+        sandbox.ping()?;
+        Ok(sandbox)
+    }
+}

@@ -1,0 +1,788 @@
+//! The node's live state and the sandbox lifecycle driven through it.
+//!
+//! Every sandbox the node owns has an [`Entry`]: its record (persisted on every change, before
+//! the change is acknowledged) and, while it lives, the runtime [`Sandbox`] behind an async
+//! mutex (one agent conversation at a time). Runtime calls block, so they run on tokio's
+//! blocking pool.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use dsec_api::ErrorCode;
+use serde::Serialize;
+use tokio::sync::{broadcast, watch, OwnedMutexGuard};
+
+use crate::container::{ContainerRuntime, Sandbox};
+use crate::sandbox::{Limits, SandboxSpec, State};
+
+use super::error::{ApiError, ApiResult};
+use super::log;
+use super::store::{SandboxRecord, Store, Tenant};
+
+/// Milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One sandbox the node owns.
+#[derive(Debug)]
+pub struct Entry {
+    /// Sandbox id.
+    pub id: String,
+    rec: Mutex<SandboxRecord>,
+    /// The runtime handle; `None` once destroyed.
+    live: Arc<tokio::sync::Mutex<Option<Sandbox>>>,
+    watch: watch::Sender<(State, u64)>,
+}
+
+impl Entry {
+    fn new(rec: SandboxRecord, sandbox: Option<Sandbox>) -> Arc<Self> {
+        let (watch, _) = watch::channel((rec.state, rec.version));
+        Arc::new(Self {
+            id: rec.id.clone(),
+            rec: Mutex::new(rec),
+            live: Arc::new(tokio::sync::Mutex::new(sandbox)),
+            watch,
+        })
+    }
+
+    /// A copy of the record.
+    pub fn record(&self) -> SandboxRecord {
+        self.rec.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Subscribes to (state, version) changes.
+    pub fn subscribe(&self) -> watch::Receiver<(State, u64)> {
+        self.watch.subscribe()
+    }
+
+    /// Exclusive use of the live sandbox (waits for the current user).
+    pub async fn lock(&self) -> OwnedMutexGuard<Option<Sandbox>> {
+        Arc::clone(&self.live).lock_owned().await
+    }
+}
+
+/// A lifecycle event (also streamed at `/v1/events`).
+#[derive(Debug, Clone, Serialize)]
+pub struct LifecycleEvent {
+    /// Sandbox id.
+    pub sandbox: String,
+    /// Owner.
+    pub tenant: Option<String>,
+    /// New state.
+    pub state: State,
+    /// New version.
+    pub version: u64,
+    /// When, ms since the epoch.
+    pub at_ms: u64,
+}
+
+/// Sizing of one template's warm pool.
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
+pub struct PoolSize {
+    /// Ready sandboxes kept at least.
+    pub min: usize,
+    /// Ready sandboxes kept at most.
+    pub max: usize,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    size: Option<PoolSize>,
+    ready: VecDeque<String>,
+    creating: usize,
+    hits: u64,
+    misses: u64,
+}
+
+/// What a create asks for.
+#[derive(Debug, Clone, Default)]
+pub struct CreateRequest {
+    /// Template name.
+    pub template: String,
+    /// Limits.
+    pub limits: Limits,
+    /// Environment for every command.
+    pub env: BTreeMap<String, String>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Time to live.
+    pub ttl_ms: Option<u64>,
+    /// Owner lease.
+    pub lease_ms: Option<u64>,
+    /// Writable root.
+    pub writable_root: bool,
+}
+
+/// How a restart found the sandboxes of the previous node process.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RecoveryReport {
+    /// Reconnected and running again.
+    pub adopted: Vec<String>,
+    /// Could not be reconnected (or were mid-change): destroyed, records closed.
+    pub reaped: Vec<String>,
+    /// On the machine without a record: destroyed.
+    pub orphans: Vec<String>,
+    /// How long recovery took, ms.
+    pub took_ms: u64,
+}
+
+/// Shared state of the node daemon.
+pub struct App {
+    /// The container runtime.
+    pub rt: Arc<ContainerRuntime>,
+    /// Durable state.
+    pub store: Store,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    pools: Mutex<HashMap<String, PoolState>>,
+    /// Lifecycle events.
+    pub events: broadcast::Sender<LifecycleEvent>,
+    /// No new work is accepted.
+    pub draining: AtomicBool,
+    /// Recovery finished.
+    pub ready: AtomicBool,
+    /// The last recovery.
+    pub recovery: Mutex<RecoveryReport>,
+    /// API key hash → tenant.
+    keys: Mutex<HashMap<String, Tenant>>,
+    /// Creates running on the blocking pool.
+    create_slots: tokio::sync::Semaphore,
+    /// Counters for metrics.
+    pub counters: Counters,
+    /// Started.
+    pub started: Instant,
+}
+
+/// Plain counters (exported at `/metrics`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Sandboxes created (pool fills included).
+    pub created: AtomicU64,
+    /// Sandboxes destroyed.
+    pub destroyed: AtomicU64,
+    /// Creates that failed.
+    pub create_failed: AtomicU64,
+    /// Execs run.
+    pub execs: AtomicU64,
+    /// Sandboxes destroyed by TTL or lease expiry.
+    pub expired: AtomicU64,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App").finish_non_exhaustive()
+    }
+}
+
+fn pool_key(req: &CreateRequest) -> Option<String> {
+    (req.limits == Limits::default() && !req.writable_root).then(|| req.template.clone())
+}
+
+impl App {
+    /// Wraps a started runtime and an open store.
+    pub fn new(rt: ContainerRuntime, store: Store) -> Arc<Self> {
+        let (events, _) = broadcast::channel(1024);
+        Arc::new(Self {
+            rt: Arc::new(rt),
+            store,
+            entries: Mutex::new(HashMap::new()),
+            pools: Mutex::new(HashMap::new()),
+            events,
+            draining: AtomicBool::new(false),
+            ready: AtomicBool::new(false),
+            recovery: Mutex::new(RecoveryReport::default()),
+            keys: Mutex::new(HashMap::new()),
+            create_slots: tokio::sync::Semaphore::new(4),
+            counters: Counters::default(),
+            started: Instant::now(),
+        })
+    }
+
+    /// The tenant of an API key hash (cached).
+    pub fn tenant_for_key(&self, hash: &str) -> ApiResult<Option<Tenant>> {
+        if let Some(t) = self
+            .keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(hash)
+        {
+            return Ok(Some(t.clone()));
+        }
+        let t = self.store.tenant_for_key(hash)?;
+        if let Some(t) = &t {
+            self.keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(hash.to_owned(), t.clone());
+        }
+        Ok(t)
+    }
+
+    /// A live entry.
+    pub fn entry(&self, id: &str) -> Option<Arc<Entry>> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    /// A live entry owned by `tenant` (`sandbox_not_found` otherwise: another tenant's
+    /// sandbox does not exist for the caller).
+    pub fn owned(&self, tenant: &Tenant, id: &str) -> ApiResult<Arc<Entry>> {
+        match self.entry(id) {
+            Some(e) if e.record().tenant.as_deref() == Some(&tenant.id) => Ok(e),
+            _ => Err(ApiError::no_sandbox(id)),
+        }
+    }
+
+    /// Every live entry.
+    pub fn entries(&self) -> Vec<Arc<Entry>> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Applies `f` to the record, bumps its version, persists it, then publishes the change.
+    pub fn update(
+        &self,
+        e: &Entry,
+        f: impl FnOnce(&mut SandboxRecord) -> ApiResult<()>,
+    ) -> ApiResult<SandboxRecord> {
+        let rec = {
+            let mut r = e.rec.lock().unwrap_or_else(|p| p.into_inner());
+            let mut next = r.clone();
+            f(&mut next)?;
+            next.version += 1;
+            self.store.put_sandbox(&next, now_ms())?;
+            *r = next.clone();
+            next
+        };
+        e.watch.send_replace((rec.state, rec.version));
+        let _ = self.events.send(LifecycleEvent {
+            sandbox: rec.id.clone(),
+            tenant: rec.tenant.clone(),
+            state: rec.state,
+            version: rec.version,
+            at_ms: now_ms(),
+        });
+        Ok(rec)
+    }
+
+    fn set_state(&self, e: &Entry, to: State) -> ApiResult<SandboxRecord> {
+        self.update(e, |r| {
+            r.state = r
+                .state
+                .transition(to)
+                .map_err(|t| ApiError::new(ErrorCode::InvalidTransition, t.to_string()))?;
+            Ok(())
+        })
+    }
+
+    fn insert(&self, e: Arc<Entry>) {
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(e.id.clone(), e);
+    }
+
+    fn remove(&self, id: &str) {
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        for p in pools.values_mut() {
+            p.ready.retain(|r| r != id);
+        }
+    }
+
+    /// Sandboxes and memory a tenant holds now.
+    pub fn usage(&self, tenant: &str) -> (u64, u64) {
+        let mut n = 0;
+        let mut mem = 0;
+        for e in self.entries() {
+            let r = e.record();
+            if r.tenant.as_deref() == Some(tenant) && r.state != State::Stopped {
+                n += 1;
+                mem += r.spec.limits.memory_max;
+            }
+        }
+        (n, mem)
+    }
+
+    fn check_draining(&self) -> ApiResult<()> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(ApiError {
+                retry_after: Some(5),
+                ..ApiError::new(ErrorCode::Draining, "the node is shutting down")
+            });
+        }
+        Ok(())
+    }
+
+    /// Creates (or takes from the pool) a sandbox for `tenant`.
+    pub async fn create(
+        self: &Arc<Self>,
+        tenant: &Tenant,
+        req: CreateRequest,
+    ) -> ApiResult<SandboxRecord> {
+        self.check_draining()?;
+        req.limits.validate().map_err(ApiError::invalid)?;
+        if req.template != "host" {
+            let name = req.template.clone();
+            let rt = Arc::clone(&self.rt);
+            tokio::task::spawn_blocking(move || rt.templates().get(&name))
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))??;
+        }
+        let now = now_ms();
+        let fill = |r: &mut SandboxRecord| {
+            r.tenant = Some(tenant.id.clone());
+            r.labels = req.labels.clone();
+            r.env = req.env.clone();
+            r.expires_at_ms = req.ttl_ms.map(|t| now + t);
+            r.lease_ms = req.lease_ms;
+            r.lease_expires_at_ms = req.lease_ms.map(|t| now + t);
+        };
+        // Quota check and reservation happen under the entries lock: concurrent creates of one
+        // tenant cannot both pass the last free slot.
+        let pooled = pool_key(&req);
+        let reserved = {
+            let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut n, mut mem) = (0u64, 0u64);
+            for e in entries.values() {
+                let r = e.record();
+                if r.tenant.as_deref() == Some(tenant.id.as_str()) && r.state != State::Stopped {
+                    n += 1;
+                    mem += r.spec.limits.memory_max;
+                }
+            }
+            if tenant.max_sandboxes.is_some_and(|m| n + 1 > m) {
+                return Err(ApiError::new(
+                    ErrorCode::QuotaExceeded,
+                    format!("tenant {} may hold at most {} sandboxes", tenant.name, n),
+                ));
+            }
+            if tenant
+                .max_memory_bytes
+                .is_some_and(|m| mem + req.limits.memory_max > m)
+            {
+                return Err(ApiError::new(
+                    ErrorCode::QuotaExceeded,
+                    format!("tenant {} memory quota exceeded", tenant.name),
+                ));
+            }
+            // A pool hit: hand over a ready sandbox.
+            let hit = pooled.as_ref().and_then(|k| {
+                let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+                let p = pools.entry(k.clone()).or_default();
+                let id = p.ready.pop_front();
+                if id.is_some() {
+                    p.hits += 1;
+                } else {
+                    p.misses += 1;
+                }
+                id.and_then(|id| entries.get(&id).cloned())
+            });
+            match hit {
+                Some(e) => Ok(e),
+                None => {
+                    let id = crate::container::new_id();
+                    let mut rec = SandboxRecord {
+                        id: id.clone(),
+                        tenant: None,
+                        state: State::Creating,
+                        version: 0,
+                        spec: SandboxSpec {
+                            template: req.template.clone(),
+                            limits: req.limits.clone(),
+                            writable_root: req.writable_root,
+                            ..SandboxSpec::default()
+                        },
+                        substrate: "container".into(),
+                        labels: BTreeMap::new(),
+                        env: BTreeMap::new(),
+                        created_at_ms: now,
+                        expires_at_ms: None,
+                        lease_ms: None,
+                        lease_expires_at_ms: None,
+                        pooled: false,
+                        error: None,
+                    };
+                    fill(&mut rec);
+                    let e = Entry::new(rec, None);
+                    entries.insert(id, Arc::clone(&e));
+                    Err(e)
+                }
+            }
+        };
+        match reserved {
+            Ok(e) => {
+                // The pool refills in the background.
+                self.kick_pools();
+                let mut guard = e.lock().await;
+                if let Some(sb) = guard.as_mut() {
+                    sb.mark_acquired().map_err(ApiError::from)?;
+                }
+                self.update(&e, |r| {
+                    fill(r);
+                    r.pooled = true;
+                    r.state = r
+                        .state
+                        .transition(State::Running)
+                        .map_err(|t| ApiError::new(ErrorCode::InvalidTransition, t.to_string()))?;
+                    Ok(())
+                })
+            }
+            Err(e) => {
+                let rec = e.record();
+                self.store.put_sandbox(&rec, now)?;
+                self.launch(&e).await?;
+                self.set_state(&e, State::Running)
+            }
+        }
+    }
+
+    /// Runs the runtime create for a `Creating` entry; on success the entry is `Ready` with
+    /// its sandbox, on failure it is closed and the error returned.
+    async fn launch(self: &Arc<Self>, e: &Arc<Entry>) -> ApiResult<()> {
+        let spec = e.record().spec;
+        let rt = Arc::clone(&self.rt);
+        let _slot = self
+            .create_slots
+            .acquire()
+            .await
+            .map_err(|_| ApiError::internal("create slots closed"))?;
+        let id = e.id.clone();
+        let made = tokio::task::spawn_blocking(move || rt.create_with_id(&id, &spec))
+            .await
+            .map_err(|err| ApiError::internal(err.to_string()))?;
+        match made {
+            Ok((mut sb, _phases)) => {
+                self.counters.created.fetch_add(1, Ordering::Relaxed);
+                let mut guard = e.lock().await;
+                let pooled_ready = e.record().tenant.is_none();
+                if !pooled_ready {
+                    sb.mark_acquired().map_err(ApiError::from)?;
+                }
+                *guard = Some(sb);
+                drop(guard);
+                self.set_state(e, State::Ready)?;
+                Ok(())
+            }
+            Err(err) => {
+                self.counters.create_failed.fetch_add(1, Ordering::Relaxed);
+                let api = ApiError::from(err);
+                let _ = self.update(e, |r| {
+                    r.state = State::Stopped;
+                    r.error = Some(api.detail.clone());
+                    Ok(())
+                });
+                self.remove(&e.id);
+                log::warn(
+                    "create failed",
+                    &[("sandbox", &e.id), ("error", &api.detail)],
+                );
+                Err(api)
+            }
+        }
+    }
+
+    /// Destroys a sandbox: `stopping` is persisted first, `stopped` once nothing of it is left.
+    pub async fn destroy(self: &Arc<Self>, e: &Arc<Entry>) -> ApiResult<SandboxRecord> {
+        let mut guard = e.lock().await;
+        let rec = e.record();
+        if rec.state == State::Stopped {
+            return Ok(rec);
+        }
+        if rec.state != State::Stopping {
+            self.update(e, |r| {
+                r.state = match r.state {
+                    State::Creating
+                    | State::Ready
+                    | State::Running
+                    | State::Resetting
+                    | State::Failed => State::Stopping,
+                    s => s,
+                };
+                Ok(())
+            })?;
+        }
+        let sb = guard.take();
+        let rt = Arc::clone(&self.rt);
+        let id = e.id.clone();
+        let run_dir = self.rt.sandbox_run_dir(&id);
+        let result = tokio::task::spawn_blocking(move || match sb {
+            Some(sb) => sb.destroy(&rt).map_err(ApiError::from),
+            None => {
+                if rt.cleanup_leftovers(&id, &run_dir) {
+                    Ok(())
+                } else {
+                    Err(ApiError::internal("leftovers could not be removed"))
+                }
+            }
+        })
+        .await
+        .map_err(|err| ApiError::internal(err.to_string()))?;
+        drop(guard);
+        if let Err(err) = result {
+            let _ = self.update(e, |r| {
+                r.state = State::Failed;
+                r.error = Some(err.detail.clone());
+                Ok(())
+            });
+            return Err(err);
+        }
+        self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
+        let rec = self.update(e, |r| {
+            r.state = State::Stopped;
+            Ok(())
+        })?;
+        self.remove(&e.id);
+        Ok(rec)
+    }
+
+    /// Resets a sandbox: every process killed, a fresh writable layer.
+    pub async fn reset(self: &Arc<Self>, e: &Arc<Entry>) -> ApiResult<SandboxRecord> {
+        let mut guard = e.lock().await;
+        if e.record().state != State::Running {
+            return Err(ApiError::new(
+                ErrorCode::InvalidTransition,
+                format!("cannot reset a {:?} sandbox", e.record().state),
+            ));
+        }
+        self.set_state(e, State::Resetting)?;
+        let Some(mut sb) = guard.take() else {
+            return Err(ApiError::no_sandbox(&e.id));
+        };
+        let (sb, result) = tokio::task::spawn_blocking(move || {
+            let r = sb.reset().and_then(|()| sb.mark_acquired());
+            (sb, r)
+        })
+        .await
+        .map_err(|err| ApiError::internal(err.to_string()))?;
+        *guard = Some(sb);
+        drop(guard);
+        match result {
+            Ok(()) => self.set_state(e, State::Running),
+            Err(err) => {
+                let api = ApiError::from(err);
+                let _ = self.update(e, |r| {
+                    r.state = State::Failed;
+                    r.error = Some(api.detail.clone());
+                    Ok(())
+                });
+                Err(api)
+            }
+        }
+    }
+
+    /// Extends the owner lease.
+    pub fn heartbeat(&self, e: &Entry, lease_ms: Option<u64>) -> ApiResult<SandboxRecord> {
+        self.update(e, |r| {
+            let len = lease_ms.or(r.lease_ms).ok_or_else(|| {
+                ApiError::invalid("the sandbox has no lease; pass lease_ms to start one")
+            })?;
+            r.lease_ms = Some(len);
+            r.lease_expires_at_ms = Some(now_ms() + len);
+            Ok(())
+        })
+    }
+
+    /// Sets a template's pool size.
+    pub fn set_pool(self: &Arc<Self>, template: &str, size: PoolSize) {
+        self.pools
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(template.to_owned())
+            .or_default()
+            .size = Some(size);
+        self.kick_pools();
+    }
+
+    /// Pool statistics.
+    pub fn pool_stats(&self) -> Vec<serde_json::Value> {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<serde_json::Value> = pools
+            .iter()
+            .map(|(t, p)| {
+                let lookups = p.hits + p.misses;
+                serde_json::json!({
+                    "template": t,
+                    "min": p.size.map_or(0, |s| s.min),
+                    "max": p.size.map_or(0, |s| s.max),
+                    "ready": p.ready.len(),
+                    "creating": p.creating,
+                    "hits": p.hits,
+                    "misses": p.misses,
+                    "hit_rate": if lookups == 0 { 0.0 } else { p.hits as f64 / lookups as f64 },
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a["template"].as_str().cmp(&b["template"].as_str()));
+        out
+    }
+
+    /// Starts background creates for pools below their minimum.
+    pub fn kick_pools(self: &Arc<Self>) {
+        if self.draining.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut todo = Vec::new();
+        {
+            let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            for (t, p) in pools.iter_mut() {
+                let Some(size) = p.size else { continue };
+                let have = p.ready.len() + p.creating;
+                if have < size.min.min(size.max) {
+                    let n = size.min.min(size.max) - have;
+                    p.creating += n;
+                    todo.extend(std::iter::repeat_n(t.clone(), n));
+                }
+            }
+        }
+        for t in todo {
+            let app = Arc::clone(self);
+            tokio::spawn(async move {
+                let r = app.fill_one(&t).await;
+                let mut pools = app.pools.lock().unwrap_or_else(|p| p.into_inner());
+                let p = pools.entry(t.clone()).or_default();
+                p.creating = p.creating.saturating_sub(1);
+                if let Ok(id) = r {
+                    p.ready.push_back(id);
+                }
+            });
+        }
+    }
+
+    async fn fill_one(self: &Arc<Self>, template: &str) -> ApiResult<String> {
+        let id = crate::container::new_id();
+        let rec = SandboxRecord {
+            id: id.clone(),
+            tenant: None,
+            state: State::Creating,
+            version: 0,
+            spec: SandboxSpec {
+                template: template.to_owned(),
+                ..SandboxSpec::default()
+            },
+            substrate: "container".into(),
+            labels: BTreeMap::new(),
+            env: BTreeMap::new(),
+            created_at_ms: now_ms(),
+            expires_at_ms: None,
+            lease_ms: None,
+            lease_expires_at_ms: None,
+            pooled: true,
+            error: None,
+        };
+        self.store.put_sandbox(&rec, now_ms())?;
+        let e = Entry::new(rec, None);
+        self.insert(Arc::clone(&e));
+        self.launch(&e).await?;
+        Ok(id)
+    }
+
+    /// Destroys sandboxes whose TTL or lease passed, and closes failed ones. Returns how many.
+    pub async fn sweep(self: &Arc<Self>) -> usize {
+        let now = now_ms();
+        let mut n = 0;
+        for e in self.entries() {
+            let r = e.record();
+            let expired = r.expires_at_ms.is_some_and(|t| t <= now)
+                || r.lease_expires_at_ms.is_some_and(|t| t <= now);
+            if (expired && matches!(r.state, State::Running | State::Ready))
+                || r.state == State::Failed
+            {
+                if self.destroy(&e).await.is_ok() {
+                    n += 1;
+                    if expired {
+                        self.counters.expired.fetch_add(1, Ordering::Relaxed);
+                        log::info("sandbox expired", &[("sandbox", &r.id)]);
+                    }
+                }
+            }
+        }
+        let day_ago = now.saturating_sub(24 * 3600 * 1000);
+        let hour_ago = now.saturating_sub(3600 * 1000);
+        let _ = self.store.purge_idempotent(day_ago);
+        let _ = self.store.purge_stopped(hour_ago);
+        self.kick_pools();
+        n
+    }
+
+    /// Reconciles the store with the machine after a start: adopts sandboxes whose
+    /// supervisors survived, destroys what it cannot adopt and what has no record.
+    pub async fn recover(self: &Arc<Self>) -> RecoveryReport {
+        let t0 = Instant::now();
+        let mut report = RecoveryReport::default();
+        let records = self.store.live_sandboxes().unwrap_or_default();
+        let known: std::collections::HashSet<String> =
+            records.iter().map(|r| r.id.clone()).collect();
+        for rec in records {
+            let rt = Arc::clone(&self.rt);
+            let id = rec.id.clone();
+            let spec = rec.spec.clone();
+            let adoptable = matches!(rec.state, State::Running | State::Ready);
+            let adopted = tokio::task::spawn_blocking(move || rt.adopt(&id, spec))
+                .await
+                .ok()
+                .and_then(Result::ok);
+            let pooled_ready = rec.state == State::Ready && rec.tenant.is_none();
+            let e = Entry::new(rec.clone(), adopted);
+            self.insert(Arc::clone(&e));
+            let alive = e.lock().await.is_some();
+            if alive && adoptable {
+                if pooled_ready {
+                    let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+                    pools
+                        .entry(rec.spec.template.clone())
+                        .or_default()
+                        .ready
+                        .push_back(rec.id.clone());
+                }
+                report.adopted.push(rec.id.clone());
+            } else {
+                // Mid-change when the previous process died, or gone: its outcome is unknown,
+                // so it is destroyed rather than handed out half-made.
+                let _ = self.destroy(&e).await;
+                report.reaped.push(rec.id.clone());
+            }
+        }
+        // Whatever is on the machine without a record.
+        let mut orphans: Vec<String> = self.rt.sandbox_dirs();
+        if let Ok(cgs) = self.rt.cgroups().list() {
+            orphans.extend(cgs.into_iter().filter(|c| c.starts_with("sb-")));
+        }
+        orphans.sort();
+        orphans.dedup();
+        for id in orphans.into_iter().filter(|id| !known.contains(id)) {
+            let rt = Arc::clone(&self.rt);
+            let oid = id.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let spec = SandboxSpec::default();
+                match rt.adopt(&oid, spec) {
+                    Ok(sb) => sb.destroy(&rt).is_ok(),
+                    Err(_) => {
+                        let dir = rt.sandbox_run_dir(&oid);
+                        rt.cleanup_leftovers(&oid, &dir)
+                    }
+                }
+            })
+            .await;
+            report.orphans.push(id);
+        }
+        report.took_ms = t0.elapsed().as_millis() as u64;
+        *self.recovery.lock().unwrap_or_else(|p| p.into_inner()) = report.clone();
+        self.ready.store(true, Ordering::Relaxed);
+        report
+    }
+}

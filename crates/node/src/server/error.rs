@@ -1,0 +1,188 @@
+//! API errors: every failure leaves the node as `application/problem+json` with a stable code.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use dsec_api::ErrorCode;
+use serde::Serialize;
+
+use crate::agent_client::AgentError;
+use crate::container::RuntimeError;
+
+use super::store::StoreError;
+
+tokio::task_local! {
+    /// The id of the request being served (set by the request-id middleware).
+    pub static REQUEST_ID: String;
+}
+
+/// The current request's id, or `-` outside a request.
+pub fn request_id() -> String {
+    REQUEST_ID
+        .try_with(Clone::clone)
+        .unwrap_or_else(|_| "-".into())
+}
+
+/// A failed API call.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// Stable code.
+    pub code: ErrorCode,
+    /// Human-readable detail.
+    pub detail: String,
+    /// Seconds after which a retry may succeed (`Retry-After`).
+    pub retry_after: Option<u64>,
+}
+
+/// The problem document.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct Problem {
+    /// `https://dsec.dev/errors/<code>`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Short summary of the code.
+    pub title: String,
+    /// HTTP status.
+    pub status: u16,
+    /// Stable code.
+    pub code: ErrorCode,
+    /// Detail.
+    pub detail: String,
+    /// Request id.
+    pub request_id: String,
+}
+
+impl ApiError {
+    /// An error with a code and a detail.
+    pub fn new(code: ErrorCode, detail: impl Into<String>) -> Self {
+        Self {
+            code,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// `invalid_request`.
+    pub fn invalid(detail: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidRequest, detail)
+    }
+
+    /// `sandbox_not_found`.
+    pub fn no_sandbox(id: &str) -> Self {
+        Self::new(
+            ErrorCode::SandboxNotFound,
+            format!("no sandbox {}", id.chars().take(80).collect::<String>()),
+        )
+    }
+
+    /// `internal`.
+    pub fn internal(detail: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Internal, detail)
+    }
+
+    /// The HTTP status of a code.
+    pub fn status_of(code: ErrorCode) -> StatusCode {
+        use ErrorCode::*;
+        match code {
+            InvalidRequest | PathEscape | WrongFileType | SpawnFailed | TemplateInvalid
+            | UnsupportedVersion => StatusCode::BAD_REQUEST,
+            Unauthorized => StatusCode::UNAUTHORIZED,
+            Forbidden | PermissionDenied => StatusCode::FORBIDDEN,
+            NotFound | SandboxNotFound | TemplateNotFound | HandleNotFound => StatusCode::NOT_FOUND,
+            InvalidTransition | IdempotencyConflict => StatusCode::CONFLICT,
+            TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ResourceExhausted | Draining => StatusCode::SERVICE_UNAVAILABLE,
+            ExecTimeout => StatusCode::GATEWAY_TIMEOUT,
+            AgentUnavailable => StatusCode::BAD_GATEWAY,
+            NoSpace => StatusCode::INSUFFICIENT_STORAGE,
+            Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The problem document of this error.
+    pub fn problem(&self) -> Problem {
+        let status = Self::status_of(self.code);
+        Problem {
+            kind: format!("https://dsec.dev/errors/{}", self.code.as_str()),
+            title: self.code.as_str().replace('_', " "),
+            status: status.as_u16(),
+            code: self.code,
+            detail: self.detail.clone(),
+            request_id: request_id(),
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.detail)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let p = self.problem();
+        let body = serde_json::to_vec(&p).unwrap_or_default();
+        let mut resp = (Self::status_of(self.code), body).into_response();
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(s) = self.retry_after {
+            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+                resp.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        resp
+    }
+}
+
+/// Full cause chain of an error, for details.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> Self {
+        let detail = match &e {
+            RuntimeError::Agent {
+                source: AgentError::Remote { message, .. },
+                ..
+            } => message.clone(),
+            other => chain(other),
+        };
+        Self::new(e.code(), detail)
+    }
+}
+
+impl From<AgentError> for ApiError {
+    fn from(e: AgentError) -> Self {
+        let detail = match &e {
+            AgentError::Remote { message, .. } => message.clone(),
+            other => chain(other),
+        };
+        Self::new(e.code(), detail)
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        Self::internal(e.to_string())
+    }
+}
+
+impl From<crate::template::TemplateError> for ApiError {
+    fn from(e: crate::template::TemplateError) -> Self {
+        Self::new(e.code(), chain(&e))
+    }
+}
+
+/// Result of a handler.
+pub type ApiResult<T> = Result<T, ApiError>;

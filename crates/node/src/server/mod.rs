@@ -1,0 +1,262 @@
+//! `dsec server`: the node daemon.
+//!
+//! With no flags it is a complete single-node system: SQLite state in the data dir, the `host`
+//! template, the HTTP API on `127.0.0.1:7700`. Sandboxes live in their own supervisors, so they
+//! survive the daemon: on start it reconnects to every sandbox its store knows ([`App::recover`])
+//! and destroys what it cannot adopt or does not know. SIGTERM/SIGINT drain: new work is
+//! refused with `draining` (503, `Retry-After`), requests in flight finish within a deadline,
+//! and the process exits 0 with every sandbox still running for the next start.
+
+pub mod app;
+mod auth;
+pub mod error;
+mod http;
+mod log;
+pub mod openapi;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State as AxState;
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
+
+use crate::container::{ContainerRuntime, RuntimeConfig};
+
+pub use app::{App, PoolSize};
+
+/// Settings of the daemon.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Runtime settings (data dir, run dir, binaries).
+    pub runtime: RuntimeConfig,
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// How long in-flight requests get after SIGTERM.
+    pub drain_timeout: Duration,
+    /// Warm pool of the `host` template (`None`: no pool until one is set through the API).
+    pub host_pool: Option<PoolSize>,
+}
+
+/// A failure to start or run the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The runtime could not start.
+    #[error("runtime: {0}")]
+    Runtime(#[from] crate::container::RuntimeError),
+    /// The store could not be opened.
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    /// Something else.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Runs the daemon until SIGTERM/SIGINT; `on_ready` receives the bound address (and the
+/// admin key on the first start of a data dir) once the API answers.
+pub fn run(
+    cfg: ServerConfig,
+    on_ready: impl FnOnce(SocketAddr, Option<String>) + Send + 'static,
+) -> Result<(), ServerError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(1024)
+        .enable_all()
+        .thread_name("dsec-server")
+        .build()
+        .map_err(|e| ServerError::Other(format!("tokio: {e}")))?;
+    rt.block_on(serve(cfg, on_ready))
+}
+
+async fn serve(
+    cfg: ServerConfig,
+    on_ready: impl FnOnce(SocketAddr, Option<String>) + Send + 'static,
+) -> Result<(), ServerError> {
+    std::fs::create_dir_all(&cfg.runtime.data_dir)
+        .map_err(|e| ServerError::Other(format!("data dir: {e}")))?;
+    let store = store::Store::open(&cfg.runtime.data_dir.join("state.db"))?;
+    let admin_key = bootstrap_admin(&store, &cfg.runtime.data_dir)?;
+    let runtime_cfg = cfg.runtime.clone();
+    let runtime = tokio::task::spawn_blocking(move || ContainerRuntime::start(runtime_cfg))
+        .await
+        .map_err(|e| ServerError::Other(e.to_string()))??;
+    let app = App::new(runtime, store);
+    let report = app.recover().await;
+    log::info(
+        "recovered",
+        &[
+            ("adopted", &report.adopted.len().to_string()),
+            ("reaped", &report.reaped.len().to_string()),
+            ("orphans", &report.orphans.len().to_string()),
+            ("took_ms", &report.took_ms.to_string()),
+        ],
+    );
+    if let Some(size) = cfg.host_pool {
+        app.set_pool("host", size);
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| ServerError::Other(format!("listen on {}: {e}", cfg.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| ServerError::Other(e.to_string()))?;
+    let sweeper = {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                app.sweep().await;
+            }
+        })
+    };
+    let shutdown = {
+        let app = Arc::clone(&app);
+        async move {
+            wait_for_signal().await;
+            app.draining.store(true, Ordering::Relaxed);
+            log::info("draining", &[]);
+        }
+    };
+    on_ready(addr, admin_key);
+    log::info("listening", &[("addr", &addr.to_string())]);
+    let server =
+        axum::serve(listener, http::router(Arc::clone(&app))).with_graceful_shutdown(shutdown);
+    let drain = cfg.drain_timeout;
+    let served = tokio::spawn(async move { server.await });
+    // The graceful shutdown waits for open connections; bound it by the drain deadline.
+    let result = loop {
+        if app.draining.load(Ordering::Relaxed) {
+            match tokio::time::timeout(drain, served).await {
+                Ok(r) => break r.map_err(|e| ServerError::Other(e.to_string()))?,
+                Err(_) => {
+                    log::warn("drain deadline passed; closing open connections", &[]);
+                    break Ok(());
+                }
+            }
+        }
+        if served.is_finished() {
+            break served
+                .await
+                .map_err(|e| ServerError::Other(e.to_string()))?;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    sweeper.abort();
+    result.map_err(|e| ServerError::Other(format!("serve: {e}")))?;
+    log::info("stopped", &[]);
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// Creates the `admin` tenant on the first start and writes its key to
+/// `<data_dir>/admin.key` (0600); returns the key when it was just made.
+fn bootstrap_admin(
+    store: &store::Store,
+    data_dir: &std::path::Path,
+) -> Result<Option<String>, ServerError> {
+    if store.tenant_by_name("admin")?.is_some() {
+        return Ok(None);
+    }
+    let (_, key) = auth::new_tenant(store, "admin", true, None, None)
+        .map_err(|e| ServerError::Other(e.to_string()))?;
+    let path: PathBuf = data_dir.join("admin.key");
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| ServerError::Other(format!("{}: {e}", path.display())))?;
+    writeln!(f, "{key}").map_err(|e| ServerError::Other(format!("{}: {e}", path.display())))?;
+    Ok(Some(key))
+}
+
+/// `/metrics`: Prometheus text exposition.
+async fn metrics_text(AxState(app): AxState<Arc<App>>) -> Response {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let c = &app.counters;
+    let counters = [
+        (
+            "dsec_sandboxes_created_total",
+            "Sandboxes created",
+            &c.created,
+        ),
+        (
+            "dsec_sandboxes_destroyed_total",
+            "Sandboxes destroyed",
+            &c.destroyed,
+        ),
+        (
+            "dsec_sandbox_create_failures_total",
+            "Failed creates",
+            &c.create_failed,
+        ),
+        ("dsec_execs_total", "Commands run", &c.execs),
+        (
+            "dsec_sandboxes_expired_total",
+            "Sandboxes destroyed by TTL or lease",
+            &c.expired,
+        ),
+    ];
+    for (name, help, v) in counters {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+            v.load(Ordering::Relaxed)
+        );
+    }
+    let mut by_state = std::collections::BTreeMap::new();
+    for e in app.entries() {
+        *by_state
+            .entry(format!("{:?}", e.record().state).to_lowercase())
+            .or_insert(0u64) += 1;
+    }
+    let _ = writeln!(
+        out,
+        "# HELP dsec_sandboxes Sandboxes by state\n# TYPE dsec_sandboxes gauge"
+    );
+    for (s, n) in by_state {
+        let _ = writeln!(out, "dsec_sandboxes{{state=\"{s}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP dsec_pool_ready Ready pooled sandboxes\n# TYPE dsec_pool_ready gauge"
+    );
+    for p in app.pool_stats() {
+        let _ = writeln!(
+            out,
+            "dsec_pool_ready{{template=\"{}\"}} {}",
+            p["template"].as_str().unwrap_or(""),
+            p["ready"]
+        );
+    }
+    let _ = writeln!(out, "# HELP dsec_idle_shells Pre-built shells\n# TYPE dsec_idle_shells gauge\ndsec_idle_shells {}", app.rt.idle_shells());
+    let mut resp = out.into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    resp
+}

@@ -1,0 +1,475 @@
+//! The node's durable state: embedded SQLite in WAL mode.
+//!
+//! The store is the durable intent of the node: tenants and their hashed API keys, every
+//! sandbox record (written on every state change, before the change is acknowledged), and the
+//! outcomes of idempotent requests. `synchronous=NORMAL` under WAL makes every committed
+//! transaction survive a crash of the process (kill -9); a power loss may lose the last few
+//! transactions, which recovery treats like sandboxes it cannot find.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
+
+use crate::sandbox::{SandboxSpec, State};
+
+/// A failed store operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// SQLite failed.
+    #[error("store: {0}")]
+    Sql(#[from] rusqlite::Error),
+    /// A stored record did not parse.
+    #[error("store: corrupt record: {0}")]
+    Corrupt(String),
+    /// The store lock was poisoned by a panic.
+    #[error("store: lock poisoned")]
+    Poisoned,
+}
+
+/// A tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenant {
+    /// Stable id (`tn-…`).
+    pub id: String,
+    /// Unique name.
+    pub name: String,
+    /// May manage tenants, templates and pools.
+    pub admin: bool,
+    /// Most live sandboxes at once (`None`: unlimited).
+    pub max_sandboxes: Option<u64>,
+    /// Most memory (sum of `memory_max` of live sandboxes), bytes.
+    pub max_memory_bytes: Option<u64>,
+    /// Creation time, ms since the epoch.
+    pub created_at_ms: u64,
+}
+
+/// Everything the node knows about one sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// Sandbox id.
+    pub id: String,
+    /// Owner (`None` while it waits in a pool).
+    pub tenant: Option<String>,
+    /// Lifecycle state.
+    pub state: State,
+    /// Bumped on every change.
+    pub version: u64,
+    /// What the runtime created it with.
+    pub spec: SandboxSpec,
+    /// The substrate (`container`).
+    pub substrate: String,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Environment added to every command (kept out of listings).
+    pub env: BTreeMap<String, String>,
+    /// Created, ms since the epoch.
+    pub created_at_ms: u64,
+    /// Destroyed by the node at this time (TTL).
+    pub expires_at_ms: Option<u64>,
+    /// Owner lease length; `None` when there is no lease.
+    pub lease_ms: Option<u64>,
+    /// Destroyed by the node unless the lease is renewed before this time.
+    pub lease_expires_at_ms: Option<u64>,
+    /// Handed out from a warm pool.
+    pub pooled: bool,
+    /// Why it failed, when it did.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// A stored outcome of an idempotent request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemOutcome {
+    /// Hash of the request (method, path, body).
+    pub request_hash: String,
+    /// HTTP status.
+    pub status: u16,
+    /// Content type of the body.
+    pub content_type: String,
+    /// Body bytes.
+    pub body: Vec<u8>,
+}
+
+/// The SQLite store.
+#[derive(Debug)]
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (
+    hash TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(id), created_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY, tenant TEXT, state TEXT NOT NULL, version INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL, record TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, id);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
+    content_type TEXT NOT NULL, body BLOB NOT NULL, created_at INTEGER NOT NULL,
+    PRIMARY KEY (tenant, key));
+";
+
+/// Schema version written to `meta`.
+const SCHEMA_VERSION: &str = "1";
+
+fn state_str(s: State) -> &'static str {
+    match s {
+        State::Creating => "creating",
+        State::Ready => "ready",
+        State::Running => "running",
+        State::Resetting => "resetting",
+        State::Stopping => "stopping",
+        State::Stopped => "stopped",
+        State::Failed => "failed",
+    }
+}
+
+impl Store {
+    /// Opens (creating if needed) the store at `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        Self::init(Connection::open(path)?)
+    }
+
+    /// An in-memory store (tests).
+    pub fn open_in_memory() -> Result<Self, StoreError> {
+        Self::init(Connection::open_in_memory()?)
+    }
+
+    fn init(conn: Connection) -> Result<Self, StoreError> {
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?1)",
+            params![SCHEMA_VERSION],
+        )?;
+        Ok(Self {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut c = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        f(&mut c)
+    }
+
+    /// Adds a tenant.
+    pub fn insert_tenant(&self, t: &Tenant) -> Result<(), StoreError> {
+        let rec = serde_json::to_string(t).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO tenants (id, name, record) VALUES (?1, ?2, ?3)",
+                params![t.id, t.name, rec],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// A tenant by id.
+    pub fn tenant(&self, id: &str) -> Result<Option<Tenant>, StoreError> {
+        self.with(|c| {
+            let rec: Option<String> = c
+                .query_row(
+                    "SELECT record FROM tenants WHERE id = ?1",
+                    params![id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            rec.map(|r| parse(&r)).transpose()
+        })
+    }
+
+    /// A tenant by name.
+    pub fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        self.with(|c| {
+            let rec: Option<String> = c
+                .query_row(
+                    "SELECT record FROM tenants WHERE name = ?1",
+                    params![name],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            rec.map(|r| parse(&r)).transpose()
+        })
+    }
+
+    /// Every tenant, by name.
+    pub fn tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT record FROM tenants ORDER BY name")?;
+            let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+            rows.map(|r| parse(&r?)).collect()
+        })
+    }
+
+    /// Adds an API key (its sha256, hex) for a tenant.
+    pub fn insert_key(&self, hash: &str, tenant: &str, now_ms: u64) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO api_keys (hash, tenant, created_at) VALUES (?1, ?2, ?3)",
+                params![hash, tenant, now_ms as i64],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// The tenant an API key hash belongs to.
+    pub fn tenant_for_key(&self, hash: &str) -> Result<Option<Tenant>, StoreError> {
+        self.with(|c| {
+            let rec: Option<String> = c
+                .query_row(
+                    "SELECT t.record FROM api_keys k JOIN tenants t ON t.id = k.tenant
+                     WHERE k.hash = ?1",
+                    params![hash],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            rec.map(|r| parse(&r)).transpose()
+        })
+    }
+
+    /// Inserts or replaces sandbox records in one transaction.
+    pub fn put_sandboxes(&self, recs: &[&SandboxRecord], now_ms: u64) -> Result<(), StoreError> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            {
+                let mut st = tx.prepare_cached(
+                    "INSERT OR REPLACE INTO sandboxes (id, tenant, state, version, updated_at, record)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )?;
+                for rec in recs {
+                    let json = serde_json::to_string(rec)
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                    st.execute(params![
+                        rec.id,
+                        rec.tenant,
+                        state_str(rec.state),
+                        rec.version as i64,
+                        now_ms as i64,
+                        json
+                    ])?;
+                }
+            }
+            tx.commit()?;
+            Ok(())
+        })
+    }
+
+    /// Inserts or replaces one sandbox record.
+    pub fn put_sandbox(&self, rec: &SandboxRecord, now_ms: u64) -> Result<(), StoreError> {
+        self.put_sandboxes(&[rec], now_ms)
+    }
+
+    /// One sandbox record.
+    pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
+        self.with(|c| {
+            let rec: Option<String> = c
+                .query_row(
+                    "SELECT record FROM sandboxes WHERE id = ?1",
+                    params![id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            rec.map(|r| parse(&r)).transpose()
+        })
+    }
+
+    /// Every sandbox record not in a final state (`stopped`), by id.
+    pub fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        self.with(|c| {
+            let mut st =
+                c.prepare("SELECT record FROM sandboxes WHERE state != 'stopped' ORDER BY id")?;
+            let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+            rows.map(|r| parse(&r?)).collect()
+        })
+    }
+
+    /// A page of a tenant's sandboxes with ids after `after`, by id, at most `limit`.
+    pub fn tenant_sandboxes(
+        &self,
+        tenant: &str,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT record FROM sandboxes WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+            )?;
+            let rows = st.query_map(params![tenant, after, limit as i64], |r| {
+                r.get::<_, String>(0)
+            })?;
+            rows.map(|r| parse(&r?)).collect()
+        })
+    }
+
+    /// Deletes `stopped` records last updated before `before_ms`; returns how many.
+    pub fn purge_stopped(&self, before_ms: u64) -> Result<usize, StoreError> {
+        self.with(|c| {
+            Ok(c.execute(
+                "DELETE FROM sandboxes WHERE state = 'stopped' AND updated_at < ?1",
+                params![before_ms as i64],
+            )?)
+        })
+    }
+
+    /// The stored outcome of an idempotent request.
+    pub fn idempotent(&self, tenant: &str, key: &str) -> Result<Option<IdemOutcome>, StoreError> {
+        self.with(|c| {
+            Ok(c.query_row(
+                "SELECT request_hash, status, content_type, body FROM idempotency
+                 WHERE tenant = ?1 AND key = ?2",
+                params![tenant, key],
+                |r| {
+                    Ok(IdemOutcome {
+                        request_hash: r.get(0)?,
+                        status: r.get::<_, i64>(1)? as u16,
+                        content_type: r.get(2)?,
+                        body: r.get(3)?,
+                    })
+                },
+            )
+            .optional()?)
+        })
+    }
+
+    /// Records the outcome of an idempotent request (the first one wins).
+    pub fn put_idempotent(
+        &self,
+        tenant: &str,
+        key: &str,
+        out: &IdemOutcome,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR IGNORE INTO idempotency
+                 (tenant, key, request_hash, status, content_type, body, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![
+                    tenant,
+                    key,
+                    out.request_hash,
+                    i64::from(out.status),
+                    out.content_type,
+                    out.body,
+                    now_ms as i64
+                ],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Forgets idempotency outcomes older than `before_ms`; returns how many.
+    pub fn purge_idempotent(&self, before_ms: u64) -> Result<usize, StoreError> {
+        self.with(|c| {
+            Ok(c.execute(
+                "DELETE FROM idempotency WHERE created_at < ?1",
+                params![before_ms as i64],
+            )?)
+        })
+    }
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(s: &str) -> Result<T, StoreError> {
+    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, tenant: Option<&str>, state: State) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            tenant: tenant.map(Into::into),
+            state,
+            version: 1,
+            spec: SandboxSpec::default(),
+            substrate: "container".into(),
+            labels: BTreeMap::from([("k".into(), "v".into())]),
+            env: BTreeMap::new(),
+            created_at_ms: 1,
+            expires_at_ms: None,
+            lease_ms: None,
+            lease_expires_at_ms: None,
+            pooled: false,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn tenants_keys_sandboxes_and_idempotency_persist() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("state.db");
+        {
+            let s = Store::open(&path)?;
+            let t = Tenant {
+                id: "tn-1".into(),
+                name: "a".into(),
+                admin: false,
+                max_sandboxes: Some(2),
+                max_memory_bytes: None,
+                created_at_ms: 5,
+            };
+            s.insert_tenant(&t)?;
+            assert!(s.insert_tenant(&t).is_err(), "names and ids are unique");
+            s.insert_key("h1", "tn-1", 5)?;
+            assert!(
+                s.insert_key("h2", "tn-nope", 5).is_err(),
+                "keys need a tenant"
+            );
+            s.put_sandbox(&rec("sb-1", Some("tn-1"), State::Running), 10)?;
+            s.put_sandboxes(
+                &[
+                    &rec("sb-2", Some("tn-1"), State::Stopped),
+                    &rec("sb-3", None, State::Ready),
+                ],
+                10,
+            )?;
+            let out = IdemOutcome {
+                request_hash: "x".into(),
+                status: 201,
+                content_type: "application/json".into(),
+                body: b"{}".to_vec(),
+            };
+            s.put_idempotent("tn-1", "k", &out, 10)?;
+            let other = IdemOutcome {
+                status: 500,
+                ..out.clone()
+            };
+            s.put_idempotent("tn-1", "k", &other, 11)?;
+        }
+        let s = Store::open(&path)?;
+        assert_eq!(s.tenant_for_key("h1")?.map(|t| t.name), Some("a".into()));
+        assert!(s.tenant_for_key("h2")?.is_none());
+        let live: Vec<String> = s.live_sandboxes()?.into_iter().map(|r| r.id).collect();
+        assert_eq!(live, ["sb-1", "sb-3"]);
+        let page: Vec<String> = s
+            .tenant_sandboxes("tn-1", "sb-1", 10)?
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(page, ["sb-2"]);
+        assert_eq!(
+            s.idempotent("tn-1", "k")?.map(|o| o.status),
+            Some(201),
+            "the first outcome wins"
+        );
+        assert_eq!(s.purge_stopped(11)?, 1);
+        assert!(s.sandbox("sb-2")?.is_none());
+        assert_eq!(s.purge_idempotent(11)?, 1);
+        Ok(())
+    }
+}
