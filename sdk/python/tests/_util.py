@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+import glob
+import os
+from typing import Dict, List, Set
 
 import dsec
 
@@ -22,3 +24,16 @@ def live(sandboxes) -> List[str]:
 
 def labels_of(items) -> Dict[str, Dict[str, str]]:
     return {s.id: s.labels for s in items}
+
+
+def cgroup_dirs_named(ids: Set[str]) -> List[str]:
+    """Every sandbox cgroup directory (v1 hierarchies and v2) whose name is one of `ids`."""
+    bases = set(glob.glob("/sys/fs/cgroup/*/dsec")) | set(glob.glob("/sys/fs/cgroup/dsec"))
+    found = []
+    for base in sorted(bases):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        found += [os.path.join(base, n) for n in names if n in ids]
+    return found

@@ -7,7 +7,6 @@ teardown can prove that none of them left a cgroup behind.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 import dsec
+from _util import cgroup_dirs_named
 
 REPO = Path(__file__).resolve().parents[3]
 LISTEN_RE = re.compile(r"dsec server listening on (http://\S+)")
@@ -44,19 +44,6 @@ def find_dsec_bin() -> Optional[Path]:
         if cand.exists():
             return cand
     return None
-
-
-def cgroup_dirs_named(ids: Set[str]) -> List[str]:
-    """Every sandbox cgroup directory (v1 hierarchies and v2) whose name is one of `ids`."""
-    bases = set(glob.glob("/sys/fs/cgroup/*/dsec")) | set(glob.glob("/sys/fs/cgroup/dsec"))
-    found = []
-    for base in sorted(bases):
-        try:
-            names = os.listdir(base)
-        except OSError:
-            continue
-        found += [os.path.join(base, n) for n in names if n in ids]
-    return found
 
 
 class ServerProc:

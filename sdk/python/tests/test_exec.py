@@ -7,7 +7,7 @@ import time
 import pytest
 
 import dsec
-from _util import sandbox_exists
+from _util import cgroup_dirs_named, sandbox_exists
 
 PY = "/usr/bin/python3"
 
@@ -28,10 +28,13 @@ def test_create_exec_destroy(client: dsec.Client, uid: str) -> None:
         assert r.wall_us is not None and r.wall_us > 0
         again = dsec.Sandbox.connect(sb.id, client)
         assert again.id == sb.id and again.state == "running"
+        # the leak check of the teardown looks where sandboxes really live
+        assert cgroup_dirs_named({sb.id}), "no cgroup named after the sandbox"
     finally:
         final = sb.destroy()
     assert final.state == "stopped"
     assert not sandbox_exists(client, sb.id)
+    assert not cgroup_dirs_named({sb.id})
 
 
 def test_context_manager_destroys(client: dsec.Client) -> None:
@@ -136,6 +139,15 @@ def test_exec_stream_nonzero_exit(sandbox: dsec.Sandbox) -> None:
     assert events[-1].result.status == "nonzero_exit"
 
 
+@pytest.mark.xfail(strict=True, reason="server: the streamed `exit` event repeats the whole output "
+                   "in its stdout/stderr captures; docs/api.md says they are empty in streamed mode")
+def test_exec_stream_exit_captures_are_empty(sandbox: dsec.Sandbox) -> None:
+    events = list(sandbox.exec_stream("echo hi; echo err >&2"))
+    res = events[-1].result
+    assert res is not None
+    assert res.stdout == b"" and res.stderr == b"", res
+
+
 def test_background_process_stdin_and_wait(sandbox: dsec.Sandbox) -> None:
     p = sandbox.spawn(["/bin/cat"])
     assert p.handle is not None
@@ -147,7 +159,10 @@ def test_background_process_stdin_and_wait(sandbox: dsec.Sandbox) -> None:
     r = p.wait(timeout_ms=10_000)
     assert r is not None, "cat did not end after stdin EOF"
     assert r.ok and r.text == "hello world\n"
-    assert not p.status().running
+    try:
+        assert not p.status().running
+    except dsec.HandleNotFound:
+        pass  # a waited-for process may be forgotten: the doc leaves it open
 
 
 def test_background_process_signal(sandbox: dsec.Sandbox) -> None:

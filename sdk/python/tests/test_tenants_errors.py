@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 import dsec
+import dsec._transport
 from _util import live, sandbox_exists
 
 
@@ -84,9 +85,10 @@ def test_idempotent_create(client: dsec.Client, uid: str) -> None:
         second = client.create_sandbox(labels={"idem": uid}, idempotency_key=key)
         assert second.id == first.id
         assert live(client.list_sandboxes(labels={"idem": uid})) == [first.id]
-        # the replay is marked
-        resp = client.request("POST", "/v1/sandboxes", json={"labels": {"idem": uid}, "substrate": "container"},
-                              idempotency_key=key)
+        # the replay is marked (the server compares request bodies byte for byte, so send the
+        # very body the SDK sent)
+        body = dsec._transport.create_spec(labels={"idem": uid})
+        resp = client.request("POST", "/v1/sandboxes", json=body, idempotency_key=key)
         assert resp.headers.get("idempotent-replayed") == "true"
         assert resp.json()["id"] == first.id
         # the same key with another request is a conflict
