@@ -69,3 +69,45 @@ def test_second_server_leaves_other_sandboxes_alone(client: dsec.Client, tmp_pat
             sb.destroy()
         except dsec.DsecError:
             pass
+
+
+def test_sigterm_drains_in_flight_exec(fresh_server) -> None:
+    import threading
+    import time
+
+    c = fresh_server.client()
+    sb = dsec.Sandbox.create(c)
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = sb.exec(["/bin/sh", "-c", "sleep 1.5; echo finished"], timeout_ms=20_000)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    assert fresh_server.proc is not None
+    fresh_server.proc.send_signal(15)
+    time.sleep(0.2)
+    # new work is refused while draining (or the listener is already closed)
+    late = dsec.Client(fresh_server.url, fresh_server.admin_key, max_retries=0)
+    try:
+        with pytest.raises((dsec.Draining, dsec.DsecConnectionError)) as ei:
+            late.create_sandbox()
+        if isinstance(ei.value, dsec.Draining):
+            assert ei.value.status == 503 and ei.value.retry_after is not None
+    finally:
+        late.close()
+    t.join(30)
+    assert "error" not in out, out
+    assert out["result"].ok and out["result"].text == "finished\n"
+    assert fresh_server.stop() == 0
+    # the sandbox outlives the daemon; a restarted one still has it
+    fresh_server.clients = []
+    fresh_server.start()
+    c2 = fresh_server.client()
+    again = dsec.Sandbox.connect(sb.id, c2)
+    assert again.exec("echo back").text == "back\n"
+    again.destroy()
