@@ -163,3 +163,23 @@ def test_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
         assert c.base_url == "http://example.invalid:1234" and c.api_key == "envkey"
     with dsec.Client("http://x:1", api_key="explicit") as c:
         assert c.api_key == "explicit"
+
+
+def test_without_auto_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    seen = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req.headers.get("idempotency-key"))
+        if len(seen) == 1:
+            raise httpx.ConnectError("refused", request=req)  # never reached the server: retried
+        return httpx.Response(502, json={"code": "agent_unavailable", "status": 502})
+
+    with _mock_client(handler, auto_idempotency_keys=False) as c:
+        with pytest.raises(dsec.AgentUnavailable):
+            dsec.Sandbox(c, {"id": "sb-1"}).exec("true")
+        assert seen == [None, None]  # the 502 may have run the command: not retried
+        seen.clear()
+        with pytest.raises(dsec.AgentUnavailable):
+            c.create_sandbox(idempotency_key="mine")
+        assert seen[0] == "mine" and len(seen) == 4 and set(seen) == {"mine"}
