@@ -46,6 +46,35 @@ def find_dsec_bin() -> Optional[Path]:
     return None
 
 
+def descendants(pid: int) -> Set[int]:
+    """Every process below `pid` (by parent pid), now."""
+    children: dict = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out: Set[int] = set()
+    todo = [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
 class ServerProc:
     """One `dsec server` process on a data dir and run dir, restartable on the same dirs."""
 
@@ -62,6 +91,7 @@ class ServerProc:
         self.created_ids: Set[str] = set()
         self.clients: List[dsec.Client] = []
         self._reader: Optional[threading.Thread] = None
+        self.stopped_descendants: Set[int] = set()
 
     # -- process control -----------------------------------------------------------------------
 
@@ -140,6 +170,7 @@ class ServerProc:
         """SIGTERM (drain) and wait; returns the exit code."""
         assert self.proc is not None
         if self.proc.poll() is None:
+            self.stopped_descendants = descendants(self.proc.pid)
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT)
@@ -241,6 +272,18 @@ class ServerProc:
                 break
             time.sleep(0.2)
         assert not leaked, f"sandbox cgroups left behind: {leaked}"
+        # the spawner, its pre-built shells and every supervisor went with the server
+        alive: Set[int] = set()
+        while True:
+            alive = {p for p in self.stopped_descendants if Path(f"/proc/{p}").exists() and not _is_zombie(p)}
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not alive, f"processes of the server outlived it: {sorted(alive)}"
+        shells = cgroup_dirs_named({f"shell-{p}" for p in self.stopped_descendants})
+        assert not shells, f"pre-built shell cgroups left behind: {shells}"
+        left = set(os.listdir(self.run_dir / "sandboxes")) if (self.run_dir / "sandboxes").is_dir() else set()
+        assert not (left & self.created_ids), f"sandbox run dirs left behind: {sorted(left & self.created_ids)}"
         mounts = Path("/proc/self/mountinfo").read_text()
         stale = [i for i in self.created_ids if i in mounts]
         assert not stale, f"host mounts of sandboxes left behind: {stale}"
@@ -268,6 +311,7 @@ def finish_server(srv: ServerProc) -> None:
             srv.destroy_leftovers()
         srv.close_clients()
         rc = srv.stop() if srv.proc is not None else 0
+        assert srv.stopped_descendants, "the server had no child processes (no spawner?)"
         assert rc == 0, f"dsec server exited {rc} on SIGTERM; stderr tail:\n{srv.stderr_tail()}"
         srv.assert_no_leaks()
     finally:
