@@ -245,3 +245,18 @@ def test_ttl_expiry_destroys_sandbox(client: dsec.Client) -> None:
     except dsec.SandboxNotFound:
         pass  # already gone: that's fine too
     assert not sandbox_exists(client, sb.id)
+
+
+def test_exec_stream_failure_is_typed(sandbox: dsec.Sandbox) -> None:
+    # the failure comes either before the stream (an error answer) or as its `error` event
+    try:
+        events = list(sandbox.exec_stream(["/no/such/program"]))
+    except dsec.SpawnFailed:
+        return
+    assert events[-1].type == "error", events
+    assert isinstance(events[-1].error, dsec.SpawnFailed)
+
+
+def test_exec_stream_binary_chunks(sandbox: dsec.Sandbox) -> None:
+    events = list(sandbox.exec_stream("printf '\\377\\000\\376'"))
+    assert b"".join(e.data for e in events if e.type == "stdout") == b"\xff\x00\xfe"
