@@ -40,9 +40,17 @@ impl ContainerRuntime {
     }
 
     /// Reconnects to the supervisor of a sandbox created by an earlier node process. `spec` is
-    /// what it was created with (from the node's store). The sandbox comes back `Running` with
-    /// its processes, sessions and files untouched.
-    pub fn adopt(&self, id: &str, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
+    /// what it was created with (from the node's store); `state` is `Ready` for a sandbox that
+    /// waits in a pool, `Running` for one in use. Processes, sessions and files are untouched.
+    pub fn adopt(
+        &self,
+        id: &str,
+        spec: SandboxSpec,
+        state: State,
+    ) -> Result<Sandbox, RuntimeError> {
+        if !super::valid_id(id) {
+            return Err(RuntimeError::Invalid(format!("invalid sandbox id {id:?}")));
+        }
         let run_dir = self.sandbox_run_dir(id);
         let sup_err = |message: String| RuntimeError::Supervisor {
             id: id.to_owned(),
@@ -81,16 +89,16 @@ impl ContainerRuntime {
         let mut sandbox = Sandbox {
             id: id.to_owned(),
             spec,
-            state: State::Running,
+            state,
             agent: AgentConn::adopted(agent_fd),
             control,
             sup,
             init_pid,
             run_dir,
             oom_kills,
-            uses: 1,
+            uses: u32::from(state == State::Running),
             busy: Duration::ZERO,
-            acquired_at: Some(std::time::Instant::now()),
+            acquired_at: (state == State::Running).then(std::time::Instant::now),
         };
         sandbox.ping()?;
         Ok(sandbox)

@@ -439,6 +439,37 @@ impl Sandbox {
             || (self.busy + current).as_millis() as u64 >= self.spec.max_busy_ms
     }
 
+    /// Whether the sandbox is whole: its supervisor lives and has not reported the end of the
+    /// sandbox init on the control socket (nothing else arrives there unasked). Does not talk
+    /// to the agent.
+    pub fn is_alive(&self) -> bool {
+        self.death().is_none()
+    }
+
+    /// Why the sandbox is not whole any more ([`Sandbox::is_alive`]), if it is not.
+    pub fn death(&self) -> Option<String> {
+        if !self.sup.is_alive() {
+            return Some("its supervisor exited".into());
+        }
+        match ipc::poll_readable(self.control.as_fd(), Duration::ZERO) {
+            Ok(false) => None,
+            Ok(true) => {
+                // The supervisor records the init's wait status next to its socket.
+                let status = std::fs::read_to_string(self.run_dir.join("exit"))
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i32>().ok());
+                Some(match status {
+                    Some(st) if st & 0x7f == 0 => {
+                        format!("the sandbox init exited with code {}", (st >> 8) & 0xff)
+                    }
+                    Some(st) => format!("the sandbox init was killed by signal {}", st & 0x7f),
+                    None => "its supervisor reported the end of the sandbox init".into(),
+                })
+            }
+            Err(_) => Some("its control socket failed".into()),
+        }
+    }
+
     /// Liveness check of the agent.
     pub fn ping(&mut self) -> Result<(), RuntimeError> {
         let id = self.id.clone();

@@ -28,6 +28,32 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Kills the process with SIGKILL when `DSEC_FAILPOINT` names this point: the crash tests
+/// (F-01) stop the daemon at each named step of a create exactly as `kill -9` would.
+///
+/// `DSEC_FAILPOINT=<point>=sleep:<ms>` sleeps there instead (the tests of races, e.g. a
+/// destroy during a create, F-15).
+pub fn failpoint(name: &str) {
+    static POINT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let point = POINT.get_or_init(|| std::env::var("DSEC_FAILPOINT").ok());
+    let Some(point) = point.as_deref() else {
+        return;
+    };
+    if let Some(ms) = point
+        .strip_prefix(name)
+        .and_then(|rest| rest.strip_prefix("=sleep:"))
+        .and_then(|ms| ms.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        return;
+    }
+    if point == name {
+        log::warn("failpoint hit", &[("point", name)]);
+        let _ =
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    }
+}
+
 /// One sandbox the node owns.
 #[derive(Debug)]
 pub struct Entry {
@@ -37,6 +63,24 @@ pub struct Entry {
     /// The runtime handle; `None` once destroyed.
     live: Arc<tokio::sync::Mutex<Option<Sandbox>>>,
     watch: watch::Sender<(State, u64)>,
+    /// The earlier of the TTL and the lease expiry, on the monotonic clock: a wall-clock jump
+    /// neither kills a sandbox early nor keeps it late.
+    deadline: Mutex<Option<Instant>>,
+    /// Host pids of the supervisor and the sandbox init (shown to the admin tenant).
+    pids: Mutex<Option<(i32, i32)>>,
+    /// A destroy was asked for: a create in progress gives up instead of finishing.
+    doomed: AtomicBool,
+}
+
+/// The monotonic instant of a record's earliest expiry (TTL or lease).
+fn deadline_of(r: &SandboxRecord) -> Option<Instant> {
+    let at = match (r.expires_at_ms, r.lease_expires_at_ms) {
+        (Some(a), Some(b)) => a.min(b),
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => return None,
+    };
+    let left = at.saturating_sub(now_ms());
+    Some(Instant::now() + std::time::Duration::from_millis(left))
 }
 
 impl Entry {
@@ -44,6 +88,9 @@ impl Entry {
         let (watch, _) = watch::channel((rec.state, rec.version));
         Arc::new(Self {
             id: rec.id.clone(),
+            deadline: Mutex::new(deadline_of(&rec)),
+            pids: Mutex::new(sandbox.as_ref().map(|s| (s.supervisor_pid(), s.init_pid()))),
+            doomed: AtomicBool::new(false),
             rec: Mutex::new(rec),
             live: Arc::new(tokio::sync::Mutex::new(sandbox)),
             watch,
@@ -53,6 +100,16 @@ impl Entry {
     /// A copy of the record.
     pub fn record(&self) -> SandboxRecord {
         self.rec.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Host pids of the supervisor and the sandbox init, while it lives.
+    pub fn pids(&self) -> Option<(i32, i32)> {
+        *self.pids.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_pids(&self, sb: Option<&Sandbox>) {
+        *self.pids.lock().unwrap_or_else(|p| p.into_inner()) =
+            sb.map(|s| (s.supervisor_pid(), s.init_pid()));
     }
 
     /// Subscribes to (state, version) changes.
@@ -116,6 +173,9 @@ pub struct CreateRequest {
     pub lease_ms: Option<u64>,
     /// Writable root.
     pub writable_root: bool,
+    /// The request's idempotency key (recorded with the sandbox, so that a retry after a
+    /// crash finds the sandbox even when the answer was never recorded).
+    pub idem: Option<String>,
 }
 
 /// How a restart found the sandboxes of the previous node process.
@@ -155,6 +215,17 @@ pub struct App {
     pub counters: Counters,
     /// Started.
     pub started: Instant,
+    in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a request as in flight while it lives.
+#[derive(Debug)]
+pub struct InFlight(Arc<App>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Plain counters (exported at `/metrics`).
@@ -199,7 +270,19 @@ impl App {
             create_slots: tokio::sync::Semaphore::new(4),
             counters: Counters::default(),
             started: Instant::now(),
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// Marks a request in flight until the guard drops.
+    pub fn track(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(self))
+    }
+
+    /// Requests being served.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
     }
 
     /// The tenant of an API key hash (cached).
@@ -262,6 +345,11 @@ impl App {
             f(&mut next)?;
             next.version += 1;
             self.store.put_sandbox(&next, now_ms())?;
+            if (next.expires_at_ms, next.lease_expires_at_ms)
+                != (r.expires_at_ms, r.lease_expires_at_ms)
+            {
+                *e.deadline.lock().unwrap_or_else(|p| p.into_inner()) = deadline_of(&next);
+            }
             *r = next.clone();
             next
         };
@@ -343,8 +431,16 @@ impl App {
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))??;
         }
+        if let Some(key) = &req.idem {
+            if let Some(rec) = self.store.sandbox_by_idem(&tenant.id, key)? {
+                if rec.state != State::Stopped {
+                    return Ok(self.entry(&rec.id).map_or(rec, |e| e.record()));
+                }
+            }
+        }
         let now = now_ms();
         let fill = |r: &mut SandboxRecord| {
+            r.idem = req.idem.clone();
             r.tenant = Some(tenant.id.clone());
             r.labels = req.labels.clone();
             r.env = req.env.clone();
@@ -416,6 +512,7 @@ impl App {
                         lease_expires_at_ms: None,
                         pooled: false,
                         error: None,
+                        idem: None,
                     };
                     fill(&mut rec);
                     let e = Entry::new(rec, None);
@@ -446,7 +543,7 @@ impl App {
                 let rec = e.record();
                 self.store.put_sandbox(&rec, now)?;
                 self.launch(&e).await?;
-                self.set_state(&e, State::Running)
+                Ok(e.record())
             }
         }
     }
@@ -461,24 +558,50 @@ impl App {
             .acquire()
             .await
             .map_err(|_| ApiError::internal("create slots closed"))?;
+        // The entry stays locked until the sandbox is recorded `ready`: a destroy that comes in
+        // meanwhile waits, then destroys what was made (destroy wins, nothing is orphaned).
+        let mut guard = e.lock().await;
+        if e.record().state != State::Creating {
+            return Err(ApiError::new(
+                ErrorCode::InvalidTransition,
+                format!("sandbox {} was destroyed while it was created", e.id),
+            ));
+        }
+        failpoint("create:before_launch");
         let id = e.id.clone();
-        let made = tokio::task::spawn_blocking(move || rt.create_with_id(&id, &spec))
-            .await
-            .map_err(|err| ApiError::internal(err.to_string()))?;
+        let made = tokio::task::spawn_blocking(move || {
+            failpoint("create:launching");
+            rt.create_with_id(&id, &spec)
+        })
+        .await
+        .map_err(|err| ApiError::internal(err.to_string()))?;
         match made {
             Ok((mut sb, _phases)) => {
+                failpoint("create:after_launch");
                 self.counters.created.fetch_add(1, Ordering::Relaxed);
-                let mut guard = e.lock().await;
-                let pooled_ready = e.record().tenant.is_none();
-                if !pooled_ready {
+                let for_tenant = e.record().tenant.is_some();
+                if for_tenant {
                     sb.mark_acquired().map_err(ApiError::from)?;
                 }
+                e.set_pids(Some(&sb));
                 *guard = Some(sb);
-                drop(guard);
+                if e.doomed.load(Ordering::SeqCst) {
+                    // The waiting destroy takes it from here.
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidTransition,
+                        format!("sandbox {} was destroyed while it was created", e.id),
+                    ));
+                }
                 self.set_state(e, State::Ready)?;
+                failpoint("create:after_ready");
+                if for_tenant {
+                    self.set_state(e, State::Running)?;
+                }
+                drop(guard);
                 Ok(())
             }
             Err(err) => {
+                drop(guard);
                 self.counters.create_failed.fetch_add(1, Ordering::Relaxed);
                 let api = ApiError::from(err);
                 let _ = self.update(e, |r| {
@@ -498,6 +621,7 @@ impl App {
 
     /// Destroys a sandbox: `stopping` is persisted first, `stopped` once nothing of it is left.
     pub async fn destroy(self: &Arc<Self>, e: &Arc<Entry>) -> ApiResult<SandboxRecord> {
+        e.doomed.store(true, Ordering::SeqCst);
         let mut guard = e.lock().await;
         let rec = e.record();
         if rec.state == State::Stopped {
@@ -517,6 +641,7 @@ impl App {
             })?;
         }
         let sb = guard.take();
+        e.set_pids(None);
         let rt = Arc::clone(&self.rt);
         let id = e.id.clone();
         let run_dir = self.rt.sandbox_run_dir(&id);
@@ -569,6 +694,7 @@ impl App {
         })
         .await
         .map_err(|err| ApiError::internal(err.to_string()))?;
+        e.set_pids(Some(&sb));
         *guard = Some(sb);
         drop(guard);
         match result {
@@ -683,6 +809,7 @@ impl App {
             lease_expires_at_ms: None,
             pooled: true,
             error: None,
+            idem: None,
         };
         self.store.put_sandbox(&rec, now_ms())?;
         let e = Entry::new(rec, None);
@@ -691,26 +818,44 @@ impl App {
         Ok(id)
     }
 
-    /// Destroys sandboxes whose TTL or lease passed, and closes failed ones. Returns how many.
+    /// Destroys sandboxes whose TTL or lease passed and sandboxes that died (supervisor
+    /// killed, init gone), recording why. Returns how many it destroyed.
     pub async fn sweep(self: &Arc<Self>) -> usize {
-        let now = now_ms();
+        let now = Instant::now();
         let mut n = 0;
         for e in self.entries() {
+            // A sandbox in use is checked on a later sweep.
+            let death = e
+                .live
+                .try_lock()
+                .ok()
+                .and_then(|g| g.as_ref().and_then(|sb| sb.death()));
             let r = e.record();
-            let expired = r.expires_at_ms.is_some_and(|t| t <= now)
-                || r.lease_expires_at_ms.is_some_and(|t| t <= now);
-            if (expired && matches!(r.state, State::Running | State::Ready))
-                || r.state == State::Failed
-            {
-                if self.destroy(&e).await.is_ok() {
-                    n += 1;
-                    if expired {
-                        self.counters.expired.fetch_add(1, Ordering::Relaxed);
-                        log::info("sandbox expired", &[("sandbox", &r.id)]);
-                    }
+            if let Some(why) = death.filter(|_| matches!(r.state, State::Running | State::Ready)) {
+                log::warn("sandbox died", &[("sandbox", &r.id), ("why", &why)]);
+                let _ = self.update(&e, |r| {
+                    r.state = State::Failed;
+                    r.error = Some(format!("the sandbox died: {why}"));
+                    Ok(())
+                });
+            }
+            let expired = e
+                .deadline
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some_and(|d| d <= now);
+            let state = e.record().state;
+            let due = (expired && matches!(state, State::Running | State::Ready))
+                || state == State::Failed;
+            if due && self.destroy(&e).await.is_ok() {
+                n += 1;
+                if expired {
+                    self.counters.expired.fetch_add(1, Ordering::Relaxed);
+                    log::info("sandbox expired", &[("sandbox", &r.id)]);
                 }
             }
         }
+        let now = now_ms();
         let day_ago = now.saturating_sub(24 * 3600 * 1000);
         let hour_ago = now.saturating_sub(3600 * 1000);
         let _ = self.store.purge_idempotent(day_ago);
@@ -732,14 +877,24 @@ impl App {
             let id = rec.id.clone();
             let spec = rec.spec.clone();
             let adoptable = matches!(rec.state, State::Running | State::Ready);
-            let adopted = tokio::task::spawn_blocking(move || rt.adopt(&id, spec))
+            let pooled_ready = rec.state == State::Ready && rec.tenant.is_none();
+            let as_state = if pooled_ready {
+                State::Ready
+            } else {
+                State::Running
+            };
+            let adopted = tokio::task::spawn_blocking(move || rt.adopt(&id, spec, as_state))
                 .await
                 .ok()
                 .and_then(Result::ok);
-            let pooled_ready = rec.state == State::Ready && rec.tenant.is_none();
             let e = Entry::new(rec.clone(), adopted);
             self.insert(Arc::clone(&e));
             let alive = e.lock().await.is_some();
+            if alive && adoptable && rec.state == State::Ready && !pooled_ready {
+                // Made for a tenant but not yet handed over when the process died: finish the
+                // create, so that a retry with its idempotency key finds it running.
+                let _ = self.set_state(&e, State::Running);
+            }
             if alive && adoptable {
                 if pooled_ready {
                     let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
@@ -757,19 +912,16 @@ impl App {
                 report.reaped.push(rec.id.clone());
             }
         }
-        // Whatever is on the machine without a record.
-        let mut orphans: Vec<String> = self.rt.sandbox_dirs();
-        if let Ok(cgs) = self.rt.cgroups().list() {
-            orphans.extend(cgs.into_iter().filter(|c| c.starts_with("sb-")));
-        }
-        orphans.sort();
-        orphans.dedup();
+        // Whatever this node made (it has a runtime dir in the node's run dir) but has no
+        // record of. Sandbox cgroups without a runtime dir here are left alone: they may
+        // belong to another node process on this host with its own run dir.
+        let orphans: Vec<String> = self.rt.sandbox_dirs();
         for id in orphans.into_iter().filter(|id| !known.contains(id)) {
             let rt = Arc::clone(&self.rt);
             let oid = id.clone();
             let _ = tokio::task::spawn_blocking(move || {
                 let spec = SandboxSpec::default();
-                match rt.adopt(&oid, spec) {
+                match rt.adopt(&oid, spec, State::Running) {
                     Ok(sb) => sb.destroy(&rt).is_ok(),
                     Err(_) => {
                         let dir = rt.sandbox_run_dir(&oid);

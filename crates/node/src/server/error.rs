@@ -174,6 +174,18 @@ impl From<AgentError> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
+        // A full disk is the machine's condition, not a bug: say so, and that a retry can work.
+        if let StoreError::Sql(rusqlite::Error::SqliteFailure(f, _)) = &e {
+            if f.code == rusqlite::ErrorCode::DiskFull {
+                return Self {
+                    retry_after: Some(5),
+                    ..Self::new(
+                        ErrorCode::ResourceExhausted,
+                        "the node's state disk is full",
+                    )
+                };
+            }
+        }
         Self::internal(e.to_string())
     }
 }

@@ -111,11 +111,12 @@ pub fn router(app: AppState) -> Router {
         )
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .layer(middleware::from_fn(request_id))
+        .layer(middleware::from_fn_with_state(Arc::clone(&app), request_id))
         .with_state(app)
 }
 
-async fn request_id(req: Request, next: Next) -> Response {
+async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -> Response {
+    let _in_flight = app.track();
     let id = req
         .headers()
         .get("x-request-id")
@@ -158,6 +159,10 @@ async fn authenticate(AxState(app): AxState<AppState>, mut req: Request, next: N
         Err(e) => e.into_response(),
     }
 }
+
+/// The idempotency key of the request being served.
+#[derive(Debug, Clone)]
+pub struct IdemKey(pub String);
 
 /// Per-(tenant, key) locks so that two identical requests in flight run once.
 type IdemLocks = std::sync::Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>;
@@ -232,9 +237,9 @@ async fn idempotency(AxState(app): AxState<AppState>, req: Request, next: Next) 
             Ok(None) => {}
             Err(e) => return ApiError::from(e).into_response(),
         }
-        let resp = next
-            .run(Request::from_parts(parts, Body::from(bytes)))
-            .await;
+        let mut req = Request::from_parts(parts, Body::from(bytes));
+        req.extensions_mut().insert(IdemKey(key.clone()));
+        let resp = next.run(req).await;
         let ct = resp
             .headers()
             .get(header::CONTENT_TYPE)
@@ -505,16 +510,20 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
         ttl_ms: b.ttl_ms,
         lease_ms: b.lease_ms,
         writable_root: b.writable_root,
+        idem: None,
     })
 }
 
 async fn create_sandbox(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
+    idem: Option<Extension<IdemKey>>,
     body: Bytes,
 ) -> ApiResult<Response> {
-    let req = create_request(json_body(&body)?)?;
+    let mut req = create_request(json_body(&body)?)?;
+    req.idem = idem.map(|Extension(IdemKey(k))| k);
     let rec = app.create(&t, req).await?;
+    super::app::failpoint("create:before_answer");
     log::info(
         "sandbox created",
         &[("sandbox", &rec.id), ("tenant", &t.id)],
@@ -554,6 +563,16 @@ async fn get_sandbox(
     if e.record().tenant.as_deref() != Some(&t.id) {
         return Err(ApiError::no_sandbox(&id));
     }
+    let admin_view = |e: &Entry| {
+        let mut v = view(&e.record());
+        if t.admin {
+            if let Some((sup, init)) = e.pids() {
+                v["supervisor_pid"] = sup.into();
+                v["init_pid"] = init.into();
+            }
+        }
+        v
+    };
     let want = q.wait.as_deref().map(parse_state).transpose()?;
     if want.is_some() || q.after_version.is_some() {
         let timeout = Duration::from_millis(q.timeout.unwrap_or(30_000).min(MAX_WAIT_MS));
@@ -575,7 +594,7 @@ async fn get_sandbox(
         })
         .await;
     }
-    Ok(Json(view(&e.record())))
+    Ok(Json(admin_view(&e)))
 }
 
 async fn list_sandboxes(
@@ -659,8 +678,10 @@ struct BatchCreate {
 async fn batch_create(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
+    idem: Option<Extension<IdemKey>>,
     body: Bytes,
 ) -> ApiResult<Json<Value>> {
+    let idem = idem.map(|Extension(IdemKey(k))| k);
     let b: BatchCreate = json_body(&body)?;
     if !(1..=1000).contains(&b.count) {
         return Err(ApiError::invalid("count must be in 1..=1000"));
@@ -676,7 +697,9 @@ async fn batch_create(
     for i in 0..b.count {
         let app = Arc::clone(&app);
         let t = t.clone();
-        let req = req.clone();
+        let mut req = req.clone();
+        // Each item has its own key, so that a retried batch finds what it already made.
+        req.idem = idem.as_ref().map(|k| format!("{k}#{i}"));
         set.spawn(async move { (i, app.create(&t, req).await) });
     }
     let mut out: Vec<(usize, Value)> = Vec::with_capacity(b.count);

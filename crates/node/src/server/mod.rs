@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State as AxState;
+use std::future::IntoFuture as _;
+
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
@@ -114,40 +116,45 @@ async fn serve(
             }
         })
     };
+    let drain = cfg.drain_timeout;
+    // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in
+    // flight finish (bounded by the drain deadline), then stop accepting and close.
     let shutdown = {
         let app = Arc::clone(&app);
         async move {
             wait_for_signal().await;
             app.draining.store(true, Ordering::Relaxed);
-            log::info("draining", &[]);
+            log::info("draining", &[("in_flight", &app.in_flight().to_string())]);
+            let deadline = tokio::time::Instant::now() + drain;
+            while app.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     };
     on_ready(addr, admin_key);
     log::info("listening", &[("addr", &addr.to_string())]);
-    let server =
-        axum::serve(listener, http::router(Arc::clone(&app))).with_graceful_shutdown(shutdown);
-    let drain = cfg.drain_timeout;
-    let served = tokio::spawn(async move { server.await });
-    // The graceful shutdown waits for open connections; bound it by the drain deadline.
-    let result = loop {
-        if app.draining.load(Ordering::Relaxed) {
-            match tokio::time::timeout(drain, served).await {
-                Ok(r) => break r.map_err(|e| ServerError::Other(e.to_string()))?,
-                Err(_) => {
-                    log::warn("drain deadline passed; closing open connections", &[]);
-                    break Ok(());
-                }
+    let server = axum::serve(listener, http::router(Arc::clone(&app)))
+        .with_graceful_shutdown(shutdown)
+        .into_future();
+    let watchdog = {
+        let app = Arc::clone(&app);
+        async move {
+            while !app.draining.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
+            // Open connections (event streams, idle keep-alives) get the deadline, then go.
+            tokio::time::sleep(drain + Duration::from_secs(1)).await;
         }
-        if served.is_finished() {
-            break served
-                .await
-                .map_err(|e| ServerError::Other(e.to_string()))?;
+    };
+    let result = tokio::select! {
+        r = server => r.map_err(|e| ServerError::Other(format!("serve: {e}"))),
+        () = watchdog => {
+            log::warn("drain deadline passed; closing open connections", &[]);
+            Ok(())
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     sweeper.abort();
-    result.map_err(|e| ServerError::Other(format!("serve: {e}")))?;
+    result?;
     log::info("stopped", &[]);
     Ok(())
 }

@@ -78,6 +78,9 @@ pub struct SandboxRecord {
     /// Why it failed, when it did.
     #[serde(default)]
     pub error: Option<String>,
+    /// Idempotency key of the create that made it.
+    #[serde(default)]
+    pub idem: Option<String>,
 }
 
 /// A stored outcome of an idempotent request.
@@ -107,8 +110,9 @@ CREATE TABLE IF NOT EXISTS api_keys (
     hash TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(id), created_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY, tenant TEXT, state TEXT NOT NULL, version INTEGER NOT NULL,
-    updated_at INTEGER NOT NULL, record TEXT NOT NULL);
+    updated_at INTEGER NOT NULL, idem TEXT, record TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, id);
+CREATE INDEX IF NOT EXISTS sandboxes_idem ON sandboxes(tenant, idem);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS idempotency (
     tenant TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
@@ -246,8 +250,9 @@ impl Store {
             let tx = c.transaction()?;
             {
                 let mut st = tx.prepare_cached(
-                    "INSERT OR REPLACE INTO sandboxes (id, tenant, state, version, updated_at, record)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    "INSERT OR REPLACE INTO sandboxes
+                     (id, tenant, state, version, updated_at, idem, record)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                 )?;
                 for rec in recs {
                     let json = serde_json::to_string(rec)
@@ -258,6 +263,7 @@ impl Store {
                         state_str(rec.state),
                         rec.version as i64,
                         now_ms as i64,
+                        rec.idem,
                         json
                     ])?;
                 }
@@ -279,6 +285,25 @@ impl Store {
                 .query_row(
                     "SELECT record FROM sandboxes WHERE id = ?1",
                     params![id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            rec.map(|r| parse(&r)).transpose()
+        })
+    }
+
+    /// The newest sandbox a tenant created with idempotency key `idem`.
+    pub fn sandbox_by_idem(
+        &self,
+        tenant: &str,
+        idem: &str,
+    ) -> Result<Option<SandboxRecord>, StoreError> {
+        self.with(|c| {
+            let rec: Option<String> = c
+                .query_row(
+                    "SELECT record FROM sandboxes WHERE tenant = ?1 AND idem = ?2
+                     ORDER BY updated_at DESC LIMIT 1",
+                    params![tenant, idem],
                     |r| r.get(0),
                 )
                 .optional()?;
@@ -406,6 +431,7 @@ mod tests {
             lease_expires_at_ms: None,
             pooled: false,
             error: None,
+            idem: Some(format!("key-{id}")),
         }
     }
 
@@ -462,6 +488,11 @@ mod tests {
             .map(|r| r.id)
             .collect();
         assert_eq!(page, ["sb-2"]);
+        assert_eq!(
+            s.sandbox_by_idem("tn-1", "key-sb-1")?.map(|r| r.id),
+            Some("sb-1".into())
+        );
+        assert!(s.sandbox_by_idem("tn-2", "key-sb-1")?.is_none());
         assert_eq!(
             s.idempotent("tn-1", "k")?.map(|o| o.status),
             Some(201),

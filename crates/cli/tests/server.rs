@@ -1,0 +1,777 @@
+//! `dsec server` under faults (TESTING.md F-01, F-02, F-03, F-04, F-05, F-13, F-15), driven over
+//! HTTP like any client. Every test checks afterwards that what the API lists is what is on the
+//! machine: the runtime dirs and cgroups of its sandboxes, and nothing else.
+//!
+//! Needs root (namespaces, cgroups, mounts); CI runs as root.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    data: PathBuf,
+    run: PathBuf,
+    agent: ureq::Agent,
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .build()
+        .into()
+}
+
+/// A fresh pair of short state dirs (unix socket paths are length-limited).
+fn dirs(tag: &str) -> (PathBuf, PathBuf) {
+    let base = PathBuf::from(format!("/tmp/dst-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("create test dir");
+    (base.join("d"), base.join("r"))
+}
+
+impl Daemon {
+    fn start(data: &Path, run: &Path, env: &[(&str, &str)]) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
+        cmd.arg("--data-dir")
+            .arg(data)
+            .arg("--run-dir")
+            .arg(run)
+            .args(["server", "--listen", "127.0.0.1:0", "--drain-seconds", "10"])
+            .env("DSEC_SPAWNER_SHELLS", "2")
+            .stdout(Stdio::piped())
+            .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn dsec server");
+        let out = child.stdout.take().expect("stdout");
+        let mut url = None;
+        for line in BufReader::new(out).lines() {
+            let line = line.expect("read stdout");
+            if let Some(u) = line.strip_prefix("dsec server listening on ") {
+                url = Some(u.to_owned());
+                break;
+            }
+        }
+        let url = url.expect("the server printed its address");
+        let key = std::fs::read_to_string(data.join("admin.key"))
+            .expect("admin.key")
+            .trim()
+            .to_owned();
+        Self {
+            child,
+            url,
+            key,
+            data: data.to_owned(),
+            run: run.to_owned(),
+            agent: agent(),
+        }
+    }
+
+    fn req(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        idem: Option<&str>,
+    ) -> (u16, Value) {
+        self.req_raw(method, path, body.map(|b| b.to_string().into_bytes()), idem)
+    }
+
+    fn req_raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Vec<u8>>,
+        idem: Option<&str>,
+    ) -> (u16, Value) {
+        let url = format!("{}{path}", self.url);
+        let r = match method {
+            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
+            "DELETE" => self
+                .agent
+                .delete(&url)
+                .header("X-API-Key", &self.key)
+                .call(),
+            m => {
+                let mut b = match m {
+                    "POST" => self.agent.post(&url),
+                    "PUT" => self.agent.put(&url),
+                    other => panic!("method {other}"),
+                }
+                .header("X-API-Key", &self.key);
+                if let Some(k) = idem {
+                    b = b.header("Idempotency-Key", k);
+                }
+                b.send(body.unwrap_or_default())
+            }
+        };
+        match r {
+            Ok(mut resp) => {
+                let status = resp.status().as_u16();
+                let bytes = resp
+                    .body_mut()
+                    .with_config()
+                    .limit(64 << 20)
+                    .read_to_vec()
+                    .unwrap_or_default();
+                let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                (status, v)
+            }
+            Err(e) => (0, json!({"transport_error": e.to_string()})),
+        }
+    }
+
+    fn metrics(&self) -> String {
+        self.agent
+            .get(format!("{}/metrics", self.url))
+            .call()
+            .ok()
+            .and_then(|mut r| r.body_mut().read_to_string().ok())
+            .unwrap_or_default()
+    }
+
+    fn create(&self, idem: Option<&str>) -> Value {
+        let (s, v) = self.req("POST", "/v1/sandboxes", Some(json!({})), idem);
+        assert_eq!(s, 201, "create: {v}");
+        v
+    }
+
+    fn exec_ok(&self, id: &str, script: &str) -> String {
+        let (s, v) = self.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"shell": script})),
+            None,
+        );
+        assert_eq!(s, 200, "exec: {v}");
+        assert_eq!(v["status"], "ok", "exec: {v}");
+        v["stdout"]["data"].as_str().unwrap_or_default().to_owned()
+    }
+
+    /// Ids the API lists (every state but stopped).
+    fn listed(&self) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        let mut cursor = String::new();
+        loop {
+            let (s, v) = self.req(
+                "GET",
+                &format!("/v1/sandboxes?limit=1000&cursor={cursor}"),
+                None,
+                None,
+            );
+            assert_eq!(s, 200, "list: {v}");
+            for it in v["items"].as_array().expect("items") {
+                out.insert(it["id"].as_str().expect("id").to_owned());
+            }
+            match v["next_cursor"].as_str() {
+                Some(c) => cursor = c.to_owned(),
+                None => return out,
+            }
+        }
+    }
+
+    /// Sandboxes on the machine for this node: runtime dirs, and cgroups of those ids or of
+    /// ids the API knows.
+    fn on_machine(&self, known: &BTreeSet<String>) -> BTreeSet<String> {
+        let mut out: BTreeSet<String> = std::fs::read_dir(self.run.join("sandboxes"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let cgroups = cgroups();
+        for id in known.iter().chain(out.clone().iter()) {
+            if cgroups.contains(id) {
+                out.insert(id.clone());
+            }
+        }
+        out
+    }
+
+    fn assert_converged(&self, ctx: &str) -> BTreeSet<String> {
+        let listed = self.listed();
+        let machine = self.on_machine(&listed);
+        assert_eq!(listed, machine, "{ctx}: API list == what is on the machine");
+        listed
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn sigterm(&mut self) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+    }
+
+    /// Destroys every sandbox through the API and stops the daemon; checks nothing is left.
+    fn finish(mut self) {
+        for id in self.listed() {
+            let (s, v) = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
+            assert_eq!(s, 200, "delete {id}: {v}");
+        }
+        let left = self.on_machine(&BTreeSet::new());
+        assert!(left.is_empty(), "left on the machine: {left:?}");
+        self.sigterm();
+        let st = self.child.wait().expect("wait");
+        assert!(st.success(), "exit after SIGTERM: {st:?}");
+        if let Some(base) = self.data.parent() {
+            let _ = std::fs::remove_dir_all(base);
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sandbox cgroup names on this host (every hierarchy).
+fn cgroups() -> BTreeSet<String> {
+    dsec_sys::cgroup::CgroupManager::detect("dsec")
+        .and_then(|m| m.list())
+        .map(|l| l.into_iter().collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn f01_kill9_at_each_create_step_then_retry_with_the_same_key() {
+    for point in [
+        "create:before_launch",
+        "create:after_launch",
+        "create:after_ready",
+        "create:before_answer",
+    ] {
+        let (data, run) = dirs("f01");
+        let mut d = Daemon::start(&data, &run, &[("DSEC_FAILPOINT", point)]);
+        let key = format!("f01-{point}");
+        let (s, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), Some(&key));
+        assert_eq!(s, 0, "{point}: the daemon died before answering: {v}");
+        let st = d.child.wait().expect("wait");
+        assert!(!st.success(), "{point}: killed");
+        let d2 = Daemon::start(&data, &run, &[]);
+        // Whatever the crash left is either running and recorded, or gone.
+        d2.assert_converged(point);
+        let before = d2.listed();
+        let v = d2.create(Some(&key));
+        let id = v["id"].as_str().expect("id").to_owned();
+        assert_eq!(v["state"], "running", "{point}: {v}");
+        if !before.is_empty() {
+            assert_eq!(
+                before,
+                BTreeSet::from([id.clone()]),
+                "{point}: the retry returns the sandbox the crashed create made"
+            );
+        }
+        assert_eq!(
+            d2.listed(),
+            BTreeSet::from([id.clone()]),
+            "{point}: one sandbox"
+        );
+        assert_eq!(d2.exec_ok(&id, "echo ok"), "ok\n");
+        d2.assert_converged(point);
+        drop(d);
+        d2.finish();
+    }
+}
+
+#[test]
+fn f02_kill9_six_times_with_50_sandboxes() {
+    let (data, run) = dirs("f02");
+    let mut d = Daemon::start(&data, &run, &[]);
+    let (s, v) = d.req(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(json!({"count": 50, "spec": {"labels": {"set": "f02"}}})),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    let made: BTreeSet<String> = v["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .map(|it| {
+            assert_eq!(it["ok"], true, "{it}");
+            it["sandbox"]["id"].as_str().expect("id").to_owned()
+        })
+        .collect();
+    assert_eq!(made.len(), 50);
+    let first = made.iter().next().expect("one").clone();
+    d.exec_ok(&first, "echo kept > /tmp/mark");
+    for round in 0..6 {
+        d.kill9();
+        d = Daemon::start(&data, &run, &[]);
+        let listed = d.assert_converged(&format!("round {round}"));
+        assert_eq!(listed, made, "round {round}: none lost");
+        assert_eq!(
+            d.exec_ok(&first, "cat /tmp/mark"),
+            "kept\n",
+            "state survives"
+        );
+    }
+    let (s, v) = d.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(json!({"labels": {"set": "f02"}})),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    assert!(v["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .all(|i| i["ok"] == true));
+    d.finish();
+}
+
+#[test]
+fn f03_killed_supervisor_is_reaped_and_recorded() {
+    let (data, run) = dirs("f03");
+    let d = Daemon::start(&data, &run, &[]);
+    let id = d.create(None)["id"].as_str().expect("id").to_owned();
+    let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None, None);
+    let sup = v["supervisor_pid"]
+        .as_i64()
+        .expect("the admin sees the supervisor pid");
+    let pid = rustix::process::Pid::from_raw(sup as i32).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill supervisor");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let v = loop {
+        let (_, v) = d.req(
+            "GET",
+            &format!("/v1/sandboxes/{id}?wait=stopped&timeout=2000"),
+            None,
+            None,
+        );
+        if v["state"] == "stopped" || Instant::now() > deadline {
+            break v;
+        }
+    };
+    assert_eq!(v["state"], "stopped", "{v}");
+    assert!(
+        v["error"].as_str().unwrap_or_default().contains("died"),
+        "the record says why: {v}"
+    );
+    assert!(d.on_machine(&BTreeSet::from([id])).is_empty());
+    d.finish();
+}
+
+#[test]
+fn f04_sigterm_drains() {
+    let (data, run) = dirs("f04");
+    let mut d = Daemon::start(&data, &run, &[]);
+    let id = d.create(None)["id"].as_str().expect("id").to_owned();
+    let url = format!("{}/v1/sandboxes/{id}/exec", d.url);
+    let key = d.key.clone();
+    let slow = std::thread::spawn(move || {
+        let mut r = agent()
+            .post(&url)
+            .header("X-API-Key", &key)
+            .send(json!({"shell": "sleep 1.5; echo done"}).to_string())
+            .expect("the in-flight exec is answered");
+        let v: Value =
+            serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+        v
+    });
+    // Wait until the exec is in flight (a loaded machine may take a while to send it).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !d.metrics().contains("dsec_execs_total 1") {
+        assert!(Instant::now() < deadline, "the exec reached the daemon");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    d.sigterm();
+    std::thread::sleep(Duration::from_millis(200));
+    let (s, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), None);
+    assert_eq!(s, 503, "no new creates while draining: {v}");
+    assert_eq!(v["code"], "draining");
+    let v = slow.join().expect("join");
+    assert_eq!(
+        v["stdout"]["data"], "done\n",
+        "in-flight work finished: {v}"
+    );
+    let st = d.child.wait().expect("wait");
+    assert!(st.success(), "exit 0: {st:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "within the deadline"
+    );
+    // The sandbox outlived the daemon; the next start adopts it.
+    let d = Daemon::start(&data, &run, &[]);
+    assert_eq!(d.exec_ok(&id, "echo back"), "back\n");
+    d.finish();
+}
+
+#[test]
+fn f05_full_state_disk_is_resource_exhausted() {
+    let (data, run) = dirs("f05");
+    std::fs::create_dir_all(&data).expect("data dir");
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "dsec-f05"])
+        .arg(&data)
+        .status()
+        .expect("mount");
+    assert!(st.success(), "mount a small tmpfs as the data dir");
+    let d = Daemon::start(&data, &run, &[]);
+    let id = d.create(None)["id"].as_str().expect("id").to_owned();
+    // Fill the disk to the last byte.
+    let filler = data.join("filler");
+    let mut f = std::fs::File::create(&filler).expect("filler");
+    let chunk = vec![7u8; 64 << 10];
+    while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+    let _ = std::io::Write::write_all(&mut f, &[7u8]);
+    drop(f);
+    let mut codes = BTreeSet::new();
+    for _ in 0..5 {
+        let (s, v) = d.req(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"labels": {"x": "y"}})),
+            None,
+        );
+        codes.insert((s, v["code"].as_str().unwrap_or_default().to_owned()));
+    }
+    assert!(
+        codes.contains(&(503, "resource_exhausted".into())),
+        "a full state disk answers resource_exhausted: {codes:?}"
+    );
+    // The node still serves, and nothing half-made is left running unrecorded.
+    assert_eq!(d.exec_ok(&id, "echo alive"), "alive\n");
+    std::fs::remove_file(&filler).expect("free the disk");
+    let v = d.create(None);
+    assert_eq!(v["state"], "running");
+    d.assert_converged("after the disk was freed");
+    let base = data.parent().map(Path::to_path_buf);
+    d.finish();
+    let _ = Command::new("umount").arg(&data).status();
+    if let Some(b) = base {
+        let _ = std::fs::remove_dir_all(b);
+    }
+}
+
+#[test]
+fn f13_retry_storm_with_one_key_has_one_effect() {
+    let (data, run) = dirs("f13");
+    let d = Daemon::start(&data, &run, &[]);
+    let ids: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..16)
+            .map(|_| {
+                s.spawn(|| {
+                    let (st, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), Some("storm"));
+                    assert_eq!(st, 201, "{v}");
+                    v["id"].as_str().expect("id").to_owned()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("join")).collect()
+    });
+    let unique: BTreeSet<String> = ids.into_iter().collect();
+    assert_eq!(unique.len(), 1, "one sandbox for one key: {unique:?}");
+    assert_eq!(d.listed(), unique);
+    let (s, v) = d.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"ttl_ms": 5})),
+        Some("storm"),
+    );
+    assert_eq!((s, v["code"].clone()), (409, json!("idempotency_conflict")));
+    d.finish();
+}
+
+#[test]
+fn f15_destroy_during_create_wins() {
+    let (data, run) = dirs("f15");
+    let d = Daemon::start(
+        &data,
+        &run,
+        &[("DSEC_FAILPOINT", "create:launching=sleep:800")],
+    );
+    std::thread::scope(|s| {
+        let creating = s.spawn(|| d.req("POST", "/v1/sandboxes", Some(json!({})), None));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let id = loop {
+            let (_, v) = d.req("GET", "/v1/sandboxes?state=creating", None, None);
+            if let Some(id) = v["items"][0]["id"].as_str() {
+                break id.to_owned();
+            }
+            assert!(Instant::now() < deadline, "the create shows up as creating");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["state"], "stopped");
+        let (s, v) = creating.join().expect("join");
+        assert_eq!(
+            (s, v["code"].clone()),
+            (409, json!("invalid_transition")),
+            "{v}"
+        );
+        assert!(
+            d.on_machine(&BTreeSet::from([id])).is_empty(),
+            "nothing orphaned"
+        );
+    });
+    d.finish();
+}
+
+#[test]
+fn ttl_and_lease_expire_on_the_node() {
+    let (data, run) = dirs("ttl");
+    let d = Daemon::start(&data, &run, &[]);
+    let a = d
+        .req("POST", "/v1/sandboxes", Some(json!({"ttl_ms": 1500})), None)
+        .1;
+    let b = d
+        .req(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"lease_ms": 1500})),
+            None,
+        )
+        .1;
+    let c = d
+        .req(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"lease_ms": 1500})),
+            None,
+        )
+        .1;
+    let (a, b, c) = (
+        a["id"].as_str().expect("a").to_owned(),
+        b["id"].as_str().expect("b").to_owned(),
+        c["id"].as_str().expect("c").to_owned(),
+    );
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(500));
+        let (s, v) = d.req(
+            "POST",
+            &format!("/v1/sandboxes/{c}/lease"),
+            Some(json!({})),
+            None,
+        );
+        if s != 200 {
+            let (_, now) = d.req("GET", &format!("/v1/sandboxes/{c}"), None, None);
+            panic!("heartbeat: {v}; the sandbox: {now}");
+        }
+    }
+    let state =
+        |id: &str| d.req("GET", &format!("/v1/sandboxes/{id}"), None, None).1["state"].clone();
+    assert_eq!(state(&a), "stopped", "TTL passed");
+    assert_eq!(state(&b), "stopped", "lease not renewed");
+    assert_eq!(state(&c), "running", "lease renewed");
+    d.assert_converged("after expiry");
+    d.finish();
+}
+
+#[test]
+fn tenants_are_isolated_and_quotas_hold() {
+    let (data, run) = dirs("ten");
+    let d = Daemon::start(&data, &run, &[]);
+    let (s, t) = d.req(
+        "POST",
+        "/v1/tenants",
+        Some(json!({"name": "team-b", "max_sandboxes": 1})),
+        None,
+    );
+    assert_eq!(s, 201, "{t}");
+    let b_key = t["api_key"].as_str().expect("key").to_owned();
+    let a_id = d.create(None)["id"].as_str().expect("id").to_owned();
+    let b = |method: &str, path: &str, body: Option<Value>| {
+        let url = format!("{}{path}", d.url);
+        let r = match method {
+            "GET" => d
+                .agent
+                .get(&url)
+                .header("Authorization", format!("Bearer {b_key}"))
+                .call(),
+            "DELETE" => d
+                .agent
+                .delete(&url)
+                .header("Authorization", format!("Bearer {b_key}"))
+                .call(),
+            _ => d
+                .agent
+                .post(&url)
+                .header("Authorization", format!("Bearer {b_key}"))
+                .send(body.unwrap_or(json!({})).to_string()),
+        };
+        let mut r = r.expect("http");
+        let s = r.status().as_u16();
+        let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+            .unwrap_or(Value::Null);
+        (s, v)
+    };
+    for (m, p) in [
+        ("GET", format!("/v1/sandboxes/{a_id}")),
+        ("DELETE", format!("/v1/sandboxes/{a_id}")),
+        ("POST", format!("/v1/sandboxes/{a_id}/exec")),
+    ] {
+        let (s, v) = b(m, &p, Some(json!({"argv": ["true"]})));
+        assert_eq!(
+            (s, v["code"].clone()),
+            (404, json!("sandbox_not_found")),
+            "{m} {p}: {v}"
+        );
+    }
+    let (s, v) = b("GET", "/v1/sandboxes", None);
+    assert_eq!(s, 200);
+    assert_eq!(
+        v["items"].as_array().map(Vec::len),
+        Some(0),
+        "B sees none of A's: {v}"
+    );
+    let (s, v) = b("POST", "/v1/sandboxes", None);
+    assert_eq!(s, 201, "{v}");
+    let b_id = v["id"].as_str().expect("id").to_owned();
+    let (s, v) = b("POST", "/v1/sandboxes", None);
+    assert_eq!(
+        (s, v["code"].clone()),
+        (429, json!("quota_exceeded")),
+        "{v}"
+    );
+    let (s, _) = b("GET", "/v1/tenants", None);
+    assert_eq!(s, 403, "only the admin lists tenants");
+    let (s, _) = b("DELETE", &format!("/v1/sandboxes/{b_id}"), None);
+    assert_eq!(s, 200);
+    d.finish();
+}
+
+#[test]
+fn bad_requests_get_typed_errors() {
+    let (data, run) = dirs("bad");
+    let d = Daemon::start(&data, &run, &[]);
+    type Case<'a> = (&'a str, &'a str, Option<Vec<u8>>, u16, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(b"{not json".to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"template":"nope"}"#.to_vec()),
+            404,
+            "template_not_found",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"substrate":"vm"}"#.to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"limits":{"pids_max":1}}"#.to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"limits":{"bogus":1}}"#.to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"extra":1}"#.to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "GET",
+            "/v1/sandboxes/sb-0000000000000000",
+            None,
+            404,
+            "sandbox_not_found",
+        ),
+        ("GET", "/v1/sandboxes/../../etc", None, 404, "not_found"),
+        (
+            "POST",
+            "/v1/sandboxes/batch",
+            Some(br#"{"count":0}"#.to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "GET",
+            "/v1/sandboxes?state=bogus",
+            None,
+            400,
+            "invalid_request",
+        ),
+        ("GET", "/v1/nope", None, 404, "not_found"),
+    ];
+    for (m, p, body, status, code) in cases {
+        let (s, v) = d.req_raw(m, p, body, None);
+        assert_eq!(
+            (s, v["code"].as_str().unwrap_or_default()),
+            (status, code),
+            "{m} {p}: {v}"
+        );
+        assert!(
+            v["request_id"].as_str().is_some_and(|r| !r.is_empty()),
+            "{v}"
+        );
+    }
+    let id = d.create(None)["id"].as_str().expect("id").to_owned();
+    for (body, code) in [
+        (json!({}), "invalid_request"),
+        (json!({"argv": []}), "invalid_request"),
+        (
+            json!({"argv": ["true"], "shell": "true"}),
+            "invalid_request",
+        ),
+        (
+            json!({"argv": ["true"], "stdin_b64": "!!"}),
+            "invalid_request",
+        ),
+        (json!({"argv": ["/nonexistent"]}), "spawn_failed"),
+    ] {
+        let (_, v) = d.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(body.clone()),
+            None,
+        );
+        assert_eq!(v["code"], code, "{body}: {v}");
+    }
+    let (_, v) = d.req_raw(
+        "GET",
+        &format!("/v1/sandboxes/{id}/files?path=/../../etc/shadow"),
+        None,
+        None,
+    );
+    assert!(
+        matches!(v["code"].as_str(), Some("path_escape" | "not_found")),
+        "{v}"
+    );
+    let (s, _) = d.req("GET", "/openapi.json", None, None);
+    assert_eq!(s, 200);
+    d.finish();
+}
