@@ -214,3 +214,26 @@ def test_destroyed_sandbox_rejects_exec(client: dsec.Client) -> None:
     with pytest.raises((dsec.SandboxNotFound, dsec.InvalidTransition)):
         sb.exec("true")
     assert not sandbox_exists(client, sb.id)
+
+
+def test_concurrent_creates_with_one_key_make_one_sandbox(client: dsec.Client, uid: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = f"storm-{uuid.uuid4().hex}"
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(lambda _: client.create_sandbox(labels={"storm": uid}, idempotency_key=key).id, range(8)))
+    try:
+        assert len(set(ids)) == 1, ids
+        assert live(client.list_sandboxes(labels={"storm": uid})) == [ids[0]]
+    finally:
+        client.delete_sandboxes(labels={"storm": uid})
+
+
+def test_exec_with_a_key_runs_once(sandbox: dsec.Sandbox) -> None:
+    key = f"exec-{uuid.uuid4().hex}"
+    body = {"shell": "echo run >> /tmp/runs; wc -l < /tmp/runs"}
+    first = sandbox.client.request("POST", sandbox._path("/exec"), json=body, idempotency_key=key)
+    again = sandbox.client.request("POST", sandbox._path("/exec"), json=body, idempotency_key=key)
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json() == first.json()
+    assert sandbox.files.read("/tmp/runs") == b"run\n"
