@@ -17,7 +17,7 @@ use serde::Serialize;
 /// Arguments of `dsec bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// What to measure (`container`).
+    /// What to measure: `container` (the substrate, in process) or `api` (the daemon over HTTP).
     pub what: String,
     /// Iterations per latency figure.
     #[arg(long, default_value_t = 200)]
@@ -35,15 +35,15 @@ pub struct BenchArgs {
 }
 
 #[derive(Debug, Serialize)]
-struct Dist {
-    count: usize,
-    p50_us: u64,
-    p90_us: u64,
-    p99_us: u64,
-    max_us: u64,
+pub(crate) struct Dist {
+    pub(crate) count: usize,
+    pub(crate) p50_us: u64,
+    pub(crate) p90_us: u64,
+    pub(crate) p99_us: u64,
+    pub(crate) max_us: u64,
 }
 
-fn dist(mut v: Vec<u64>) -> Dist {
+pub(crate) fn dist(mut v: Vec<u64>) -> Dist {
     v.sort_unstable();
     let q = |p: f64| -> u64 {
         if v.is_empty() {
@@ -61,7 +61,7 @@ fn dist(mut v: Vec<u64>) -> Dist {
     }
 }
 
-fn us(t: Instant) -> u64 {
+pub(crate) fn us(t: Instant) -> u64 {
     t.elapsed().as_micros() as u64
 }
 

@@ -1,7 +1,12 @@
 //! `dsec`: the command line of the dsec sandbox infrastructure.
 #![forbid(unsafe_code)]
 
+mod admin_cmd;
 mod bench;
+mod bench_api;
+mod client;
+mod output;
+mod sandbox_cmd;
 mod units;
 
 use std::io::Write;
@@ -16,7 +21,7 @@ use dsec_node::sandbox::{Limits, SandboxSpec};
 
 /// dsec: elastic sandboxes for agentic training.
 #[derive(Debug, Parser)]
-#[command(name = "dsec", version, about)]
+#[command(name = "dsec", version, about, after_long_help = client::EXIT_CODES)]
 struct Cli {
     /// Persistent data directory (layers, templates).
     #[arg(
@@ -29,6 +34,17 @@ struct Cli {
     /// Runtime directory (supervisor sockets, stage dir).
     #[arg(long, global = true, env = "DSEC_RUN_DIR", default_value = "/run/dsec")]
     run_dir: PathBuf,
+    /// Address of the daemon (`dsec server`) for the sandbox, pool and tenant commands.
+    #[arg(
+        long,
+        global = true,
+        env = "DSEC_URL",
+        default_value = "http://127.0.0.1:7700"
+    )]
+    url: String,
+    /// API key for the daemon. Default: the admin key in `<data-dir>/admin.key` when readable.
+    #[arg(long, global = true, env = "DSEC_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -47,6 +63,24 @@ enum Command {
     },
     /// Measure the substrate and print JSON.
     Bench(bench::BenchArgs),
+    /// Create, list, run commands in and destroy sandboxes of a running daemon (--url).
+    #[command(after_long_help = client::EXIT_CODES)]
+    Sandbox {
+        #[command(subcommand)]
+        command: sandbox_cmd::SandboxCmd,
+    },
+    /// List and size the warm pools of a running daemon.
+    #[command(after_long_help = client::EXIT_CODES)]
+    Pool {
+        #[command(subcommand)]
+        command: admin_cmd::PoolCmd,
+    },
+    /// Create and list tenants of a running daemon (admin key).
+    #[command(after_long_help = client::EXIT_CODES)]
+    Tenant {
+        #[command(subcommand)]
+        command: admin_cmd::TenantCmd,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -57,9 +91,12 @@ struct ServerArgs {
     /// Seconds in-flight requests get after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
-    /// Keep this many ready sandboxes of the `host` template (0: no pool).
+    /// Ready sandboxes of the `host` template kept at least (the pool grows with demand).
     #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
     pool_min: usize,
+    /// Ready sandboxes of the `host` template kept at most (0: no pool).
+    #[arg(long, env = "DSEC_POOL_MAX", default_value_t = 64)]
+    pool_max: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -220,9 +257,9 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         runtime,
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
-        host_pool: (args.pool_min > 0).then_some(dsec_node::server::PoolSize {
-            min: args.pool_min,
-            max: args.pool_min.max(1) * 4,
+        host_pool: (args.pool_max > 0).then_some(dsec_node::server::PoolSize {
+            min: args.pool_min.min(args.pool_max),
+            max: args.pool_max,
         }),
     };
     let key_file = cli.data_dir.join("admin.key");
@@ -239,12 +276,37 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Runs a command of the daemon's client; its failures print a hint and map to documented exit
+/// codes (`client::EXIT_CODES`).
+fn remote(
+    cli: &Cli,
+    f: impl FnOnce(&client::Client) -> Result<ExitCode, client::ClientError>,
+) -> ExitCode {
+    let key = cli.api_key.clone().or_else(|| {
+        std::fs::read_to_string(cli.data_dir.join("admin.key"))
+            .ok()
+            .map(|k| k.trim().to_owned())
+            .filter(|k| !k.is_empty())
+    });
+    match f(&client::Client::new(&cli.url, key)) {
+        Ok(code) => code,
+        Err(e) => {
+            client::report(&e, "");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
+        Command::Sandbox { command } => return remote(&cli, |c| sandbox_cmd::run(c, command)),
+        Command::Pool { command } => return remote(&cli, |c| admin_cmd::pool(c, command)),
+        Command::Tenant { command } => return remote(&cli, |c| admin_cmd::tenant(c, command)),
         Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
         Command::Template { command } => template(&cli, command),
+        Command::Bench(args) if args.what == "api" => bench_api::run(args),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),
     };
     match result {

@@ -39,12 +39,17 @@ fn dirs(tag: &str) -> (PathBuf, PathBuf) {
 
 impl Daemon {
     fn start(data: &Path, run: &Path, env: &[(&str, &str)]) -> Self {
+        Self::start_with(data, run, env, &["--pool-max", "0"])
+    }
+
+    fn start_with(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
         cmd.arg("--data-dir")
             .arg(data)
             .arg("--run-dir")
             .arg(run)
             .args(["server", "--listen", "127.0.0.1:0", "--drain-seconds", "10"])
+            .args(args)
             .env("DSEC_SPAWNER_SHELLS", "2")
             .stdout(Stdio::piped())
             .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
@@ -650,6 +655,23 @@ fn tenants_are_isolated_and_quotas_hold() {
     );
     let (s, _) = b("GET", "/v1/tenants", None);
     assert_eq!(s, 403, "only the admin lists tenants");
+    let (s, _) = b(
+        "GET",
+        &format!("/v1/sandboxes?tenant={}", t["id"].as_str().unwrap_or("")),
+        None,
+    );
+    assert_eq!(s, 403, "only the admin lists another tenant's sandboxes");
+    // The admin (operator) sees and can inspect B's sandbox.
+    let (s, v) = d.req(
+        "GET",
+        &format!("/v1/sandboxes?tenant={}", t["id"].as_str().unwrap_or("")),
+        None,
+        None,
+    );
+    assert_eq!(s, 200);
+    assert_eq!(v["items"][0]["id"], b_id.as_str(), "{v}");
+    let (s, _) = d.req("GET", &format!("/v1/sandboxes/{b_id}"), None, None);
+    assert_eq!(s, 200);
     let (s, _) = b("DELETE", &format!("/v1/sandboxes/{b_id}"), None);
     assert_eq!(s, 200);
     d.finish();
@@ -773,5 +795,108 @@ fn bad_requests_get_typed_errors() {
     );
     let (s, _) = d.req("GET", "/openapi.json", None, None);
     assert_eq!(s, 200);
+    d.finish();
+}
+
+#[test]
+fn pool_serves_creates_refills_and_survives_a_restart() {
+    let (data, run) = dirs("pool");
+    let args = ["--pool-min", "2", "--pool-max", "8"];
+    let mut d = Daemon::start_with(&data, &run, &[], &args);
+    let pool = |d: &Daemon| d.req("GET", "/v1/pools/host", None, None).1;
+    let wait_ready = |d: &Daemon, n: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let p = pool(d);
+            if p["ready"].as_u64() == Some(n) && p["creating"].as_u64() == Some(0) {
+                return p;
+            }
+            assert!(Instant::now() < deadline, "pool reaches {n} ready: {p}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_ready(&d, 2);
+    let v = d.create(None);
+    assert_eq!(v["pooled"], true, "served from the pool: {v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    assert_eq!(d.exec_ok(&id, "hostname"), format!("{id}\n"));
+    let p = wait_ready(&d, 2);
+    assert_eq!(p["hits"], 1, "{p}");
+    // Non-default limits are not served from the pool.
+    let (_, v) = d.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"limits": {"pids_max": 64}})),
+        None,
+    );
+    assert_eq!(v["pooled"], false, "{v}");
+    d.kill9();
+    d = Daemon::start_with(&data, &run, &[], &args);
+    let (_, ready) = d.req("GET", "/readyz", None, None);
+    let adopted = ready["recovery"]["adopted"].as_array().map_or(0, Vec::len);
+    assert_eq!(adopted, 4, "2 in use + 2 pooled adopted back: {ready}");
+    assert_eq!(ready["recovery"]["reaped"], json!([]), "{ready}");
+    let p = wait_ready(&d, 2);
+    assert_eq!(p["misses"], 0, "no refill was needed: {p}");
+    // Everything on the machine is either listed or in the pool.
+    let listed = d.listed();
+    let machine = d.on_machine(&listed);
+    assert_eq!(machine.len(), listed.len() + 2, "{machine:?} vs {listed:?}");
+    let (s, v) = d.req(
+        "PUT",
+        "/v1/pools/host",
+        Some(json!({"min": 0, "max": 0})),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    wait_ready(&d, 0);
+    d.finish();
+}
+
+/// Every operation in `/openapi.json` is routed (an unauthenticated call gets `unauthorized`,
+/// not `not_found` or 405), and it is a valid OpenAPI 3.1 skeleton.
+#[test]
+fn openapi_document_matches_the_router() {
+    let (data, run) = dirs("oapi");
+    let d = Daemon::start(&data, &run, &[]);
+    let (s, doc) = d.req("GET", "/openapi.json", None, None);
+    assert_eq!(s, 200);
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().expect("paths");
+    assert!(paths.len() >= 25, "{} paths", paths.len());
+    let bare = agent();
+    let mut checked = 0;
+    for (path, ops) in paths {
+        let concrete = path
+            .replace("{id}", "sb-0000000000000000")
+            .replace("{handle}", "1")
+            .replace("{session}", "1")
+            .replace("{name}", "host")
+            .replace("{template}", "host");
+        for (method, op) in ops.as_object().expect("ops") {
+            assert!(
+                op["summary"].is_string() && op["responses"].is_object(),
+                "{method} {path}"
+            );
+            let url = format!("{}{concrete}", d.url);
+            let r = match method.as_str() {
+                "get" => bare.get(&url).call(),
+                "delete" => bare.delete(&url).call(),
+                "post" => bare.post(&url).send("{}"),
+                "put" => bare.put(&url).send("{}"),
+                other => panic!("method {other}"),
+            };
+            let mut r = r.expect("http");
+            let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+                .unwrap_or(Value::Null);
+            assert_eq!(
+                (r.status().as_u16(), v["code"].as_str()),
+                (401, Some("unauthorized")),
+                "{method} {path} is routed and authenticated"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 30, "{checked} operations");
     d.finish();
 }

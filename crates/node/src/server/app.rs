@@ -6,7 +6,7 @@
 //! blocking pool.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -20,6 +20,8 @@ use crate::sandbox::{Limits, SandboxSpec, State};
 use super::error::{ApiError, ApiResult};
 use super::log;
 use super::store::{SandboxRecord, Store, Tenant};
+use crate::autoscale::{AutoscaleConfig, Autoscaler};
+use crate::metrics::{Counter, Histogram, Registry};
 
 /// Milliseconds since the epoch.
 pub fn now_ms() -> u64 {
@@ -70,7 +72,13 @@ pub struct Entry {
     pids: Mutex<Option<(i32, i32)>>,
     /// A destroy was asked for: a create in progress gives up instead of finishing.
     doomed: AtomicBool,
+    /// Destroys the sweeper tried and that failed (bounded by [`MAX_SWEEP_DESTROYS`]).
+    sweep_failures: std::sync::atomic::AtomicU32,
 }
+
+/// Failed destroys the sweeper retries before it leaves a sandbox `failed` for an operator
+/// (its record says why; an explicit DELETE still tries).
+pub const MAX_SWEEP_DESTROYS: u32 = 5;
 
 /// The monotonic instant of a record's earliest expiry (TTL or lease).
 fn deadline_of(r: &SandboxRecord) -> Option<Instant> {
@@ -91,6 +99,7 @@ impl Entry {
             deadline: Mutex::new(deadline_of(&rec)),
             pids: Mutex::new(sandbox.as_ref().map(|s| (s.supervisor_pid(), s.init_pid()))),
             doomed: AtomicBool::new(false),
+            sweep_failures: std::sync::atomic::AtomicU32::new(0),
             rec: Mutex::new(rec),
             live: Arc::new(tokio::sync::Mutex::new(sandbox)),
             watch,
@@ -147,13 +156,24 @@ pub struct PoolSize {
     pub max: usize,
 }
 
-#[derive(Debug, Default)]
+/// One template's warm pool: ready sandboxes (no tenant yet) and its sizing policy.
+#[derive(Debug)]
 struct PoolState {
-    size: Option<PoolSize>,
+    scaler: Autoscaler,
     ready: VecDeque<String>,
     creating: usize,
-    hits: u64,
-    misses: u64,
+}
+
+impl PoolState {
+    fn new(size: PoolSize) -> Result<Self, String> {
+        let scaler = Autoscaler::new(AutoscaleConfig::new(size.min, size.max), Instant::now())
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            scaler,
+            ready: VecDeque::new(),
+            creating: 0,
+        })
+    }
 }
 
 /// What a create asks for.
@@ -211,8 +231,8 @@ pub struct App {
     keys: Mutex<HashMap<String, Tenant>>,
     /// Creates running on the blocking pool.
     create_slots: tokio::sync::Semaphore,
-    /// Counters for metrics.
-    pub counters: Counters,
+    /// Metrics.
+    pub metrics: Metrics,
     /// Started.
     pub started: Instant,
     in_flight: std::sync::atomic::AtomicUsize,
@@ -228,19 +248,105 @@ impl Drop for InFlight {
     }
 }
 
-/// Plain counters (exported at `/metrics`).
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Sandboxes created (pool fills included).
-    pub created: AtomicU64,
+/// The node's metrics, resolved once (updates never touch the registry lock).
+#[derive(Debug)]
+pub struct Metrics {
+    /// The registry `/metrics` renders.
+    pub registry: Registry,
+    /// Sandboxes created by the runtime (pool fills included).
+    pub created: Counter,
     /// Sandboxes destroyed.
-    pub destroyed: AtomicU64,
-    /// Creates that failed.
-    pub create_failed: AtomicU64,
-    /// Execs run.
-    pub execs: AtomicU64,
+    pub destroyed: Counter,
+    /// Runtime creates that failed.
+    pub create_failed: Counter,
+    /// Commands run (exec API).
+    pub execs: Counter,
     /// Sandboxes destroyed by TTL or lease expiry.
-    pub expired: AtomicU64,
+    pub expired: Counter,
+    /// Sandboxes found dead (supervisor or init gone).
+    pub died: Counter,
+    /// Commands killed by the seccomp filter (SIGSYS).
+    pub seccomp_kills: Counter,
+    /// Commands that ended `oom`.
+    pub oom_kills: Counter,
+    /// API create latency, pool hits.
+    pub acquire_hit: Histogram,
+    /// API create latency, created on demand.
+    pub acquire_miss: Histogram,
+    /// Runtime create phases.
+    pub phase_launch: Histogram,
+    /// Runtime create phases.
+    pub phase_hello: Histogram,
+    /// Runtime create phases.
+    pub phase_cgroup: Histogram,
+    /// Runtime create phases.
+    pub phase_clone_exec: Histogram,
+    /// Exec latency (whole command).
+    pub exec: Histogram,
+    /// Reset latency.
+    pub reset: Histogram,
+    /// Destroy latency.
+    pub destroy: Histogram,
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let registry = Registry::new();
+        let c = |n: &str, h: &str| registry.counter(n, h, &[]).unwrap_or_default();
+        let h = |n: &str, help: &str, labels: &[(&str, &str)]| {
+            registry.histogram(n, help, labels).unwrap_or_default()
+        };
+        let phase = |p: &str| {
+            h(
+                "dsec_create_phase_seconds",
+                "Runtime create latency by phase (launch: request to supervisor answer; hello: to agent ready)",
+                &[("phase", p)],
+            )
+        };
+        Self {
+            created: c(
+                "dsec_sandboxes_created_total",
+                "Sandboxes created by the runtime",
+            ),
+            destroyed: c("dsec_sandboxes_destroyed_total", "Sandboxes destroyed"),
+            create_failed: c(
+                "dsec_sandbox_create_failures_total",
+                "Runtime creates that failed",
+            ),
+            execs: c("dsec_execs_total", "Commands run through the exec API"),
+            expired: c(
+                "dsec_sandboxes_expired_total",
+                "Sandboxes destroyed by TTL or lease expiry",
+            ),
+            died: c(
+                "dsec_sandboxes_died_total",
+                "Sandboxes found dead (supervisor or init gone)",
+            ),
+            seccomp_kills: c(
+                "dsec_seccomp_kills_total",
+                "Commands killed by the seccomp filter",
+            ),
+            oom_kills: c("dsec_oom_kills_total", "Commands that ended out of memory"),
+            acquire_hit: h(
+                "dsec_acquire_seconds",
+                "API create latency",
+                &[("pool", "hit")],
+            ),
+            acquire_miss: h(
+                "dsec_acquire_seconds",
+                "API create latency",
+                &[("pool", "miss")],
+            ),
+            phase_launch: phase("launch"),
+            phase_hello: phase("hello"),
+            phase_cgroup: phase("cgroup"),
+            phase_clone_exec: phase("clone_exec"),
+            exec: h("dsec_exec_seconds", "Exec latency", &[]),
+            reset: h("dsec_reset_seconds", "Reset latency", &[]),
+            destroy: h("dsec_destroy_seconds", "Destroy latency", &[]),
+            registry,
+        }
+    }
 }
 
 impl std::fmt::Debug for App {
@@ -268,7 +374,7 @@ impl App {
             recovery: Mutex::new(RecoveryReport::default()),
             keys: Mutex::new(HashMap::new()),
             create_slots: tokio::sync::Semaphore::new(4),
-            counters: Counters::default(),
+            metrics: Metrics::new(),
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
         })
@@ -321,6 +427,15 @@ impl App {
             Some(e) if e.record().tenant.as_deref() == Some(&tenant.id) => Ok(e),
             _ => Err(ApiError::no_sandbox(id)),
         }
+    }
+
+    /// Like [`App::owned`], but the admin tenant reaches every tenant's sandboxes (operators
+    /// inspect and clean up through it).
+    pub fn owned_or_admin(&self, tenant: &Tenant, id: &str) -> ApiResult<Arc<Entry>> {
+        if tenant.admin {
+            return self.entry(id).ok_or_else(|| ApiError::no_sandbox(id));
+        }
+        self.owned(tenant, id)
     }
 
     /// Every live entry.
@@ -479,13 +594,9 @@ impl App {
             // A pool hit: hand over a ready sandbox.
             let hit = pooled.as_ref().and_then(|k| {
                 let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-                let p = pools.entry(k.clone()).or_default();
+                let p = pools.get_mut(k)?;
                 let id = p.ready.pop_front();
-                if id.is_some() {
-                    p.hits += 1;
-                } else {
-                    p.misses += 1;
-                }
+                p.scaler.record_acquire(Instant::now(), id.is_some());
                 id.and_then(|id| entries.get(&id).cloned())
             });
             match hit {
@@ -521,6 +632,7 @@ impl App {
                 }
             }
         };
+        let t0 = Instant::now();
         match reserved {
             Ok(e) => {
                 // The pool refills in the background.
@@ -529,7 +641,7 @@ impl App {
                 if let Some(sb) = guard.as_mut() {
                     sb.mark_acquired().map_err(ApiError::from)?;
                 }
-                self.update(&e, |r| {
+                let rec = self.update(&e, |r| {
                     fill(r);
                     r.pooled = true;
                     r.state = r
@@ -537,12 +649,19 @@ impl App {
                         .transition(State::Running)
                         .map_err(|t| ApiError::new(ErrorCode::InvalidTransition, t.to_string()))?;
                     Ok(())
-                })
+                })?;
+                drop(guard);
+                self.metrics.acquire_hit.observe_duration(t0.elapsed());
+                Ok(rec)
             }
             Err(e) => {
+                if pooled.is_some() {
+                    self.kick_pools();
+                }
                 let rec = e.record();
                 self.store.put_sandbox(&rec, now)?;
                 self.launch(&e).await?;
+                self.metrics.acquire_miss.observe_duration(t0.elapsed());
                 Ok(e.record())
             }
         }
@@ -576,9 +695,22 @@ impl App {
         .await
         .map_err(|err| ApiError::internal(err.to_string()))?;
         match made {
-            Ok((mut sb, _phases)) => {
+            Ok((mut sb, phases)) => {
                 failpoint("create:after_launch");
-                self.counters.created.fetch_add(1, Ordering::Relaxed);
+                let us = |v: u64| std::time::Duration::from_micros(v);
+                self.metrics
+                    .phase_launch
+                    .observe_duration(us(phases.launch_us));
+                self.metrics
+                    .phase_hello
+                    .observe_duration(us(phases.hello_us));
+                self.metrics
+                    .phase_cgroup
+                    .observe_duration(us(phases.cgroup_us));
+                self.metrics
+                    .phase_clone_exec
+                    .observe_duration(us(phases.clone_exec_us));
+                self.metrics.created.inc();
                 let for_tenant = e.record().tenant.is_some();
                 if for_tenant {
                     sb.mark_acquired().map_err(ApiError::from)?;
@@ -602,7 +734,7 @@ impl App {
             }
             Err(err) => {
                 drop(guard);
-                self.counters.create_failed.fetch_add(1, Ordering::Relaxed);
+                self.metrics.create_failed.inc();
                 let api = ApiError::from(err);
                 let _ = self.update(e, |r| {
                     r.state = State::Stopped;
@@ -621,6 +753,7 @@ impl App {
 
     /// Destroys a sandbox: `stopping` is persisted first, `stopped` once nothing of it is left.
     pub async fn destroy(self: &Arc<Self>, e: &Arc<Entry>) -> ApiResult<SandboxRecord> {
+        let t0 = Instant::now();
         e.doomed.store(true, Ordering::SeqCst);
         let mut guard = e.lock().await;
         let rec = e.record();
@@ -666,7 +799,8 @@ impl App {
             });
             return Err(err);
         }
-        self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
+        self.metrics.destroyed.inc();
+        self.metrics.destroy.observe_duration(t0.elapsed());
         let rec = self.update(e, |r| {
             r.state = State::Stopped;
             Ok(())
@@ -688,6 +822,7 @@ impl App {
         let Some(mut sb) = guard.take() else {
             return Err(ApiError::no_sandbox(&e.id));
         };
+        let t0 = Instant::now();
         let (sb, result) = tokio::task::spawn_blocking(move || {
             let r = sb.reset().and_then(|()| sb.mark_acquired());
             (sb, r)
@@ -697,6 +832,7 @@ impl App {
         e.set_pids(Some(&sb));
         *guard = Some(sb);
         drop(guard);
+        self.metrics.reset.observe_duration(t0.elapsed());
         match result {
             Ok(()) => self.set_state(e, State::Running),
             Err(err) => {
@@ -723,33 +859,48 @@ impl App {
         })
     }
 
-    /// Sets a template's pool size.
-    pub fn set_pool(self: &Arc<Self>, template: &str, size: PoolSize) {
-        self.pools
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(template.to_owned())
-            .or_default()
-            .size = Some(size);
+    /// Sets a template's pool bounds (the size between them follows demand).
+    pub fn set_pool(self: &Arc<Self>, template: &str, size: PoolSize) -> ApiResult<()> {
+        self.store.put_pool(template, size.min, size.max)?;
+        self.configure_pool(template, size)
+    }
+
+    /// Sets a pool's bounds in memory only (at start, from the store).
+    pub fn configure_pool(self: &Arc<Self>, template: &str, size: PoolSize) -> ApiResult<()> {
+        {
+            let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            let mut fresh = PoolState::new(size).map_err(ApiError::invalid)?;
+            if let Some(old) = pools.remove(template) {
+                fresh.ready = old.ready;
+                fresh.creating = old.creating;
+            }
+            pools.insert(template.to_owned(), fresh);
+        }
         self.kick_pools();
+        Ok(())
     }
 
     /// Pool statistics.
     pub fn pool_stats(&self) -> Vec<serde_json::Value> {
+        let now = Instant::now();
         let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
         let mut out: Vec<serde_json::Value> = pools
             .iter()
             .map(|(t, p)| {
-                let lookups = p.hits + p.misses;
+                let st = p.scaler.stats(now);
                 serde_json::json!({
                     "template": t,
-                    "min": p.size.map_or(0, |s| s.min),
-                    "max": p.size.map_or(0, |s| s.max),
+                    "min": st.min,
+                    "max": st.max,
+                    "target": st.target,
                     "ready": p.ready.len(),
                     "creating": p.creating,
-                    "hits": p.hits,
-                    "misses": p.misses,
-                    "hit_rate": if lookups == 0 { 0.0 } else { p.hits as f64 / lookups as f64 },
+                    "hits": st.hits,
+                    "misses": st.misses,
+                    "hit_rate": st.hit_rate,
+                    "acquire_rate": st.acquire_rate_per_s,
+                    "refill_ms": st.refill_ms,
+                    "peak": st.peak,
                 })
             })
             .collect();
@@ -757,35 +908,57 @@ impl App {
         out
     }
 
-    /// Starts background creates for pools below their minimum.
+    /// Applies each pool's plan: starts background creates below target, destroys surplus.
     pub fn kick_pools(self: &Arc<Self>) {
-        if self.draining.load(Ordering::Relaxed) {
+        // Not while recovery may still hand adopted sandboxes back to their pools.
+        if self.draining.load(Ordering::Relaxed) || !self.ready.load(Ordering::Relaxed) {
             return;
         }
+        let now = Instant::now();
         let mut todo = Vec::new();
+        let mut surplus = Vec::new();
         {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
             for (t, p) in pools.iter_mut() {
-                let Some(size) = p.size else { continue };
-                let have = p.ready.len() + p.creating;
-                if have < size.min.min(size.max) {
-                    let n = size.min.min(size.max) - have;
-                    p.creating += n;
-                    todo.extend(std::iter::repeat_n(t.clone(), n));
+                let plan = p.scaler.plan(now, p.ready.len(), p.creating);
+                // `min` is a floor on ready sandboxes, whatever the watermark says.
+                let floor = p
+                    .scaler
+                    .config()
+                    .min
+                    .saturating_sub(p.ready.len() + p.creating);
+                let create = plan.create.max(floor);
+                p.creating += create;
+                todo.extend(std::iter::repeat_n(t.clone(), create));
+                for _ in 0..plan.destroy {
+                    if let Some(id) = p.ready.pop_back() {
+                        surplus.push(id);
+                    }
                 }
             }
         }
         for t in todo {
             let app = Arc::clone(self);
             tokio::spawn(async move {
+                let t0 = Instant::now();
                 let r = app.fill_one(&t).await;
                 let mut pools = app.pools.lock().unwrap_or_else(|p| p.into_inner());
-                let p = pools.entry(t.clone()).or_default();
-                p.creating = p.creating.saturating_sub(1);
-                if let Ok(id) = r {
-                    p.ready.push_back(id);
+                if let Some(p) = pools.get_mut(&t) {
+                    p.creating = p.creating.saturating_sub(1);
+                    if let Ok(id) = r {
+                        p.scaler.record_refill(t0.elapsed());
+                        p.ready.push_back(id);
+                    }
                 }
             });
+        }
+        for id in surplus {
+            if let Some(e) = self.entry(&id) {
+                let app = Arc::clone(self);
+                tokio::spawn(async move {
+                    let _ = app.destroy(&e).await;
+                });
+            }
         }
     }
 
@@ -832,6 +1005,7 @@ impl App {
                 .and_then(|g| g.as_ref().and_then(|sb| sb.death()));
             let r = e.record();
             if let Some(why) = death.filter(|_| matches!(r.state, State::Running | State::Ready)) {
+                self.metrics.died.inc();
                 log::warn("sandbox died", &[("sandbox", &r.id), ("why", &why)]);
                 let _ = self.update(&e, |r| {
                     r.state = State::Failed;
@@ -847,11 +1021,27 @@ impl App {
             let state = e.record().state;
             let due = (expired && matches!(state, State::Running | State::Ready))
                 || state == State::Failed;
-            if due && self.destroy(&e).await.is_ok() {
-                n += 1;
-                if expired {
-                    self.counters.expired.fetch_add(1, Ordering::Relaxed);
-                    log::info("sandbox expired", &[("sandbox", &r.id)]);
+            if !due || e.sweep_failures.load(Ordering::Relaxed) >= MAX_SWEEP_DESTROYS {
+                continue;
+            }
+            match self.destroy(&e).await {
+                Ok(_) => {
+                    n += 1;
+                    if expired {
+                        self.metrics.expired.inc();
+                        log::info("sandbox expired", &[("sandbox", &r.id)]);
+                    }
+                }
+                Err(err) => {
+                    let tries = e.sweep_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                    log::warn(
+                        "destroy failed",
+                        &[
+                            ("sandbox", &r.id),
+                            ("error", &err.detail),
+                            ("attempt", &tries.to_string()),
+                        ],
+                    );
                 }
             }
         }
@@ -897,12 +1087,19 @@ impl App {
             }
             if alive && adoptable {
                 if pooled_ready {
-                    let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-                    pools
-                        .entry(rec.spec.template.clone())
-                        .or_default()
-                        .ready
-                        .push_back(rec.id.clone());
+                    let pooled_again = {
+                        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+                        pools
+                            .get_mut(&rec.spec.template)
+                            .map(|p| p.ready.push_back(rec.id.clone()))
+                            .is_some()
+                    };
+                    if !pooled_again {
+                        // Its pool is not configured any more.
+                        let _ = self.destroy(&e).await;
+                        report.reaped.push(rec.id.clone());
+                        continue;
+                    }
                 }
                 report.adopted.push(rec.id.clone());
             } else {

@@ -560,7 +560,7 @@ async fn get_sandbox(
             _ => Err(ApiError::no_sandbox(&id)),
         };
     };
-    if e.record().tenant.as_deref() != Some(&t.id) {
+    if e.record().tenant.as_deref() != Some(&t.id) && !t.admin {
         return Err(ApiError::no_sandbox(&id));
     }
     let admin_view = |e: &Entry| {
@@ -606,8 +606,13 @@ async fn list_sandboxes(
     let mut labels = BTreeMap::new();
     let mut limit = 100usize;
     let mut cursor = String::new();
+    let mut owner = t.id.clone();
     for (k, v) in q {
         match k.as_str() {
+            "tenant" => {
+                require_admin(&t)?;
+                owner = v;
+            }
             "state" => state = Some(parse_state(&v)?),
             "label" => {
                 let (lk, lv) = v
@@ -634,7 +639,7 @@ async fn list_sandboxes(
     let mut items = Vec::new();
     let mut next = None;
     'scan: loop {
-        let page = app.store.tenant_sandboxes(&t.id, &cursor, 500)?;
+        let page = app.store.tenant_sandboxes(&owner, &cursor, 500)?;
         let exhausted = page.len() < 500;
         for r in page {
             cursor = r.id.clone();
@@ -662,7 +667,7 @@ async fn delete_sandbox(
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    let e = app.owned(&t, &id)?;
+    let e = app.owned_or_admin(&t, &id)?;
     let rec = app.destroy(&e).await?;
     Ok(Json(view(&rec)))
 }
@@ -919,12 +924,15 @@ async fn exec(
 ) -> ApiResult<Response> {
     let e = app.owned(&t, &id)?;
     let (mut req, stdin) = exec_request(json_body(&body)?, &e.record().env)?;
-    app.counters.execs.fetch_add(1, Ordering::Relaxed);
+    app.metrics.execs.inc();
     if !q.stream {
+        let t0 = std::time::Instant::now();
         let r = with_sandbox(&app, &e, move |rt, sb| {
             sb.exec(rt, &req, &stdin, |_, _| {}).map_err(ApiError::from)
         })
         .await?;
+        app.metrics.exec.observe_duration(t0.elapsed());
+        count_kills(&app, &r);
         return Ok(Json(r).into_response());
     }
     req.stream = true;
@@ -948,9 +956,12 @@ async fn exec(
         })
         .await;
         let ev = match r {
-            Ok(res) => SseEvent::default()
-                .event("exit")
-                .data(serde_json::to_string(&res).unwrap_or_default()),
+            Ok(res) => {
+                count_kills(&app2, &res);
+                SseEvent::default()
+                    .event("exit")
+                    .data(serde_json::to_string(&res).unwrap_or_default())
+            }
             Err(err) => SseEvent::default()
                 .event("error")
                 .data(serde_json::to_string(&err.problem()).unwrap_or_default()),
@@ -963,6 +974,16 @@ async fn exec(
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// Counts seccomp (SIGSYS) and OOM kills for `/metrics`.
+fn count_kills(app: &App, r: &ExecResult) {
+    if r.signal == Some(31) {
+        app.metrics.seccomp_kills.inc();
+    }
+    if r.status == dsec_api::exec::ExecStatus::Oom {
+        app.metrics.oom_kills.inc();
+    }
 }
 
 fn agent_event(
@@ -1529,7 +1550,7 @@ async fn set_pool(
             .await
             .map_err(|e| ApiError::internal(e.to_string()))??;
     }
-    app.set_pool(&template, size);
+    app.set_pool(&template, size)?;
     get_pool(AxState(app), Path(template)).await
 }
 

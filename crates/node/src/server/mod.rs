@@ -87,7 +87,28 @@ async fn serve(
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
     let app = App::new(runtime, store);
+    // Pools first (recovery hands their adopted sandboxes back), from the store; the host
+    // pool from the flags unless it was configured through the API before.
+    let stored = app.store.pools()?;
+    for (template, min, max) in &stored {
+        app.configure_pool(
+            template,
+            PoolSize {
+                min: *min,
+                max: *max,
+            },
+        )
+        .map_err(|e| ServerError::Other(format!("pool {template}: {e}")))?;
+    }
+    if let Some(size) = cfg
+        .host_pool
+        .filter(|_| !stored.iter().any(|(t, ..)| t == "host"))
+    {
+        app.configure_pool("host", size)
+            .map_err(|e| ServerError::Other(format!("host pool: {e}")))?;
+    }
     let report = app.recover().await;
+    app.kick_pools();
     log::info(
         "recovered",
         &[
@@ -97,9 +118,6 @@ async fn serve(
             ("took_ms", &report.took_ms.to_string()),
         ],
     );
-    if let Some(size) = cfg.host_pool {
-        app.set_pool("host", size);
-    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ServerError::Other(format!("listen on {}: {e}", cfg.listen)))?;
@@ -199,45 +217,17 @@ fn bootstrap_admin(
     Ok(Some(key))
 }
 
-/// `/metrics`: Prometheus text exposition.
+/// `/metrics`: Prometheus text exposition: the registry's counters and histograms, then
+/// gauges read now (sandboxes by state, pools, per-sandbox CPU and memory from the cgroups).
 async fn metrics_text(AxState(app): AxState<Arc<App>>) -> Response {
     use std::fmt::Write as _;
-    let mut out = String::new();
-    let c = &app.counters;
-    let counters = [
-        (
-            "dsec_sandboxes_created_total",
-            "Sandboxes created",
-            &c.created,
-        ),
-        (
-            "dsec_sandboxes_destroyed_total",
-            "Sandboxes destroyed",
-            &c.destroyed,
-        ),
-        (
-            "dsec_sandbox_create_failures_total",
-            "Failed creates",
-            &c.create_failed,
-        ),
-        ("dsec_execs_total", "Commands run", &c.execs),
-        (
-            "dsec_sandboxes_expired_total",
-            "Sandboxes destroyed by TTL or lease",
-            &c.expired,
-        ),
-    ];
-    for (name, help, v) in counters {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-            v.load(Ordering::Relaxed)
-        );
-    }
+    let mut out = app.metrics.registry.render();
     let mut by_state = std::collections::BTreeMap::new();
-    for e in app.entries() {
+    let entries = app.entries();
+    for e in &entries {
+        let state = serde_json::to_value(e.record().state).unwrap_or_default();
         *by_state
-            .entry(format!("{:?}", e.record().state).to_lowercase())
+            .entry(state.as_str().unwrap_or("unknown").to_owned())
             .or_insert(0u64) += 1;
     }
     let _ = writeln!(
@@ -247,19 +237,67 @@ async fn metrics_text(AxState(app): AxState<Arc<App>>) -> Response {
     for (s, n) in by_state {
         let _ = writeln!(out, "dsec_sandboxes{{state=\"{s}\"}} {n}");
     }
+    let pools = app.pool_stats();
+    for (name, field, help) in [
+        ("dsec_pool_ready", "ready", "Ready pooled sandboxes"),
+        ("dsec_pool_target", "target", "Pool target size"),
+        ("dsec_pool_hit_rate", "hit_rate", "Pool hit rate"),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for p in &pools {
+            let t = p["template"].as_str().unwrap_or("");
+            let _ = writeln!(out, "{name}{{template=\"{t}\"}} {}", p[field]);
+        }
+    }
     let _ = writeln!(
         out,
-        "# HELP dsec_pool_ready Ready pooled sandboxes\n# TYPE dsec_pool_ready gauge"
+        "# HELP dsec_idle_shells Pre-built shells\n# TYPE dsec_idle_shells gauge\ndsec_idle_shells {}",
+        app.rt.idle_shells()
     );
-    for p in app.pool_stats() {
+    let _ = writeln!(
+        out,
+        "# HELP dsec_http_requests_in_flight Requests being served\n# TYPE dsec_http_requests_in_flight gauge\ndsec_http_requests_in_flight {}",
+        app.in_flight()
+    );
+    // Per-sandbox resource use, read from the cgroups off the async threads.
+    let rt = Arc::clone(&app.rt);
+    let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
+    let per = tokio::task::spawn_blocking(move || {
+        ids.into_iter()
+            .filter_map(|id| {
+                let st = rt.cgroups().open(&id)?.stats().ok()?;
+                Some((id, st))
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap_or_default();
+    let _ = writeln!(out, "# HELP dsec_sandbox_memory_bytes Memory charged to a sandbox\n# TYPE dsec_sandbox_memory_bytes gauge");
+    for (id, st) in &per {
         let _ = writeln!(
             out,
-            "dsec_pool_ready{{template=\"{}\"}} {}",
-            p["template"].as_str().unwrap_or(""),
-            p["ready"]
+            "dsec_sandbox_memory_bytes{{sandbox=\"{id}\"}} {}",
+            st.memory_current
         );
     }
-    let _ = writeln!(out, "# HELP dsec_idle_shells Pre-built shells\n# TYPE dsec_idle_shells gauge\ndsec_idle_shells {}", app.rt.idle_shells());
+    let _ = writeln!(out, "# HELP dsec_sandbox_cpu_seconds_total CPU time of a sandbox\n# TYPE dsec_sandbox_cpu_seconds_total counter");
+    for (id, st) in &per {
+        if let Some(ns) = st.cpu_usage_ns {
+            let _ = writeln!(
+                out,
+                "dsec_sandbox_cpu_seconds_total{{sandbox=\"{id}\"}} {}",
+                ns as f64 / 1e9
+            );
+        }
+    }
+    let _ = writeln!(out, "# HELP dsec_sandbox_oom_kills_total OOM kills inside a sandbox\n# TYPE dsec_sandbox_oom_kills_total counter");
+    for (id, st) in &per {
+        let _ = writeln!(
+            out,
+            "dsec_sandbox_oom_kills_total{{sandbox=\"{id}\"}} {}",
+            st.oom_kills
+        );
+    }
     let mut resp = out.into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

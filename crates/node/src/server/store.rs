@@ -114,6 +114,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, id);
 CREATE INDEX IF NOT EXISTS sandboxes_idem ON sandboxes(tenant, idem);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS pools (
+    template TEXT PRIMARY KEY, min INTEGER NOT NULL, max INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency (
     tenant TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
     content_type TEXT NOT NULL, body BLOB NOT NULL, created_at INTEGER NOT NULL,
@@ -349,6 +351,32 @@ impl Store {
         })
     }
 
+    /// Records a template's pool bounds.
+    pub fn put_pool(&self, template: &str, min: usize, max: usize) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO pools (template, min, max) VALUES (?1, ?2, ?3)",
+                params![template, min as i64, max as i64],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Every configured pool: (template, min, max).
+    pub fn pools(&self) -> Result<Vec<(String, usize, usize)>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT template, min, max FROM pools ORDER BY template")?;
+            let rows = st.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, i64>(1)? as usize,
+                    r.get::<_, i64>(2)? as usize,
+                ))
+            })?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
     /// The stored outcome of an idempotent request.
     pub fn idempotent(&self, tenant: &str, key: &str) -> Result<Option<IdemOutcome>, StoreError> {
         self.with(|c| {
@@ -501,6 +529,9 @@ mod tests {
         assert_eq!(s.purge_stopped(11)?, 1);
         assert!(s.sandbox("sb-2")?.is_none());
         assert_eq!(s.purge_idempotent(11)?, 1);
+        s.put_pool("host", 1, 4)?;
+        s.put_pool("host", 2, 8)?;
+        assert_eq!(s.pools()?, [("host".to_owned(), 2, 8)]);
         Ok(())
     }
 }

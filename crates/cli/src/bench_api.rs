@@ -1,0 +1,420 @@
+//! `dsec bench api`: the node daemon measured through HTTP from a separate process.
+//!
+//! The bench starts `dsec server` as a child process on fresh state dirs and drives it as a
+//! client would: create (pool hit and pool miss) + exec `true` + delete at several
+//! concurrencies, exec throughput over 64 sandboxes, 1,000 sandboxes by batch create and batch
+//! delete, and the daemon's RSS. The peer measured in the same run is the HTTP floor: a
+//! `GET /livez` round trip on the same connection pool.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use crate::bench::{dist, us, BenchArgs};
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    base: std::path::PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.base);
+    }
+}
+
+fn start_daemon() -> anyhow::Result<Daemon> {
+    let base = std::path::PathBuf::from(format!("/tmp/dsec-bench-api-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base)?;
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .arg("--data-dir")
+        .arg(base.join("d"))
+        .arg("--run-dir")
+        .arg(base.join("r"))
+        .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("start dsec server")?;
+    let out = child.stdout.take().context("stdout")?;
+    let mut url = None;
+    for line in BufReader::new(out).lines() {
+        let line = line?;
+        if let Some(u) = line.strip_prefix("dsec server listening on ") {
+            url = Some(u.to_owned());
+            break;
+        }
+    }
+    let url = url.context("the daemon did not start")?;
+    let key = std::fs::read_to_string(base.join("d/admin.key"))?
+        .trim()
+        .to_owned();
+    Ok(Daemon {
+        child,
+        url,
+        key,
+        base,
+    })
+}
+
+#[derive(Clone)]
+struct Client {
+    agent: ureq::Agent,
+    url: String,
+    key: String,
+}
+
+impl Client {
+    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<(u16, Value)> {
+        let url = format!("{}{path}", self.url);
+        let r = match method {
+            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
+            "DELETE" => self
+                .agent
+                .delete(&url)
+                .header("X-API-Key", &self.key)
+                .call(),
+            "PUT" => self
+                .agent
+                .put(&url)
+                .header("X-API-Key", &self.key)
+                .send(body.map(Value::to_string).unwrap_or_default()),
+            _ => self
+                .agent
+                .post(&url)
+                .header("X-API-Key", &self.key)
+                .send(body.map(Value::to_string).unwrap_or_default()),
+        };
+        let mut r = r?;
+        let status = r.status().as_u16();
+        let bytes = r.body_mut().with_config().limit(64 << 20).read_to_vec()?;
+        Ok((
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        ))
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Value> {
+        let (s, v) = self.call(method, path, body)?;
+        if !(200..300).contains(&s) {
+            bail!("{method} {path}: {s} {v}");
+        }
+        Ok(v)
+    }
+
+    fn create(&self) -> anyhow::Result<(String, bool)> {
+        let v = self.ok("POST", "/v1/sandboxes", Some(&json!({})))?;
+        let id = v["id"].as_str().context("id")?.to_owned();
+        Ok((id, v["pooled"] == true))
+    }
+
+    fn exec_true(&self, id: &str) -> anyhow::Result<()> {
+        let v = self.ok(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(&json!({"argv": ["/bin/true"]})),
+        )?;
+        if v["status"] != "ok" {
+            bail!("exec true: {v}");
+        }
+        Ok(())
+    }
+
+    fn set_pool(&self, min: usize, max: usize) -> anyhow::Result<()> {
+        self.ok(
+            "PUT",
+            "/v1/pools/host",
+            Some(&json!({"min": min, "max": max})),
+        )?;
+        Ok(())
+    }
+
+    fn wait_pool(&self, ready: u64) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let p = self.ok("GET", "/v1/pools/host", None)?;
+            if p["ready"].as_u64() >= Some(ready) && p["creating"] == 0 {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("pool did not fill: {p}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Latencies of one worker: create, exec, delete, whole cycle.
+type Samples = (Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>);
+
+/// Runs `threads` workers doing `per_thread` create + exec + delete cycles each.
+fn cycles(c: &Client, threads: usize, per_thread: usize) -> anyhow::Result<Value> {
+    let errors = Arc::new(AtomicU64::new(0));
+    let hits = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let results: Vec<Samples> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                let c = c.clone();
+                let errors = Arc::clone(&errors);
+                let hits = Arc::clone(&hits);
+                s.spawn(move || {
+                    let (mut cr, mut ex, mut de, mut all) = (vec![], vec![], vec![], vec![]);
+                    for _ in 0..per_thread {
+                        let t = Instant::now();
+                        let Ok((id, hit)) = c.create() else {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        };
+                        cr.push(us(t));
+                        if hit {
+                            hits.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let te = Instant::now();
+                        if c.exec_true(&id).is_err() {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                        ex.push(us(te));
+                        let td = Instant::now();
+                        if c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)
+                            .is_err()
+                        {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                        de.push(us(td));
+                        all.push(us(t));
+                    }
+                    (cr, ex, de, all)
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let wall = t0.elapsed();
+    let (mut cr, mut ex, mut de, mut all) = (vec![], vec![], vec![], vec![]);
+    for (a, b, c2, d) in results {
+        cr.extend(a);
+        ex.extend(b);
+        de.extend(c2);
+        all.extend(d);
+    }
+    let n = all.len();
+    Ok(json!({
+        "concurrency": threads,
+        "create": dist(cr),
+        "exec_true": dist(ex),
+        "delete": dist(de),
+        "cycle": dist(all),
+        "cycles_per_s": n as f64 / wall.as_secs_f64(),
+        "pool_hits": hits.load(Ordering::Relaxed),
+        "errors": errors.load(Ordering::Relaxed),
+    }))
+}
+
+/// Runs the API benchmark.
+pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let d = start_daemon()?;
+    let c = Client {
+        agent: ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_idle_connections(256)
+            .max_idle_connections_per_host(256)
+            .timeout_global(Some(Duration::from_secs(120)))
+            .build()
+            .into(),
+        url: d.url.clone(),
+        key: d.key.clone(),
+    };
+    let n = args.iterations.max(20);
+    let mut out = serde_json::Map::new();
+    let rss_start = rss_kb(d.child.id());
+
+    // Warm-up.
+    for _ in 0..5 {
+        let (id, _) = c.create()?;
+        c.exec_true(&id)?;
+        c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    }
+
+    // The HTTP floor (peer) and exec `true` on one sandbox, interleaved.
+    let (id, _) = c.create()?;
+    let (mut livez, mut exec) = (vec![], vec![]);
+    for _ in 0..n {
+        let t = Instant::now();
+        c.ok("GET", "/livez", None)?;
+        livez.push(us(t));
+        let t = Instant::now();
+        c.exec_true(&id)?;
+        exec.push(us(t));
+    }
+    c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    let livez = dist(livez);
+    let exec = dist(exec);
+    out.insert(
+        "exec_true_vs_http_floor".into(),
+        json!({"exec_true": &exec, "livez": &livez,
+               "ratio_p50": exec.p50_us as f64 / livez.p50_us.max(1) as f64}),
+    );
+
+    // Pool hit: sequential acquires from a full pool, each followed by exec + delete.
+    c.set_pool(8, 64)?;
+    c.wait_pool(8)?;
+    let mut acquire = vec![];
+    for _ in 0..n {
+        c.wait_pool(8)?;
+        let t = Instant::now();
+        let (id, hit) = c.create()?;
+        let took = us(t);
+        if hit {
+            acquire.push(took);
+        }
+        c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    }
+    out.insert("acquire_pool_hit".into(), json!(dist(acquire)));
+
+    // Cycles at concurrency 1, 16, 64, with a pool (hits while it keeps up) and without.
+    let mut with_pool = serde_json::Map::new();
+    let mut without = serde_json::Map::new();
+    for conc in [1usize, 16, 64] {
+        let per = (n / conc).clamp(3, 200);
+        c.set_pool(conc.max(8), 128)?;
+        c.wait_pool(conc.max(8) as u64)?;
+        with_pool.insert(conc.to_string(), cycles(&c, conc, per)?);
+        c.set_pool(0, 0)?;
+        c.wait_pool(0)?;
+        without.insert(conc.to_string(), cycles(&c, conc, per)?);
+    }
+    out.insert("cycle_pool".into(), Value::Object(with_pool));
+    out.insert("cycle_no_pool".into(), Value::Object(without));
+
+    // Exec throughput over 64 sandboxes.
+    let v = c.ok("POST", "/v1/sandboxes/batch", Some(&json!({"count": 64})))?;
+    let ids: Vec<String> = v["items"]
+        .as_array()
+        .context("items")?
+        .iter()
+        .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
+        .collect();
+    let errors = AtomicU64::new(0);
+    let dur = Duration::from_secs(5);
+    let t0 = Instant::now();
+    let lat: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let c = c.clone();
+                let errors = &errors;
+                s.spawn(move || {
+                    let mut l = vec![];
+                    while t0.elapsed() < dur {
+                        let t = Instant::now();
+                        if c.exec_true(id).is_err() {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                        l.push(us(t));
+                    }
+                    l
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let wall = t0.elapsed();
+    let all: Vec<u64> = lat.into_iter().flatten().collect();
+    out.insert(
+        "exec_throughput_64_sandboxes".into(),
+        json!({"sandboxes": ids.len(), "execs": all.len(),
+               "execs_per_s": all.len() as f64 / wall.as_secs_f64(),
+               "errors": errors.load(Ordering::Relaxed), "latency": dist(all)}),
+    );
+    c.ok(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"ids": ids})),
+    )?;
+
+    // 1,000 sandboxes: batch create, then batch delete.
+    let count = 1000;
+    let rss_idle = rss_kb(d.child.id());
+    let t = Instant::now();
+    let v = c.ok(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(&json!({"count": count, "spec": {"labels": {"bench": "1000"}}})),
+    )?;
+    let create_s = t.elapsed().as_secs_f64();
+    let made = v["items"]
+        .as_array()
+        .map_or(0, |a| a.iter().filter(|i| i["ok"] == true).count());
+    let rss_full = rss_kb(d.child.id());
+    let t = Instant::now();
+    let v = c.ok(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"bench": "1000"}})),
+    )?;
+    let delete_s = t.elapsed().as_secs_f64();
+    let deleted = v["items"]
+        .as_array()
+        .map_or(0, |a| a.iter().filter(|i| i["ok"] == true).count());
+    out.insert(
+        "batch_1000".into(),
+        json!({"created": made, "create_s": create_s, "deleted": deleted, "delete_s": delete_s}),
+    );
+    out.insert(
+        "daemon_rss".into(),
+        json!({"start_kb": rss_start, "idle_kb": rss_idle, "with_1000_kb": rss_full,
+               "per_sandbox_kb": (rss_full.saturating_sub(rss_idle)) as f64 / made.max(1) as f64}),
+    );
+    let ratios = json!({
+        "acquire_pool_hit_p50_ms": out["acquire_pool_hit"]["p50_us"].as_u64().unwrap_or(0) as f64 / 1000.0,
+        "exec_true_p50_ms": exec.p50_us as f64 / 1000.0,
+        "execs_per_s_at_64": out["exec_throughput_64_sandboxes"]["execs_per_s"],
+    });
+    let doc = json!({
+        "bench": "api",
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
+        "iterations": n,
+        "results": Value::Object(out),
+        "summary": ratios,
+    });
+    let text = serde_json::to_string_pretty(&doc)?;
+    println!("{text}");
+    if let Some(p) = &args.out {
+        std::fs::write(p, &text)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,545 @@
+//! The `dsec sandbox|pool|tenant` client against a real `dsec server`: output, exit codes of
+//! commands and of dsec's own failures, and the hints it prints.
+//!
+//! Needs root (namespaces, cgroups, mounts); CI runs as root.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    data: PathBuf,
+    run: PathBuf,
+}
+
+/// A fresh pair of short state dirs (unix socket paths are length-limited).
+fn dirs(tag: &str) -> (PathBuf, PathBuf) {
+    let base = PathBuf::from(format!("/tmp/dcl-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("create test dir");
+    (base.join("d"), base.join("r"))
+}
+
+/// What one `dsec` invocation did.
+struct Out {
+    code: i32,
+    stdout: Vec<u8>,
+    stderr: String,
+}
+
+impl Out {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", self.text()))
+    }
+}
+
+impl std::fmt::Debug for Out {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exit {}\n--- stdout\n{}\n--- stderr\n{}",
+            self.code,
+            self.text(),
+            self.stderr
+        )
+    }
+}
+
+/// Runs `dsec ARGS` against `url` with `key`, feeding `stdin`.
+fn dsec_at(url: &str, key: Option<&str>, args: &[&str], stdin: &[u8]) -> Out {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
+    cmd.args(args)
+        .env("DSEC_URL", url)
+        .env_remove("DSEC_API_KEY")
+        .env_remove("DSEC_DATA_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(k) = key {
+        cmd.env("DSEC_API_KEY", k);
+    }
+    let mut child = cmd.spawn().expect("spawn dsec");
+    let mut input = child.stdin.take().expect("stdin");
+    let data = stdin.to_vec();
+    let feeder = std::thread::spawn(move || {
+        let _ = input.write_all(&data);
+    });
+    let out = child.wait_with_output().expect("wait dsec");
+    let _ = feeder.join();
+    Out {
+        code: out.status.code().unwrap_or(-1),
+        stdout: out.stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+impl Daemon {
+    fn start(data: &Path, run: &Path) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
+        cmd.arg("--data-dir")
+            .arg(data)
+            .arg("--run-dir")
+            .arg(run)
+            .args([
+                "server",
+                "--listen",
+                "127.0.0.1:0",
+                "--drain-seconds",
+                "10",
+                "--pool-max",
+                "0",
+            ])
+            .env("DSEC_SPAWNER_SHELLS", "2")
+            .stdout(Stdio::piped())
+            .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
+        let mut child = cmd.spawn().expect("spawn dsec server");
+        let out = child.stdout.take().expect("stdout");
+        let mut url = None;
+        for line in BufReader::new(out).lines() {
+            let line = line.expect("read stdout");
+            if let Some(u) = line.strip_prefix("dsec server listening on ") {
+                url = Some(u.to_owned());
+                break;
+            }
+        }
+        let url = url.expect("the server printed its address");
+        let key = std::fs::read_to_string(data.join("admin.key"))
+            .expect("admin.key")
+            .trim()
+            .to_owned();
+        Self {
+            child,
+            url,
+            key,
+            data: data.to_owned(),
+            run: run.to_owned(),
+        }
+    }
+
+    /// `dsec ARGS` with the admin key.
+    fn dsec(&self, args: &[&str]) -> Out {
+        dsec_at(&self.url, Some(&self.key), args, b"")
+    }
+
+    /// `dsec ARGS` with the admin key, asserting exit 0.
+    fn ok(&self, args: &[&str]) -> Out {
+        let out = self.dsec(args);
+        assert_eq!(out.code, 0, "dsec {args:?}: {out:?}");
+        out
+    }
+
+    /// Ids `dsec sandbox list --json` shows for `key`.
+    fn listed(&self, key: &str) -> BTreeSet<String> {
+        let out = dsec_at(&self.url, Some(key), &["sandbox", "list", "--json"], b"");
+        assert_eq!(out.code, 0, "list: {out:?}");
+        out.json()
+            .as_array()
+            .expect("an array")
+            .iter()
+            .map(|s| s["id"].as_str().expect("id").to_owned())
+            .collect()
+    }
+
+    /// Runtime dirs of sandboxes on the machine for this node.
+    fn on_machine(&self) -> BTreeSet<String> {
+        std::fs::read_dir(self.run.join("sandboxes"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Destroys the admin's sandboxes, checks nothing is left and stops the daemon (SIGTERM,
+    /// exit 0).
+    fn finish(mut self) {
+        for id in self.listed(&self.key.clone()) {
+            self.ok(&["sandbox", "kill", &id]);
+        }
+        let left = self.on_machine();
+        assert!(left.is_empty(), "left on the machine: {left:?}");
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+        let st = self.child.wait().expect("wait");
+        assert!(st.success(), "exit after SIGTERM: {st:?}");
+        if let Some(base) = self.data.parent() {
+            let _ = std::fs::remove_dir_all(base);
+        }
+    }
+}
+
+impl Drop for Daemon {
+    /// After a failed assertion: destroy what the admin key can see (sandboxes outlive the
+    /// daemon), then kill it.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let out = dsec_at(
+                &self.url,
+                Some(&self.key),
+                &["sandbox", "list", "--json"],
+                b"",
+            );
+            let ids: Vec<String> = serde_json::from_slice::<Value>(&out.stdout)
+                .ok()
+                .and_then(|v| v.as_array().cloned())
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|s| s["id"].as_str().map(str::to_owned))
+                .collect();
+            for id in ids {
+                let _ = dsec_at(&self.url, Some(&self.key), &["sandbox", "kill", &id], b"");
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn sandbox_lifecycle_output_and_exit_codes() {
+    let (data, run) = dirs("life");
+    let d = Daemon::start(&data, &run);
+
+    let id = d
+        .ok(&[
+            "sandbox",
+            "create",
+            "--memory",
+            "256M",
+            "--label",
+            "suite=cli",
+            "--env",
+            "GREETING=hello",
+        ])
+        .text()
+        .trim()
+        .to_owned();
+    assert!(id.starts_with("sb-"), "an id: {id}");
+
+    // list: the table and the JSON items.
+    let table = d.ok(&["sandbox", "list"]).text();
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().expect("header").split_whitespace().collect();
+    assert_eq!(header, ["ID", "STATE", "TEMPLATE", "AGE", "LABELS"]);
+    let row: Vec<&str> = lines.next().expect("a row").split_whitespace().collect();
+    assert_eq!(row[0], id);
+    assert_eq!(row[1], "running");
+    assert_eq!(row[2], "host");
+    assert_eq!(row[4], "suite=cli");
+    assert_eq!(lines.next(), None, "one sandbox: {table}");
+    assert_eq!(d.listed(&d.key), BTreeSet::from([id.clone()]));
+    let filtered = d.ok(&["sandbox", "list", "--json", "--label", "suite=other"]);
+    assert_eq!(filtered.json(), serde_json::json!([]));
+
+    // get: key: value and JSON.
+    let got = d.ok(&["sandbox", "get", &id]).text();
+    assert!(
+        got.lines()
+            .any(|l| l.starts_with("id:") && l.ends_with(id.as_str())),
+        "{got}"
+    );
+    assert!(
+        got.lines()
+            .any(|l| l.starts_with("limits.memory_max:") && l.ends_with("256M")),
+        "{got}"
+    );
+    assert_eq!(
+        d.ok(&["sandbox", "get", &id, "--json"]).json()["id"],
+        id.as_str()
+    );
+
+    // exec: output on the right streams, exit codes propagated.
+    let out = d.ok(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "echo $GREETING; echo err >&2",
+    ]);
+    assert_eq!(out.text(), "hello\n");
+    assert_eq!(out.stderr, "err\n");
+    let out = d.dsec(&["sandbox", "exec", &id, "--shell", "echo before; exit 3"]);
+    assert_eq!(out.code, 3, "{out:?}");
+    assert_eq!(out.text(), "before\n");
+    let out = d.dsec(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--timeout",
+        "1",
+        "--",
+        "sleep",
+        "30",
+    ]);
+    assert_eq!(out.code, 124, "{out:?}");
+    assert!(out.stderr.contains("timed out"), "{out:?}");
+    let out = d.ok(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--cwd",
+        "/tmp",
+        "--env",
+        "X=1",
+        "--",
+        "sh",
+        "-c",
+        "pwd; echo $X",
+    ]);
+    assert_eq!(out.text(), "/tmp\n1\n");
+    let fed = dsec_at(
+        &d.url,
+        Some(&d.key),
+        &["sandbox", "exec", &id, "--stdin", "-", "--", "wc", "-c"],
+        b"12345",
+    );
+    assert_eq!((fed.code, fed.text().trim()), (0, "5"), "{fed:?}");
+
+    // exec --stream: output as it arrives, then the exit code.
+    let out = d.dsec(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--stream",
+        "--shell",
+        "echo one; sleep 0.2; echo two >&2; echo three; exit 5",
+    ]);
+    assert_eq!(out.code, 5, "{out:?}");
+    assert_eq!(out.text(), "one\nthree\n");
+    assert_eq!(out.stderr, "two\n");
+    let out = d.dsec(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--stream",
+        "--timeout",
+        "500ms",
+        "--",
+        "sleep",
+        "30",
+    ]);
+    assert_eq!(out.code, 124, "{out:?}");
+
+    // files: a binary roundtrip through write/read, ls, rm.
+    let bytes: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let local = data.parent().expect("base").join("blob.bin");
+    std::fs::write(&local, &bytes).expect("write blob");
+    d.ok(&[
+        "sandbox",
+        "files",
+        &id,
+        "write",
+        "/tmp/x/blob.bin",
+        "-p",
+        "--from",
+        local.to_str().expect("utf-8"),
+    ]);
+    let read = d.ok(&["sandbox", "files", &id, "read", "/tmp/x/blob.bin"]);
+    assert!(
+        read.stdout == bytes,
+        "read back {} bytes",
+        read.stdout.len()
+    );
+    let piped = dsec_at(
+        &d.url,
+        Some(&d.key),
+        &[
+            "sandbox",
+            "files",
+            &id,
+            "write",
+            "/tmp/x/p.bin",
+            "--mode",
+            "600",
+        ],
+        &[0, 159, 146, 150, 255],
+    );
+    assert_eq!(piped.code, 0, "{piped:?}");
+    let back = d.ok(&["sandbox", "files", &id, "read", "/tmp/x/p.bin"]);
+    assert_eq!(back.stdout, [0, 159, 146, 150, 255]);
+    let ls = d.ok(&["sandbox", "files", &id, "ls", "/tmp/x"]).text();
+    assert!(
+        ls.contains("blob.bin") && ls.contains("70000") && ls.contains("0600"),
+        "{ls}"
+    );
+    let tar = d.ok(&["sandbox", "files", &id, "download", "/tmp/x"]);
+    assert!(
+        tar.stdout.len() > 70_000,
+        "a tar: {} bytes",
+        tar.stdout.len()
+    );
+    let tar_path = data.parent().expect("base").join("x.tar");
+    std::fs::write(&tar_path, &tar.stdout).expect("write tar");
+    d.ok(&[
+        "sandbox",
+        "files",
+        &id,
+        "upload",
+        "/tmp/y",
+        "--tar",
+        tar_path.to_str().expect("utf-8"),
+    ]);
+    let copy = d.ok(&["sandbox", "files", &id, "read", "/tmp/y/blob.bin"]);
+    assert!(copy.stdout == bytes, "the tar roundtrip keeps the bytes");
+    d.ok(&["sandbox", "files", &id, "rm", "/tmp/x", "-r"]);
+    let gone = d.dsec(&["sandbox", "files", &id, "read", "/tmp/x/blob.bin"]);
+    assert_eq!(gone.code, 3, "{gone:?}");
+
+    // reset: the writable layer is fresh.
+    d.ok(&["sandbox", "reset", &id]);
+    let after = d.dsec(&["sandbox", "files", &id, "read", "/tmp/y/blob.bin"]);
+    assert_eq!(after.code, 3, "{after:?}");
+
+    // kill by id, then a batch by label.
+    assert_eq!(d.ok(&["sandbox", "kill", &id]).text(), format!("{id}\n"));
+    assert!(d.listed(&d.key).is_empty());
+    let batch = d
+        .ok(&["sandbox", "create", "--count", "3", "--label", "set=b"])
+        .text();
+    let made: BTreeSet<String> = batch.lines().map(str::to_owned).collect();
+    assert_eq!(made.len(), 3, "{batch}");
+    assert_eq!(d.listed(&d.key), made);
+    let killed = d.ok(&["sandbox", "kill", "--label", "set=b"]).text();
+    assert_eq!(
+        killed.lines().map(str::to_owned).collect::<BTreeSet<_>>(),
+        made
+    );
+    let table = d.ok(&["sandbox", "list"]).text();
+    assert_eq!(table.lines().count(), 1, "only the header: {table}");
+    assert_eq!(
+        d.ok(&["sandbox", "list", "--json"]).json(),
+        serde_json::json!([])
+    );
+
+    d.finish();
+}
+
+#[test]
+fn failures_name_their_fix_and_exit_with_documented_codes() {
+    let (data, run) = dirs("err");
+    let d = Daemon::start(&data, &run);
+
+    let bad = dsec_at(&d.url, Some("not-a-key"), &["sandbox", "list"], b"");
+    assert_eq!(bad.code, 4, "{bad:?}");
+    assert!(bad.stderr.contains("dsec: unauthorized: "), "{bad:?}");
+    assert!(bad.stderr.contains("(request "), "{bad:?}");
+    assert!(
+        bad.stderr.contains("--api-key") && bad.stderr.contains("DSEC_API_KEY"),
+        "{bad:?}"
+    );
+
+    // Without --api-key the admin key is read from <data-dir>/admin.key.
+    let own = dsec_at(
+        &d.url,
+        None,
+        &[
+            "--data-dir",
+            data.to_str().expect("utf-8"),
+            "sandbox",
+            "list",
+            "--json",
+        ],
+        b"",
+    );
+    assert_eq!(own.code, 0, "{own:?}");
+
+    let missing = d.dsec(&["sandbox", "get", "sb-0000000000000000"]);
+    assert_eq!(missing.code, 3, "{missing:?}");
+    assert!(missing.stderr.contains("sandbox_not_found"), "{missing:?}");
+    assert!(missing.stderr.contains("dsec sandbox list"), "{missing:?}");
+    let exec_missing = d.dsec(&["sandbox", "exec", "sb-0000000000000000", "--", "true"]);
+    assert_eq!(exec_missing.code, 3, "{exec_missing:?}");
+
+    let usage = d.dsec(&["sandbox", "create", "--memory", "12Q"]);
+    assert_eq!(usage.code, 2, "{usage:?}");
+    let invalid = d.dsec(&["sandbox", "create", "--template", "../x"]);
+    assert_eq!(invalid.code, 2, "{invalid:?}");
+    assert!(invalid.stderr.contains("invalid_request"), "{invalid:?}");
+
+    // A tenant with a quota: its key sees none of the admin's sandboxes; the second create is
+    // refused with quota_exceeded (exit 5); admin-only calls are forbidden (exit 4).
+    let key = d
+        .ok(&[
+            "tenant",
+            "create",
+            "tenant-a",
+            "--max-sandboxes",
+            "1",
+            "--max-memory",
+            "1G",
+        ])
+        .text()
+        .trim()
+        .to_owned();
+    assert!(!key.is_empty());
+    let tenants = d.ok(&["tenant", "list"]).text();
+    assert!(
+        tenants.contains("tenant-a") && tenants.contains("1G"),
+        "{tenants}"
+    );
+    let t = |args: &[&str]| dsec_at(&d.url, Some(&key), args, b"");
+    let first = t(&["sandbox", "create"]);
+    assert_eq!(first.code, 0, "{first:?}");
+    let sb = first.text().trim().to_owned();
+    let over = t(&["sandbox", "create"]);
+    assert_eq!(over.code, 5, "{over:?}");
+    assert!(over.stderr.contains("quota_exceeded"), "{over:?}");
+    assert!(over.stderr.contains("dsec sandbox kill"), "{over:?}");
+    let admin_only = t(&["tenant", "list"]);
+    assert_eq!(admin_only.code, 4, "{admin_only:?}");
+    let theirs = d.dsec(&["sandbox", "get", &sb]);
+    assert_eq!(
+        theirs.code, 3,
+        "another tenant's sandbox is not found: {theirs:?}"
+    );
+    assert_eq!(t(&["sandbox", "kill", &sb]).code, 0);
+    assert!(d.listed(&key).is_empty());
+
+    // pools
+    let set = d
+        .ok(&["pool", "set", "host", "--min", "0", "--max", "2"])
+        .text();
+    assert!(set.contains("host"), "{set}");
+    let pools = d.ok(&["pool", "list"]).text();
+    assert!(pools.starts_with("TEMPLATE"), "{pools}");
+
+    d.finish();
+}
+
+#[test]
+fn unreachable_daemon_exits_6_with_a_hint() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let out = dsec_at(&url, Some("k"), &["sandbox", "list"], b"");
+    assert_eq!(out.code, 6, "{out:?}");
+    assert!(out.stderr.contains("cannot reach the daemon"), "{out:?}");
+    assert!(out.stderr.contains("dsec server"), "{out:?}");
+    let exec = dsec_at(
+        &url,
+        Some("k"),
+        &["sandbox", "exec", "sb-1", "--stream", "--", "true"],
+        b"",
+    );
+    assert_eq!(exec.code, 6, "{exec:?}");
+}
