@@ -322,13 +322,18 @@ class Client(_ClientBase):
         state: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         page_size: Optional[int] = None,
+        tenant: Optional[str] = None,
     ) -> Iterator["Sandbox"]:
-        """Iterate over this tenant's sandboxes, following ``next_cursor`` page by page."""
+        """Iterate over this tenant's sandboxes, following ``next_cursor`` page by page.
+
+        Without ``state``, ``stopped`` sandboxes are left out. The admin tenant may pass
+        ``tenant=<tenant id>`` to list another tenant's.
+        """
         from .sandbox import Sandbox
 
         cursor: Optional[str] = None
         while True:
-            params: List[Any] = list(t.clean({"state": state, "limit": page_size, "cursor": cursor}).items())
+            params: List[Any] = list(t.clean({"state": state, "limit": page_size, "cursor": cursor, "tenant": tenant}).items())
             params += t.label_params(labels)
             body = self.request_json("GET", "/v1/sandboxes", params=params)
             for item in body.get("items") or []:
@@ -641,12 +646,13 @@ class AsyncClient(_ClientBase):
         state: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         page_size: Optional[int] = None,
+        tenant: Optional[str] = None,
     ) -> AsyncIterator["AsyncSandbox"]:
         from .sandbox import AsyncSandbox
 
         cursor: Optional[str] = None
         while True:
-            params: List[Any] = list(t.clean({"state": state, "limit": page_size, "cursor": cursor}).items())
+            params: List[Any] = list(t.clean({"state": state, "limit": page_size, "cursor": cursor, "tenant": tenant}).items())
             params += t.label_params(labels)
             body = await self.request_json("GET", "/v1/sandboxes", params=params)
             for item in body.get("items") or []:

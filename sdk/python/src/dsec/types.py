@@ -230,16 +230,20 @@ class Template:
 
 @dataclass
 class PoolStats:
-    """Warm-pool statistics of one template."""
+    """Warm-pool statistics of one template (see ``raw`` for fields newer than this SDK)."""
 
     template: str
     min: int = 0
     max: int = 0
     target: int = 0
     ready: int = 0
+    creating: int = 0
     hits: int = 0
     misses: int = 0
+    hit_rate: float = 0.0
     acquire_rate: float = 0.0
+    refill_ms: Optional[float] = None
+    peak: Optional[float] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -250,16 +254,23 @@ class PoolStats:
             max=int(d.get("max") or 0),
             target=int(d.get("target") or 0),
             ready=int(d.get("ready") or 0),
+            creating=int(d.get("creating") or 0),
             hits=int(d.get("hits") or 0),
             misses=int(d.get("misses") or 0),
+            hit_rate=float(d.get("hit_rate") or 0.0),
             acquire_rate=float(d.get("acquire_rate") or 0.0),
+            refill_ms=d.get("refill_ms"),
+            peak=d.get("peak"),
             raw=dict(d),
         )
 
 
 @dataclass
 class Tenant:
-    """A tenant. ``api_key`` is only known right after creation; ``usage`` only for ``/v1/tenant``."""
+    """A tenant. ``api_key`` is only known right after creation; ``usage`` only for ``/v1/tenant``.
+
+    The ``admin`` tenant is the operator: it may read and delete any tenant's sandboxes.
+    """
 
     id: str
     name: str
@@ -267,6 +278,8 @@ class Tenant:
     max_sandboxes: Optional[int] = None
     max_memory_bytes: Optional[int] = None
     usage: Optional[Dict[str, Any]] = None
+    admin: bool = False
+    created_at_ms: Optional[int] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -281,6 +294,8 @@ class Tenant:
             max_sandboxes=d.get("max_sandboxes"),
             max_memory_bytes=d.get("max_memory_bytes"),
             usage=usage,
+            admin=bool(d.get("admin", False)),
+            created_at_ms=d.get("created_at_ms"),
             raw=dict(d),
         )
 
