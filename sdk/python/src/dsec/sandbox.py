@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import os
+import tarfile
 import time
 from typing import IO, Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Union
 
@@ -38,6 +40,31 @@ def _read_tar_source(src: TarSource) -> bytes:
         with open(src, "rb") as f:
             return f.read()
     return src.read()
+
+
+def _tar_dir(local_dir: Union[str, "os.PathLike[str]"]) -> bytes:
+    """Pack the contents of a local directory (not the directory itself) as a tar stream."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name in sorted(os.listdir(local_dir)):
+            tf.add(os.path.join(local_dir, name), arcname=name)
+    return buf.getvalue()
+
+
+def _untar_to(data: bytes, local_dir: Union[str, "os.PathLike[str]"]) -> None:
+    """Unpack a tar stream from a sandbox into a local directory, refusing unsafe members."""
+    os.makedirs(local_dir, exist_ok=True)
+    root = os.path.realpath(local_dir)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tf:
+        members = []
+        for m in tf.getmembers():
+            target = os.path.realpath(os.path.join(root, m.name))
+            if not (target == root or target.startswith(root + os.sep)):
+                raise ValueError(f"tar member {m.name!r} escapes {local_dir!r}")
+            if m.issym() or m.islnk() or m.isdev():
+                continue  # links and devices from a sandbox are not recreated on the host
+            members.append(m)
+        tf.extractall(root, members=members)  # noqa: S202 - members checked above
 
 
 def _stdin_body(data: Union[str, bytes, None], eof: bool) -> Dict[str, Any]:
@@ -511,8 +538,13 @@ class Files:
             "GET", self.sandbox._path("/tar"), params={"path": path}, timeout=max(self._c.timeout, 300.0)
         ).content
 
-    def download_tar_to(self, path: str, fileobj: IO[bytes]) -> None:
-        fileobj.write(self.download_tar(path))
+    def upload_dir(self, local_dir: Union[str, "os.PathLike[str]"], path: str) -> None:
+        """Copy the contents of a local directory into directory ``path`` of the sandbox."""
+        self.upload_tar(path, _tar_dir(local_dir))
+
+    def download_dir(self, path: str, local_dir: Union[str, "os.PathLike[str]"]) -> None:
+        """Copy directory ``path`` of the sandbox into a local directory (links are skipped)."""
+        _untar_to(self.download_tar(path), local_dir)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -861,4 +893,10 @@ class AsyncFiles:
             "GET", self.sandbox._path("/tar"), params={"path": path}, timeout=max(self._c.timeout, 300.0)
         )
         return resp.content
+
+    async def upload_dir(self, local_dir: Union[str, "os.PathLike[str]"], path: str) -> None:
+        await self.upload_tar(path, _tar_dir(local_dir))
+
+    async def download_dir(self, path: str, local_dir: Union[str, "os.PathLike[str]"]) -> None:
+        _untar_to(await self.download_tar(path), local_dir)
 
