@@ -68,6 +68,15 @@ def descendants(pid: int) -> Set[int]:
     return out
 
 
+def _dsec_cgroups_of(pid: int) -> Set[str]:
+    """Names of the sandbox (or pre-built shell) cgroups a process is in."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return set()
+    return set(re.findall(r"/dsec/((?:sb|shell)-[^/\s]+)", text))
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -92,6 +101,7 @@ class ServerProc:
         self.clients: List[dsec.Client] = []
         self._reader: Optional[threading.Thread] = None
         self.stopped_descendants: Set[int] = set()
+        self.owned_cgroups: Set[str] = set()
 
     # -- process control -----------------------------------------------------------------------
 
@@ -171,6 +181,7 @@ class ServerProc:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.stopped_descendants = descendants(self.proc.pid)
+            self.owned_cgroups = {c for p in self.stopped_descendants for c in _dsec_cgroups_of(p)}
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT)
@@ -258,6 +269,23 @@ class ServerProc:
                     pass
         return left
 
+    def empty_pools(self, timeout: float = 60.0) -> None:
+        """Size every warm pool to zero and wait until no pooled sandbox is left.
+
+        Sandboxes, pooled ones included, outlive a SIGTERM'd server by design (a restart adopts
+        them); a test server that goes away for good must empty its pools first.
+        """
+        admin = self.clients[0] if self.clients else self.client()
+        for p in admin.list_pools():
+            admin.set_pool(p.template, min=0, max=0)
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = [p.raw for p in admin.list_pools() if p.ready or p.creating]
+            if not busy:
+                return
+            assert time.monotonic() < deadline, f"pools never emptied: {busy}"
+            time.sleep(0.2)
+
     def close_clients(self) -> None:
         for c in self.clients:
             c.close()
@@ -267,7 +295,7 @@ class ServerProc:
         """No cgroup of any sandbox this server made remains."""
         deadline = time.monotonic() + timeout
         while True:
-            leaked = cgroup_dirs_named(self.created_ids)
+            leaked = cgroup_dirs_named(self.created_ids | self.owned_cgroups)
             if not leaked or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -304,11 +332,20 @@ def new_server(tmp_root: Path, name: str) -> ServerProc:
     return ServerProc(binary, data_dir, run_dir, tmp_root / f"{name}-server.log")
 
 
+def start_or_clean(srv: ServerProc) -> None:
+    try:
+        srv.start()
+    except BaseException:
+        shutil.rmtree(srv.run_dir, ignore_errors=True)
+        raise
+
+
 def finish_server(srv: ServerProc) -> None:
     """Clean up, SIGTERM, and check that the server exits 0 and leaks nothing."""
     try:
         if srv.proc is not None and srv.proc.poll() is None:
             srv.destroy_leftovers()
+            srv.empty_pools()
         srv.close_clients()
         rc = srv.stop() if srv.proc is not None else 0
         assert srv.stopped_descendants, "the server had no child processes (no spawner?)"
@@ -322,7 +359,7 @@ def finish_server(srv: ServerProc) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory):
     """The shared server of the session."""
     srv = new_server(tmp_path_factory.mktemp("dsec"), "main")
-    srv.start()
+    start_or_clean(srv)
     yield srv
     finish_server(srv)
 
@@ -331,7 +368,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def fresh_server(tmp_path_factory: pytest.TempPathFactory):
     """A server of its own (for tests that kill or restart it)."""
     srv = new_server(tmp_path_factory.mktemp("dsec"), "own")
-    srv.start()
+    start_or_clean(srv)
     yield srv
     finish_server(srv)
 

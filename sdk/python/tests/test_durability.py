@@ -50,12 +50,12 @@ def test_idempotent_create_replays_after_kill9(fresh_server) -> None:
 
 def test_second_server_leaves_other_sandboxes_alone(client: dsec.Client, tmp_path_factory) -> None:
     """A server's recovery reaps only what its own run dir knows, not other servers' sandboxes."""
-    from conftest import finish_server, new_server
+    from conftest import finish_server, new_server, start_or_clean
 
     sb = dsec.Sandbox.create(client, labels={"neighbour": "yes"})
     other = new_server(tmp_path_factory.mktemp("dsec"), "neighbour")
     try:
-        other.start()
+        start_or_clean(other)
         r = sb.exec("echo still-mine")
         assert r.ok and r.text == "still-mine\n", r
     finally:

@@ -93,3 +93,20 @@ def test_tar_upload_and_download(sandbox: dsec.Sandbox) -> None:
     for name, data in files.items():
         assert got.get(name) == data, (name, sorted(got))
     assert got.get("made-later") == b"later"
+
+
+def test_upload_and_download_dir(sandbox: dsec.Sandbox, tmp_path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "main.py").write_text("from pkg.mod import X\nprint(X)\n")
+    (src / "pkg" / "__init__.py").write_text("")
+    (src / "pkg" / "mod.py").write_text("X = 'imported'\n")
+    sandbox.files.mkdir("/workspace/proj", parents=True)
+    sandbox.files.upload_dir(src, "/workspace/proj")
+    r = sandbox.exec(["/usr/bin/python3", "main.py"], cwd="/workspace/proj")
+    assert r.ok and r.text == "imported\n", r
+    assert sandbox.exec("echo out > /workspace/proj/result.txt").ok
+    dst = tmp_path / "dst"
+    sandbox.files.download_dir("/workspace/proj", dst)
+    assert (dst / "result.txt").read_text() == "out\n"
+    assert (dst / "pkg" / "mod.py").read_text() == "X = 'imported'\n"
