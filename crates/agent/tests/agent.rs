@@ -271,7 +271,9 @@ fn exec_timeout_and_cpu_limit() {
     req.timeout_ms = Some(20_000);
     let r = a.exec_req(req, b"");
     assert_eq!(r.status, ExecStatus::Timeout, "{r:?}");
-    assert!(r.cpu_us >= 900_000, "{r:?}");
+    // RLIMIT_CPU is whole seconds (500 ms rounds up to 1 s); the kernel checks it on ticks
+    // and the reaped rusage can read a little under it, so assert only the asked-for 500 ms.
+    assert!(r.cpu_us >= 500_000, "{r:?}");
 }
 
 #[test]

@@ -900,3 +900,132 @@ fn openapi_document_matches_the_router() {
     assert!(checked >= 30, "{checked} operations");
     d.finish();
 }
+
+/// Templates through the API: import a root filesystem tarball, create from it, refuse to
+/// delete it while in use, delete it after.
+#[test]
+fn templates_import_use_and_delete() {
+    let (data, run) = dirs("tpl");
+    let d = Daemon::start(&data, &run, &[]);
+    let src = data.parent().expect("base").join("rootfs");
+    std::fs::create_dir_all(src.join("etc")).expect("rootfs");
+    std::fs::write(src.join("etc/motd"), b"from the template\n").expect("motd");
+    let tarball = data.parent().expect("base").join("rootfs.tar");
+    let st = Command::new("tar")
+        .arg("-cf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(&src)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(st.success());
+    let body = std::fs::read(&tarball).expect("read tarball");
+    let (s, v) = d.req_raw("POST", "/v1/templates?name=tiny", Some(body.clone()), None);
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["name"], "tiny");
+    let (s, v) = d.req_raw("POST", "/v1/templates?name=tiny", Some(body), None);
+    assert!(
+        s >= 400,
+        "a second import under the same name is refused: {v}"
+    );
+    let (_, v) = d.req("GET", "/v1/templates", None, None);
+    let names: Vec<&str> = v["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"tiny") && names.contains(&"host"),
+        "{names:?}"
+    );
+    let (s, v) = d.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "tiny"})),
+        None,
+    );
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let url = format!("{}/v1/sandboxes/{id}/files?path=/etc/motd", d.url);
+    let mut r = d
+        .agent
+        .get(&url)
+        .header("X-API-Key", &d.key)
+        .call()
+        .expect("read");
+    assert_eq!(
+        r.body_mut().read_to_vec().expect("body"),
+        b"from the template\n"
+    );
+    let (s, v) = d.req("DELETE", "/v1/templates/tiny", None, None);
+    assert_eq!(
+        (s, v["code"].clone()),
+        (409, json!("invalid_transition")),
+        "in use: {v}"
+    );
+    let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
+    assert_eq!(s, 200);
+    let (s, v) = d.req("DELETE", "/v1/templates/tiny", None, None);
+    assert_eq!(s, 204, "{v}");
+    let (s, v) = d.req("GET", "/v1/templates/tiny", None, None);
+    assert_eq!((s, v["code"].clone()), (404, json!("template_not_found")));
+    d.finish();
+}
+
+/// Creating and destroying sandboxes through the daemon leaves its descriptors, the host's
+/// mount table and the sandbox cgroups where they were.
+#[test]
+fn leak_counters_return_to_baseline() {
+    let (data, run) = dirs("leak");
+    let d = Daemon::start(&data, &run, &[]);
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
+            .map(|r| r.count())
+            .unwrap_or(0)
+    };
+    let host_mounts = || {
+        std::fs::read_to_string("/proc/1/mountinfo")
+            .map(|m| m.lines().count())
+            .unwrap_or(0)
+    };
+    // One round first, so that lazily opened descriptors (store, pooled connections) exist.
+    let warm = d.create(None)["id"].as_str().expect("id").to_owned();
+    d.exec_ok(&warm, "true");
+    d.req("DELETE", &format!("/v1/sandboxes/{warm}"), None, None);
+    let (fd0, mounts0) = (fds(), host_mounts());
+    for _ in 0..3 {
+        let (s, v) = d.req(
+            "POST",
+            "/v1/sandboxes/batch",
+            Some(json!({"count": 10, "spec": {"labels": {"leak": "1"}}})),
+            None,
+        );
+        assert_eq!(s, 200, "{v}");
+        for it in v["items"].as_array().expect("items") {
+            let id = it["sandbox"]["id"].as_str().expect("id");
+            d.exec_ok(id, "echo x > /tmp/x; sleep 0.01 &");
+        }
+        let (s, _) = d.req(
+            "POST",
+            "/v1/sandboxes/batch-delete",
+            Some(json!({"labels": {"leak": "1"}})),
+            None,
+        );
+        assert_eq!(s, 200);
+    }
+    assert!(d.listed().is_empty());
+    let fd1 = fds();
+    assert!(
+        fd1 <= fd0 + 2,
+        "daemon descriptors: {fd0} before, {fd1} after"
+    );
+    assert_eq!(
+        host_mounts(),
+        mounts0,
+        "the host's mount table is unchanged"
+    );
+    assert!(d.on_machine(&BTreeSet::new()).is_empty());
+    d.finish();
+}

@@ -80,6 +80,16 @@ pub struct Entry {
 /// (its record says why; an explicit DELETE still tries).
 pub const MAX_SWEEP_DESTROYS: u32 = 5;
 
+/// Moves a record to `to` through the lifecycle's transition function (the only way states
+/// change).
+fn step(r: &mut SandboxRecord, to: State) -> ApiResult<()> {
+    r.state = r
+        .state
+        .transition(to)
+        .map_err(|t| ApiError::new(ErrorCode::InvalidTransition, t.to_string()))?;
+    Ok(())
+}
+
 /// The monotonic instant of a record's earliest expiry (TTL or lease).
 fn deadline_of(r: &SandboxRecord) -> Option<Instant> {
     let at = match (r.expires_at_ms, r.lease_expires_at_ms) {
@@ -737,7 +747,10 @@ impl App {
                 self.metrics.create_failed.inc();
                 let api = ApiError::from(err);
                 let _ = self.update(e, |r| {
-                    r.state = State::Stopped;
+                    // Nothing of it exists: failed, then closed.
+                    step(r, State::Failed)?;
+                    step(r, State::Stopping)?;
+                    step(r, State::Stopped)?;
                     r.error = Some(api.detail.clone());
                     Ok(())
                 });
@@ -761,17 +774,7 @@ impl App {
             return Ok(rec);
         }
         if rec.state != State::Stopping {
-            self.update(e, |r| {
-                r.state = match r.state {
-                    State::Creating
-                    | State::Ready
-                    | State::Running
-                    | State::Resetting
-                    | State::Failed => State::Stopping,
-                    s => s,
-                };
-                Ok(())
-            })?;
+            self.update(e, |r| step(r, State::Stopping))?;
         }
         let sb = guard.take();
         e.set_pids(None);
@@ -793,7 +796,7 @@ impl App {
         drop(guard);
         if let Err(err) = result {
             let _ = self.update(e, |r| {
-                r.state = State::Failed;
+                step(r, State::Failed)?;
                 r.error = Some(err.detail.clone());
                 Ok(())
             });
@@ -802,7 +805,7 @@ impl App {
         self.metrics.destroyed.inc();
         self.metrics.destroy.observe_duration(t0.elapsed());
         let rec = self.update(e, |r| {
-            r.state = State::Stopped;
+            step(r, State::Stopped)?;
             Ok(())
         })?;
         self.remove(&e.id);
@@ -838,7 +841,7 @@ impl App {
             Err(err) => {
                 let api = ApiError::from(err);
                 let _ = self.update(e, |r| {
-                    r.state = State::Failed;
+                    step(r, State::Failed)?;
                     r.error = Some(api.detail.clone());
                     Ok(())
                 });
@@ -1008,7 +1011,7 @@ impl App {
                 self.metrics.died.inc();
                 log::warn("sandbox died", &[("sandbox", &r.id), ("why", &why)]);
                 let _ = self.update(&e, |r| {
-                    r.state = State::Failed;
+                    step(r, State::Failed)?;
                     r.error = Some(format!("the sandbox died: {why}"));
                     Ok(())
                 });
