@@ -106,3 +106,33 @@ def test_sigterm_drains_in_flight_exec(fresh_server) -> None:
     again = dsec.Sandbox.connect(sb.id, c2)
     assert again.exec("echo back").text == "back\n"
     again.destroy()
+
+
+@pytest.mark.durability
+def test_sdk_retries_across_a_server_restart(fresh_server) -> None:
+    import threading
+    import time
+
+    c = fresh_server.client(max_retries=8)
+    sb = dsec.Sandbox.create(c)
+    fresh_server.kill9()
+    restarted = threading.Event()
+
+    def restart() -> None:
+        time.sleep(0.7)
+        fresh_server.start()  # same port: the client's URL stays good
+        restarted.set()
+
+    t = threading.Thread(target=restart)
+    t.start()
+    try:
+        # the node is down: these calls see refused connections, back off and retry
+        r = sb.exec("echo through-the-restart")
+        made = c.create_sandbox(labels={"after": "restart"})
+    finally:
+        t.join(60)
+    assert restarted.is_set()
+    assert r.ok and r.text == "through-the-restart\n"
+    assert made.exec("true").ok
+    assert sorted(s.id for s in c.list_sandboxes()) == sorted([sb.id, made.id])
+    c.delete_sandboxes([sb.id, made.id])

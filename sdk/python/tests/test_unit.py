@@ -183,3 +183,27 @@ def test_without_auto_keys(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(dsec.AgentUnavailable):
             c.create_sandbox(idempotency_key="mine")
         assert seen[0] == "mine" and len(seen) == 4 and set(seen) == {"mine"}
+
+
+@pytest.mark.asyncio
+async def test_async_retry_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    keys = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.params.get("stream") == "true":
+            body = (
+                b'event: stdout\ndata: {"data_b64":"aGk="}\n\n'
+                b'event: exit\ndata: {"status":"ok","exit_code":0}\n\n'
+            )
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        keys.append(req.headers.get("idempotency-key"))
+        if len(keys) == 1:
+            raise httpx.ReadError("reset", request=req)
+        return httpx.Response(201, json={"id": "sb-9", "state": "running"})
+
+    async with dsec.AsyncClient("http://dsec.test", api_key="k", transport=httpx.MockTransport(handler)) as c:
+        sb = await c.create_sandbox()
+        assert sb.id == "sb-9" and len(keys) == 2 and keys[0] == keys[1]
+        evs = [e async for e in sb.exec_stream("echo hi")]
+    assert [e.type for e in evs] == ["stdout", "exit"] and evs[0].data == b"hi"
