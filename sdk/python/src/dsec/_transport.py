@@ -7,7 +7,7 @@ import json
 import os
 import random
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 import httpx
 
