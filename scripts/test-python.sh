@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 PY=/usr/bin/python3
 VENV=target/pyvenv
 if [ ! -x "$VENV/bin/python" ]; then
-  if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c 'import ensurepip' >/dev/null 2>&1; then
+  if [ ! -x "$PY" ] || ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-pip
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip
   fi
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
