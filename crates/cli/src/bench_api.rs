@@ -24,8 +24,52 @@ struct Daemon {
     base: std::path::PathBuf,
 }
 
+impl Daemon {
+    /// Destroys every sandbox the bench made (sandboxes outlive their daemon by design, so a
+    /// bench that stops early must not leave its abusers running).
+    fn destroy_everything(&self) {
+        let c = Client {
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(60)))
+                .build()
+                .into(),
+            url: self.url.clone(),
+            key: self.key.clone(),
+        };
+        let _ = c.set_pool(0, 0);
+        for _ in 0..3 {
+            let Ok(v) = c.ok("GET", "/v1/sandboxes?limit=1000", None) else {
+                return;
+            };
+            let ids: Vec<&str> = v["items"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|i| i["id"].as_str()).collect())
+                .unwrap_or_default();
+            if ids.is_empty() {
+                break;
+            }
+            let _ = c.ok(
+                "POST",
+                "/v1/sandboxes/batch-delete",
+                Some(&json!({"ids": ids})),
+            );
+        }
+        // Pooled ones go once the pool is sized 0.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match c.ok("GET", "/v1/pools/host", None) {
+                Ok(p) if p["ready"] == 0 && p["creating"] == 0 => break,
+                Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
+        self.destroy_everything();
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -362,6 +406,63 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "/v1/sandboxes/batch-delete",
         Some(&json!({"ids": ids})),
     )?;
+
+    // exec latency on a quiet sandbox while 20 others abuse the node (CPU spin, fork
+    // bombs, memory bombs), against the same measurement without them.
+    let quiet = |c: &Client, id: &str| -> anyhow::Result<Vec<u64>> {
+        let mut l = vec![];
+        for _ in 0..n {
+            let t = Instant::now();
+            c.exec_true(id)?;
+            l.push(us(t));
+        }
+        Ok(l)
+    };
+    let (victim, _) = c.create()?;
+    let calm = dist(quiet(&c, &victim)?);
+    let v = c.ok(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(&json!({"count": 20, "spec": {"labels": {"bench": "abuse"}, "limits": {"memory_max": 67108864, "pids_max": 64}}})),
+    )?;
+    let abusers: Vec<String> = v["items"]
+        .as_array()
+        .context("items")?
+        .iter()
+        .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
+        .collect();
+    let mut abuse_start_errors = 0u32;
+    for (i, id) in abusers.iter().enumerate() {
+        let script = match i % 4 {
+            0 | 1 => "while :; do :; done",
+            2 => "f() { f | f & }; f",
+            _ => "/usr/bin/python3 -c 'a=[]\nwhile 1: a.append(bytearray(1<<20))' ; while :; do :; done",
+        };
+        if c.ok(
+            "POST",
+            &format!("/v1/sandboxes/{id}/processes"),
+            Some(&json!({"shell": script})),
+        )
+        .is_err()
+        {
+            abuse_start_errors += 1;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let abused = dist(quiet(&c, &victim)?);
+    c.ok(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"bench": "abuse"}})),
+    )?;
+    c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
+    out.insert(
+        "exec_true_under_20_abusers".into(),
+        json!({"calm": &calm, "abused": &abused, "abusers": abusers.len(),
+               "abusers_that_failed_to_start": abuse_start_errors,
+               "ratio_p50": abused.p50_us as f64 / calm.p50_us.max(1) as f64,
+               "ratio_p99": abused.p99_us as f64 / calm.p99_us.max(1) as f64}),
+    );
 
     // 1,000 sandboxes: batch create, then batch delete.
     let count = 1000;

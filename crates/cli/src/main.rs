@@ -94,6 +94,9 @@ struct ServerArgs {
     /// Ready sandboxes of the `host` template kept at least (the pool grows with demand).
     #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
     pool_min: usize,
+    /// Most sandboxes this node holds at once, pools included.
+    #[arg(long, env = "DSEC_MAX_SANDBOXES", default_value_t = 10_000)]
+    max_sandboxes: usize,
     /// Ready sandboxes of the `host` template kept at most (0: no pool).
     #[arg(long, env = "DSEC_POOL_MAX", default_value_t = 64)]
     pool_max: usize,
@@ -257,6 +260,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         runtime,
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
+        max_sandboxes: args.max_sandboxes,
         host_pool: (args.pool_max > 0).then_some(dsec_node::server::PoolSize {
             min: args.pool_min.min(args.pool_max),
             max: args.pool_max,

@@ -243,6 +243,13 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // A failed test must not leave sandboxes running (they outlive the daemon by design):
+        // the admin destroys whatever this node still has a runtime dir for.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            for id in self.on_machine(&BTreeSet::new()) {
+                let _ = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -1027,5 +1034,123 @@ fn leak_counters_return_to_baseline() {
         "the host's mount table is unchanged"
     );
     assert!(d.on_machine(&BTreeSet::new()).is_empty());
+    d.finish();
+}
+
+/// The lifecycle event stream and long-polls on the version counter.
+#[test]
+fn events_stream_and_long_poll() {
+    let (data, run) = dirs("evt");
+    let d = Daemon::start(&data, &run, &[]);
+    let url = format!("{}/v1/events", d.url);
+    let key = d.key.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        let Ok(mut r) = agent().get(&url).header("X-API-Key", &key).call() else {
+            return;
+        };
+        let reader = BufReader::new(r.body_mut().as_reader());
+        for line in reader.lines() {
+            let Ok(line) = line else { return };
+            if let Some(data) = line.strip_prefix("data:") {
+                if tx.send(data.trim().to_owned()).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let v = d.create(None);
+    let id = v["id"].as_str().expect("id").to_owned();
+    let version = v["version"].as_u64().expect("version");
+    // A long-poll for a later version returns when the reset bumps it.
+    let waiter = {
+        let url = format!(
+            "{}/v1/sandboxes/{id}?after_version={version}&timeout=10000",
+            d.url
+        );
+        let key = d.key.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let mut r = agent()
+                .get(&url)
+                .header("X-API-Key", &key)
+                .call()
+                .expect("poll");
+            let v: Value =
+                serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+            (v, t.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let (s, _) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None, None);
+    assert_eq!(s, 200);
+    let (v, took) = waiter.join().expect("join");
+    assert!(v["version"].as_u64() > Some(version), "{v}");
+    assert!(
+        took < Duration::from_secs(5),
+        "answered on the change, not the timeout"
+    );
+    d.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
+    let mut states = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !states.contains(&"stopped".to_owned()) && Instant::now() < deadline {
+        if let Ok(ev) = rx.recv_timeout(Duration::from_millis(200)) {
+            let ev: Value = serde_json::from_str(&ev).expect("event json");
+            if ev["sandbox"] == id.as_str() {
+                states.push(ev["state"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+    }
+    for s in ["running", "resetting", "stopping", "stopped"] {
+        assert!(states.iter().any(|x| x == s), "{s} in {states:?}");
+    }
+    d.finish();
+}
+
+/// A sandbox on the machine with no record (its row lost) is found and destroyed at start;
+/// the node-wide limit answers `resource_exhausted`.
+#[test]
+fn orphans_are_reaped_and_the_node_limit_holds() {
+    let (data, run) = dirs("orph");
+    let mut d = Daemon::start_with(
+        &data,
+        &run,
+        &[],
+        &["--pool-max", "0", "--max-sandboxes", "2"],
+    );
+    let kept = d.create(None)["id"].as_str().expect("id").to_owned();
+    let lost = d.create(None)["id"].as_str().expect("id").to_owned();
+    let (s, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), None);
+    assert_eq!(
+        (s, v["code"].clone()),
+        (503, json!("resource_exhausted")),
+        "{v}"
+    );
+    d.kill9();
+    let db = data.join("state.db");
+    let st = Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import sqlite3; c = sqlite3.connect({:?}); c.execute(\"DELETE FROM sandboxes WHERE id = '{lost}'\"); c.commit()",
+            db.display().to_string()
+        ))
+        .status()
+        .expect("python3");
+    assert!(st.success(), "drop the record");
+    let d = Daemon::start(&data, &run, &[]);
+    let (_, ready) = d.req("GET", "/readyz", None, None);
+    assert_eq!(
+        ready["recovery"]["orphans"],
+        json!([lost.clone()]),
+        "{ready}"
+    );
+    assert_eq!(
+        ready["recovery"]["adopted"],
+        json!([kept.clone()]),
+        "{ready}"
+    );
+    assert!(!cgroups().contains(&lost), "the orphan's cgroup is gone");
+    d.assert_converged("after the orphan was reaped");
     d.finish();
 }

@@ -27,7 +27,8 @@ pub struct Limits {
     pub file_size_max: u64,
     /// Most open files per process (RLIMIT_NOFILE).
     pub open_files_max: u64,
-    /// Size of /dev/shm.
+    /// Requested size of /dev/shm. /dev/shm is a directory of the writable layer's tmpfs, so it
+    /// is bounded by `disk_bytes` (shared with the writable layer), not by this value.
     pub shm_bytes: u64,
 }
 

@@ -70,9 +70,11 @@ fn r01_fork_bomb_hits_pids_limit() {
         });
         std::thread::sleep(Duration::from_millis(1000));
         let lat = time_true(&mut neighbour);
-        let bomb = bomb.join().expect("bomb thread");
+        let bomb = bomb.join();
+        // Stop the sampler before reporting a panicked bomb thread (the scope would otherwise
+        // wait for the sampler forever).
         stop.store(true, Ordering::Relaxed);
-        (bomb, lat)
+        (bomb.expect("bomb thread"), lat)
     });
     let (r, elapsed) = bomb;
     // Contained either way: the deadline kills the tree, or the bomb's shells exhaust the

@@ -381,6 +381,31 @@ fn lifecycle_dev_is_read_only_but_shm_is_writable() {
     assert_eq!(stdout(&r), "s\nnull-ok\n", "{r:?}");
 }
 
+/// Every superblock costs every memory cgroup created later on the host (SPECIFICATION.md), so a
+/// sandbox mounts four filesystems (and its IPC namespace has a fifth, mqueue, not mounted):
+/// its tmpfs (seen as `/dev` and `/dev/shm`, directories of it), the overlay, devpts and procfs.
+/// The `/proc` masks are binds of node-wide files, not filesystems of their own. Also after a
+/// reset, which brings a fresh tmpfs and overlay.
+#[test]
+fn lifecycle_four_filesystems_per_sandbox() {
+    let _serial = serial();
+    let mut sb = create_spec(&SandboxSpec {
+        limits: small_limits(),
+        ..Default::default()
+    });
+    let script = "awk '$5 !~ /^\\/proc\\// {print $3}' /proc/self/mountinfo | sort -u | wc -l; \
+                  [ $(stat -c %d /dev) = $(stat -c %d /dev/shm) ] && echo shm-on-tmpfs; \
+                  [ $(stat -c %d /dev) != $(stat -c %d /) ] && echo tmpfs-not-overlay";
+    let first = sb.sh(script, 5000);
+    sb.mark_acquired().expect("acquire");
+    sb.reset().expect("reset");
+    let after_reset = sb.sh(script, 5000);
+    sb.destroy().expect("destroy");
+    let want = "4\nshm-on-tmpfs\ntmpfs-not-overlay\n";
+    assert_eq!(stdout(&first), want, "{first:?}");
+    assert_eq!(stdout(&after_reset), want, "after a reset: {after_reset:?}");
+}
+
 /// The agent (PID 1) runs as the same uid as sandboxed code: its memory, environment and
 /// descriptors must still be out of reach (it is not dumpable), or sandboxed code could rewrite
 /// the agent through /proc/1/mem and survive resets inside it.

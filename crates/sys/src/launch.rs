@@ -108,13 +108,21 @@ pub struct RootfsSpec {
     pub disk_bytes: u64,
     /// Inode limit of the writable layer tmpfs.
     pub disk_inodes: u64,
-    /// Size of `/dev/shm` in bytes.
+    /// Requested size of `/dev/shm` in bytes. `/dev/shm` is a directory of the writable layer's
+    /// tmpfs (one superblock less per sandbox), so it shares the disk quota (`disk_bytes`) and
+    /// is bounded by it rather than by this value.
     pub shm_bytes: u64,
     /// Keep the whole root writable (writes land in the private upper layer). When false the
     /// root is read-only and only `scratch` directories are writable.
     pub writable_root: bool,
     /// Writable directories (absolute paths inside the sandbox) when the root is read-only.
     pub scratch: Vec<String>,
+    /// An empty directory on a tmpfs shared by the node's sandboxes (host path, visible before
+    /// the pivot), bound read-only over the masked `/proc` directories. Without it each masked
+    /// directory gets an empty tmpfs of its own: a superblock, and with it a memcg-aware
+    /// shrinker, per directory and sandbox.
+    #[serde(default)]
+    pub empty_dir: Option<String>,
 }
 
 /// An rlimit to set in the child.
@@ -153,8 +161,8 @@ pub struct Launched {
     pub pid: i32,
 }
 
-/// Masked `/proc` entries (OCI defaults): files get `/dev/null` bound over them, directories an
-/// empty read-only tmpfs.
+/// Masked `/proc` entries (OCI defaults): files get the host's `/dev/null` bound over them,
+/// directories an empty directory ([`RootfsSpec::empty_dir`]), both read-only.
 pub const MASKED_PROC: &[&str] = &[
     "acpi",
     "asound",
@@ -180,14 +188,16 @@ struct Prepared {
     overlay_target: CString,
     overlay_opts: CString,
     dev: CString,
-    dev_opts: CString,
+    dev_src: CString,
+    dev_src_dirs: [CString; 2],
     proc_: CString,
     masked: Vec<CString>,
     readonly: Vec<CString>,
-    dev_nodes: Vec<(CString, CString, u32, u32)>,
+    empty_dir: Option<CString>,
+    dev_nodes: Vec<DevNode>,
     pts: CString,
     shm: CString,
-    shm_opts: CString,
+    shm_src: CString,
     dev_links: Vec<(CString, CString)>,
     scratch: Vec<CString>,
     scratch_src: Vec<CString>,
@@ -199,6 +209,18 @@ struct Prepared {
     userns: bool,
     writable_root: bool,
     placeholder: bool,
+}
+
+/// One device node of the sandbox's `/dev`.
+struct DevNode {
+    /// Where it is created: `<stage>/dev/<name>`, on the sandbox's tmpfs.
+    src: CString,
+    /// Where the sandbox sees it: `<root>/dev/<name>`.
+    dst: CString,
+    /// The host's node (`/dev/<name>`), bound over `dst` in a user namespace.
+    host: CString,
+    major: u32,
+    minor: u32,
 }
 
 fn cstr(s: impl Into<Vec<u8>>, what: &'static str) -> Result<CString, LaunchError> {
@@ -233,6 +255,7 @@ fn prepare_parts(
     let overlay_target = format!("{stage}/root");
     let root = root_at.map_or_else(|| overlay_target.clone(), str::to_string);
     let dev = format!("{root}/dev");
+    let dev_src = format!("{stage}/dev");
     let proc_ = format!("{root}/proc");
     let dev_nodes = [
         ("null", 1, 3),
@@ -244,12 +267,13 @@ fn prepare_parts(
     ]
     .iter()
     .map(|(n, ma, mi)| {
-        Ok((
-            cstr(format!("{dev}/{n}"), "dev")?,
-            cstr(format!("/dev/{n}"), "dev")?,
-            *ma,
-            *mi,
-        ))
+        Ok(DevNode {
+            src: cstr(format!("{dev_src}/{n}"), "dev")?,
+            dst: cstr(format!("{dev}/{n}"), "dev")?,
+            host: cstr(format!("/dev/{n}"), "dev")?,
+            major: *ma,
+            minor: *mi,
+        })
     })
     .collect::<Result<Vec<_>, LaunchError>>()?;
     let dev_links = [
@@ -260,7 +284,7 @@ fn prepare_parts(
         ("stderr", "/proc/self/fd/2"),
     ]
     .iter()
-    .map(|(n, t)| Ok((cstr(format!("{dev}/{n}"), "dev")?, cstr(*t, "dev")?)))
+    .map(|(n, t)| Ok((cstr(format!("{dev_src}/{n}"), "dev")?, cstr(*t, "dev")?)))
     .collect::<Result<Vec<_>, LaunchError>>()?;
     let argv: Vec<CString> = argv
         .iter()
@@ -312,7 +336,16 @@ fn prepare_parts(
         root: cstr(root.as_str(), "stage")?,
         overlay_target: cstr(overlay_target, "stage")?,
         dev: cstr(dev.as_str(), "dev")?,
-        dev_opts: cstr("mode=0755,size=65536,nr_inodes=64", "dev")?,
+        dev_src_dirs: [
+            cstr(format!("{dev_src}/pts"), "dev")?,
+            cstr(format!("{dev_src}/shm"), "dev")?,
+        ],
+        dev_src: cstr(dev_src, "dev")?,
+        empty_dir: r
+            .empty_dir
+            .as_deref()
+            .map(|d| cstr(d, "empty_dir"))
+            .transpose()?,
         masked: MASKED_PROC
             .iter()
             .map(|p| cstr(format!("{proc_}/{p}"), "proc"))
@@ -325,7 +358,7 @@ fn prepare_parts(
         dev_nodes,
         pts: cstr(format!("{dev}/pts"), "dev")?,
         shm: cstr(format!("{dev}/shm"), "dev")?,
-        shm_opts: cstr(format!("size={},mode=1777", r.shm_bytes.max(4096)), "shm")?,
+        shm_src: cstr(format!("{stage}/shm"), "dev")?,
         dev_links,
         scratch,
         hostname: cstr(hostname, "hostname")?,
@@ -757,26 +790,17 @@ fn try_mount(
     ck(rc, step)
 }
 
-/// Mounts a fresh `/dev/shm` of the sandbox's size at `p.shm`.
-fn mount_shm(p: &Prepared) -> Result<(), StepError> {
-    let flags = libc::MS_NOSUID | libc::MS_NODEV;
-    try_mount(
-        "shm",
-        c"shm",
-        &p.shm,
-        Some(c"tmpfs"),
-        flags,
-        Some(&p.shm_opts),
-    )
-}
-
 /// Where the new root's `/dev` comes from.
 #[derive(Clone, Copy)]
 enum DevSource<'a> {
-    /// A fresh tmpfs with the allowed nodes.
+    /// Build it now ([`build_dev`]) with a fresh devpts instance.
     Fresh,
-    /// Move this existing, unused mount.
-    Move(&'a CStr),
+    /// The new root already carries its `/dev` ([`build_dev`], done when the tree was built);
+    /// the sandbox's devpts instance, mounted here, moves into it.
+    Built {
+        /// The devpts mount to move.
+        pts: &'a CStr,
+    },
 }
 
 /// Where the new root's `/proc` comes from.
@@ -786,6 +810,91 @@ enum ProcSource<'a> {
     Fresh,
     /// Move this existing mount (with its masks) into the new root.
     Move(&'a CStr),
+}
+
+/// Builds the sandbox's `/dev` (but for devpts) without a filesystem of its own: the nodes,
+/// links and mount points are created in `<stage>/dev`, a directory of the sandbox's tmpfs
+/// (beside the overlay's upper and work directories, so not reachable through the overlay),
+/// which is bound on `<root>/dev` and made read-only; `/dev/shm` is a bind of `<stage>/shm`,
+/// another directory of that tmpfs. Each superblock costs every memory cgroup created later on
+/// the host (see docs/SPECIFICATION.md), and these two used to be tmpfs mounts of their own.
+/// `/dev/shm` thereby shares the disk quota, and a fresh tmpfs means a fresh `/dev/shm`.
+fn build_dev(p: &Prepared) -> Result<(), StepError> {
+    let nul = c"";
+    ck(mkdir(&p.dev_src, 0o755), "mkdir_dev_src")?;
+    ck(
+        // SAFETY: valid path; the umask may have cleared bits.
+        unsafe { libc::chmod(p.dev_src.as_ptr(), 0o755) },
+        "chmod_dev",
+    )?;
+    for n in &p.dev_nodes {
+        if p.userns {
+            // SAFETY: valid path; creating an empty regular file as a bind-mount target.
+            let fd = unsafe {
+                libc::open(
+                    n.src.as_ptr(),
+                    libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
+                    0o666,
+                )
+            };
+            ck(fd, "dev_file")?;
+            // SAFETY: closing the fd we just opened.
+            unsafe { libc::close(fd) };
+        } else {
+            let dev = libc::makedev(n.major, n.minor);
+            ck(
+                // SAFETY: valid path and a character device number.
+                unsafe { libc::mknod(n.src.as_ptr(), libc::S_IFCHR | 0o666, dev) },
+                "mknod",
+            )?;
+            // SAFETY: valid path; umask may have cleared bits.
+            ck(unsafe { libc::chmod(n.src.as_ptr(), 0o666) }, "chmod_dev")?;
+        }
+    }
+    for (link, target) in &p.dev_links {
+        ck(
+            // SAFETY: both are valid NUL-terminated strings.
+            unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
+            "dev_link",
+        )?;
+    }
+    for d in &p.dev_src_dirs {
+        ck(mkdir(d, 0o755), "mkdir_dev_dir")?;
+    }
+    ck(mkdir(&p.shm_src, 0o1777), "mkdir_shm")?;
+    ck(
+        // SAFETY: valid path; the umask may have cleared bits.
+        unsafe { libc::chmod(p.shm_src.as_ptr(), 0o1777) },
+        "chmod_shm",
+    )?;
+    try_mount("dev_bind", &p.dev_src, &p.dev, None, libc::MS_BIND, None)?;
+    if p.userns {
+        for n in &p.dev_nodes {
+            try_mount("dev_node_bind", &n.host, &n.dst, None, libc::MS_BIND, None)?;
+            // The host's devtmpfs is not nosuid; this bind must be.
+            try_mount(
+                "dev_node_remount",
+                nul,
+                &n.dst,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC,
+                None,
+            )?;
+        }
+    }
+    // The bind keeps the tmpfs mount's nosuid and nodev.
+    try_mount("shm_bind", &p.shm_src, &p.shm, None, libc::MS_BIND, None)?;
+    // Read-only, and not nodev (the nodes must work; no process in the sandbox can create nodes,
+    // it has no CAP_MKNOD, and nothing else of the tmpfs is reachable without nodev). Only
+    // /dev/shm and /dev/pts take writes.
+    try_mount(
+        "dev_ro",
+        nul,
+        &p.dev,
+        None,
+        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NOEXEC,
+        None,
+    )
 }
 
 /// Populates the new root (`/dev`, `/proc` with masks, scratch dirs, read-only root) and pivots
@@ -799,66 +908,14 @@ fn populate_and_pivot(
 ) -> Result<(), StepError> {
     let nul = c"";
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
-    // /dev: a small tmpfs with the allowed nodes. It cannot be `nodev` (the nodes must work);
-    // no process in the sandbox can create nodes (no CAP_MKNOD) so these are the only ones.
-    ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
     match dev_src {
-        DevSource::Move(old) => {
-            // The read-only /dev of the previous root (or of a pre-built shell) moves as it is;
-            // only /dev/shm, the one writable tmpfs in it, is replaced by a fresh one of this
-            // sandbox's size. (/dev/pts has nothing open: every process but the agent is gone.)
-            try_mount("move_dev", old, &p.dev, None, libc::MS_MOVE, None)?;
-            ck(
-                // SAFETY: valid path.
-                unsafe { libc::umount2(p.shm.as_ptr(), libc::MNT_DETACH) },
-                "umount_shm",
-            )?;
-            mount_shm(p)?;
+        DevSource::Built { pts } => {
+            // The devpts instance has nothing open: every process but the agent is gone.
+            try_mount("move_pts", pts, &p.pts, None, libc::MS_MOVE, None)?;
         }
         DevSource::Fresh => {
-            try_mount(
-                "dev",
-                c"tmpfs",
-                &p.dev,
-                Some(c"tmpfs"),
-                libc::MS_NOSUID | libc::MS_NOEXEC,
-                Some(&p.dev_opts),
-            )?;
-            for (node, host, major, minor) in &p.dev_nodes {
-                if p.userns {
-                    // SAFETY: valid path; creating an empty regular file as a bind-mount target.
-                    let fd = unsafe {
-                        libc::open(
-                            node.as_ptr(),
-                            libc::O_CREAT | libc::O_CLOEXEC | libc::O_WRONLY,
-                            0o666,
-                        )
-                    };
-                    ck(fd, "dev_file")?;
-                    // SAFETY: closing the fd we just opened.
-                    unsafe { libc::close(fd) };
-                    try_mount("dev_bind", host, node, None, libc::MS_BIND, None)?;
-                    // The host's devtmpfs is not nosuid; this bind must be.
-                    try_mount(
-                        "dev_remount",
-                        c"",
-                        node,
-                        None,
-                        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC,
-                        None,
-                    )?;
-                } else {
-                    let dev = libc::makedev(*major, *minor);
-                    ck(
-                        // SAFETY: valid path and a character device number.
-                        unsafe { libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev) },
-                        "mknod",
-                    )?;
-                    // SAFETY: valid path; umask may have cleared bits.
-                    ck(unsafe { libc::chmod(node.as_ptr(), 0o666) }, "chmod_dev")?;
-                }
-            }
-            ck(mkdir(&p.pts, 0o755), "mkdir_pts")?;
+            ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+            build_dev(p)?;
             try_mount(
                 "devpts",
                 c"devpts",
@@ -866,29 +923,6 @@ fn populate_and_pivot(
                 Some(c"devpts"),
                 libc::MS_NOSUID | libc::MS_NOEXEC,
                 Some(c"newinstance,ptmxmode=0666,mode=0620"),
-            )?;
-            ck(mkdir(&p.shm, 0o1777), "mkdir_shm")?;
-            mount_shm(p)?;
-            for (link, target) in &p.dev_links {
-                ck(
-                    // SAFETY: both are valid NUL-terminated strings.
-                    unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) },
-                    "dev_link",
-                )?;
-            }
-            // Read-only from here (only /dev/shm and /dev/pts take writes): nothing sandboxed
-            // code does can change it, so a reset can move it into the fresh root as it is.
-            try_mount(
-                "dev_ro",
-                nul,
-                &p.dev,
-                None,
-                libc::MS_BIND
-                    | libc::MS_REMOUNT
-                    | libc::MS_RDONLY
-                    | libc::MS_NOSUID
-                    | libc::MS_NOEXEC,
-                None,
             )?;
         }
     }
@@ -909,30 +943,38 @@ fn populate_and_pivot(
                 libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
                 None,
             )?;
-            let devnull = &p.dev_nodes[0].0;
+            // Masks come from outside the sandbox's tmpfs: /proc moves across resets, and a bind
+            // from the tmpfs would keep the first writable layer alive with it.
+            let devnull = &p.dev_nodes[0].host;
+            let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOEXEC;
             for m in &p.masked {
                 match path_kind(m) {
-                    Some(libc::S_IFDIR) => try_mount(
-                        "mask_dir",
-                        c"tmpfs",
-                        m,
-                        Some(c"tmpfs"),
-                        libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
-                        Some(c"size=0,nr_inodes=1"),
-                    )?,
+                    Some(libc::S_IFDIR) => match &p.empty_dir {
+                        Some(empty) => {
+                            try_mount("mask_dir", empty, m, None, libc::MS_BIND, None)?;
+                            try_mount("mask_dir_ro", nul, m, None, ro | nosuid_nodev, None)?;
+                        }
+                        None => try_mount(
+                            "mask_dir",
+                            c"tmpfs",
+                            m,
+                            Some(c"tmpfs"),
+                            libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
+                            Some(c"size=0,nr_inodes=1"),
+                        )?,
+                    },
                     Some(_) => {
                         try_mount("mask_file", devnull, m, None, libc::MS_BIND, None)?;
-                        if p.userns {
-                            // /dev/null is a bind of the host's devtmpfs node here.
-                            try_mount(
-                                "mask_remount",
-                                nul,
-                                m,
-                                None,
-                                libc::MS_BIND | libc::MS_REMOUNT | nosuid_nodev | libc::MS_NOEXEC,
-                                None,
-                            )?;
-                        }
+                        // In a user namespace also nodev, as it always was there.
+                        let nodev = if p.userns { libc::MS_NODEV } else { 0 };
+                        try_mount(
+                            "mask_remount",
+                            nul,
+                            m,
+                            None,
+                            ro | libc::MS_NOSUID | nodev,
+                            None,
+                        )?;
                     }
                     None => {}
                 }
@@ -1113,6 +1155,20 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         );
     }
 
+    // The agent's standard streams: the host's /dev/null, opened before the pivot. The
+    // sandbox's own is a node of its tmpfs, which an agent holding it open for life would keep
+    // alive after a reset or an activation had replaced that tmpfs.
+    // SAFETY: valid path; the fd is ours and close-on-exec (the agent gets dup2'd copies).
+    let opened =
+        unsafe { libc::open(p.dev_nodes[0].host.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    check(opened, &err, "open_dev_null");
+    // Above the descriptors the shuffle below writes (0 to 5).
+    // SAFETY: fcntl and close on the fd just opened.
+    let null = unsafe { libc::fcntl(opened, libc::F_DUPFD_CLOEXEC, 100) };
+    check(null, &err, "dup_dev_null");
+    // SAFETY: as above; `opened` is not used again.
+    unsafe { libc::close(opened) };
+
     if let Err(e) = populate_and_pivot(p, ProcSource::Fresh, DevSource::Fresh, false) {
         fail_step(&err, e);
     }
@@ -1139,10 +1195,6 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
             fail(&err, "dup_high");
         }
         // Standard streams: never the supervisor's (they lead to the node's terminal or logs).
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
-        if null < 0 {
-            fail(&err, "open_dev_null");
-        }
         for fd in 0..3 {
             if libc::dup2(null, fd) < 0 {
                 fail(&err, "stdio");

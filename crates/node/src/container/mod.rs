@@ -248,6 +248,8 @@ impl ContainerRuntime {
                 .iter()
                 .map(|s| (*s).to_string())
                 .collect(),
+            // Only the spawner knows it; not needed to build a root.
+            empty_dir: None,
         };
         let spawner = Arc::new(start_spawner(&cfg, &likely, &mask_src, &host_mask)?);
         let reader = Arc::clone(&spawner);

@@ -56,6 +56,9 @@ struct SpawnerCtx {
     cgroups: CgroupManager,
     /// The node's stage directory (where every sandbox mounts its private tmpfs).
     stage: Option<String>,
+    /// An empty directory on the spawner's mask tmpfs, bound read-only over masked `/proc`
+    /// directories (see [`RootfsSpec::empty_dir`]).
+    empty_dir: Option<String>,
     /// The root most creates ask for (the default template with default limits): idle shells
     /// build it ahead of time.
     likely_rootfs: Option<RootfsSpec>,
@@ -71,7 +74,7 @@ fn run_spawner() -> io::Result<()> {
     // also reaps sandbox inits orphaned by a killed supervisor.
     ipc::set_child_subreaper()?;
     let node = dsec_sys::proc::take_inherited_fd(3).map_err(io::Error::other)?;
-    mount_host_mask()?;
+    let empty_dir = mount_host_mask()?;
     let agent_path = std::env::var_os("DSEC_AGENT_BIN")
         .map(PathBuf::from)
         .ok_or_else(|| io::Error::other("DSEC_AGENT_BIN is not set"))?;
@@ -91,6 +94,7 @@ fn run_spawner() -> io::Result<()> {
         seccomp: Filter::build(),
         cgroups,
         stage,
+        empty_dir,
         likely_rootfs,
     };
     // Exited supervisors are reaped by the kernel.
@@ -210,7 +214,7 @@ const WARM_PATHS: &[&str] = &[
     "/usr/lib/x86_64-linux-gnu/libc.so.6",
 ];
 
-fn placeholder_params(stage: &str) -> launch::LaunchParams {
+fn placeholder_params(stage: &str, empty_dir: Option<String>) -> launch::LaunchParams {
     launch::LaunchParams {
         hostname: "dsec-shell".into(),
         rootfs: RootfsSpec {
@@ -221,6 +225,7 @@ fn placeholder_params(stage: &str) -> launch::LaunchParams {
             shm_bytes: 64 << 20,
             writable_root: true,
             scratch: Vec::new(),
+            empty_dir,
         },
         rlimits: vec![
             Rlimit {
@@ -261,7 +266,7 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, String> {
             return Err(error_chain(&e));
         }
         let launched = shell
-            .launch(&placeholder_params(stage))
+            .launch(&placeholder_params(stage, ctx.empty_dir.clone()))
             .map_err(|e| error_chain(&e))?;
         protect_from_oom(launched.pid);
         let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
@@ -365,22 +370,27 @@ fn discard(pre: Prebuilt) -> i32 {
 
 /// Copies the host template's mask layer onto a tmpfs mounted in a private mount namespace of
 /// the spawner (inherited by every supervisor and sandbox; nothing is mounted in the node's
-/// namespace). See `ContainerRuntime::start`.
-fn mount_host_mask() -> io::Result<()> {
+/// namespace). See `ContainerRuntime::start`. Returns the empty directory made beside it on the
+/// same tmpfs, which sandboxes bind read-only over their masked `/proc` directories.
+fn mount_host_mask() -> io::Result<Option<String>> {
     // Always private: supervisors also stage reset roots in this namespace.
     launch::enter_private_mount_ns().map_err(io::Error::other)?;
     let (Some(src), Some(dst)) = (
         std::env::var_os("DSEC_MASK_SRC"),
         std::env::var_os("DSEC_MASK_DST"),
     ) else {
-        return Ok(());
+        return Ok(None);
     };
     let dst = PathBuf::from(dst);
     let fs = dst
         .parent()
         .ok_or_else(|| io::Error::other("mask destination has no parent"))?;
     launch::mount_tmpfs(fs, "size=1m,nr_inodes=4096,mode=0755")?;
-    crate::template::stage_layer(Path::new(&src), &dst).map_err(io::Error::other)
+    crate::template::stage_layer(Path::new(&src), &dst).map_err(io::Error::other)?;
+    let empty = fs.join(".empty");
+    std::fs::create_dir(&empty)?;
+    std::fs::set_permissions(&empty, std::os::unix::fs::PermissionsExt::from_mode(0o555))?;
+    Ok(empty.to_str().map(str::to_owned))
 }
 
 fn send(sock: BorrowedFd<'_>, msg: &SupervisorMsg, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
@@ -428,6 +438,7 @@ fn container_spec<'a>(
             shm_bytes: l.shm_bytes,
             writable_root: cfg.writable_root,
             scratch: cfg.scratch.clone(),
+            empty_dir: ctx.empty_dir.clone(),
         },
         rlimits: vec![
             Rlimit {
@@ -570,9 +581,7 @@ fn supervise(
             // Pivot the running shell onto the template's root and give it its identity.
             let spec = container_spec(ctx, &cfg, &init.agent_host);
             let pivoted = match likely_tree.take().filter(|t| t.matches(&spec.rootfs)) {
-                Some(tree) => {
-                    launch::enter_root_tree(tree, init.pidfd.pid(), spec.rootfs.shm_bytes)
-                }
+                Some(tree) => launch::enter_root_tree(tree, init.pidfd.pid()),
                 None => launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state),
             };
             pivoted

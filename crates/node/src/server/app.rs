@@ -80,6 +80,15 @@ pub struct Entry {
 /// (its record says why; an explicit DELETE still tries).
 pub const MAX_SWEEP_DESTROYS: u32 = 5;
 
+/// Destroys a sandbox the node has no record of: through its supervisor when it answers,
+/// otherwise by removing what is left. Returns whether nothing is left.
+fn reap_orphan(rt: &ContainerRuntime, id: &str) -> bool {
+    match rt.adopt(id, SandboxSpec::default(), State::Running) {
+        Ok(sb) => sb.destroy(rt).is_ok(),
+        Err(_) => rt.cleanup_leftovers(id, &rt.sandbox_run_dir(id)),
+    }
+}
+
 /// Moves a record to `to` through the lifecycle's transition function (the only way states
 /// change).
 fn step(r: &mut SandboxRecord, to: State) -> ApiResult<()> {
@@ -246,6 +255,10 @@ pub struct App {
     /// Started.
     pub started: Instant,
     in_flight: std::sync::atomic::AtomicUsize,
+    /// Most sandboxes (any state but stopped, pools included) this node holds.
+    max_sandboxes: usize,
+    /// Sweeps run.
+    sweeps: std::sync::atomic::AtomicU64,
 }
 
 /// Counts a request as in flight while it lives.
@@ -371,7 +384,7 @@ fn pool_key(req: &CreateRequest) -> Option<String> {
 
 impl App {
     /// Wraps a started runtime and an open store.
-    pub fn new(rt: ContainerRuntime, store: Store) -> Arc<Self> {
+    pub fn new(rt: ContainerRuntime, store: Store, max_sandboxes: usize) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
             rt: Arc::new(rt),
@@ -384,6 +397,8 @@ impl App {
             recovery: Mutex::new(RecoveryReport::default()),
             keys: Mutex::new(HashMap::new()),
             create_slots: tokio::sync::Semaphore::new(4),
+            max_sandboxes,
+            sweeps: std::sync::atomic::AtomicU64::new(0),
             metrics: Metrics::new(),
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
@@ -610,8 +625,25 @@ impl App {
                 id.and_then(|id| entries.get(&id).cloned())
             });
             match hit {
-                Some(e) => Ok(e),
+                Some(e) => {
+                    // Counted against the tenant from now on (persisted with the handover).
+                    e.rec.lock().unwrap_or_else(|p| p.into_inner()).tenant =
+                        Some(tenant.id.clone());
+                    Ok(e)
+                }
                 None => {
+                    if entries.len() >= self.max_sandboxes {
+                        return Err(ApiError {
+                            retry_after: Some(1),
+                            ..ApiError::new(
+                                ErrorCode::ResourceExhausted,
+                                format!(
+                                    "the node holds its maximum of {} sandboxes",
+                                    self.max_sandboxes
+                                ),
+                            )
+                        });
+                    }
                     let id = crate::container::new_id();
                     let mut rec = SandboxRecord {
                         id: id.clone(),
@@ -920,6 +952,9 @@ impl App {
         let now = Instant::now();
         let mut todo = Vec::new();
         let mut surplus = Vec::new();
+        let room = self
+            .max_sandboxes
+            .saturating_sub(self.entries.lock().unwrap_or_else(|p| p.into_inner()).len());
         {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
             for (t, p) in pools.iter_mut() {
@@ -930,7 +965,7 @@ impl App {
                     .config()
                     .min
                     .saturating_sub(p.ready.len() + p.creating);
-                let create = plan.create.max(floor);
+                let create = plan.create.max(floor).min(room.saturating_sub(todo.len()));
                 p.creating += create;
                 todo.extend(std::iter::repeat_n(t.clone(), create));
                 for _ in 0..plan.destroy {
@@ -1048,6 +1083,19 @@ impl App {
                 }
             }
         }
+        // Every 30 sweeps: runtime dirs this node has no entry for (a create or destroy that
+        // was cut short) are orphans.
+        if self.sweeps.fetch_add(1, Ordering::Relaxed) % 30 == 29 {
+            for id in self.rt.sandbox_dirs() {
+                if self.entry(&id).is_some() {
+                    continue;
+                }
+                let rt = Arc::clone(&self.rt);
+                let oid = id.clone();
+                let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
+                log::warn("orphan removed", &[("sandbox", &id)]);
+            }
+        }
         let now = now_ms();
         let day_ago = now.saturating_sub(24 * 3600 * 1000);
         let hour_ago = now.saturating_sub(3600 * 1000);
@@ -1119,17 +1167,7 @@ impl App {
         for id in orphans.into_iter().filter(|id| !known.contains(id)) {
             let rt = Arc::clone(&self.rt);
             let oid = id.clone();
-            let _ = tokio::task::spawn_blocking(move || {
-                let spec = SandboxSpec::default();
-                match rt.adopt(&oid, spec, State::Running) {
-                    Ok(sb) => sb.destroy(&rt).is_ok(),
-                    Err(_) => {
-                        let dir = rt.sandbox_run_dir(&oid);
-                        rt.cleanup_leftovers(&oid, &dir)
-                    }
-                }
-            })
-            .await;
+            let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
             report.orphans.push(id);
         }
         report.took_ms = t0.elapsed().as_millis() as u64;

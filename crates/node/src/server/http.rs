@@ -123,7 +123,23 @@ async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(auth::random_id, str::to_owned);
-    let mut resp = REQUEST_ID.scope(id.clone(), next.run(req)).await;
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let mut resp = REQUEST_ID
+        .scope(id.clone(), async move {
+            let resp = next.run(req).await;
+            if resp.status().is_server_error() {
+                log::warn(
+                    "request failed",
+                    &[
+                        ("method", method.as_str()),
+                        ("path", &path),
+                        ("status", resp.status().as_str()),
+                    ],
+                );
+            }
+            resp
+        })
+        .await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -534,8 +550,33 @@ async fn create_sandbox(
 #[derive(Deserialize)]
 struct GetQuery {
     wait: Option<String>,
-    timeout: Option<u64>,
+    timeout: Option<String>,
     after_version: Option<u64>,
+}
+
+/// A duration parameter: `30s`, `500ms`, `2m`, or bare milliseconds.
+fn parse_duration(s: &str) -> ApiResult<Duration> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num.parse().map_err(|_| {
+        ApiError::invalid(format!(
+            "bad duration {:?}",
+            s.chars().take(32).collect::<String>()
+        ))
+    })?;
+    let ms = match unit {
+        "" | "ms" => n,
+        "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        _ => {
+            return Err(ApiError::invalid(
+                "durations are <n>ms, <n>s, <n>m or bare milliseconds",
+            ))
+        }
+    };
+    Ok(Duration::from_millis(ms))
 }
 
 fn parse_state(s: &str) -> ApiResult<State> {
@@ -575,7 +616,13 @@ async fn get_sandbox(
     };
     let want = q.wait.as_deref().map(parse_state).transpose()?;
     if want.is_some() || q.after_version.is_some() {
-        let timeout = Duration::from_millis(q.timeout.unwrap_or(30_000).min(MAX_WAIT_MS));
+        let timeout = q
+            .timeout
+            .as_deref()
+            .map(parse_duration)
+            .transpose()?
+            .unwrap_or(Duration::from_secs(30))
+            .min(Duration::from_millis(MAX_WAIT_MS));
         let mut rx = e.subscribe();
         let done = |(s, v): (State, u64)| {
             want.is_some_and(|w| w == s)
@@ -669,6 +716,13 @@ async fn delete_sandbox(
 ) -> ApiResult<Json<Value>> {
     let e = app.owned_or_admin(&t, &id)?;
     let rec = app.destroy(&e).await?;
+    log::info(
+        "sandbox destroyed",
+        &[
+            ("sandbox", &rec.id),
+            ("tenant", rec.tenant.as_deref().unwrap_or("-")),
+        ],
+    );
     Ok(Json(view(&rec)))
 }
 
@@ -1559,24 +1613,60 @@ async fn events(
     Extension(t): Extension<Tenant>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let rx = app.events.subscribe();
-    let stream = futures_util::stream::unfold((rx, t), |(mut rx, t)| async move {
+    let stream = futures_util::stream::unfold((rx, t, app), |(mut rx, t, app)| async move {
         loop {
-            match rx.recv().await {
+            // The stream ends when the node drains, so that shutdown does not wait for it.
+            if app.draining.load(Ordering::Relaxed) {
+                return None;
+            }
+            let Ok(next) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await else {
+                continue;
+            };
+            match next {
                 Ok(ev) if t.admin || ev.tenant.as_deref() == Some(&t.id) => {
                     let data = serde_json::to_string(&ev).unwrap_or_default();
                     return Some((
                         Ok(SseEvent::default().event("lifecycle").data(data)),
-                        (rx, t),
+                        (rx, t, app),
                     ));
                 }
                 Ok(_) => continue,
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                     let data = json!({"lagged": n}).to_string();
-                    return Some((Ok(SseEvent::default().event("lagged").data(data)), (rx, t)));
+                    return Some((
+                        Ok(SseEvent::default().event("lagged").data(data)),
+                        (rx, t, app),
+                    ));
                 }
                 Err(_) => return None,
             }
         }
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s").ok(), Some(Duration::from_secs(30)));
+        assert_eq!(parse_duration("250").ok(), Some(Duration::from_millis(250)));
+        assert_eq!(
+            parse_duration("250ms").ok(),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(parse_duration("2m").ok(), Some(Duration::from_secs(120)));
+        assert!(parse_duration("2h").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339(1_796_042_274_227), "2026-11-30T12:37:54.227Z");
+    }
 }

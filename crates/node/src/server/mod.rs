@@ -42,6 +42,9 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Warm pool of the `host` template (`None`: no pool until one is set through the API).
     pub host_pool: Option<PoolSize>,
+    /// Most sandboxes the node holds at once (pools included); creates beyond answer
+    /// `resource_exhausted`.
+    pub max_sandboxes: usize,
 }
 
 /// A failure to start or run the daemon.
@@ -86,7 +89,7 @@ async fn serve(
     let runtime = tokio::task::spawn_blocking(move || ContainerRuntime::start(runtime_cfg))
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
-    let app = App::new(runtime, store);
+    let app = App::new(runtime, store, cfg.max_sandboxes);
     // Pools first (recovery hands their adopted sandboxes back), from the store; the host
     // pool from the flags unless it was configured through the API before.
     let stored = app.store.pools()?;

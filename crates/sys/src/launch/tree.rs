@@ -7,9 +7,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::{
-    ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind, populate_and_pivot,
-    prepare_parts, try_mount, ContainerSpec, DevSource, LaunchError, ProcSource, RootfsSpec,
-    StepError, NONE,
+    build_dev, ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind,
+    populate_and_pivot, prepare_parts, try_mount, ContainerSpec, DevSource, LaunchError,
+    ProcSource, RootfsSpec, StepError, NONE,
 };
 
 /// State a supervisor keeps for in-place resets.
@@ -50,8 +50,9 @@ fn setns_mnt(fd: &OwnedFd, step: &'static str) -> Result<(), StepError> {
     )
 }
 
-/// A sandbox root (overlay with its scratch mounts, read-only when asked) assembled in the
-/// supervisor's private mount namespace and detached, ready to be moved into a sandbox.
+/// A sandbox root (overlay with its `/dev`, `/dev/shm` and scratch mounts, read-only when asked)
+/// assembled in the supervisor's private mount namespace and detached, ready to be moved into a
+/// sandbox.
 #[derive(Debug)]
 pub struct RootTree {
     fd: OwnedFd,
@@ -71,8 +72,9 @@ impl RootTree {
     }
 }
 
-/// Builds a [`RootTree`] for `rootfs`: a fresh size-limited tmpfs, the overlay, scratch binds
-/// and the read-only root, cloned as a detached tree; the staging mounts are then dropped from
+/// Builds a [`RootTree`] for `rootfs`: a fresh size-limited tmpfs, the overlay, `/dev` and
+/// `/dev/shm` (directories of that tmpfs, see `build_dev`), scratch binds and the read-only
+/// root, cloned as a detached tree; the staging mounts are then dropped from
 /// the caller's namespace. `warm` paths (absolute, inside the root) are looked up once so that
 /// the first command of the sandbox finds their dentries cached.
 pub fn build_root_tree(
@@ -124,8 +126,10 @@ pub fn build_root_tree(
             nosuid_nodev,
             Some(&p.overlay_opts),
         )?;
-        // Mount points for the sandbox's /dev and /proc, moved in later.
+        // The sandbox's /dev but for its devpts instance, and the mount point for its /proc;
+        // both move in later.
         ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+        build_dev(&p)?;
         ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
         if !p.writable_root {
             for s in &p.scratch {
@@ -178,23 +182,17 @@ pub fn build_root_tree(
 
 /// Moves `tree` into the mount namespace of `init_pid` and pivots every process of that
 /// namespace onto it (`pivot_root` moves the root and working directory of each process that was
-/// at the old root, so a running agent keeps running, now on the new root). `/proc` is moved from
-/// the old root, and so is `/dev` (read-only: nothing in it can have changed) with a fresh
-/// `/dev/shm` of `shm_bytes`. Returns an `O_PATH` descriptor of the old root: dropping it frees
+/// at the old root, so a running agent keeps running, now on the new root). `/proc` and
+/// `/dev/pts` are moved from the old root; the rest of `/dev`, with an empty `/dev/shm`, comes
+/// with the tree. Returns an `O_PATH` descriptor of the old root: dropping it frees
 /// the old writable layer, so the caller can do that after answering. The caller must be
 /// single-threaded.
-pub fn enter_root_tree(
-    tree: RootTree,
-    init_pid: i32,
-    shm_bytes: u64,
-) -> Result<OwnedFd, LaunchError> {
+pub fn enter_root_tree(tree: RootTree, init_pid: i32) -> Result<OwnedFd, LaunchError> {
     ensure_single_threaded()?;
     // The new root is mounted inside the old one, on /tmp (a writable scratch directory of a
-    // read-only root, or creatable in a writable one); not beneath /dev, which moves into it.
-    let (dev_src, mountpoint) = (DevSource::Move(c"/dev"), "/tmp");
-    let mut rootfs = tree.rootfs.clone();
-    rootfs.shm_bytes = shm_bytes;
-    let p = prepare_parts(&rootfs, "", &[], &[], false, Some(mountpoint))?;
+    // read-only root, or creatable in a writable one); not beneath /dev/pts, which moves into it.
+    let (dev_src, mountpoint) = (DevSource::Built { pts: c"/dev/pts" }, "/tmp");
+    let p = prepare_parts(&tree.rootfs, "", &[], &[], false, Some(mountpoint))?;
     let own_ns = open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?;
     let sandbox_ns = open_path(
         &cstr(format!("/proc/{init_pid}/ns/mnt"), "pid")?,
@@ -246,7 +244,7 @@ pub fn reset_in_place(
         });
     }
     let tree = build_root_tree(&spec.rootfs, state, &[])?;
-    enter_root_tree(tree, init_pid, spec.rootfs.shm_bytes)
+    enter_root_tree(tree, init_pid)
 }
 
 /// Sets the hostname of the UTS namespace of `pid` (the supervisor enters it for the call).
