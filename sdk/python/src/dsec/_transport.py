@@ -19,6 +19,8 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_RETRIES = 3
 #: extra seconds the HTTP read timeout allows beyond a server-side deadline
 DEADLINE_SLACK = 30.0
+#: the server's longest long-poll (``?timeout=``), in milliseconds
+MAX_LONG_POLL_MS = 120_000
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 RETRY_STATUSES = frozenset({502, 503, 504})
 #: answers with these codes are final even when their status is 502/503/504

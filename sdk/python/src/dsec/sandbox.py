@@ -252,31 +252,41 @@ class Sandbox(_SandboxData):
     def wait(self, state: str, timeout_ms: int = 30_000) -> "Sandbox":
         """Long-poll until the sandbox is in ``state`` (or in a final state) or the time is up.
 
-        Returns the sandbox as it then is; check :attr:`state`.
+        Returns the sandbox as it then is; check :attr:`state`. Waits longer than the server's
+        long-poll bound (120 s) are made of several polls.
         """
         deadline = time.monotonic() + timeout_ms / 1000.0
         while True:
             left = max(0, int((deadline - time.monotonic()) * 1000))
+            poll = min(left, t.MAX_LONG_POLL_MS)
             self.data = self.client.request_json(
                 "GET",
                 self._path(),
-                params={"wait": state, "timeout": left},
-                timeout=t.deadline_timeout(self.client.timeout, left, 0),
+                params={"wait": state, "timeout": poll},
+                timeout=t.deadline_timeout(self.client.timeout, poll, 0),
             )
             if self.state == state or self.state in FINAL_STATES or left == 0:
                 return self
             time.sleep(0.05)  # the server answered early: don't spin
 
     def wait_for_change(self, after_version: Optional[int] = None, timeout_ms: int = 30_000) -> "Sandbox":
-        """Long-poll until the version exceeds ``after_version`` (default: the current one)."""
+        """Long-poll until the version exceeds ``after_version`` (default: the current one).
+
+        Returns the sandbox as it then is, changed or not when the time ran out.
+        """
         v = self.version if after_version is None else after_version
-        self.data = self.client.request_json(
-            "GET",
-            self._path(),
-            params={"after_version": v, "timeout": timeout_ms},
-            timeout=t.deadline_timeout(self.client.timeout, timeout_ms, 0),
-        )
-        return self
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        while True:
+            poll = min(max(0, int((deadline - time.monotonic()) * 1000)), t.MAX_LONG_POLL_MS)
+            self.data = self.client.request_json(
+                "GET",
+                self._path(),
+                params={"after_version": v, "timeout": poll},
+                timeout=t.deadline_timeout(self.client.timeout, poll, 0),
+            )
+            if self.version > v or self.state in FINAL_STATES or time.monotonic() >= deadline:
+                return self
+            time.sleep(0.05)  # the server answered early: don't spin
 
     def heartbeat(self, lease_ms: Optional[int] = None) -> "Sandbox":
         """Renew the owner lease."""
@@ -639,11 +649,12 @@ class AsyncSandbox(_SandboxData):
         deadline = time.monotonic() + timeout_ms / 1000.0
         while True:
             left = max(0, int((deadline - time.monotonic()) * 1000))
+            poll = min(left, t.MAX_LONG_POLL_MS)
             self.data = await self.client.request_json(
                 "GET",
                 self._path(),
-                params={"wait": state, "timeout": left},
-                timeout=t.deadline_timeout(self.client.timeout, left, 0),
+                params={"wait": state, "timeout": poll},
+                timeout=t.deadline_timeout(self.client.timeout, poll, 0),
             )
             if self.state == state or self.state in FINAL_STATES or left == 0:
                 return self
@@ -651,13 +662,18 @@ class AsyncSandbox(_SandboxData):
 
     async def wait_for_change(self, after_version: Optional[int] = None, timeout_ms: int = 30_000) -> "AsyncSandbox":
         v = self.version if after_version is None else after_version
-        self.data = await self.client.request_json(
-            "GET",
-            self._path(),
-            params={"after_version": v, "timeout": timeout_ms},
-            timeout=t.deadline_timeout(self.client.timeout, timeout_ms, 0),
-        )
-        return self
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        while True:
+            poll = min(max(0, int((deadline - time.monotonic()) * 1000)), t.MAX_LONG_POLL_MS)
+            self.data = await self.client.request_json(
+                "GET",
+                self._path(),
+                params={"after_version": v, "timeout": poll},
+                timeout=t.deadline_timeout(self.client.timeout, poll, 0),
+            )
+            if self.version > v or self.state in FINAL_STATES or time.monotonic() >= deadline:
+                return self
+            await asyncio.sleep(0.05)
 
     async def heartbeat(self, lease_ms: Optional[int] = None) -> "AsyncSandbox":
         self.data = await self.client.request_json("POST", self._path("/lease"), json=t.clean({"lease_ms": lease_ms}))
