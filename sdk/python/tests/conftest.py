@@ -88,6 +88,7 @@ class ServerProc:
     """One `dsec server` process on a data dir and run dir, restartable on the same dirs."""
 
     def __init__(self, binary: Path, data_dir: Path, run_dir: Path, log_path: Path) -> None:
+        self.extra_args: List[str] = []
         self.binary = binary
         self.data_dir = data_dir
         self.run_dir = run_dir
@@ -120,6 +121,7 @@ class ServerProc:
                 str(self.data_dir),
                 "--run-dir",
                 str(self.run_dir),
+                *self.extra_args,
             ],
             stdout=subprocess.PIPE,
             stderr=log,

@@ -85,3 +85,32 @@ def test_memory_quota(server) -> None:
             assert t.tenant().usage["memory_bytes"] == 576 * MiB
     finally:
         first.destroy()
+
+
+def test_node_sandbox_limit_is_resource_exhausted(tmp_path_factory) -> None:
+    from conftest import finish_server, new_server, start_or_clean
+
+    srv = new_server(tmp_path_factory.mktemp("dsec"), "small")
+    srv.extra_args = ["--max-sandboxes", "2", "--pool-max", "0"]
+    start_or_clean(srv)
+    try:
+        c = srv.client(max_retries=0)
+        a = c.create_sandbox()
+        b = c.create_sandbox()
+        with pytest.raises(dsec.ResourceExhausted) as ei:
+            c.create_sandbox()
+        assert ei.value.status == 503
+        a.destroy()
+        assert c.create_sandbox().exec("true").ok  # room again
+        b.destroy()
+    finally:
+        finish_server(srv)
+
+
+def test_long_poll_timeout_units(sandbox: dsec.Sandbox) -> None:
+    t0 = time.monotonic()
+    body = sandbox.client.request_json(
+        "GET", sandbox._path(), params={"after_version": sandbox.version, "timeout": "300ms"}
+    )
+    assert 0.2 < time.monotonic() - t0 < 10
+    assert body["id"] == sandbox.id
