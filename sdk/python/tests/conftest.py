@@ -345,8 +345,15 @@ def start_or_clean(srv: ServerProc) -> None:
 def finish_server(srv: ServerProc) -> None:
     """Clean up, SIGTERM, and check that the server exits 0 and leaks nothing."""
     try:
+        if srv.proc is not None and srv.proc.poll() is not None:
+            # a test left the server dead (e.g. failed between a kill -9 and the restart): its
+            # sandboxes outlive it, so bring it back on the same dirs to destroy them
+            srv.clients = []
+            srv.start()
         if srv.proc is not None and srv.proc.poll() is None:
-            srv.destroy_leftovers()
+            left = srv.destroy_leftovers()
+            if left:
+                print(f"\n[dsec tests] destroyed sandboxes the tests left: {left}")
             srv.empty_pools()
         srv.close_clients()
         rc = srv.stop() if srv.proc is not None else 0
