@@ -10,3 +10,4 @@ pub mod pool;
 pub mod sandbox;
 pub mod server;
 pub mod template;
+pub mod trajlog;

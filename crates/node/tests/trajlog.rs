@@ -1,0 +1,863 @@
+//! Durability tests of the trajectory log's storage engine: L-01 (random crash points), F-11
+//! (corrupt tail vs corruption in the middle), F-12 (fsync, write and short-write faults by
+//! injection), group commit and backpressure, plus reads, replay lookups, live subscription and
+//! retention.
+//!
+//! L-01 re-executes this test binary as a child running [`l01_child_appender`] (selected by the
+//! `DSEC_TRAJLOG_L01_DIR` environment variable; without it that test does nothing) and kills it
+//! with SIGKILL at random moments.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use dsec_node::trajlog::{
+    Config, Entry, FsStorage, LogError, Lsn, Record, RecordKind, SegmentFile, Storage, TrajLog,
+};
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+/// The payload every test derives from `(trajectory, step)`, so any record can be checked alone.
+fn payload(trajectory: &str, step: u64) -> Vec<u8> {
+    let pad = (step * 7 + trajectory.len() as u64) % 180;
+    format!(
+        "{{\"trajectory\":\"{trajectory}\",\"step\":{step},\"pad\":\"{}\"}}",
+        "x".repeat(pad as usize)
+    )
+    .into_bytes()
+}
+
+fn record(trajectory: &str, step: u64, kind: RecordKind) -> Record {
+    Record::new(trajectory, step, kind, payload(trajectory, step))
+}
+
+/// Every record of the log, by lsn.
+fn read_all(log: &TrajLog) -> Vec<Entry> {
+    let mut out = Vec::new();
+    for t in log.trajectories() {
+        out.extend(log.read(&t.id, 0, usize::MAX).expect("read"));
+    }
+    out.sort_by_key(|e| e.lsn);
+    out
+}
+
+/// Asserts the log is lsns `first..first+n` with no gap and every payload as generated.
+fn assert_contiguous_and_well_formed(entries: &[Entry], first: u64) {
+    for (i, e) in entries.iter().enumerate() {
+        assert_eq!(e.lsn, Lsn(first + i as u64), "lsn gap at index {i}");
+        assert_eq!(
+            e.payload,
+            payload(&e.trajectory, e.step),
+            "payload of {}",
+            e.lsn
+        );
+    }
+}
+
+/// A small deterministic generator (xorshift64*), seeded from the clock and printed on failure.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded() -> Rng {
+        let seed = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+            | 1;
+        eprintln!("rng seed {seed}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fault injection (F-12)
+
+/// Faults to inject into the writer's file operations. Counters are of calls made so far.
+#[derive(Default)]
+struct Plan {
+    writes: AtomicU64,
+    syncs: AtomicU64,
+    /// The n-th `write` call (1-based) fails.
+    fail_write_at: Option<u64>,
+    /// The n-th `write` call writes all but the last byte of its buffer and the next call
+    /// fails.
+    partial_write_at: Option<u64>,
+    /// The n-th `fdatasync` call (1-based) fails.
+    fail_sync_at: Option<u64>,
+    /// Each `write` writes at most this many bytes (0: no limit).
+    max_write: usize,
+    /// Each `fdatasync` first sleeps this long.
+    sync_delay: Duration,
+}
+
+struct Faulty(Arc<Plan>);
+
+struct FaultyFile {
+    inner: Box<dyn SegmentFile>,
+    plan: Arc<Plan>,
+    fail_next_write: bool,
+}
+
+impl Storage for Faulty {
+    fn create(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
+        Ok(Box::new(FaultyFile {
+            inner: FsStorage.create(path)?,
+            plan: self.0.clone(),
+            fail_next_write: false,
+        }))
+    }
+
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
+        Ok(Box::new(FaultyFile {
+            inner: FsStorage.open_append(path)?,
+            plan: self.0.clone(),
+            fail_next_write: false,
+        }))
+    }
+}
+
+impl SegmentFile for FaultyFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.plan.writes.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.fail_next_write || self.plan.fail_write_at == Some(n) {
+            return Err(io::Error::other("injected write error"));
+        }
+        if self.plan.partial_write_at == Some(n) {
+            self.fail_next_write = true;
+            return self.inner.write(&buf[..buf.len() - 1]);
+        }
+        let len = match self.plan.max_write {
+            0 => buf.len(),
+            m => buf.len().min(m),
+        };
+        self.inner.write(&buf[..len])
+    }
+
+    fn sync_data(&mut self) -> io::Result<()> {
+        std::thread::sleep(self.plan.sync_delay);
+        let n = self.plan.syncs.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.plan.fail_sync_at == Some(n) {
+            return Err(io::Error::other("injected fdatasync error (EIO)"));
+        }
+        self.inner.sync_data()
+    }
+}
+
+fn open_faulty(dir: &Path, plan: Plan) -> (TrajLog, Arc<Plan>) {
+    let plan = Arc::new(plan);
+    let (log, report) =
+        TrajLog::open_with_storage(Config::new(dir), Arc::new(Faulty(plan.clone()))).expect("open");
+    assert!(!report.is_corrupt());
+    (log, plan)
+}
+
+/// Runs `threads` appenders of `per_thread` records each; returns every outcome in completion
+/// order as (trajectory, step, result).
+fn hammer(
+    log: &TrajLog,
+    threads: usize,
+    per_thread: u64,
+) -> Vec<(String, u64, Result<Lsn, LogError>)> {
+    let out = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let out = &out;
+            s.spawn(move || {
+                let traj = format!("h{t}");
+                for step in 0..per_thread {
+                    let r = log.append_blocking(record(&traj, step, RecordKind::Intent));
+                    out.lock().expect("lock").push((traj.clone(), step, r));
+                }
+            });
+        }
+    });
+    out.into_inner().expect("lock")
+}
+
+/// Asserts every acknowledged record is in the log at `dir` after reopening with the real file
+/// system, and that the log is a contiguous, well-formed prefix.
+fn assert_acked_recovered(dir: &Path, acked: &[(String, u64, Lsn)]) {
+    let (log, report) = TrajLog::open(Config::new(dir)).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    let all = read_all(&log);
+    assert_contiguous_and_well_formed(&all, 1);
+    let by_lsn: HashMap<Lsn, &Entry> = all.iter().map(|e| (e.lsn, e)).collect();
+    for (traj, step, lsn) in acked {
+        let e = by_lsn
+            .get(lsn)
+            .unwrap_or_else(|| panic!("acked {lsn} lost"));
+        assert_eq!((&e.trajectory, e.step), (traj, *step));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// L-01
+
+const L01_DIR: &str = "DSEC_TRAJLOG_L01_DIR";
+const L01_ROUND: &str = "DSEC_TRAJLOG_L01_ROUND";
+const L01_THREADS: u64 = 8;
+
+/// The L-01 child: appends from several threads until killed, printing each acknowledged record
+/// as `ACK <lsn> <trajectory> <step> END`. Does nothing unless [`L01_DIR`] is set.
+#[test]
+fn l01_child_appender() {
+    let Ok(dir) = std::env::var(L01_DIR) else {
+        return;
+    };
+    let round = std::env::var(L01_ROUND).unwrap_or_default();
+    let mut cfg = Config::new(&dir);
+    cfg.segment_bytes = 512 << 10;
+    let (log, report) = TrajLog::open(cfg).expect("child open");
+    assert!(!report.is_corrupt(), "{report:?}");
+    std::thread::scope(|s| {
+        for t in 0..L01_THREADS {
+            let log = &log;
+            let traj = format!("r{round}-t{t}");
+            s.spawn(move || {
+                for step in 0.. {
+                    let kind = if step % 2 == 0 {
+                        RecordKind::Intent
+                    } else {
+                        RecordKind::Result
+                    };
+                    let lsn = log
+                        .append_blocking(record(&traj, step, kind))
+                        .expect("child append");
+                    let line = format!("ACK {lsn} {traj} {step} END\n");
+                    let mut out = io::stdout().lock();
+                    out.write_all(line.as_bytes()).expect("stdout");
+                    out.flush().expect("flush");
+                }
+            });
+        }
+    });
+}
+
+/// L-01: SIGKILL the appending child at random moments; after each kill the recovered log is a
+/// contiguous lsn prefix holding every acknowledged record byte-for-byte, and each trajectory's
+/// steps are contiguous from 0 (an appender only moves on after an ack).
+#[test]
+fn l01_crash_points_keep_a_prefix_with_every_acked_record() {
+    const TARGET: u64 = 100_000;
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("log");
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut rng = Rng::seeded();
+    let mut acked_total = 0u64;
+    let mut rounds = 0u64;
+    let mut in_log = 0u64;
+    while (in_log < TARGET || rounds < 5) && rounds < 200 {
+        rounds += 1;
+        let mut child = Command::new(&exe)
+            .args([
+                "--exact",
+                "l01_child_appender",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(L01_DIR, &dir)
+            .env(L01_ROUND, rounds.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn child");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let reader = std::thread::spawn(move || {
+            let mut acks = Vec::new();
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let f: Vec<&str> = line.split(' ').collect();
+                if let ["ACK", lsn, traj, step, "END"] = f[..] {
+                    let lsn = Lsn(lsn.parse().expect("lsn"));
+                    acks.push((traj.to_owned(), step.parse::<u64>().expect("step"), lsn));
+                }
+            }
+            acks
+        });
+        // Kill somewhere between start-up (recovery included) and well into the appends.
+        std::thread::sleep(Duration::from_millis(30 + rng.below(400)));
+        child.kill().expect("SIGKILL child");
+        let status = child.wait().expect("wait child");
+        assert!(!status.success(), "child exited by itself: {status}");
+        let acks = reader.join().expect("reader");
+        acked_total += acks.len() as u64;
+
+        let (log, report) = TrajLog::open(Config::new(&dir)).expect("reopen");
+        assert!(!report.is_corrupt(), "round {rounds}: {report:?}");
+        let all = read_all(&log);
+        assert_contiguous_and_well_formed(&all, 1);
+        let by_lsn: HashMap<Lsn, &Entry> = all.iter().map(|e| (e.lsn, e)).collect();
+        for (traj, step, lsn) in &acks {
+            let e = by_lsn
+                .get(lsn)
+                .unwrap_or_else(|| panic!("round {rounds}: acked {lsn} {traj} {step} lost"));
+            assert_eq!((&e.trajectory, e.step), (traj, *step), "round {rounds}");
+        }
+        let mut steps: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for e in &all {
+            steps.entry(&e.trajectory).or_default().push(e.step);
+        }
+        for (traj, s) in steps {
+            assert!(
+                s.iter().enumerate().all(|(i, &x)| x == i as u64),
+                "trajectory {traj} has a step gap"
+            );
+        }
+        in_log = all.len() as u64;
+        drop(log);
+    }
+    eprintln!(
+        "L-01: {rounds} kills, {acked_total} acked, {in_log} records in the log, {:?}",
+        started.elapsed()
+    );
+    assert!(in_log >= TARGET, "only {in_log} appends in {rounds} rounds");
+}
+
+// ---------------------------------------------------------------------------------------------
+// F-11
+
+fn fill(dir: &Path, n: u64) -> Vec<Lsn> {
+    let (log, _) = TrajLog::open(Config::new(dir)).expect("open");
+    (0..n)
+        .map(|i| {
+            log.append_blocking(record(&format!("f{}", i % 4), i / 4, RecordKind::Result))
+                .expect("append")
+        })
+        .collect()
+}
+
+fn only_segment(dir: &Path) -> std::path::PathBuf {
+    let mut segs: Vec<_> = std::fs::read_dir(dir)
+        .expect("read_dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    assert_eq!(segs.len(), 1);
+    segs.remove(0)
+}
+
+/// F-11: a torn or garbage tail is cut at the last valid record; everything before it, i.e.
+/// every acknowledged record, is kept, and the log continues from there.
+#[test]
+fn f11_corrupt_tail_keeps_longest_valid_prefix() {
+    for damage in ["torn", "garbage", "zeros", "flip-last"] {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let acked = fill(tmp.path(), 50);
+        let seg = only_segment(tmp.path());
+        let mut bytes = std::fs::read(&seg).expect("read");
+        let full = bytes.len();
+        let expected = match damage {
+            "torn" => {
+                bytes.truncate(full - 5);
+                49
+            }
+            "garbage" => {
+                bytes.extend_from_slice(b"DSLG\xff\xff\x00\x01 not a record at all");
+                50
+            }
+            "zeros" => {
+                bytes.extend_from_slice(&[0; 4096]);
+                50
+            }
+            _ => {
+                bytes[full - 1] ^= 1;
+                49
+            }
+        };
+        std::fs::write(&seg, &bytes).expect("write");
+        let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+        assert!(!report.is_corrupt(), "{damage}: {report:?}");
+        assert!(report.truncated_bytes > 0, "{damage}");
+        assert_eq!(report.records, expected, "{damage}");
+        let all = read_all(&log);
+        assert_contiguous_and_well_formed(&all, 1);
+        assert_eq!(all.len() as u64, expected);
+        assert!(acked[..expected as usize].iter().all(|l| l.0 <= expected));
+        let next = log
+            .append_blocking(record("after", 0, RecordKind::Intent))
+            .expect("append after repair");
+        assert_eq!(next, Lsn(expected + 1), "{damage}");
+    }
+}
+
+/// F-11: a bad record followed by valid ones is corruption, not a torn tail: it is reported,
+/// the records after it are not silently skipped over (nor served), the damaged file is kept
+/// aside, and only the prefix before it is live.
+#[test]
+fn f11_corruption_in_the_middle_is_reported_not_skipped() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    fill(tmp.path(), 50);
+    let seg = only_segment(tmp.path());
+    let (log, _) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    let victim = read_all(&log)
+        .into_iter()
+        .find(|e| e.lsn == Lsn(20))
+        .expect("lsn 20");
+    drop(log);
+    let mut bytes = std::fs::read(&seg).expect("read");
+    let at = bytes
+        .windows(victim.payload.len())
+        .position(|w| w == victim.payload.as_slice())
+        .expect("payload on disk");
+    bytes[at + 3] ^= 0x20;
+    std::fs::write(&seg, &bytes).expect("write");
+
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+    let c = report
+        .corruption
+        .clone()
+        .expect("corruption must be reported");
+    assert_eq!(c.expected_lsn, Lsn(20));
+    assert_eq!(c.defect, "crc");
+    assert_eq!(c.segment, seg);
+    assert_eq!(report.records, 19);
+    assert_eq!(report.quarantined.len(), 1);
+    assert!(report.quarantined_bytes > 0);
+    assert_eq!(
+        std::fs::read(&report.quarantined[0]).expect("quarantined copy"),
+        bytes,
+        "the damaged file is kept as it was"
+    );
+    let all = read_all(&log);
+    assert_contiguous_and_well_formed(&all, 1);
+    assert_eq!(all.len(), 19);
+    drop(log);
+    // Reopening again finds a clean log: the report was the one-time signal, the file is aside.
+    let (_, again) = TrajLog::open(Config::new(tmp.path())).expect("reopen twice");
+    assert!(!again.is_corrupt());
+}
+
+// ---------------------------------------------------------------------------------------------
+// F-12
+
+/// F-12: the 5th fdatasync fails. Every appender of that batch and every later one gets
+/// `Poisoned`; nothing is acknowledged after the failure; the fsync is not retried; every
+/// record acknowledged before it survives a reopen.
+#[test]
+fn f12_fsync_failure_is_fatal_and_nothing_is_acknowledged() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, plan) = open_faulty(
+        tmp.path(),
+        Plan {
+            fail_sync_at: Some(5),
+            sync_delay: Duration::from_millis(2),
+            ..Plan::default()
+        },
+    );
+    let outcomes = hammer(&log, 16, 40);
+    let acked: Vec<(String, u64, Lsn)> = outcomes
+        .iter()
+        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
+        .collect();
+    let failed = outcomes.iter().filter(|(_, _, r)| r.is_err()).count();
+    assert!(failed > 0);
+    for (_, _, r) in &outcomes {
+        if let Err(e) = r {
+            assert!(
+                matches!(e, LogError::Poisoned { op: "fdatasync" }),
+                "unexpected error {e}"
+            );
+        }
+    }
+    let stats = log.stats();
+    assert_eq!(stats.poisoned, Some("fdatasync"));
+    assert_eq!(stats.fsyncs, 4, "four good fsyncs");
+    assert_eq!(stats.appends, acked.len() as u64);
+    // Nothing after the failure: all acks are from the first four batches, lsn-contiguous.
+    let mut lsns: Vec<u64> = acked.iter().map(|a| a.2 .0).collect();
+    lsns.sort_unstable();
+    assert_eq!(lsns, (1..=acked.len() as u64).collect::<Vec<_>>());
+    // Each appender stops at its first error, so no thread saw an ack after a failure.
+    let mut first_err: HashMap<&str, u64> = HashMap::new();
+    for (t, s, r) in &outcomes {
+        if r.is_err() {
+            let e = first_err.entry(t).or_insert(*s);
+            *e = (*e).min(*s);
+        }
+    }
+    for (t, s, _) in &acked {
+        if let Some(&e) = first_err.get(t.as_str()) {
+            assert!(*s < e, "{t} step {s} acked after its step {e} failed");
+        }
+    }
+    assert!(matches!(
+        log.append_blocking(record("late", 0, RecordKind::Intent)),
+        Err(LogError::Poisoned { .. })
+    ));
+    drop(log);
+    assert_eq!(
+        plan.syncs.load(Ordering::SeqCst),
+        5,
+        "fdatasync is never retried"
+    );
+    assert_acked_recovered(tmp.path(), &acked);
+}
+
+/// F-12: a failed write poisons the log like a failed fsync.
+#[test]
+fn f12_write_error_poisons_the_log() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, plan) = open_faulty(
+        tmp.path(),
+        Plan {
+            fail_write_at: Some(3),
+            ..Plan::default()
+        },
+    );
+    let outcomes = hammer(&log, 4, 20);
+    let acked: Vec<_> = outcomes
+        .iter()
+        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
+        .collect();
+    assert!(outcomes
+        .iter()
+        .any(|(_, _, r)| matches!(r, Err(LogError::Poisoned { op: "write" }))));
+    assert_eq!(log.stats().poisoned, Some("write"));
+    assert_eq!(
+        plan.syncs.load(Ordering::SeqCst),
+        2,
+        "no sync after the failed write"
+    );
+    drop(log);
+    assert_acked_recovered(tmp.path(), &acked);
+}
+
+/// F-12: a write that stops one byte short and then fails leaves a torn record; the log is
+/// poisoned and recovery cuts the torn bytes, keeping every acknowledged record (the complete
+/// but unacknowledged records of that batch may be recovered: their outcome was unknown).
+#[test]
+fn f12_partial_write_then_error_is_a_torn_tail() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = open_faulty(
+        tmp.path(),
+        Plan {
+            partial_write_at: Some(4),
+            ..Plan::default()
+        },
+    );
+    let outcomes = hammer(&log, 4, 20);
+    let acked: Vec<_> = outcomes
+        .iter()
+        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
+        .collect();
+    assert_eq!(log.stats().poisoned, Some("write"));
+    drop(log);
+    let (_, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+    assert!(report.truncated_bytes > 0, "{report:?}");
+    assert_acked_recovered(tmp.path(), &acked);
+}
+
+/// F-12: short writes (the kernel accepting 7 bytes at a time) are completed, not mistaken for
+/// failures, and the records come back intact.
+#[test]
+fn f12_short_writes_are_completed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, plan) = open_faulty(
+        tmp.path(),
+        Plan {
+            max_write: 7,
+            ..Plan::default()
+        },
+    );
+    let outcomes = hammer(&log, 4, 25);
+    let acked: Vec<_> = outcomes
+        .iter()
+        .map(|(t, s, r)| (t.clone(), *s, *r.as_ref().expect("no failure")))
+        .collect();
+    assert!(plan.writes.load(Ordering::SeqCst) > 100);
+    assert_eq!(log.stats().poisoned, None);
+    drop(log);
+    assert_acked_recovered(tmp.path(), &acked);
+}
+
+// ---------------------------------------------------------------------------------------------
+// group commit and backpressure
+
+/// 64 concurrent async appenders share fsyncs: fewer fsyncs than appends.
+#[test]
+fn group_commit_batches_64_concurrent_appenders() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    let log = Arc::new(log);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for t in 0..64 {
+            let log = log.clone();
+            tasks.push(tokio::spawn(async move {
+                for step in 0..50 {
+                    log.append(record(&format!("g{t}"), step, RecordKind::Intent))
+                        .await
+                        .expect("append");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("task");
+        }
+    });
+    let s = log.stats();
+    eprintln!("group commit: {s:?}");
+    assert_eq!(s.appends, 64 * 50);
+    assert_eq!(s.batches, s.fsyncs);
+    assert!(
+        s.fsyncs < s.appends,
+        "{} fsyncs for {} appends",
+        s.fsyncs,
+        s.appends
+    );
+    assert_eq!(read_all(&log).len(), 64 * 50);
+}
+
+/// A tiny queue in front of slow storage: appenders wait instead of queueing, so the queue never
+/// holds more than its bound (records and bytes), for blocking and async appenders alike.
+#[test]
+fn backpressure_bounds_the_queue_under_slow_storage() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let plan = Arc::new(Plan {
+        sync_delay: Duration::from_millis(3),
+        ..Plan::default()
+    });
+    let mut cfg = Config::new(tmp.path());
+    cfg.queue_records = 4;
+    cfg.queue_bytes = 1024;
+    cfg.max_batch_records = 2;
+    let (log, _) = TrajLog::open_with_storage(cfg, Arc::new(Faulty(plan.clone()))).expect("open");
+    let log = Arc::new(log);
+    let done = Arc::new(AtomicBool::new(false));
+    let max_depth = Arc::new(AtomicUsize::new(0));
+    let max_bytes = Arc::new(AtomicUsize::new(0));
+    let sampler = {
+        let (log, done, max_depth, max_bytes) = (
+            log.clone(),
+            done.clone(),
+            max_depth.clone(),
+            max_bytes.clone(),
+        );
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let s = log.stats();
+                max_depth.fetch_max(s.queue_depth, Ordering::Relaxed);
+                max_bytes.fetch_max(s.queue_bytes, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        })
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    std::thread::scope(|s| {
+        for t in 0..16 {
+            let log = &log;
+            s.spawn(move || {
+                for step in 0..10 {
+                    log.append_blocking(record(&format!("b{t}"), step, RecordKind::Intent))
+                        .expect("append");
+                }
+            });
+        }
+        rt.block_on(async {
+            let mut tasks = Vec::new();
+            for t in 0..16 {
+                let log = log.clone();
+                tasks.push(tokio::spawn(async move {
+                    for step in 0..10 {
+                        log.append(record(&format!("a{t}"), step, RecordKind::Intent))
+                            .await
+                            .expect("append");
+                    }
+                }));
+            }
+            for t in tasks {
+                t.await.expect("task");
+            }
+        });
+    });
+    done.store(true, Ordering::Relaxed);
+    sampler.join().expect("sampler");
+    let s = log.stats();
+    eprintln!(
+        "backpressure: {s:?}, sampled max depth {} bytes {}",
+        max_depth.load(Ordering::Relaxed),
+        max_bytes.load(Ordering::Relaxed)
+    );
+    assert_eq!(s.appends, 320);
+    assert!(
+        s.queue_high_water <= 4,
+        "queue grew to {}",
+        s.queue_high_water
+    );
+    assert!(s.queue_high_water >= 2, "the queue was never contended");
+    assert!(max_depth.load(Ordering::Relaxed) <= 4);
+    assert!(max_bytes.load(Ordering::Relaxed) <= 1024);
+}
+
+// ---------------------------------------------------------------------------------------------
+// reads, replay lookups, subscription, retention
+
+#[test]
+fn reads_page_by_step_and_step_lookup_serves_replay() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    for step in 0..10 {
+        log.append_blocking(record("r", step, RecordKind::Intent))
+            .expect("intent");
+        if step != 7 {
+            log.append_blocking(record("r", step, RecordKind::Result))
+                .expect("result");
+        }
+    }
+    log.append_blocking(Record::new(
+        "r",
+        3,
+        RecordKind::Annotation,
+        b"{\"reward\":1}".to_vec(),
+    ))
+    .expect("annotation");
+    let page = log.read("r", 2, 4).expect("read");
+    let keys: Vec<_> = page.iter().map(|e| (e.step, e.kind)).collect();
+    assert_eq!(
+        keys,
+        vec![
+            (2, RecordKind::Intent),
+            (2, RecordKind::Result),
+            (3, RecordKind::Intent),
+            (3, RecordKind::Result)
+        ]
+    );
+    let s = log.trajectory("r").expect("summary");
+    assert_eq!(
+        (s.intents, s.results, s.annotations, s.last_step),
+        (10, 9, 1, 9)
+    );
+    assert_eq!((s.first_lsn, s.last_lsn), (Lsn(1), Lsn(20)));
+    let done = log.step("r", 4).expect("step").expect("known");
+    assert_eq!(done.result.expect("result").payload, payload("r", 4));
+    let unknown = log.step("r", 7).expect("step").expect("known");
+    assert!(unknown.intent.is_some() && unknown.result.is_none());
+    assert!(log.step("r", 10).expect("step").is_none());
+    assert!(log.read("nope", 0, 10).expect("read").is_empty());
+    drop(log);
+    // The index is rebuilt identically by recovery.
+    let (log, _) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+    assert_eq!(log.trajectory("r"), Some(s));
+    assert_eq!(log.read("r", 2, 4).expect("read"), page);
+}
+
+#[test]
+fn subscribers_see_new_records_in_lsn_order() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    let log = Arc::new(log);
+    let mut rx = log.subscribe();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        for step in 0..5 {
+            log.append(record("s", step, RecordKind::Intent))
+                .await
+                .expect("append");
+        }
+        for step in 0..5 {
+            let e = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .expect("in time")
+                .expect("entry");
+            assert_eq!((e.lsn, e.step), (Lsn(step + 1), step));
+            assert_eq!(e.payload, payload("s", step));
+        }
+    });
+}
+
+#[test]
+fn retention_deletes_old_segments_but_never_the_active_one() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut cfg = Config::new(tmp.path());
+    cfg.segment_bytes = 2048;
+    cfg.retention_max_bytes = Some(8192);
+    let (log, _) = TrajLog::open(cfg.clone()).expect("open");
+    for i in 0..300 {
+        log.append_blocking(record(&format!("k{}", i % 3), i, RecordKind::Result))
+            .expect("append");
+    }
+    let before = log.stats();
+    assert!(before.segments > 8, "{before:?}");
+    let r = log.enforce_retention().expect("retention");
+    let after = log.stats();
+    assert!(!r.deleted.is_empty());
+    assert!(after.segment_bytes <= 8192, "{after:?}");
+    assert_eq!(after.segments, before.segments - r.deleted.len());
+    // What is left is a contiguous suffix ending at the last record, and reads still work.
+    let all = read_all(&log);
+    let first = all.first().expect("records left").lsn.0;
+    assert!(first > r.deleted.last().expect("deleted").0);
+    assert_contiguous_and_well_formed(&all, first);
+    assert_eq!(all.last().expect("last").lsn, Lsn(300));
+    assert_eq!(after.indexed, all.len() as u64);
+
+    // Age: seen from an hour later, every segment is older than a second; all but the active
+    // one go.
+    let mut aged = cfg;
+    aged.retention_max_bytes = None;
+    aged.retention_max_age = Some(Duration::from_secs(1));
+    drop(log);
+    let (log, report) = TrajLog::open(aged).expect("reopen");
+    assert!(!report.is_corrupt());
+    let r = log
+        .enforce_retention_at(SystemTime::now() + Duration::from_secs(3600))
+        .expect("retention");
+    assert!(!r.deleted.is_empty());
+    let s = log.stats();
+    assert_eq!(s.segments, 1, "only the active segment stays");
+    let all = read_all(&log);
+    assert_contiguous_and_well_formed(&all, all.first().map_or(1, |e| e.lsn.0));
+    assert_eq!(
+        log.append_blocking(record("k0", 1000, RecordKind::Intent))
+            .expect("append"),
+        Lsn(301)
+    );
+    drop(log);
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen after retention");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(log.stats().next_lsn, Lsn(302));
+}
+
+#[test]
+fn open_temp_in_gives_a_working_log() {
+    let parent = tempfile::tempdir().expect("tempdir");
+    let (log, dir) = TrajLog::open_temp_in(parent.path(), Config::new("")).expect("open");
+    assert_eq!(log.dir(), dir.path());
+    assert_eq!(
+        log.append_blocking(record("t", 0, RecordKind::Intent))
+            .expect("append"),
+        Lsn(1)
+    );
+    let s = log.stats();
+    assert_eq!((s.appends, s.fsyncs, s.next_lsn), (1, 1, Lsn(2)));
+    assert!(s.bytes_written > 0);
+}
