@@ -99,3 +99,41 @@ def test_lifecycle_events(server) -> None:
 def test_lifecycle_event_fields(server) -> None:
     for e in _events_of_one_sandbox(server):
         assert {"sandbox", "tenant", "state", "version", "at"} <= set(e), e
+
+
+def test_openapi_lists_every_endpoint_the_sdk_uses(server) -> None:
+    import httpx
+
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    paths = {p: {m.lower() for m in v} for p, v in doc["paths"].items()}
+    used = {
+        "/v1/tenants": {"get", "post"},
+        "/v1/tenant": {"get"},
+        "/v1/sandboxes": {"get", "post"},
+        "/v1/sandboxes/{id}": {"get", "delete"},
+        "/v1/sandboxes/batch": {"post"},
+        "/v1/sandboxes/batch-delete": {"post"},
+        "/v1/sandboxes/{id}/lease": {"post"},
+        "/v1/sandboxes/{id}/reset": {"post"},
+        "/v1/sandboxes/{id}/exec": {"post"},
+        "/v1/sandboxes/{id}/processes": {"post"},
+        "/v1/sandboxes/{id}/processes/{handle}": {"get"},
+        "/v1/sandboxes/{id}/processes/{handle}/stdin": {"post"},
+        "/v1/sandboxes/{id}/processes/{handle}/signal": {"post"},
+        "/v1/sandboxes/{id}/processes/{handle}/wait": {"post"},
+        "/v1/sandboxes/{id}/sessions": {"post"},
+        "/v1/sandboxes/{id}/sessions/{session}/run": {"post"},
+        "/v1/sandboxes/{id}/sessions/{session}": {"delete"},
+        "/v1/sandboxes/{id}/files": {"get", "put", "delete"},
+        "/v1/sandboxes/{id}/files/list": {"get"},
+        "/v1/sandboxes/{id}/files/stat": {"get"},
+        "/v1/sandboxes/{id}/files/mkdir": {"post"},
+        "/v1/sandboxes/{id}/tar": {"get", "put"},
+        "/v1/templates": {"get", "post"},
+        "/v1/templates/{name}": {"get", "delete"},
+        "/v1/pools": {"get"},
+        "/v1/pools/{template}": {"get", "put"},
+        "/v1/events": {"get"},
+    }
+    missing = {p: sorted(m - paths.get(p, set())) for p, m in used.items() if m - paths.get(p, set())}
+    assert not missing, missing
