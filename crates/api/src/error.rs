@@ -52,6 +52,12 @@ pub enum ErrorCode {
     IdempotencyConflict,
     /// The node is shutting down and takes no new work.
     Draining,
+    /// A logged step has an intent but no result: it may or may not have run.
+    UnknownOutcome,
+    /// A step number does not continue its trajectory.
+    TrajectoryDiverged,
+    /// The trajectory does not exist.
+    TrajectoryNotFound,
 }
 
 impl ErrorCode {
@@ -81,6 +87,9 @@ impl ErrorCode {
             Self::Forbidden => "forbidden",
             Self::IdempotencyConflict => "idempotency_conflict",
             Self::Draining => "draining",
+            Self::UnknownOutcome => "unknown_outcome",
+            Self::TrajectoryDiverged => "trajectory_diverged",
+            Self::TrajectoryNotFound => "trajectory_not_found",
         }
     }
 }

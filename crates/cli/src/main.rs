@@ -7,6 +7,7 @@ mod bench_api;
 mod client;
 mod output;
 mod sandbox_cmd;
+mod trajectory_cmd;
 mod units;
 
 use std::io::Write;
@@ -81,6 +82,12 @@ enum Command {
         #[command(subcommand)]
         command: admin_cmd::TenantCmd,
     },
+    /// List, show, annotate and export trajectories of a running daemon.
+    #[command(after_long_help = client::EXIT_CODES)]
+    Trajectory {
+        #[command(subcommand)]
+        command: trajectory_cmd::TrajectoryCmd,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,6 +101,16 @@ struct ServerArgs {
     /// Ready sandboxes of the `host` template kept at least (the pool grows with demand).
     #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
     pool_min: usize,
+    /// Extra regular expressions masked in the trajectory log (repeatable; API-key and token
+    /// patterns of common providers are always masked).
+    #[arg(long = "redact")]
+    redact: Vec<String>,
+    /// Delete trajectory log segments older than this many hours (never the active one).
+    #[arg(long)]
+    log_retention_hours: Option<u64>,
+    /// Keep at most this many bytes of trajectory log (oldest segments go first).
+    #[arg(long, value_parser = units::parse_bytes)]
+    log_retention_bytes: Option<u64>,
     /// Most sandboxes this node holds at once, pools included.
     #[arg(long, env = "DSEC_MAX_SANDBOXES", default_value_t = 10_000)]
     max_sandboxes: usize,
@@ -261,6 +278,16 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
         max_sandboxes: args.max_sandboxes,
+        log_retention: (
+            args.log_retention_hours
+                .map(|h| std::time::Duration::from_secs(h.saturating_mul(3600))),
+            args.log_retention_bytes,
+        ),
+        redact_patterns: dsec_node::server::trajectory::DEFAULT_PATTERNS
+            .iter()
+            .map(|p| (*p).to_owned())
+            .chain(args.redact.iter().cloned())
+            .collect(),
         host_pool: (args.pool_max > 0).then_some(dsec_node::server::PoolSize {
             min: args.pool_min.min(args.pool_max),
             max: args.pool_max,
@@ -307,6 +334,9 @@ fn main() -> ExitCode {
         Command::Sandbox { command } => return remote(&cli, |c| sandbox_cmd::run(c, command)),
         Command::Pool { command } => return remote(&cli, |c| admin_cmd::pool(c, command)),
         Command::Tenant { command } => return remote(&cli, |c| admin_cmd::tenant(c, command)),
+        Command::Trajectory { command } => {
+            return remote(&cli, |c| trajectory_cmd::run(c, command))
+        }
         Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
         Command::Template { command } => template(&cli, command),

@@ -133,6 +133,13 @@ pub struct ExecArgs {
     /// Print the full exec result as JSON instead of the command's output.
     #[arg(long)]
     json: bool,
+    /// Log the command as a step of this trajectory (replayed from the log when it was
+    /// already recorded; see `dsec trajectory`).
+    #[arg(long, conflicts_with = "stream")]
+    trajectory: Option<String>,
+    /// The step number within the trajectory (default: the next one).
+    #[arg(long, requires = "trajectory")]
+    step: Option<u64>,
     /// The command and its arguments (after `--`).
     #[arg(last = true, required_unless_present = "shell")]
     command: Vec<String>,
@@ -503,6 +510,12 @@ fn exec(c: &Client, a: &ExecArgs) -> Result<ExitCode, ClientError> {
     }
     if let Some(t) = a.timeout {
         body.insert("timeout_ms".into(), t.into());
+    }
+    if let Some(t) = &a.trajectory {
+        body.insert("trajectory".into(), t.clone().into());
+    }
+    if let Some(s) = a.step {
+        body.insert("step".into(), s.into());
     }
     if let Some(p) = &a.stdin {
         let data = read_local(p)?;

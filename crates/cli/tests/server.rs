@@ -879,7 +879,8 @@ fn openapi_document_matches_the_router() {
             .replace("{handle}", "1")
             .replace("{session}", "1")
             .replace("{name}", "host")
-            .replace("{template}", "host");
+            .replace("{template}", "host")
+            .replace("{tid}", "t1");
         for (method, op) in ops.as_object().expect("ops") {
             assert!(
                 op["summary"].is_string() && op["responses"].is_object(),

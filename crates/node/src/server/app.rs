@@ -20,6 +20,7 @@ use crate::sandbox::{Limits, SandboxSpec, State};
 use super::error::{ApiError, ApiResult};
 use super::log;
 use super::store::{SandboxRecord, Store, Tenant};
+use super::trajectory::Trajectories;
 use crate::autoscale::{AutoscaleConfig, Autoscaler};
 use crate::metrics::{Counter, Histogram, Registry};
 
@@ -215,6 +216,8 @@ pub struct CreateRequest {
     /// The request's idempotency key (recorded with the sandbox, so that a retry after a
     /// crash finds the sandbox even when the answer was never recorded).
     pub idem: Option<String>,
+    /// Names of `env` entries whose values are secret.
+    pub secret_env: Vec<String>,
 }
 
 /// How a restart found the sandboxes of the previous node process.
@@ -259,6 +262,8 @@ pub struct App {
     max_sandboxes: usize,
     /// Sweeps run.
     sweeps: std::sync::atomic::AtomicU64,
+    /// The trajectory log.
+    pub trajectories: Trajectories,
 }
 
 /// Counts a request as in flight while it lives.
@@ -384,7 +389,12 @@ fn pool_key(req: &CreateRequest) -> Option<String> {
 
 impl App {
     /// Wraps a started runtime and an open store.
-    pub fn new(rt: ContainerRuntime, store: Store, max_sandboxes: usize) -> Arc<Self> {
+    pub fn new(
+        rt: ContainerRuntime,
+        store: Store,
+        trajectories: Trajectories,
+        max_sandboxes: usize,
+    ) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
             rt: Arc::new(rt),
@@ -398,6 +408,7 @@ impl App {
             keys: Mutex::new(HashMap::new()),
             create_slots: tokio::sync::Semaphore::new(4),
             max_sandboxes,
+            trajectories,
             sweeps: std::sync::atomic::AtomicU64::new(0),
             metrics: Metrics::new(),
             started: Instant::now(),
@@ -581,6 +592,7 @@ impl App {
         let now = now_ms();
         let fill = |r: &mut SandboxRecord| {
             r.idem = req.idem.clone();
+            r.secret_env = req.secret_env.clone();
             r.tenant = Some(tenant.id.clone());
             r.labels = req.labels.clone();
             r.env = req.env.clone();
@@ -666,6 +678,7 @@ impl App {
                         pooled: false,
                         error: None,
                         idem: None,
+                        secret_env: Vec::new(),
                     };
                     fill(&mut rec);
                     let e = Entry::new(rec, None);
@@ -1021,6 +1034,7 @@ impl App {
             pooled: true,
             error: None,
             idem: None,
+            secret_env: Vec::new(),
         };
         self.store.put_sandbox(&rec, now_ms())?;
         let e = Entry::new(rec, None);
@@ -1095,6 +1109,10 @@ impl App {
                 let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
                 log::warn("orphan removed", &[("sandbox", &id)]);
             }
+        }
+        if self.sweeps.load(Ordering::Relaxed).is_multiple_of(60) {
+            let app = Arc::clone(self);
+            let _ = tokio::task::spawn_blocking(move || app.trajectories.enforce_retention()).await;
         }
         let now = now_ms();
         let day_ago = now.saturating_sub(24 * 3600 * 1000);

@@ -87,8 +87,12 @@ impl ApiError {
             | UnsupportedVersion => StatusCode::BAD_REQUEST,
             Unauthorized => StatusCode::UNAUTHORIZED,
             Forbidden | PermissionDenied => StatusCode::FORBIDDEN,
-            NotFound | SandboxNotFound | TemplateNotFound | HandleNotFound => StatusCode::NOT_FOUND,
-            InvalidTransition | IdempotencyConflict => StatusCode::CONFLICT,
+            NotFound | SandboxNotFound | TemplateNotFound | HandleNotFound | TrajectoryNotFound => {
+                StatusCode::NOT_FOUND
+            }
+            InvalidTransition | IdempotencyConflict | UnknownOutcome | TrajectoryDiverged => {
+                StatusCode::CONFLICT
+            }
             TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             ResourceExhausted | Draining => StatusCode::SERVICE_UNAVAILABLE,

@@ -92,6 +92,12 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/pools", get(list_pools))
         .route("/v1/pools/{template}", get(get_pool).put(set_pool))
         .route("/v1/events", get(events))
+        .route("/v1/trajectories", get(list_trajectories))
+        .route("/v1/trajectories/{tid}", get(get_trajectory))
+        .route("/v1/trajectories/{tid}/records", get(trajectory_records))
+        .route("/v1/trajectories/{tid}/stream", get(trajectory_stream))
+        .route("/v1/trajectories/{tid}/annotations", post(annotate))
+        .route("/v1/trajectories/{tid}/export", get(export_trajectory))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             idempotency,
@@ -456,6 +462,8 @@ struct CreateBody {
     #[serde(default)]
     env: BTreeMap<String, String>,
     #[serde(default)]
+    secret_env: BTreeMap<String, String>,
+    #[serde(default)]
     labels: BTreeMap<String, String>,
     #[serde(default)]
     ttl_ms: Option<u64>,
@@ -497,7 +505,10 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
         Some(_) => return Err(ApiError::invalid("limits must be an object")),
     };
     limits.validate().map_err(ApiError::invalid)?;
-    for (k, v) in &b.env {
+    let secret_env: Vec<String> = b.secret_env.keys().cloned().collect();
+    let mut env = b.env;
+    env.extend(b.secret_env);
+    for (k, v) in &env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(ApiError::invalid(format!("invalid env entry {k:?}")));
         }
@@ -521,12 +532,13 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
     Ok(CreateRequest {
         template,
         limits,
-        env: b.env,
+        env,
         labels: b.labels,
         ttl_ms: b.ttl_ms,
         lease_ms: b.lease_ms,
         writable_root: b.writable_root,
         idem: None,
+        secret_env,
     })
 }
 
@@ -912,6 +924,10 @@ async fn with_sandbox<T: Send + 'static>(
 #[serde(deny_unknown_fields)]
 struct ExecBody {
     #[serde(default)]
+    trajectory: Option<String>,
+    #[serde(default)]
+    step: Option<u64>,
+    #[serde(default)]
     argv: Option<Vec<String>>,
     #[serde(default)]
     shell: Option<String>,
@@ -977,8 +993,40 @@ async fn exec(
     body: Bytes,
 ) -> ApiResult<Response> {
     let e = app.owned(&t, &id)?;
-    let (mut req, stdin) = exec_request(json_body(&body)?, &e.record().env)?;
+    let mut b: ExecBody = json_body(&body)?;
+    let (trajectory, step) = (b.trajectory.take(), b.step.take());
+    let (mut req, stdin) = exec_request(b, &e.record().env)?;
     app.metrics.execs.inc();
+    if let Some(trajectory) = trajectory {
+        if q.stream {
+            return Err(ApiError::invalid(
+                "a streamed exec cannot be a trajectory step; drop ?stream=true",
+            ));
+        }
+        let action = action_of(&body, &["trajectory", "step"])?;
+        let app2 = Arc::clone(&app);
+        let e2 = Arc::clone(&e);
+        return logged_step(
+            &app,
+            &t,
+            &e,
+            &trajectory,
+            step,
+            "exec",
+            action,
+            move || async move {
+                let t0 = std::time::Instant::now();
+                let r = with_sandbox(&app2, &e2, move |rt, sb| {
+                    sb.exec(rt, &req, &stdin, |_, _| {}).map_err(ApiError::from)
+                })
+                .await?;
+                app2.metrics.exec.observe_duration(t0.elapsed());
+                count_kills(&app2, &r);
+                Ok(serde_json::to_value(r).unwrap_or_default())
+            },
+        )
+        .await;
+    }
     if !q.stream {
         let t0 = std::time::Instant::now();
         let r = with_sandbox(&app, &e, move |rt, sb| {
@@ -1028,6 +1076,86 @@ async fn exec(
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// The client's request body without the trajectory fields (what a step's digest covers).
+fn action_of(body: &Bytes, drop: &[&str]) -> ApiResult<Value> {
+    let mut v: Value = serde_json::from_slice(if body.is_empty() { b"{}" } else { body })
+        .map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))?;
+    if let Some(o) = v.as_object_mut() {
+        for k in drop {
+            o.remove(*k);
+        }
+    }
+    Ok(v)
+}
+
+/// Runs `run` as step `step` of `trajectory` (see `trajectory.rs`): replayed from the log when
+/// it was recorded, refused when its outcome is unknown or the step does not continue the
+/// trajectory, otherwise run with its intent and its answer made durable.
+#[allow(clippy::too_many_arguments)]
+async fn logged_step<F, Fut>(
+    app: &AppState,
+    t: &Tenant,
+    e: &Entry,
+    trajectory: &str,
+    step: Option<u64>,
+    op: &str,
+    action: Value,
+    run: F,
+) -> ApiResult<Response>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ApiResult<Value>>,
+{
+    let rec = e.record();
+    let secrets: Vec<String> = rec
+        .secret_env
+        .iter()
+        .filter_map(|k| rec.env.get(k).cloned())
+        .collect();
+    let begun = app
+        .trajectories
+        .begin(t, trajectory, step, op, &e.id, &action, secrets)
+        .await?;
+    let (status, body, step, replayed) = match begun {
+        super::trajectory::Begin::Replay { status, body, step } => (status, body, step, true),
+        super::trajectory::Begin::Run(running) => {
+            let step = running.step();
+            let (status, body, summary) = match run().await {
+                Ok(v) => {
+                    let summary = json!({"status": v["status"], "exit_code": v["exit_code"], "wall_us": v["wall_us"]});
+                    (200u16, serde_json::to_vec(&v).unwrap_or_default(), summary)
+                }
+                Err(err) => (
+                    ApiError::status_of(err.code).as_u16(),
+                    serde_json::to_vec(&err.problem()).unwrap_or_default(),
+                    json!({"error": err.code}),
+                ),
+            };
+            let body = app
+                .trajectories
+                .finish(running, status, &body, summary)
+                .await?;
+            (status, body, step, false)
+        }
+    };
+    let mut resp = (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response();
+    let ct = if status < 400 {
+        "application/json"
+    } else {
+        "application/problem+json"
+    };
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+    if let Ok(v) = HeaderValue::from_str(&step.to_string()) {
+        resp.headers_mut().insert("dsec-step", v);
+    }
+    if replayed {
+        resp.headers_mut()
+            .insert("dsec-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(resp)
 }
 
 /// Counts seccomp (SIGSYS) and OOM kills for `/metrics`.
@@ -1231,6 +1359,10 @@ async fn session_open(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RunBody {
+    #[serde(default)]
+    trajectory: Option<String>,
+    #[serde(default)]
+    step: Option<u64>,
     input: String,
     #[serde(default)]
     timeout_ms: Option<u64>,
@@ -1241,30 +1373,43 @@ async fn session_run(
     Extension(t): Extension<Tenant>,
     Path((id, session)): Path<(String, u64)>,
     body: Bytes,
-) -> ApiResult<Json<ExecResult>> {
-    let b: RunBody = json_body(&body)?;
+) -> ApiResult<Response> {
+    let mut b: RunBody = json_body(&body)?;
     if b.timeout_ms
         .is_some_and(|t| t == 0 || t > dsec_api::exec::MAX_TIMEOUT_MS)
     {
         return Err(ApiError::invalid("timeout_ms out of range"));
     }
     let e = app.owned(&t, &id)?;
-    let ev = with_sandbox(&app, &e, move |_, sb| {
-        agent_event(
-            sb,
-            &AgentReq::SessionRun {
-                session,
-                input: b.input,
-                timeout_ms: b.timeout_ms,
-            },
-            &[],
-            b.timeout_ms.map(Duration::from_millis),
-        )
-    })
-    .await?;
-    match ev {
-        Event::ExecDone(r) => Ok(Json(r)),
-        other => Err(ApiError::internal(format!("unexpected {other:?}"))),
+    let (trajectory, step) = (b.trajectory.take(), b.step.take());
+    let app2 = Arc::clone(&app);
+    let e2 = Arc::clone(&e);
+    let run = move || async move {
+        let ev = with_sandbox(&app2, &e2, move |_, sb| {
+            agent_event(
+                sb,
+                &AgentReq::SessionRun {
+                    session,
+                    input: b.input,
+                    timeout_ms: b.timeout_ms,
+                },
+                &[],
+                b.timeout_ms.map(Duration::from_millis),
+            )
+        })
+        .await?;
+        match ev {
+            Event::ExecDone(r) => Ok(serde_json::to_value(r).unwrap_or_default()),
+            other => Err(ApiError::internal(format!("unexpected {other:?}"))),
+        }
+    };
+    match trajectory {
+        Some(trajectory) => {
+            let mut action = action_of(&body, &["trajectory", "step"])?;
+            action["session"] = session.into();
+            logged_step(&app, &t, &e, &trajectory, step, "session_run", action, run).await
+        }
+        None => Ok(Json(run().await?).into_response()),
     }
 }
 
@@ -1289,6 +1434,10 @@ async fn session_close(
 #[serde(deny_unknown_fields)]
 struct FileQuery {
     path: String,
+    #[serde(default)]
+    trajectory: Option<String>,
+    #[serde(default)]
+    step: Option<u64>,
     #[serde(default)]
     max_bytes: Option<u64>,
     #[serde(default)]
@@ -1335,22 +1484,49 @@ async fn file_write(
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
     body: Bytes,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Response> {
     let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(
-                &AgentReq::FileWrite {
-                    path: q.path,
-                    mode: q.mode,
-                    parents: q.parents,
-                },
-                &body,
-            )
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    let trajectory = q.trajectory.clone();
+    let step = q.step;
+    let mut action = json!({
+        "path": q.path,
+        "mode": q.mode,
+        "parents": q.parents,
+        "content_sha256": hex::encode(Sha256::digest(&body)),
+        "content_len": body.len(),
+    });
+    if body.len() <= 64 << 10 {
+        action["content_b64"] = base64::engine::general_purpose::STANDARD
+            .encode(&body)
+            .into();
+    }
+    let app2 = Arc::clone(&app);
+    let e2 = Arc::clone(&e);
+    let run = move || async move {
+        with_sandbox(&app2, &e2, move |_, sb| {
+            sb.agent()
+                .call_ok(
+                    &AgentReq::FileWrite {
+                        path: q.path,
+                        mode: q.mode,
+                        parents: q.parents,
+                    },
+                    &body,
+                )
+                .map_err(ApiError::from)
+        })
+        .await?;
+        Ok(json!({"written": true}))
+    };
+    match trajectory {
+        Some(trajectory) => {
+            logged_step(&app, &t, &e, &trajectory, step, "file_write", action, run).await
+        }
+        None => {
+            run().await?;
+            Ok(StatusCode::NO_CONTENT.into_response())
+        }
+    }
 }
 
 async fn file_remove(
@@ -1668,5 +1844,199 @@ mod tests {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
         assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
         assert_eq!(rfc3339(1_796_042_274_227), "2026-11-30T12:37:54.227Z");
+    }
+}
+
+// ---- trajectories ----
+
+async fn list_trajectories(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+) -> Json<Value> {
+    Json(json!({"items": app.trajectories.list(&t)}))
+}
+
+async fn get_trajectory(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    Path(tid): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let app2 = Arc::clone(&app);
+    let v = tokio::task::spawn_blocking(move || app2.trajectories.summary(&t, &tid))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(Json(v))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordsQuery {
+    #[serde(default)]
+    from_step: Option<u64>,
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+async fn trajectory_records(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    Path(tid): Path<String>,
+    Query(q): Query<RecordsQuery>,
+) -> ApiResult<Json<Value>> {
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let from = q.from_step.unwrap_or(0);
+    let app2 = Arc::clone(&app);
+    let items =
+        tokio::task::spawn_blocking(move || app2.trajectories.records(&t, &tid, from, limit + 1))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+    // Records are grouped by step; a page ends on a step boundary when it can.
+    let mut items = items;
+    let next = if items.len() > limit {
+        let next_step = items[limit]["step"].as_u64();
+        items.truncate(limit);
+        next_step
+    } else {
+        None
+    };
+    Ok(Json(json!({"items": items, "next_from_step": next})))
+}
+
+async fn trajectory_stream(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    Path(tid): Path<String>,
+) -> ApiResult<Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>>> {
+    super::trajectory::check_id(&tid)?;
+    let key = format!("{}/{}", t.id, tid);
+    let rx = app.trajectories.log().subscribe();
+    let stream = futures_util::stream::unfold((rx, key, app), |(mut rx, key, app)| async move {
+        loop {
+            if app.draining.load(Ordering::Relaxed) {
+                return None;
+            }
+            let Ok(next) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await else {
+                continue;
+            };
+            match next {
+                Ok(e) if e.trajectory == key => {
+                    let data = super::trajectory::entry_view(&e).to_string();
+                    return Some((
+                        Ok(SseEvent::default().event("record").data(data)),
+                        (rx, key, app),
+                    ));
+                }
+                Ok(_) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    let data = json!({"lagged": n}).to_string();
+                    return Some((
+                        Ok(SseEvent::default().event("lagged").data(data)),
+                        (rx, key, app),
+                    ));
+                }
+                Err(_) => return None,
+            }
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AnnotationBody {
+    #[serde(default)]
+    step: Option<u64>,
+    #[serde(default)]
+    reward: Option<f64>,
+    #[serde(default)]
+    labels: Vec<String>,
+    #[serde(default)]
+    data: Option<Value>,
+}
+
+async fn annotate(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    Path(tid): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let b: AnnotationBody = json_body(&body)?;
+    if b.labels.len() > 64 || b.labels.iter().any(|l| l.is_empty() || l.len() > 128) {
+        return Err(ApiError::invalid("at most 64 labels of 1..=128 bytes"));
+    }
+    if b.reward.is_some_and(|r| !r.is_finite()) {
+        return Err(ApiError::invalid("reward must be a finite number"));
+    }
+    let data = json!({"reward": b.reward, "labels": b.labels, "data": b.data.unwrap_or(Value::Null), "at_ms": super::app::now_ms()});
+    let lsn = app
+        .trajectories
+        .annotate(&t, &tid, b.step.unwrap_or(0), &data)
+        .await?;
+    Ok((StatusCode::CREATED, Json(json!({"lsn": lsn.0}))).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportQuery {
+    #[serde(default)]
+    format: Option<String>,
+    #[serde(default)]
+    label: Option<String>,
+    #[serde(default)]
+    min_reward: Option<f64>,
+}
+
+async fn export_trajectory(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    Path(tid): Path<String>,
+    Query(q): Query<ExportQuery>,
+) -> ApiResult<Response> {
+    let app2 = Arc::clone(&app);
+    let rows = tokio::task::spawn_blocking(move || app2.trajectories.export_rows(&t, &tid))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let rows: Vec<Value> = rows
+        .into_iter()
+        .filter(|r| {
+            let notes: Vec<&Value> = r["annotations"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .chain(r["trajectory_annotations"].as_array().into_iter().flatten())
+                .collect();
+            let label_ok = q.label.as_ref().is_none_or(|l| {
+                notes.iter().any(|n| {
+                    n["labels"]
+                        .as_array()
+                        .is_some_and(|ls| ls.iter().any(|x| x == l.as_str()))
+                })
+            });
+            let reward_ok = q.min_reward.is_none_or(|m| {
+                notes
+                    .iter()
+                    .any(|n| n["reward"].as_f64().is_some_and(|r| r >= m))
+            });
+            label_ok && reward_ok
+        })
+        .collect();
+    match q.format.as_deref().unwrap_or("jsonl") {
+        "jsonl" => {
+            let mut out = Vec::new();
+            for r in &rows {
+                out.extend_from_slice(r.to_string().as_bytes());
+                out.push(b'\n');
+            }
+            let mut resp = (StatusCode::OK, out).into_response();
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/x-ndjson"),
+            );
+            Ok(resp)
+        }
+        other => Err(ApiError::invalid(format!(
+            "unknown export format {:?} (jsonl)",
+            other.chars().take(16).collect::<String>()
+        ))),
     }
 }

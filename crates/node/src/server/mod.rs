@@ -14,6 +14,7 @@ mod http;
 mod log;
 pub mod openapi;
 pub mod store;
+pub mod trajectory;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -45,6 +46,11 @@ pub struct ServerConfig {
     /// Most sandboxes the node holds at once (pools included); creates beyond answer
     /// `resource_exhausted`.
     pub max_sandboxes: usize,
+    /// Patterns masked in the trajectory log (on top of secret env values).
+    pub redact_patterns: Vec<String>,
+    /// Trajectory log retention: whole segments older than this, or beyond this many bytes,
+    /// are deleted (never the active one).
+    pub log_retention: (Option<Duration>, Option<u64>),
 }
 
 /// A failure to start or run the daemon.
@@ -89,7 +95,22 @@ async fn serve(
     let runtime = tokio::task::spawn_blocking(move || ContainerRuntime::start(runtime_cfg))
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
-    let app = App::new(runtime, store, cfg.max_sandboxes);
+    let traj_dir = cfg.runtime.data_dir.join("trajectories");
+    let patterns = cfg.redact_patterns.clone();
+    let retention = cfg.log_retention;
+    let trajectories = tokio::task::spawn_blocking(move || {
+        trajectory::Trajectories::open(traj_dir, &patterns, retention)
+    })
+    .await
+    .map_err(|e| ServerError::Other(e.to_string()))?
+    .map_err(ServerError::Other)?;
+    if trajectories.recovery.is_corrupt() {
+        log::warn(
+            "trajectory log: corruption found; serving its valid prefix (damaged segments kept as *.corrupt-*)",
+            &[("report", &format!("{:?}", trajectories.recovery))],
+        );
+    }
+    let app = App::new(runtime, store, trajectories, cfg.max_sandboxes);
     // Pools first (recovery hands their adopted sandboxes back), from the store; the host
     // pool from the flags unless it was configured through the API before.
     let stored = app.store.pools()?;

@@ -263,6 +263,48 @@ pub const ROUTES: &[Route] = &[
         "Pool",
     ),
     r("get", "/v1/events", "Lifecycle events (SSE)", "", "sse"),
+    r(
+        "get",
+        "/v1/trajectories",
+        "The tenant's trajectories with their counters",
+        "",
+        "List",
+    ),
+    r(
+        "get",
+        "/v1/trajectories/{tid}",
+        "One trajectory's counters (intents, results, acknowledged, unknown)",
+        "",
+        "Trajectory",
+    ),
+    r(
+        "get",
+        "/v1/trajectories/{tid}/records",
+        "Its records, paged by step (?from_step=&limit=)",
+        "",
+        "List",
+    ),
+    r(
+        "get",
+        "/v1/trajectories/{tid}/stream",
+        "New records as they are logged (SSE)",
+        "",
+        "sse",
+    ),
+    r(
+        "post",
+        "/v1/trajectories/{tid}/annotations",
+        "Annotate a step or the trajectory (reward, labels, data)",
+        "json",
+        "Annotation",
+    ),
+    r(
+        "get",
+        "/v1/trajectories/{tid}/export",
+        "Training rows (?format=jsonl&label=&min_reward=)",
+        "",
+        "bytes",
+    ),
 ];
 
 fn answer_schema(kind: &str) -> Value {
@@ -373,6 +415,8 @@ pub fn document() -> Value {
                 "Listing": obj(&["entries"]),
                 "FileStat": obj(&["name", "kind", "size", "mode", "mtime", "link_target"]),
                 "Template": obj(&["name", "layers", "env", "workdir", "user", "source"]),
+                "Trajectory": obj(&["id", "intents", "results", "annotations", "acknowledged", "unknown", "last_step", "first_lsn", "last_lsn"]),
+                "Annotation": obj(&["lsn"]),
                 "Pool": obj(&["template", "min", "max", "ready", "creating", "hits", "misses", "hit_rate"]),
             }
         }

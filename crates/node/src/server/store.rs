@@ -81,6 +81,9 @@ pub struct SandboxRecord {
     /// Idempotency key of the create that made it.
     #[serde(default)]
     pub idem: Option<String>,
+    /// Names of `env` entries whose values are secret (masked in the trajectory log).
+    #[serde(default)]
+    pub secret_env: Vec<String>,
 }
 
 /// A stored outcome of an idempotent request.
@@ -460,6 +463,7 @@ mod tests {
             pooled: false,
             error: None,
             idem: Some(format!("key-{id}")),
+            secret_env: Vec::new(),
         }
     }
 

@@ -1,0 +1,353 @@
+//! Trajectories through `dsec server` (TESTING.md L-03, L-04): steps survive kill -9 of the
+//! daemon, replays execute nothing, and every command's side effect happens once or is
+//! reported as `unknown_outcome`. Needs root; CI runs as root.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    run: PathBuf,
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .into()
+}
+
+fn dirs(tag: &str) -> (PathBuf, PathBuf) {
+    let base = PathBuf::from(format!("/tmp/dtr-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("test dir");
+    (base.join("d"), base.join("r"))
+}
+
+impl Daemon {
+    fn start(data: &Path, run: &Path) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
+            .arg("--data-dir")
+            .arg(data)
+            .arg("--run-dir")
+            .arg(run)
+            .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+            .env("DSEC_SPAWNER_SHELLS", "2")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn dsec server");
+        let out = child.stdout.take().expect("stdout");
+        let url = BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| {
+                l.strip_prefix("dsec server listening on ")
+                    .map(str::to_owned)
+            })
+            .expect("the server printed its address");
+        let key = std::fs::read_to_string(data.join("admin.key"))
+            .expect("admin.key")
+            .trim()
+            .to_owned();
+        Self {
+            child,
+            url,
+            key,
+            run: run.to_owned(),
+        }
+    }
+
+    /// (status, headers of interest, body bytes); status 0 on a transport error.
+    fn post(&self, path: &str, body: &Value) -> (u16, bool, Vec<u8>) {
+        let r = agent()
+            .post(format!("{}{path}", self.url))
+            .header("X-API-Key", &self.key)
+            .send(body.to_string());
+        match r {
+            Ok(mut r) => {
+                let replayed = r.headers().get("dsec-replayed").is_some();
+                let status = r.status().as_u16();
+                (
+                    status,
+                    replayed,
+                    r.body_mut().read_to_vec().unwrap_or_default(),
+                )
+            }
+            Err(_) => (0, false, Vec::new()),
+        }
+    }
+
+    fn get(&self, path: &str) -> Value {
+        let mut r = agent()
+            .get(format!("{}{path}", self.url))
+            .header("X-API-Key", &self.key)
+            .call()
+            .expect("get");
+        serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+            .unwrap_or(Value::Null)
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn finish(mut self, ids: &[String]) {
+        for id in ids {
+            let _ = agent()
+                .delete(format!("{}/v1/sandboxes/{id}", self.url))
+                .header("X-API-Key", &self.key)
+                .call();
+        }
+        let left: Vec<_> = std::fs::read_dir(self.run.join("sandboxes"))
+            .map(|r| r.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "left on the machine: {left:?}");
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let st = self.child.wait().expect("wait");
+        assert!(st.success(), "{st:?}");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn create(d: &Daemon) -> String {
+    let r = agent()
+        .post(format!("{}/v1/sandboxes", d.url))
+        .header("X-API-Key", &d.key)
+        .send("{}");
+    let mut r = r.expect("create");
+    let v: Value =
+        serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+    v["id"].as_str().expect("id").to_owned()
+}
+
+/// Lines of /tmp/counter in the sandbox, read without a trajectory.
+fn counter(d: &Daemon, id: &str) -> BTreeMap<String, usize> {
+    let (s, _, body) = d.post(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({"shell": "cat /tmp/counter 2>/dev/null; true"}),
+    );
+    assert_eq!(s, 200);
+    let v: Value = serde_json::from_slice(&body).expect("json");
+    let mut out = BTreeMap::new();
+    for line in v["stdout"]["data"].as_str().unwrap_or_default().lines() {
+        *out.entry(line.to_owned()).or_insert(0) += 1;
+    }
+    out
+}
+
+fn step_body(step: u64, marker: &str) -> Value {
+    json!({
+        "trajectory": "episode-1",
+        "step": step,
+        "shell": format!("echo {marker} >> /tmp/counter; head -c 12 /dev/urandom | od -An -tx1"),
+    })
+}
+
+#[test]
+fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
+    let (data, run) = dirs("l04");
+    let mut d = Daemon::start(&data, &run);
+    let id = create(&d);
+    let mut first = Vec::new();
+    for step in 1..=5 {
+        let (s, replayed, body) = d.post(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &step_body(step, &format!("s{step}")),
+        );
+        assert_eq!(
+            (s, replayed),
+            (200, false),
+            "{}",
+            String::from_utf8_lossy(&body)
+        );
+        first.push(body);
+    }
+    d.kill9();
+    let d = Daemon::start(&data, &run);
+    for step in 1..=5u64 {
+        let (s, replayed, body) = d.post(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &step_body(step, &format!("s{step}")),
+        );
+        assert_eq!((s, replayed), (200, true), "step {step} is fast-forwarded");
+        assert_eq!(body, first[step as usize - 1], "step {step} byte-identical");
+    }
+    let c = counter(&d, &id);
+    assert_eq!(c.len(), 5, "{c:?}");
+    assert!(c.values().all(|n| *n == 1), "nothing ran twice: {c:?}");
+    // The step after the log runs live; a gap is refused.
+    let (s, replayed, _) = d.post(&format!("/v1/sandboxes/{id}/exec"), &step_body(6, "s6"));
+    assert_eq!((s, replayed), (200, false));
+    let (s, _, body) = d.post(&format!("/v1/sandboxes/{id}/exec"), &step_body(9, "s9"));
+    let v: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!((s, v["code"].as_str()), (409, Some("trajectory_diverged")));
+    let t = d.get("/v1/trajectories/episode-1");
+    assert_eq!(
+        (t["intents"].as_u64(), t["results"].as_u64()),
+        (Some(6), Some(6)),
+        "{t}"
+    );
+    d.finish(&[id]);
+}
+
+#[test]
+fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
+    let (data, run) = dirs("l03");
+    let mut d = Daemon::start(&data, &run);
+    let id = create(&d);
+    let total: u64 = 40;
+    let mut acked: Vec<u64> = Vec::new();
+    let mut unknown: Vec<u64> = Vec::new();
+    // The client's own history: the action it settled on for each step (a step it re-ran as
+    // a new action after `unknown_outcome` is re-sent as that action when it resumes).
+    let marker = |step: u64, unknown: &[u64]| {
+        if unknown.contains(&step) {
+            format!("s{step}-retry")
+        } else {
+            format!("s{step}")
+        }
+    };
+    let mut next: u64 = 1;
+    let mut seed: u64 = 0x9E37_79B9_7F4A_7C15 ^ u64::from(std::process::id());
+    let mut rounds = 0;
+    while next <= total {
+        // A client thread sends steps until the daemon dies; the main thread kills it at a
+        // pseudo-random moment.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let kill_after = Duration::from_millis(20 + seed % 150);
+        let (url, key, sid) = (d.url.clone(), d.key.clone(), id.clone());
+        let start = next;
+        let client = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            for step in start..=total {
+                let r = agent()
+                    .post(format!("{url}/v1/sandboxes/{sid}/exec"))
+                    .header("X-API-Key", &key)
+                    .send(step_body(step, &format!("s{step}")).to_string());
+                match r {
+                    Ok(r) if r.status().as_u16() == 200 => got.push(step),
+                    _ => break,
+                }
+            }
+            got
+        });
+        std::thread::sleep(kill_after);
+        if rounds < 4 {
+            d.kill9();
+        }
+        let got = client.join().expect("client");
+        acked.extend(&got);
+        rounds += 1;
+        if rounds <= 4 {
+            d = Daemon::start(&data, &run);
+        }
+        // Resume: re-send every step from 1 (fast-forward) until the log ends.
+        next = 1;
+        loop {
+            if next > total {
+                break;
+            }
+            let (s, replayed, body) = d.post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &step_body(next, &marker(next, &unknown)),
+            );
+            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            match (s, v["code"].as_str()) {
+                (200, _) if replayed => next += 1,
+                (200, _) => {
+                    // Ran live: this step was beyond the log.
+                    acked.push(next);
+                    next += 1;
+                    break;
+                }
+                (409, Some("unknown_outcome")) => {
+                    // The client decides: here it re-runs the step as a new action.
+                    unknown.push(next);
+                    let (s, _, _) = d.post(
+                        &format!("/v1/sandboxes/{id}/exec"),
+                        &step_body(next, &format!("s{next}-retry")),
+                    );
+                    assert_eq!(s, 200);
+                    acked.push(next);
+                    next += 1;
+                    break;
+                }
+                other => panic!("step {next}: {other:?} {v}"),
+            }
+        }
+        if next > total {
+            break;
+        }
+    }
+    // Finish the trajectory without kills.
+    while next <= total {
+        let (s, _, _) = d.post(
+            &format!("/v1/sandboxes/{id}/exec"),
+            &step_body(next, &format!("s{next}")),
+        );
+        assert_eq!(s, 200);
+        acked.push(next);
+        next += 1;
+    }
+    let c = counter(&d, &id);
+    for step in 1..=total {
+        let plain = c.get(&format!("s{step}")).copied().unwrap_or(0);
+        let retry = c.get(&format!("s{step}-retry")).copied().unwrap_or(0);
+        if unknown.contains(&step) {
+            assert!(
+                plain <= 1 && retry == 1,
+                "step {step}: {plain} + {retry} retry"
+            );
+        } else {
+            assert_eq!(
+                (plain, retry),
+                (1, 0),
+                "step {step} ran exactly once: {c:?}"
+            );
+        }
+    }
+    // Every acknowledged step has its result in the log.
+    let t = d.get("/v1/trajectories/episode-1");
+    assert_eq!(t["last_step"].as_u64(), Some(total), "{t}");
+    let mut results = std::collections::BTreeSet::new();
+    let mut from = 0;
+    loop {
+        let page = d.get(&format!(
+            "/v1/trajectories/episode-1/records?from_step={from}&limit=1000"
+        ));
+        for r in page["items"].as_array().expect("items") {
+            if r["kind"] == "result" {
+                results.insert(r["step"].as_u64().unwrap_or(0));
+            }
+        }
+        match page["next_from_step"].as_u64() {
+            Some(n) => from = n,
+            None => break,
+        }
+    }
+    for a in &acked {
+        assert!(results.contains(a), "acked step {a} has a logged result");
+    }
+    assert!(rounds >= 1);
+    d.finish(&[id]);
+}
