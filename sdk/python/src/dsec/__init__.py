@@ -32,6 +32,7 @@ from .types import (
     ProcessStatus,
     Template,
     Tenant,
+    TrajectoryInfo,
 )
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "Template",
     "PoolStats",
     "Tenant",
+    "TrajectoryInfo",
     "BatchDeleteItem",
     *_errors_all,
 ]

@@ -27,7 +27,7 @@ import httpx
 from . import _transport as t
 from ._sse import aiter_sse, iter_sse
 from .errors import DsecConnectionError, DsecError, DsecTimeoutError, error_from_problem
-from .types import BatchDeleteItem, PoolStats, Template, Tenant
+from .types import BatchDeleteItem, PoolStats, Template, Tenant, TrajectoryInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from .sandbox import AsyncSandbox, Sandbox
@@ -415,6 +415,73 @@ class Client(_ClientBase):
         """Configure the warm pool of a template (admin)."""
         return PoolStats.from_json(self.request_json("PUT", f"/v1/pools/{template}", json={"min": min, "max": max}))
 
+    # -- trajectories --------------------------------------------------------------------------
+
+    def list_trajectories(self) -> List[TrajectoryInfo]:
+        """This tenant's trajectories with their counters."""
+        body = self.request_json("GET", "/v1/trajectories")
+        return [TrajectoryInfo.from_json(x) for x in body.get("items") or []]
+
+    def get_trajectory(self, trajectory: str) -> TrajectoryInfo:
+        return TrajectoryInfo.from_json(self.request_json("GET", f"/v1/trajectories/{trajectory}"))
+
+    def trajectory_records(
+        self, trajectory: str, *, from_step: Optional[int] = None, page_size: Optional[int] = None
+    ) -> Iterator[Dict[str, Any]]:
+        """The log records of a trajectory (``intent``/``result``/``annotation``), page by page."""
+        while True:
+            body = self.request_json(
+                "GET",
+                f"/v1/trajectories/{trajectory}/records",
+                params=t.clean({"from_step": from_step, "limit": page_size}),
+            )
+            yield from body.get("items") or []
+            nxt = body.get("next_from_step")
+            if nxt is None or nxt == from_step:
+                return
+            from_step = nxt
+
+    def annotate_trajectory(
+        self,
+        trajectory: str,
+        *,
+        step: Optional[int] = None,
+        reward: Optional[float] = None,
+        labels: Optional[Sequence[str]] = None,
+        data: Optional[Mapping[str, Any]] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> int:
+        """Add a durable annotation (reward, labels, data) to a trajectory or one step; its lsn."""
+        body = t.clean(
+            {"step": step, "reward": reward, "labels": list(labels) if labels is not None else None,
+             "data": dict(data) if data is not None else None}
+        )
+        out = self.request_json(
+            "POST", f"/v1/trajectories/{trajectory}/annotations", json=body, idempotency_key=idempotency_key
+        )
+        return int(out["lsn"])
+
+    def export_trajectory(
+        self, trajectory: str, *, label: Optional[str] = None, min_reward: Optional[float] = None
+    ) -> List[Dict[str, Any]]:
+        """Training rows of a trajectory (the JSONL export, parsed)."""
+        resp = self.request(
+            "GET",
+            f"/v1/trajectories/{trajectory}/export",
+            params=t.clean({"format": "jsonl", "label": label, "min_reward": min_reward}),
+            timeout=max(self.timeout, 300.0),
+        )
+        return [_json.loads(line) for line in resp.text.splitlines() if line.strip()]
+
+    def follow_trajectory(self, trajectory: str) -> Iterator[Dict[str, Any]]:
+        """New log records of a trajectory as they are written (SSE ``record`` events)."""
+        with self.stream("GET", f"/v1/trajectories/{trajectory}/stream", timeout=None) as resp:
+            for ev in self.iter_sse(resp):
+                try:
+                    yield _json.loads(ev.data)
+                except ValueError:
+                    continue
+
     # -- tenants and node ----------------------------------------------------------------------
 
     def create_tenant(
@@ -731,6 +798,67 @@ class AsyncClient(_ClientBase):
         return PoolStats.from_json(
             await self.request_json("PUT", f"/v1/pools/{template}", json={"min": min, "max": max})
         )
+
+    async def list_trajectories(self) -> List[TrajectoryInfo]:
+        body = await self.request_json("GET", "/v1/trajectories")
+        return [TrajectoryInfo.from_json(x) for x in body.get("items") or []]
+
+    async def get_trajectory(self, trajectory: str) -> TrajectoryInfo:
+        return TrajectoryInfo.from_json(await self.request_json("GET", f"/v1/trajectories/{trajectory}"))
+
+    async def trajectory_records(
+        self, trajectory: str, *, from_step: Optional[int] = None, page_size: Optional[int] = None
+    ) -> AsyncIterator[Dict[str, Any]]:
+        while True:
+            body = await self.request_json(
+                "GET",
+                f"/v1/trajectories/{trajectory}/records",
+                params=t.clean({"from_step": from_step, "limit": page_size}),
+            )
+            for item in body.get("items") or []:
+                yield item
+            nxt = body.get("next_from_step")
+            if nxt is None or nxt == from_step:
+                return
+            from_step = nxt
+
+    async def annotate_trajectory(
+        self,
+        trajectory: str,
+        *,
+        step: Optional[int] = None,
+        reward: Optional[float] = None,
+        labels: Optional[Sequence[str]] = None,
+        data: Optional[Mapping[str, Any]] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> int:
+        body = t.clean(
+            {"step": step, "reward": reward, "labels": list(labels) if labels is not None else None,
+             "data": dict(data) if data is not None else None}
+        )
+        out = await self.request_json(
+            "POST", f"/v1/trajectories/{trajectory}/annotations", json=body, idempotency_key=idempotency_key
+        )
+        return int(out["lsn"])
+
+    async def export_trajectory(
+        self, trajectory: str, *, label: Optional[str] = None, min_reward: Optional[float] = None
+    ) -> List[Dict[str, Any]]:
+        resp = await self.request(
+            "GET",
+            f"/v1/trajectories/{trajectory}/export",
+            params=t.clean({"format": "jsonl", "label": label, "min_reward": min_reward}),
+            timeout=max(self.timeout, 300.0),
+        )
+        return [_json.loads(line) for line in resp.text.splitlines() if line.strip()]
+
+    async def follow_trajectory(self, trajectory: str) -> AsyncIterator[Dict[str, Any]]:
+        async with self.stream("GET", f"/v1/trajectories/{trajectory}/stream", timeout=None) as resp:
+            async for ev in self.iter_sse(resp):
+                try:
+                    yield _json.loads(ev.data)
+                except ValueError:
+                    continue
 
     async def create_tenant(
         self,

@@ -36,6 +36,9 @@ __all__ = [
     "InternalError",
     "TemplateInvalid",
     "UnsupportedVersion",
+    "UnknownOutcome",
+    "TrajectoryDiverged",
+    "TrajectoryNotFound",
     "ERROR_CLASSES",
     "error_from_problem",
 ]
@@ -235,6 +238,27 @@ class UnsupportedVersion(DsecError):
     default_code = "unsupported_version"
 
 
+class UnknownOutcome(DsecError):
+    """``unknown_outcome`` (409): a trajectory step was started but its result was never logged.
+
+    It may or may not have run; the caller decides (e.g. sends a different action for the step).
+    """
+
+    default_code = "unknown_outcome"
+
+
+class TrajectoryDiverged(DsecError):
+    """``trajectory_diverged`` (409): a step beyond the trajectory's next one."""
+
+    default_code = "trajectory_diverged"
+
+
+class TrajectoryNotFound(NotFound):
+    """``trajectory_not_found`` (404): no such trajectory for this tenant."""
+
+    default_code = "trajectory_not_found"
+
+
 #: stable error code -> exception class
 ERROR_CLASSES: Dict[str, Type[DsecError]] = {
     cls.default_code: cls
@@ -262,6 +286,9 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         InternalError,
         TemplateInvalid,
         UnsupportedVersion,
+        UnknownOutcome,
+        TrajectoryDiverged,
+        TrajectoryNotFound,
     )
 }
 
@@ -288,13 +315,15 @@ def error_from_problem(
 ) -> DsecError:
     """Build the typed exception for a problem document (or for a bare status).
 
-    An unknown ``code`` gives a plain :class:`DsecError` carrying that code.
+    An unknown ``code`` gives the class of its HTTP status (or plain :class:`DsecError`),
+    carrying that code.
     """
     problem = dict(problem or {})
     code = problem.get("code")
     status = int(problem.get("status") or status or 0)
     if isinstance(code, str) and code:
-        cls: Type[DsecError] = ERROR_CLASSES.get(code, DsecError)
+        # a code newer than this SDK still gets the class of its status (NotFound for a 404, ...)
+        cls: Type[DsecError] = ERROR_CLASSES.get(code) or _STATUS_FALLBACK.get(status, DsecError)
     else:
         cls = _STATUS_FALLBACK.get(status, DsecError)
         code = cls.default_code if cls is not DsecError else f"http_{status}"

@@ -67,6 +67,11 @@ def _untar_to(data: bytes, local_dir: Union[str, "os.PathLike[str]"]) -> None:
         tf.extractall(root, members=members)  # noqa: S202 - members checked above
 
 
+def _step_of(resp: Any) -> Optional[int]:
+    step = resp.headers.get("dsec-step")
+    return int(step) if step and step.isdigit() else None
+
+
 def _stdin_body(data: Union[str, bytes, None], eof: bool) -> Dict[str, Any]:
     body: Dict[str, Any] = {"eof": bool(eof)}
     if data is None:
@@ -173,6 +178,7 @@ class Sandbox(_SandboxData):
         lease_ms: Optional[int] = None,
         substrate: str = "container",
         writable_root: Optional[bool] = None,
+        secret_env: Optional[Mapping[str, str]] = None,
         idempotency_key: Optional[str] = None,
         **extra: Any,
     ) -> "Sandbox":
@@ -189,6 +195,7 @@ class Sandbox(_SandboxData):
             lease_ms: owner lease; the sandbox is destroyed unless :meth:`heartbeat` renews it.
             substrate: isolation substrate (only ``container`` today).
             writable_root: make the whole root writable instead of only the scratch dirs.
+            secret_env: environment whose values are redacted from the trajectory log.
             idempotency_key: makes the create safe to repeat (same key → same sandbox).
         """
         owns = client is None
@@ -204,6 +211,7 @@ class Sandbox(_SandboxData):
                 substrate=substrate,
                 writable_root=writable_root,
                 idempotency_key=idempotency_key,
+                secret_env=dict(secret_env) if secret_env is not None else None,
                 **extra,
             )
         except BaseException:
@@ -315,22 +323,30 @@ class Sandbox(_SandboxData):
         stdin: Union[str, bytes, None] = None,
         cpu_limit_ms: Optional[int] = None,
         output_limit: Optional[int] = None,
+        trajectory: Optional[str] = None,
+        step: Optional[int] = None,
     ) -> ExecResult:
         """Run a command to completion.
 
         ``cmd`` is an argv list or a shell string (run by ``/bin/sh -c``). A timeout is a result
         with ``status == "timeout"``, not an exception.
+
+        With ``trajectory`` (and optionally ``step``; default: the next one) the exec is a logged
+        step of that trajectory: re-sending a step the node has a result for answers it from the
+        log without running (``result.replayed``); one it has only an intent for raises
+        :class:`UnknownOutcome`.
         """
         body = exec_body(
-            cmd, env=env, cwd=cwd, timeout_ms=timeout_ms, stdin=stdin, cpu_limit_ms=cpu_limit_ms, output_limit=output_limit
+            cmd, env=env, cwd=cwd, timeout_ms=timeout_ms, stdin=stdin, cpu_limit_ms=cpu_limit_ms,
+            output_limit=output_limit, trajectory=trajectory, step=step,
         )
-        data = self.client.request_json(
+        resp = self.client.request(
             "POST",
             self._path("/exec"),
             json=body,
             timeout=t.deadline_timeout(self.client.timeout, timeout_ms, self.client.exec_timeout),
         )
-        return ExecResult.from_json(data)
+        return ExecResult.from_response(resp)
 
     def exec_stream(
         self,
@@ -462,15 +478,25 @@ class Session:
     def _path(self, suffix: str = "") -> str:
         return self.sandbox._path(f"/sessions/{self.id}{suffix}")
 
-    def run(self, input: str, *, timeout_ms: Optional[int] = None) -> ExecResult:
-        """Feed one input (shell command line or Python code) and return its output."""
-        data = self.sandbox.client.request_json(
+    def run(
+        self,
+        input: str,
+        *,
+        timeout_ms: Optional[int] = None,
+        trajectory: Optional[str] = None,
+        step: Optional[int] = None,
+    ) -> ExecResult:
+        """Feed one input (shell command line or Python code) and return its output.
+
+        ``trajectory``/``step`` log it as a trajectory step, as :meth:`Sandbox.exec` does.
+        """
+        resp = self.sandbox.client.request(
             "POST",
             self._path("/run"),
-            json=t.clean({"input": input, "timeout_ms": timeout_ms}),
+            json=t.clean({"input": input, "timeout_ms": timeout_ms, "trajectory": trajectory, "step": step}),
             timeout=t.deadline_timeout(self.sandbox.client.timeout, timeout_ms, self.sandbox.client.exec_timeout),
         )
-        return ExecResult.from_json(data)
+        return ExecResult.from_response(resp)
 
     def close(self) -> None:
         self.sandbox.client.request("DELETE", self._path())
@@ -492,11 +518,25 @@ class Files:
     def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return self.read(path).decode(encoding)
 
-    def write(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, parents: bool = True) -> None:
-        """Write a whole file (``mode`` as an int, e.g. ``0o644``; missing parents are made)."""
+    def write(
+        self,
+        path: str,
+        data: Union[str, bytes],
+        *,
+        mode: Optional[int] = None,
+        parents: bool = True,
+        trajectory: Optional[str] = None,
+        step: Optional[int] = None,
+    ) -> Optional[int]:
+        """Write a whole file (``mode`` as an int, e.g. ``0o644``; missing parents are made).
+
+        With ``trajectory`` the write is a logged step; its step number is returned.
+        """
         content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-        params = t.clean({"path": path, "mode": mode, "parents": "true" if parents else "false"})
-        self._c.request(
+        params = t.clean(
+            {"path": path, "mode": mode, "parents": "true" if parents else "false", "trajectory": trajectory, "step": step}
+        )
+        resp = self._c.request(
             "PUT",
             self.sandbox._path("/files"),
             params=params,
@@ -504,6 +544,7 @@ class Files:
             headers={"Content-Type": "application/octet-stream"},
             timeout=max(self._c.timeout, 120.0),
         )
+        return _step_of(resp)
 
     def list(self, path: str = "/") -> List[FileEntry]:
         body = self._c.request_json("GET", self.sandbox._path("/files/list"), params={"path": path})
@@ -587,6 +628,7 @@ class AsyncSandbox(_SandboxData):
         lease_ms: Optional[int] = None,
         substrate: str = "container",
         writable_root: Optional[bool] = None,
+        secret_env: Optional[Mapping[str, str]] = None,
         idempotency_key: Optional[str] = None,
         **extra: Any,
     ) -> "AsyncSandbox":
@@ -604,6 +646,7 @@ class AsyncSandbox(_SandboxData):
                 substrate=substrate,
                 writable_root=writable_root,
                 idempotency_key=idempotency_key,
+                secret_env=dict(secret_env) if secret_env is not None else None,
                 **extra,
             )
         except BaseException:
@@ -699,17 +742,20 @@ class AsyncSandbox(_SandboxData):
         stdin: Union[str, bytes, None] = None,
         cpu_limit_ms: Optional[int] = None,
         output_limit: Optional[int] = None,
+        trajectory: Optional[str] = None,
+        step: Optional[int] = None,
     ) -> ExecResult:
         body = exec_body(
-            cmd, env=env, cwd=cwd, timeout_ms=timeout_ms, stdin=stdin, cpu_limit_ms=cpu_limit_ms, output_limit=output_limit
+            cmd, env=env, cwd=cwd, timeout_ms=timeout_ms, stdin=stdin, cpu_limit_ms=cpu_limit_ms,
+            output_limit=output_limit, trajectory=trajectory, step=step,
         )
-        data = await self.client.request_json(
+        resp = await self.client.request(
             "POST",
             self._path("/exec"),
             json=body,
             timeout=t.deadline_timeout(self.client.timeout, timeout_ms, self.client.exec_timeout),
         )
-        return ExecResult.from_json(data)
+        return ExecResult.from_response(resp)
 
     async def exec_stream(
         self,
@@ -829,14 +875,21 @@ class AsyncSession:
     def _path(self, suffix: str = "") -> str:
         return self.sandbox._path(f"/sessions/{self.id}{suffix}")
 
-    async def run(self, input: str, *, timeout_ms: Optional[int] = None) -> ExecResult:
-        data = await self.sandbox.client.request_json(
+    async def run(
+        self,
+        input: str,
+        *,
+        timeout_ms: Optional[int] = None,
+        trajectory: Optional[str] = None,
+        step: Optional[int] = None,
+    ) -> ExecResult:
+        resp = await self.sandbox.client.request(
             "POST",
             self._path("/run"),
-            json=t.clean({"input": input, "timeout_ms": timeout_ms}),
+            json=t.clean({"input": input, "timeout_ms": timeout_ms, "trajectory": trajectory, "step": step}),
             timeout=t.deadline_timeout(self.sandbox.client.timeout, timeout_ms, self.sandbox.client.exec_timeout),
         )
-        return ExecResult.from_json(data)
+        return ExecResult.from_response(resp)
 
     async def close(self) -> None:
         await self.sandbox.client.request("DELETE", self._path())
@@ -862,11 +915,20 @@ class AsyncFiles:
         return (await self.read(path)).decode(encoding)
 
     async def write(
-        self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, parents: bool = True
-    ) -> None:
+        self,
+        path: str,
+        data: Union[str, bytes],
+        *,
+        mode: Optional[int] = None,
+        parents: bool = True,
+        trajectory: Optional[str] = None,
+        step: Optional[int] = None,
+    ) -> Optional[int]:
         content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-        params = t.clean({"path": path, "mode": mode, "parents": "true" if parents else "false"})
-        await self._c.request(
+        params = t.clean(
+            {"path": path, "mode": mode, "parents": "true" if parents else "false", "trajectory": trajectory, "step": step}
+        )
+        resp = await self._c.request(
             "PUT",
             self.sandbox._path("/files"),
             params=params,
@@ -874,6 +936,7 @@ class AsyncFiles:
             headers={"Content-Type": "application/octet-stream"},
             timeout=max(self._c.timeout, 120.0),
         )
+        return _step_of(resp)
 
     async def list(self, path: str = "/") -> List[FileEntry]:
         body = await self._c.request_json("GET", self.sandbox._path("/files/list"), params={"path": path})

@@ -18,6 +18,7 @@ __all__ = [
     "PoolStats",
     "Tenant",
     "BatchDeleteItem",
+    "TrajectoryInfo",
     "decode_data",
     "exec_body",
 ]
@@ -48,6 +49,8 @@ def exec_body(
     stdin: Union[str, bytes, None] = None,
     cpu_limit_ms: Optional[int] = None,
     output_limit: Optional[int] = None,
+    trajectory: Optional[str] = None,
+    step: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Build the JSON body of an exec (also used for background processes)."""
     body: Dict[str, Any] = {}
@@ -73,6 +76,12 @@ def exec_body(
             body["stdin"] = stdin
         else:
             body["stdin_b64"] = base64.b64encode(bytes(stdin)).decode("ascii")
+    if trajectory is not None:
+        body["trajectory"] = trajectory
+        if step is not None:
+            body["step"] = int(step)
+    elif step is not None:
+        raise ValueError("step= needs trajectory=")
     return body
 
 
@@ -96,7 +105,20 @@ class ExecResult:
     wall_us: Optional[int] = None
     cpu_us: Optional[int] = None
     peak_rss_kb: Optional[int] = None
+    #: the trajectory step this exec was logged as (``Dsec-Step``), if it was one
+    step: Optional[int] = None
+    #: True when the node answered a re-sent step from its log without running it
+    replayed: bool = False
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_response(cls, resp: Any) -> "ExecResult":
+        """From an HTTP answer: the body plus the trajectory headers."""
+        r = cls.from_json(resp.json())
+        step = resp.headers.get("dsec-step")
+        r.step = int(step) if step and step.isdigit() else None
+        r.replayed = resp.headers.get("dsec-replayed") == "true"
+        return r
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "ExecResult":
@@ -307,3 +329,30 @@ class BatchDeleteItem:
     id: str
     ok: bool
     error: Optional[DsecError] = None
+
+
+@dataclass
+class TrajectoryInfo:
+    """Counters of one trajectory in the node's log."""
+
+    id: str
+    last_step: Optional[int] = None
+    intents: int = 0
+    results: int = 0
+    acknowledged: int = 0
+    unknown: int = 0
+    annotations: int = 0
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryInfo":
+        return cls(
+            id=str(d.get("id")),
+            last_step=d.get("last_step"),
+            intents=int(d.get("intents") or 0),
+            results=int(d.get("results") or 0),
+            acknowledged=int(d.get("acknowledged") or 0),
+            unknown=int(d.get("unknown") or 0),
+            annotations=int(d.get("annotations") or 0),
+            raw=dict(d),
+        )
