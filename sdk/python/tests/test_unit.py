@@ -74,13 +74,16 @@ def test_every_documented_code_has_a_class() -> None:
         "invalid_request unauthorized forbidden sandbox_not_found template_not_found not_found "
         "handle_not_found invalid_transition idempotency_conflict too_large quota_exceeded "
         "resource_exhausted draining exec_timeout agent_unavailable path_escape permission_denied "
-        "no_space wrong_file_type spawn_failed internal"
+        "no_space wrong_file_type spawn_failed internal unknown_outcome trajectory_diverged "
+        "trajectory_not_found"
     ).split()
     for code in codes:
         e = dsec.errors.error_from_problem({"code": code, "status": 400, "detail": "d", "request_id": "r"})
         assert type(e) is dsec.ERROR_CLASSES[code] and e.code == code and e.request_id == "r"
     e = dsec.errors.error_from_problem({"code": "brand_new", "status": 418})
     assert type(e) is dsec.DsecError and e.code == "brand_new"
+    e = dsec.errors.error_from_problem({"code": "brand_new_missing", "status": 404})
+    assert isinstance(e, dsec.NotFound) and e.code == "brand_new_missing"
 
 
 def _mock_client(handler, **kw) -> dsec.Client:
