@@ -129,3 +129,28 @@ def test_step_cut_by_kill9_is_unknown_outcome(fresh_server) -> None:
     info = c2.get_trajectory(tid)
     assert info.unknown == 1
     again.destroy()
+
+
+def test_follow_trajectory_streams_new_records(server, sandbox: dsec.Sandbox) -> None:
+    tid = _tid()
+    sandbox.exec("true", trajectory=tid)  # the trajectory exists
+    got: list = []
+    done = threading.Event()
+    follower = server.client()
+
+    def follow() -> None:
+        try:
+            for rec in follower.follow_trajectory(tid):
+                got.append(rec)
+                if any(r.get("step") == 2 and r.get("kind") == "result" for r in got):
+                    break
+        except dsec.DsecError as e:
+            got.append(e)
+        done.set()
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    sandbox.exec("echo streamed", trajectory=tid)
+    assert done.wait(15), got
+    assert any(isinstance(r, dict) and r.get("step") == 2 and r.get("kind") == "intent" for r in got), got
