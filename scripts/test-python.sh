@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Python SDK system tests: a venv under target/pyvenv with the SDK and pytest, then pytest
+# against a real `dsec server` it starts itself. Assumes `cargo build --workspace` already ran.
+# Must run as root (the server makes namespaces and cgroups). Exit code = pytest's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian's interpreter, not a pyenv shim on PATH.
+PY=/usr/bin/python3
+VENV=target/pyvenv
+if [ ! -x "$VENV/bin/python" ]; then
+  if [ ! -x "$PY" ] || ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip
+  fi
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio
+
+export DSEC_BIN="${DSEC_BIN:-$PWD/target/x86_64-unknown-linux-gnu/debug/dsec}"
+if [ ! -x "$DSEC_BIN" ]; then
+  echo "scripts/test-python.sh: no dsec binary at $DSEC_BIN (run cargo build --workspace)" >&2
+  exit 1
+fi
+set +e
+"$VENV/bin/python" -m pytest -q sdk/python/tests "$@"
+rc=$?
+exit $rc

@@ -1,0 +1,63 @@
+"""dsec: Python SDK for the dsec sandbox node.
+
+Quick start::
+
+    import dsec
+
+    with dsec.Sandbox.create() as sb:          # DSEC_URL / DSEC_API_KEY from the environment
+        r = sb.exec(["/usr/bin/python3", "-c", "print(1 + 1)"])
+        assert r.ok and r.text == "2\\n"
+"""
+
+from .client import AsyncClient, BatchCreateResult, Client
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .sandbox import (
+    FINAL_STATES,
+    AsyncFiles,
+    AsyncProcess,
+    AsyncSandbox,
+    AsyncSession,
+    Files,
+    Process,
+    Sandbox,
+    Session,
+)
+from .types import (
+    BatchDeleteItem,
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    PoolStats,
+    ProcessStatus,
+    Template,
+    Tenant,
+    TrajectoryInfo,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "BatchCreateResult",
+    "Sandbox",
+    "AsyncSandbox",
+    "Process",
+    "AsyncProcess",
+    "Session",
+    "AsyncSession",
+    "Files",
+    "AsyncFiles",
+    "FINAL_STATES",
+    "ExecResult",
+    "ExecEvent",
+    "ProcessStatus",
+    "FileEntry",
+    "Template",
+    "PoolStats",
+    "Tenant",
+    "TrajectoryInfo",
+    "BatchDeleteItem",
+    *_errors_all,
+]

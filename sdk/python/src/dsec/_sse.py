@@ -1,0 +1,82 @@
+"""A minimal Server-Sent Events parser (https://html.spec.whatwg.org/#event-stream-interpretation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterable, AsyncIterator, Iterable, Iterator, List, Optional
+
+
+@dataclass
+class SseEvent:
+    """One dispatched event: its type (``message`` when unnamed), data and id."""
+
+    event: str
+    data: str
+    id: Optional[str] = None
+
+
+class SseDecoder:
+    """Feed lines (without their terminators); get events when a blank line dispatches them."""
+
+    def __init__(self) -> None:
+        self._event = ""
+        self._data: List[str] = []
+        self._id: Optional[str] = None
+        self._has_data = False
+
+    def feed(self, line: str) -> Optional[SseEvent]:
+        line = line.rstrip("\r\n")
+        if line == "":
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+            self._has_data = True
+        elif name == "id":
+            if "\0" not in value:
+                self._id = value
+        # "retry" and unknown fields are ignored
+        return None
+
+    def flush(self) -> Optional[SseEvent]:
+        """Dispatch a final event the stream did not terminate with a blank line."""
+        return self._dispatch()
+
+    def _dispatch(self) -> Optional[SseEvent]:
+        if not self._has_data and not self._event:
+            return None
+        ev = SseEvent(self._event or "message", "\n".join(self._data), self._id)
+        self._event = ""
+        self._data = []
+        self._has_data = False
+        return ev
+
+
+def iter_sse(lines: Iterable[str]) -> Iterator[SseEvent]:
+    """Parse an iterable of lines into events."""
+    dec = SseDecoder()
+    for line in lines:
+        ev = dec.feed(line)
+        if ev is not None:
+            yield ev
+    ev = dec.flush()
+    if ev is not None:
+        yield ev
+
+
+async def aiter_sse(lines: AsyncIterable[str]) -> AsyncIterator[SseEvent]:
+    """Parse an async iterable of lines into events."""
+    dec = SseDecoder()
+    async for line in lines:
+        ev = dec.feed(line)
+        if ev is not None:
+            yield ev
+    ev = dec.flush()
+    if ev is not None:
+        yield ev

@@ -1,0 +1,177 @@
+"""Pieces shared by the sync and async clients: configuration, retry policy, error decoding."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+
+import httpx
+
+from .errors import DsecError, error_from_problem
+from .types import ExecEvent, ExecResult
+
+DEFAULT_URL = "http://127.0.0.1:7700"
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_MAX_RETRIES = 3
+#: extra seconds the HTTP read timeout allows beyond a server-side deadline
+DEADLINE_SLACK = 30.0
+#: the server's longest long-poll (``?timeout=``), in milliseconds
+MAX_LONG_POLL_MS = 120_000
+MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+RETRY_STATUSES = frozenset({502, 503, 504})
+#: answers with these codes are final even when their status is 502/503/504
+NON_TRANSIENT_CODES = frozenset({"exec_timeout"})
+#: transport failures after which the request may be retried (the server may or may not have
+#: seen it; the idempotency key makes the retry safe)
+RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+    httpx.PoolTimeout,
+)
+
+#: query parameters as httpx takes them (a mapping, or pairs for repeated keys)
+Params = Any
+
+
+def resolve_config(
+    base_url: Optional[str], api_key: Optional[str]
+) -> Tuple[str, Optional[str]]:
+    """Apply the environment defaults ``DSEC_URL`` and ``DSEC_API_KEY``."""
+    url = base_url or os.environ.get("DSEC_URL") or DEFAULT_URL
+    key = api_key if api_key is not None else os.environ.get("DSEC_API_KEY")
+    return url.rstrip("/"), key
+
+
+def auth_headers(api_key: Optional[str]) -> Dict[str, str]:
+    h = {"Accept": "application/json", "User-Agent": "dsec-python/0.1"}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    return h
+
+
+def new_idempotency_key() -> str:
+    return f"py-{uuid.uuid4().hex}"
+
+
+def make_timeout(seconds: Optional[float]) -> httpx.Timeout:
+    if seconds is None:
+        return httpx.Timeout(None, connect=10.0)
+    return httpx.Timeout(seconds, connect=min(10.0, seconds))
+
+
+def deadline_timeout(base: float, timeout_ms: Optional[int], default_s: float) -> float:
+    """The HTTP timeout for a request the server itself bounds by ``timeout_ms``."""
+    if timeout_ms is None:
+        return max(base, default_s)
+    return max(base, timeout_ms / 1000.0 + DEADLINE_SLACK)
+
+
+def backoff_delay(attempt: int, retry_after: Optional[float], base: float = 0.2) -> float:
+    """Exponential back-off with jitter; honours ``Retry-After`` (capped at 10 s)."""
+    if retry_after is not None:
+        return max(0.0, min(retry_after, 10.0))
+    return min(base * (2**attempt), 5.0) * (0.5 + random.random() / 2)
+
+
+def parse_retry_after(resp: httpx.Response) -> Optional[float]:
+    v = resp.headers.get("retry-after")
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+def error_from_response(resp: httpx.Response, body: Optional[bytes] = None) -> DsecError:
+    """Decode a problem+json answer (or anything else with an error status)."""
+    raw = body if body is not None else resp.content
+    problem: Dict[str, Any] = {}
+    try:
+        parsed = json.loads(raw) if raw else {}
+        if isinstance(parsed, dict):
+            problem = parsed
+    except ValueError:
+        problem = {}
+    if not problem and raw:
+        problem = {"detail": raw[:500].decode("utf-8", errors="replace")}
+    return error_from_problem(
+        problem,
+        resp.status_code,
+        request_id=resp.headers.get("x-request-id"),
+        retry_after=parse_retry_after(resp),
+    )
+
+
+def is_retryable_response(resp: httpx.Response, err: DsecError) -> bool:
+    return resp.status_code in RETRY_STATUSES and err.code not in NON_TRANSIENT_CODES
+
+
+def exec_event_from_sse(event: str, data: str) -> ExecEvent:
+    """Turn one SSE event of a streamed exec into an :class:`ExecEvent`."""
+    try:
+        payload: Any = json.loads(data) if data else {}
+    except ValueError:
+        payload = data
+    if event in ("stdout", "stderr"):
+        chunk = b""
+        if isinstance(payload, dict):
+            if "data_b64" in payload:
+                chunk = base64.b64decode(payload["data_b64"])
+            elif "data" in payload:
+                d = payload["data"]
+                chunk = d.encode("utf-8") if isinstance(d, str) else bytes(d)
+        elif isinstance(payload, str):
+            chunk = payload.encode("utf-8")
+        return ExecEvent(type=event, data=chunk, raw=payload)
+    if event == "exit":
+        return ExecEvent(type="exit", result=ExecResult.from_json(payload or {}), raw=payload)
+    if event == "error":
+        problem = payload if isinstance(payload, dict) else {"detail": str(payload)}
+        return ExecEvent(type="error", error=error_from_problem(problem), raw=payload)
+    return ExecEvent(type=event, raw=payload)
+
+
+def label_params(labels: Optional[Mapping[str, str]]) -> List[Tuple[str, str]]:
+    return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+
+
+def clean(d: Mapping[str, Any]) -> Dict[str, Any]:
+    """Drop ``None`` values from a body or a query."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def create_spec(
+    *,
+    template: Optional[str] = None,
+    substrate: Optional[str] = "container",
+    limits: Optional[Mapping[str, Any]] = None,
+    env: Optional[Mapping[str, str]] = None,
+    labels: Optional[Mapping[str, str]] = None,
+    ttl_ms: Optional[int] = None,
+    lease_ms: Optional[int] = None,
+    writable_root: Optional[bool] = None,
+    **extra: Any,
+) -> Dict[str, Any]:
+    """Build a sandbox create spec; ``None`` fields are left to the server's defaults."""
+    spec = clean(
+        {
+            "template": template,
+            "substrate": substrate,
+            "limits": dict(limits) if limits is not None else None,
+            "env": dict(env) if env is not None else None,
+            "labels": dict(labels) if labels is not None else None,
+            "ttl_ms": ttl_ms,
+            "lease_ms": lease_ms,
+            "writable_root": writable_root,
+        }
+    )
+    spec.update(clean(extra))
+    return spec

@@ -1,0 +1,358 @@
+"""Plain data types of the dsec API and the helpers that build and parse its bodies."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from .errors import DsecError
+
+__all__ = [
+    "Command",
+    "ExecResult",
+    "ExecEvent",
+    "ProcessStatus",
+    "FileEntry",
+    "Template",
+    "PoolStats",
+    "Tenant",
+    "BatchDeleteItem",
+    "TrajectoryInfo",
+    "decode_data",
+    "exec_body",
+]
+
+#: a command: an argv list (run directly) or a string (run by ``/bin/sh -c``)
+Command = Union[str, Sequence[str]]
+
+
+def decode_data(data: Any) -> bytes:
+    """Decode an output capture's ``data``: a string (valid UTF-8) or a list of byte values."""
+    if data is None:
+        return b""
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    if isinstance(data, list):
+        return bytes(data)
+    raise TypeError(f"unexpected output data of type {type(data).__name__}")
+
+
+def exec_body(
+    cmd: Command,
+    *,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+    timeout_ms: Optional[int] = None,
+    stdin: Union[str, bytes, None] = None,
+    cpu_limit_ms: Optional[int] = None,
+    output_limit: Optional[int] = None,
+    trajectory: Optional[str] = None,
+    step: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Build the JSON body of an exec (also used for background processes)."""
+    body: Dict[str, Any] = {}
+    if isinstance(cmd, str):
+        body["shell"] = cmd
+    else:
+        argv = list(cmd)
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise TypeError("cmd must be a shell string or a non-empty sequence of strings")
+        body["argv"] = argv
+    if env is not None:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if timeout_ms is not None:
+        body["timeout_ms"] = int(timeout_ms)
+    if cpu_limit_ms is not None:
+        body["cpu_limit_ms"] = int(cpu_limit_ms)
+    if output_limit is not None:
+        body["output_limit"] = int(output_limit)
+    if stdin is not None:
+        if isinstance(stdin, str):
+            body["stdin"] = stdin
+        else:
+            body["stdin_b64"] = base64.b64encode(bytes(stdin)).decode("ascii")
+    if trajectory is not None:
+        body["trajectory"] = trajectory
+        if step is not None:
+            body["step"] = int(step)
+    elif step is not None:
+        raise ValueError("step= needs trajectory=")
+    return body
+
+
+@dataclass
+class ExecResult:
+    """The outcome of one command.
+
+    ``status`` is ``ok``, ``nonzero_exit``, ``timeout``, ``oom``, ``killed`` or
+    ``output_limit``; a timeout is a normal result, not an exception.
+    """
+
+    status: str
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_total: int = 0
+    stderr_total: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    wall_us: Optional[int] = None
+    cpu_us: Optional[int] = None
+    peak_rss_kb: Optional[int] = None
+    #: the trajectory step this exec was logged as (``Dsec-Step``), if it was one
+    step: Optional[int] = None
+    #: True when the node answered a re-sent step from its log without running it
+    replayed: bool = False
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_response(cls, resp: Any) -> "ExecResult":
+        """From an HTTP answer: the body plus the trajectory headers."""
+        r = cls.from_json(resp.json())
+        step = resp.headers.get("dsec-step")
+        r.step = int(step) if step and step.isdigit() else None
+        r.replayed = resp.headers.get("dsec-replayed") == "true"
+        return r
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ExecResult":
+        out = d.get("stdout") or {}
+        err = d.get("stderr") or {}
+        stdout = decode_data(out.get("data"))
+        stderr = decode_data(err.get("data"))
+        return cls(
+            status=str(d.get("status")),
+            exit_code=d.get("exit_code"),
+            signal=d.get("signal"),
+            stdout=stdout,
+            stderr=stderr,
+            stdout_total=int(out.get("total", len(stdout)) or 0),
+            stderr_total=int(err.get("total", len(stderr)) or 0),
+            stdout_truncated=bool(out.get("truncated", False)),
+            stderr_truncated=bool(err.get("truncated", False)),
+            wall_us=d.get("wall_us"),
+            cpu_us=d.get("cpu_us"),
+            peak_rss_kb=d.get("peak_rss_kb"),
+            raw=dict(d),
+        )
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 within its limits."""
+        return self.status == "ok"
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (invalid bytes replaced)."""
+        return self.stdout.decode("utf-8", errors="replace")
+
+    @property
+    def stderr_text(self) -> str:
+        """stderr decoded as UTF-8 (invalid bytes replaced)."""
+        return self.stderr.decode("utf-8", errors="replace")
+
+    @property
+    def truncated(self) -> bool:
+        """True when either capture was cut by the output limit."""
+        return self.stdout_truncated or self.stderr_truncated
+
+
+@dataclass
+class ExecEvent:
+    """One event of a streamed exec.
+
+    ``type`` is ``stdout`` / ``stderr`` (with :attr:`data`), ``exit`` (with :attr:`result`) or
+    ``error`` (with :attr:`error`). Unknown event types are passed through with ``raw`` set.
+    """
+
+    type: str
+    data: bytes = b""
+    result: Optional[ExecResult] = None
+    error: Optional[DsecError] = None
+    raw: Any = None
+
+    @property
+    def text(self) -> str:
+        """The chunk decoded as UTF-8 (a chunk may end in the middle of a character)."""
+        return self.data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class ProcessStatus:
+    """Whether a background process is still running."""
+
+    running: bool
+    pid: Optional[int] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ProcessStatus":
+        return cls(running=bool(d.get("running")), pid=d.get("pid"), raw=dict(d))
+
+
+@dataclass
+class FileEntry:
+    """One directory entry (``kind`` is ``file``, ``dir``, ``symlink``, ...)."""
+
+    name: str
+    kind: str
+    size: int = 0
+    mode: int = 0
+    mtime: Any = None
+    link_target: Optional[str] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "FileEntry":
+        return cls(
+            name=str(d.get("name", "")),
+            kind=str(d.get("kind", "")),
+            size=int(d.get("size") or 0),
+            mode=int(d.get("mode") or 0),
+            mtime=d.get("mtime"),
+            link_target=d.get("link_target"),
+            raw=dict(d),
+        )
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind in ("dir", "directory")
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind in ("file", "regular")
+
+
+@dataclass
+class Template:
+    """A template: named, ordered image layers."""
+
+    name: str
+    layers: List[Any] = field(default_factory=list)
+    source: Any = None
+    created_at: Optional[str] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Template":
+        return cls(
+            name=str(d.get("name")),
+            layers=list(d.get("layers") or []),
+            source=d.get("source"),
+            created_at=d.get("created_at"),
+            raw=dict(d),
+        )
+
+
+@dataclass
+class PoolStats:
+    """Warm-pool statistics of one template (see ``raw`` for fields newer than this SDK)."""
+
+    template: str
+    min: int = 0
+    max: int = 0
+    target: int = 0
+    ready: int = 0
+    creating: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    acquire_rate: float = 0.0
+    refill_ms: Optional[float] = None
+    peak: Optional[float] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "PoolStats":
+        return cls(
+            template=str(d.get("template")),
+            min=int(d.get("min") or 0),
+            max=int(d.get("max") or 0),
+            target=int(d.get("target") or 0),
+            ready=int(d.get("ready") or 0),
+            creating=int(d.get("creating") or 0),
+            hits=int(d.get("hits") or 0),
+            misses=int(d.get("misses") or 0),
+            hit_rate=float(d.get("hit_rate") or 0.0),
+            acquire_rate=float(d.get("acquire_rate") or 0.0),
+            refill_ms=d.get("refill_ms"),
+            peak=d.get("peak"),
+            raw=dict(d),
+        )
+
+
+@dataclass
+class Tenant:
+    """A tenant. ``api_key`` is only known right after creation; ``usage`` only for ``/v1/tenant``.
+
+    The ``admin`` tenant is the operator: it may read and delete any tenant's sandboxes.
+    """
+
+    id: str
+    name: str
+    api_key: Optional[str] = None
+    max_sandboxes: Optional[int] = None
+    max_memory_bytes: Optional[int] = None
+    usage: Optional[Dict[str, Any]] = None
+    admin: bool = False
+    created_at_ms: Optional[int] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Tenant":
+        usage = d.get("usage")
+        if usage is None and ("sandboxes" in d or "memory_bytes" in d):
+            usage = {"sandboxes": d.get("sandboxes"), "memory_bytes": d.get("memory_bytes")}
+        return cls(
+            id=str(d.get("id")),
+            name=str(d.get("name")),
+            api_key=d.get("api_key"),
+            max_sandboxes=d.get("max_sandboxes"),
+            max_memory_bytes=d.get("max_memory_bytes"),
+            usage=usage,
+            admin=bool(d.get("admin", False)),
+            created_at_ms=d.get("created_at_ms"),
+            raw=dict(d),
+        )
+
+
+@dataclass
+class BatchDeleteItem:
+    """The outcome of deleting one sandbox in a batch."""
+
+    id: str
+    ok: bool
+    error: Optional[DsecError] = None
+
+
+@dataclass
+class TrajectoryInfo:
+    """Counters of one trajectory in the node's log."""
+
+    id: str
+    last_step: Optional[int] = None
+    intents: int = 0
+    results: int = 0
+    acknowledged: int = 0
+    unknown: int = 0
+    annotations: int = 0
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryInfo":
+        return cls(
+            id=str(d.get("id")),
+            last_step=d.get("last_step"),
+            intents=int(d.get("intents") or 0),
+            results=int(d.get("results") or 0),
+            acknowledged=int(d.get("acknowledged") or 0),
+            unknown=int(d.get("unknown") or 0),
+            annotations=int(d.get("annotations") or 0),
+            raw=dict(d),
+        )

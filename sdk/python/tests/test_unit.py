@@ -1,0 +1,212 @@
+"""Offline tests of the SDK's own logic (no server): SSE parsing, decoding, errors, retries."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+
+import dsec
+from dsec._sse import iter_sse
+from dsec._transport import exec_event_from_sse
+from dsec.types import decode_data, exec_body
+
+
+def test_sse_parser() -> None:
+    lines = [
+        ": comment",
+        "event: stdout",
+        'data: {"data_b64":"aGk="}',
+        "",
+        "event: exit",
+        "data: {\"status\":\"ok\",",
+        "data:  \"exit_code\":0}",
+        "id: 7",
+        "",
+        "data: unnamed",
+        "",
+    ]
+    evs = list(iter_sse(lines))
+    assert [e.event for e in evs] == ["stdout", "exit", "message"]
+    assert json.loads(evs[1].data) == {"status": "ok", "exit_code": 0}
+    assert evs[1].id == "7"
+    assert evs[2].data == "unnamed"
+
+
+def test_exec_events() -> None:
+    ev = exec_event_from_sse("stdout", json.dumps({"data_b64": base64.b64encode(b"\xff").decode()}))
+    assert ev.type == "stdout" and ev.data == b"\xff"
+    ev = exec_event_from_sse("exit", json.dumps({"status": "timeout", "exit_code": None, "signal": 9}))
+    assert ev.result is not None and ev.result.status == "timeout" and ev.result.signal == 9
+    ev = exec_event_from_sse("error", json.dumps({"code": "agent_unavailable", "status": 502}))
+    assert isinstance(ev.error, dsec.AgentUnavailable)
+
+
+def test_decode_data_and_result() -> None:
+    assert decode_data("hé") == "hé".encode()
+    assert decode_data([0, 255, 10]) == b"\x00\xff\n"
+    assert decode_data(None) == b""
+    r = dsec.ExecResult.from_json(
+        {
+            "status": "nonzero_exit",
+            "exit_code": 2,
+            "stdout": {"data": [104, 255], "total": 2, "truncated": False},
+            "stderr": {"data": "e", "total": 9, "truncated": True},
+        }
+    )
+    assert r.stdout == b"h\xff" and r.text == "h\ufffd" and r.stderr_truncated and r.truncated
+    assert not r.ok
+
+
+def test_exec_body() -> None:
+    assert exec_body("echo hi") == {"shell": "echo hi"}
+    b = exec_body(["a", "b"], env={"K": "V"}, cwd="/tmp", timeout_ms=5, stdin=b"\x00")
+    assert b == {"argv": ["a", "b"], "env": {"K": "V"}, "cwd": "/tmp", "timeout_ms": 5, "stdin_b64": "AA=="}
+    assert exec_body(["cat"], stdin="x")["stdin"] == "x"
+    with pytest.raises(TypeError):
+        exec_body([])
+
+
+def test_every_documented_code_has_a_class() -> None:
+    codes = (
+        "invalid_request unauthorized forbidden sandbox_not_found template_not_found not_found "
+        "handle_not_found invalid_transition idempotency_conflict too_large quota_exceeded "
+        "resource_exhausted draining exec_timeout agent_unavailable path_escape permission_denied "
+        "no_space wrong_file_type spawn_failed internal unknown_outcome trajectory_diverged "
+        "trajectory_not_found"
+    ).split()
+    for code in codes:
+        e = dsec.errors.error_from_problem({"code": code, "status": 400, "detail": "d", "request_id": "r"})
+        assert type(e) is dsec.ERROR_CLASSES[code] and e.code == code and e.request_id == "r"
+    e = dsec.errors.error_from_problem({"code": "brand_new", "status": 418})
+    assert type(e) is dsec.DsecError and e.code == "brand_new"
+    e = dsec.errors.error_from_problem({"code": "brand_new_missing", "status": 404})
+    assert isinstance(e, dsec.NotFound) and e.code == "brand_new_missing"
+
+
+def _mock_client(handler, **kw) -> dsec.Client:
+    return dsec.Client("http://dsec.test", api_key="k", transport=httpx.MockTransport(handler), **kw)
+
+
+def test_retry_on_503_reuses_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    keys = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        keys.append(req.headers.get("idempotency-key"))
+        assert req.headers["authorization"] == "Bearer k"
+        if len(keys) < 3:
+            return httpx.Response(503, json={"code": "draining", "status": 503}, headers={"Retry-After": "0"})
+        return httpx.Response(201, json={"id": "sb-1", "state": "running"})
+
+    with _mock_client(handler) as c:
+        sb = c.create_sandbox()
+    assert sb.id == "sb-1"
+    assert len(keys) == 3 and len(set(keys)) == 1 and keys[0]
+
+
+def test_retry_on_connect_error_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    calls = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(req.headers.get("idempotency-key"))
+        raise httpx.ConnectError("refused", request=req)
+
+    with _mock_client(handler, max_retries=2) as c:
+        with pytest.raises(dsec.DsecConnectionError):
+            c.create_sandbox()
+    assert len(calls) == 3 and len(set(calls)) == 1
+
+
+def test_no_retry_on_4xx_and_exec_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    calls = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if req.url.path.endswith("/exec"):
+            return httpx.Response(504, json={"code": "exec_timeout", "status": 504})
+        return httpx.Response(429, json={"code": "quota_exceeded", "status": 429, "detail": "max 1"})
+
+    with _mock_client(handler) as c:
+        with pytest.raises(dsec.QuotaExceeded) as ei:
+            c.create_sandbox()
+        assert ei.value.detail == "max 1"
+        assert len(calls) == 1
+        with pytest.raises(dsec.ExecTimeout):
+            dsec.Sandbox(c, {"id": "sb-1"}).exec("true")
+        assert len(calls) == 2
+
+
+def test_list_follows_cursor() -> None:
+    pages = {
+        None: {"items": [{"id": "sb-1"}, {"id": "sb-2"}], "next_cursor": "c1"},
+        "c1": {"items": [{"id": "sb-3"}], "next_cursor": None},
+    }
+    seen = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(dict(req.url.params.multi_items()))
+        assert req.url.params.get_list("label") == ["a=1", "b=2"]
+        return httpx.Response(200, json=pages[req.url.params.get("cursor")])
+
+    with _mock_client(handler) as c:
+        ids = [s.id for s in c.list_sandboxes(labels={"a": "1", "b": "2"}, page_size=2)]
+    assert ids == ["sb-1", "sb-2", "sb-3"]
+    assert seen[0]["limit"] == "2" and seen[1]["cursor"] == "c1"
+
+
+def test_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_URL", "http://example.invalid:1234/")
+    monkeypatch.setenv("DSEC_API_KEY", "envkey")
+    with dsec.Client() as c:
+        assert c.base_url == "http://example.invalid:1234" and c.api_key == "envkey"
+    with dsec.Client("http://x:1", api_key="explicit") as c:
+        assert c.api_key == "explicit"
+
+
+def test_without_auto_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    seen = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req.headers.get("idempotency-key"))
+        if len(seen) == 1:
+            raise httpx.ConnectError("refused", request=req)  # never reached the server: retried
+        return httpx.Response(502, json={"code": "agent_unavailable", "status": 502})
+
+    with _mock_client(handler, auto_idempotency_keys=False) as c:
+        with pytest.raises(dsec.AgentUnavailable):
+            dsec.Sandbox(c, {"id": "sb-1"}).exec("true")
+        assert seen == [None, None]  # the 502 may have run the command: not retried
+        seen.clear()
+        with pytest.raises(dsec.AgentUnavailable):
+            c.create_sandbox(idempotency_key="mine")
+        assert seen[0] == "mine" and len(seen) == 4 and set(seen) == {"mine"}
+
+
+@pytest.mark.asyncio
+async def test_async_retry_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dsec._transport.backoff_delay", lambda attempt, ra: 0)
+    keys = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.params.get("stream") == "true":
+            body = (
+                b'event: stdout\ndata: {"data_b64":"aGk="}\n\n'
+                b'event: exit\ndata: {"status":"ok","exit_code":0}\n\n'
+            )
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        keys.append(req.headers.get("idempotency-key"))
+        if len(keys) == 1:
+            raise httpx.ReadError("reset", request=req)
+        return httpx.Response(201, json={"id": "sb-9", "state": "running"})
+
+    async with dsec.AsyncClient("http://dsec.test", api_key="k", transport=httpx.MockTransport(handler)) as c:
+        sb = await c.create_sandbox()
+        assert sb.id == "sb-9" and len(keys) == 2 and keys[0] == keys[1]
+        evs = [e async for e in sb.exec_stream("echo hi")]
+    assert [e.type for e in evs] == ["stdout", "exit"] and evs[0].data == b"hi"
