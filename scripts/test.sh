@@ -22,4 +22,12 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Integration tests start the agent and shim binaries of the same target dir.
 cargo build --workspace
-cargo test --workspace --no-fail-fast
+rust=0
+cargo test --workspace --no-fail-fast || rust=$?
+# The Python SDK's system tests drive the real daemon (venv with the SDK, pytest).
+py=0
+bash scripts/test-python.sh || py=$?
+if [ "$rust" != 0 ] || [ "$py" != 0 ]; then
+  echo "scripts/test.sh: cargo test exit $rust, python tests exit $py" >&2
+  exit 1
+fi

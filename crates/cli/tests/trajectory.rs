@@ -205,6 +205,37 @@ fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
         (Some(6), Some(6)),
         "{t}"
     );
+    // Training export: JSONL rows and a Parquet file of the same steps.
+    for (format, magic) in [("jsonl", &b"{"[..]), ("parquet", &b"PAR1"[..])] {
+        let mut r = agent()
+            .get(format!(
+                "{}/v1/trajectories/episode-1/export?format={format}",
+                d.url
+            ))
+            .header("X-API-Key", &d.key)
+            .call()
+            .expect("export");
+        assert_eq!(r.status().as_u16(), 200);
+        let bytes = r
+            .body_mut()
+            .with_config()
+            .limit(64 << 20)
+            .read_to_vec()
+            .expect("body");
+        assert!(bytes.starts_with(magic), "{format}");
+        if format == "jsonl" {
+            let rows: Vec<Value> = bytes
+                .split(|b| *b == b'\n')
+                .filter(|l| !l.is_empty())
+                .map(|l| serde_json::from_slice(l).expect("row"))
+                .collect();
+            assert_eq!(rows.len(), 6);
+            assert_eq!(rows[0]["op"], "exec");
+            assert_eq!(rows[0]["exit_status"], "ok");
+        } else {
+            assert!(bytes.ends_with(b"PAR1"));
+        }
+    }
     d.finish(&[id]);
 }
 

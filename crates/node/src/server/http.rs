@@ -2035,7 +2035,8 @@ async fn export_trajectory(
             Ok(resp)
         }
         "parquet" => {
-            let rows: Vec<crate::trajlog::export::ExportRow> = rows.iter().map(export_row).collect();
+            let rows: Vec<crate::trajlog::export::ExportRow> =
+                rows.iter().map(export_row).collect();
             let bytes = tokio::task::spawn_blocking(move || {
                 let mut out = Vec::new();
                 crate::trajlog::export::to_parquet(&rows, &mut out).map(|()| out)
@@ -2066,7 +2067,10 @@ fn export_row(r: &Value) -> crate::trajlog::export::ExportRow {
         .flatten()
         .chain(r["annotations"].as_array().into_iter().flatten())
         .collect();
-    let reward = notes.iter().filter_map(|n| n["reward"].as_f64()).next_back();
+    let reward = notes
+        .iter()
+        .filter_map(|n| n["reward"].as_f64())
+        .next_back();
     let mut labels: Vec<String> = notes
         .iter()
         .flat_map(|n| n["labels"].as_array().into_iter().flatten())
