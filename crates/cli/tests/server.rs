@@ -1155,3 +1155,58 @@ fn orphans_are_reaped_and_the_node_limit_holds() {
     d.assert_converged("after the orphan was reaped");
     d.finish();
 }
+
+/// F-14, whole-host crash: the daemon and every supervisor die and the runtime dir (a tmpfs
+/// on a real host) is gone. The restarted node finds each recorded sandbox missing, closes its
+/// record with the reason, and leaves nothing behind.
+#[test]
+fn f14_whole_host_crash_closes_stale_records() {
+    let (data, run) = dirs("f14");
+    let mut d = Daemon::start(&data, &run, &[]);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = d.create(None)["id"].as_str().expect("id").to_owned();
+        let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None, None);
+        ids.push((id, v["supervisor_pid"].as_i64().expect("pid")));
+    }
+    d.kill9();
+    for (_, sup) in &ids {
+        if let Some(pid) = rustix::process::Pid::from_raw(*sup as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = std::fs::remove_dir_all(&run);
+    // cgroups do not survive a reboot either.
+    for (id, _) in &ids {
+        if let Ok(m) = dsec_sys::cgroup::CgroupManager::detect("dsec") {
+            if let Some(cg) = m.open(id) {
+                let _ = cg.kill_all();
+                let _ = cg.remove();
+            }
+        }
+    }
+    let d = Daemon::start(&data, &run, &[]);
+    let (_, ready) = d.req("GET", "/readyz", None, None);
+    let reaped: BTreeSet<String> = ready["recovery"]["reaped"]
+        .as_array()
+        .expect("reaped")
+        .iter()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    let want: BTreeSet<String> = ids.iter().map(|(id, _)| id.clone()).collect();
+    assert_eq!(reaped, want, "{ready}");
+    assert!(d.listed().is_empty());
+    for (id, _) in &ids {
+        let (s, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None, None);
+        assert_eq!((s, v["state"].as_str()), (200, Some("stopped")), "{v}");
+        assert!(
+            v["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("reaped at restart")),
+            "{v}"
+        );
+    }
+    d.assert_converged("after a whole-host crash");
+    d.finish();
+}

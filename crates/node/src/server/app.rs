@@ -1174,6 +1174,18 @@ impl App {
             } else {
                 // Mid-change when the previous process died, or gone: its outcome is unknown,
                 // so it is destroyed rather than handed out half-made.
+                let why = if alive {
+                    format!(
+                        "reaped at restart: it was {:?} when the node stopped",
+                        rec.state
+                    )
+                } else {
+                    "reaped at restart: its supervisor did not answer (gone)".to_owned()
+                };
+                let _ = self.update(&e, |r| {
+                    r.error = Some(why.clone());
+                    Ok(())
+                });
                 let _ = self.destroy(&e).await;
                 report.reaped.push(rec.id.clone());
             }
