@@ -301,6 +301,67 @@ impl Client {
         }
     }
 
+    /// Sends a request whose body is streamed from `reader` (uploads); answers like
+    /// [`Client::send`].
+    pub fn send_reader(
+        &self,
+        path: &str,
+        query: &[(&str, &str)],
+        reader: &mut dyn std::io::Read,
+        content_type: &str,
+    ) -> Result<http::Response<ureq::Body>, ClientError> {
+        let mut uri = format!("{}{path}", self.base);
+        for (i, (k, v)) in query.iter().enumerate() {
+            uri.push(if i == 0 { '?' } else { '&' });
+            uri.push_str(&encode(k));
+            uri.push('=');
+            uri.push_str(&encode(v));
+        }
+        let mut b = http::Request::builder()
+            .method("POST")
+            .uri(&uri)
+            .header("content-type", content_type);
+        if let Some(key) = &self.key {
+            b = b.header("authorization", format!("Bearer {key}"));
+        }
+        let req =
+            b.body(ureq::SendBody::from_reader(reader))
+                .map_err(|e| ClientError::Unexpected {
+                    method: "POST".into(),
+                    path: path.to_owned(),
+                    status: 0,
+                    what: format!("cannot build the request: {e}"),
+                })?;
+        let mut resp = self
+            .agent
+            .run(req)
+            .map_err(|e| self.transport("POST", path, e))?;
+        let status = resp.status().as_u16();
+        if status < 400 {
+            return Ok(resp);
+        }
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(1 << 20)
+            .read_to_vec()
+            .unwrap_or_default();
+        match serde_json::from_slice::<Problem>(&text) {
+            Ok(p) => Err(ClientError::Api {
+                status,
+                code: p.code,
+                detail: p.detail,
+                request_id: p.request_id,
+            }),
+            Err(_) => Err(ClientError::Unexpected {
+                method: "POST".into(),
+                path: path.to_owned(),
+                status,
+                what: String::from_utf8_lossy(&text).chars().take(200).collect(),
+            }),
+        }
+    }
+
     /// Sends a request and parses its JSON answer.
     pub fn json<T: DeserializeOwned>(
         &self,

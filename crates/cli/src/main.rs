@@ -134,6 +134,16 @@ enum TemplateCmd {
         #[arg(long)]
         rootfs: bool,
     },
+    /// Upload a template to a running daemon (admin key), with a progress bar on stderr.
+    Push {
+        /// Template name.
+        name: String,
+        /// A root filesystem tarball, or (with --oci) an OCI layout / `docker save` tarball.
+        path: PathBuf,
+        /// The tarball is an OCI image layout or a `docker save` archive.
+        #[arg(long)]
+        oci: bool,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -242,6 +252,87 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
 
+/// Counts bytes read and draws `[#####     ] 45% 12.0/26.7 MiB` on stderr (at most every 100 ms).
+struct Progress<R> {
+    inner: R,
+    done: u64,
+    total: u64,
+    last: std::time::Instant,
+}
+
+impl<R> Progress<R> {
+    fn draw(&self, force: bool) {
+        let pct = if self.total == 0 {
+            100
+        } else {
+            self.done.saturating_mul(100) / self.total
+        };
+        let filled = (pct / 5) as usize;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let mut e = std::io::stderr().lock();
+        let _ = write!(
+            e,
+            "\r[{}{}] {pct:>3}% {:.1}/{:.1} MiB",
+            "#".repeat(filled),
+            " ".repeat(20 - filled.min(20)),
+            mib(self.done),
+            mib(self.total)
+        );
+        if force {
+            let _ = writeln!(e);
+        }
+    }
+}
+
+impl<R: std::io::Read> std::io::Read for Progress<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.done += n as u64;
+        if self.last.elapsed() >= std::time::Duration::from_millis(100) {
+            self.last = std::time::Instant::now();
+            self.draw(false);
+        }
+        Ok(n)
+    }
+}
+
+fn template_push(
+    c: &client::Client,
+    name: &str,
+    path: &std::path::Path,
+    oci: bool,
+) -> Result<ExitCode, client::ClientError> {
+    let f = std::fs::File::open(path).map_err(|source| client::ClientError::Local {
+        what: format!("open {}", path.display()),
+        source,
+    })?;
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut reader = Progress {
+        inner: f,
+        done: 0,
+        total,
+        last: std::time::Instant::now(),
+    };
+    let format = if oci { "oci" } else { "rootfs" };
+    let mut resp = c.send_reader(
+        "/v1/templates",
+        &[("name", name), ("format", format)],
+        &mut reader,
+        "application/x-tar",
+    )?;
+    reader.draw(true);
+    let v: serde_json::Value = resp
+        .body_mut()
+        .read_json()
+        .map_err(|e| c.transport("POST", "/v1/templates", e))?;
+    println!(
+        "imported {} ({} layer(s))",
+        v["name"].as_str().unwrap_or(name),
+        v["layers"].as_array().map_or(0, Vec::len)
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
     let store =
         dsec_node::template::TemplateStore::open(&cli.data_dir).context("open template store")?;
@@ -266,6 +357,7 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
             };
             println!("imported {} ({} layer(s))", t.name, t.layers.len());
         }
+        TemplateCmd::Push { .. } => anyhow::bail!("`template push` talks to the daemon"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -340,6 +432,9 @@ fn main() -> ExitCode {
         }
         Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
+        Command::Template {
+            command: TemplateCmd::Push { name, path, oci },
+        } => return remote(&cli, |c| template_push(c, name, path, *oci)),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) if args.what == "api" => bench_api::run(args),
         Command::Bench(args) if args.what == "log" => bench_log::run(args, &cli.data_dir),
