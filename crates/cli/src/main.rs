@@ -262,11 +262,12 @@ struct Progress<R> {
 
 impl<R> Progress<R> {
     fn draw(&self, force: bool) {
-        let pct = if self.total == 0 {
-            100
-        } else {
-            self.done.saturating_mul(100) / self.total
-        };
+        let pct = self
+            .done
+            .saturating_mul(100)
+            .checked_div(self.total)
+            .unwrap_or(100)
+            .min(100);
         let filled = (pct / 5) as usize;
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let mut e = std::io::stderr().lock();
