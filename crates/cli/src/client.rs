@@ -229,6 +229,49 @@ impl Client {
         }
     }
 
+    fn uri(&self, path: &str, query: &[(&str, &str)]) -> String {
+        let mut uri = format!("{}{path}", self.base);
+        for (i, (k, v)) in query.iter().enumerate() {
+            uri.push(if i == 0 { '?' } else { '&' });
+            uri.push_str(&encode(k));
+            uri.push('=');
+            uri.push_str(&encode(v));
+        }
+        uri
+    }
+
+    /// The answer when its status is below 400, the daemon's problem otherwise.
+    fn checked(
+        method: &str,
+        path: &str,
+        mut resp: http::Response<ureq::Body>,
+    ) -> Result<http::Response<ureq::Body>, ClientError> {
+        let status = resp.status().as_u16();
+        if status < 400 {
+            return Ok(resp);
+        }
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(1 << 20)
+            .read_to_vec()
+            .unwrap_or_default();
+        match serde_json::from_slice::<Problem>(&text) {
+            Ok(p) => Err(ClientError::Api {
+                status,
+                code: p.code,
+                detail: p.detail,
+                request_id: p.request_id,
+            }),
+            Err(_) => Err(ClientError::Unexpected {
+                method: method.to_owned(),
+                path: path.to_owned(),
+                status,
+                what: String::from_utf8_lossy(&text).chars().take(200).collect(),
+            }),
+        }
+    }
+
     /// Sends a request; answers the response when its status is below 400, the daemon's
     /// problem otherwise. `path` must already be encoded (see [`seg`]).
     pub fn send(
@@ -239,13 +282,7 @@ impl Client {
         body: Body<'_>,
         headers: &[(&str, &str)],
     ) -> Result<http::Response<ureq::Body>, ClientError> {
-        let mut uri = format!("{}{path}", self.base);
-        for (i, (k, v)) in query.iter().enumerate() {
-            uri.push(if i == 0 { '?' } else { '&' });
-            uri.push_str(&encode(k));
-            uri.push('=');
-            uri.push_str(&encode(v));
-        }
+        let uri = self.uri(path, query);
         let mut b = http::Request::builder().method(method).uri(&uri);
         if let Some(key) = &self.key {
             b = b.header("authorization", format!("Bearer {key}"));
@@ -274,31 +311,7 @@ impl Client {
             .agent
             .run(req)
             .map_err(|e| self.transport(method, path, e))?;
-        let status = resp.status().as_u16();
-        if status < 400 {
-            return Ok(resp);
-        }
-        let mut resp = resp;
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(1 << 20)
-            .read_to_vec()
-            .unwrap_or_default();
-        match serde_json::from_slice::<Problem>(&text) {
-            Ok(p) => Err(ClientError::Api {
-                status,
-                code: p.code,
-                detail: p.detail,
-                request_id: p.request_id,
-            }),
-            Err(_) => Err(ClientError::Unexpected {
-                method: method.to_owned(),
-                path: path.to_owned(),
-                status,
-                what: String::from_utf8_lossy(&text).chars().take(200).collect(),
-            }),
-        }
+        Self::checked(method, path, resp)
     }
 
     /// Sends a request whose body is streamed from `reader` (uploads); answers like
@@ -310,13 +323,7 @@ impl Client {
         reader: &mut dyn std::io::Read,
         content_type: &str,
     ) -> Result<http::Response<ureq::Body>, ClientError> {
-        let mut uri = format!("{}{path}", self.base);
-        for (i, (k, v)) in query.iter().enumerate() {
-            uri.push(if i == 0 { '?' } else { '&' });
-            uri.push_str(&encode(k));
-            uri.push('=');
-            uri.push_str(&encode(v));
-        }
+        let uri = self.uri(path, query);
         let mut b = http::Request::builder()
             .method("POST")
             .uri(&uri)
@@ -332,34 +339,11 @@ impl Client {
                     status: 0,
                     what: format!("cannot build the request: {e}"),
                 })?;
-        let mut resp = self
+        let resp = self
             .agent
             .run(req)
             .map_err(|e| self.transport("POST", path, e))?;
-        let status = resp.status().as_u16();
-        if status < 400 {
-            return Ok(resp);
-        }
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(1 << 20)
-            .read_to_vec()
-            .unwrap_or_default();
-        match serde_json::from_slice::<Problem>(&text) {
-            Ok(p) => Err(ClientError::Api {
-                status,
-                code: p.code,
-                detail: p.detail,
-                request_id: p.request_id,
-            }),
-            Err(_) => Err(ClientError::Unexpected {
-                method: "POST".into(),
-                path: path.to_owned(),
-                status,
-                what: String::from_utf8_lossy(&text).chars().take(200).collect(),
-            }),
-        }
+        Self::checked("POST", path, resp)
     }
 
     /// Sends a request and parses its JSON answer.

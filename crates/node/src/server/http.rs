@@ -1241,14 +1241,8 @@ async fn proc_stdin(
         (None, None) => Vec::new(),
         _ => return Err(ApiError::invalid("pass at most one of data and data_b64")),
     };
-    let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(&AgentReq::ProcStdin { handle, eof: b.eof }, &data)
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    let req = AgentReq::ProcStdin { handle, eof: b.eof };
+    agent_ok(&app, &t, &id, req, Bytes::from(data)).await
 }
 
 #[derive(Deserialize)]
@@ -1267,20 +1261,11 @@ async fn proc_signal(
     if !(1..=64).contains(&b.signal) {
         return Err(ApiError::invalid("signal must be in 1..=64"));
     }
-    let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(
-                &AgentReq::ProcSignal {
-                    handle,
-                    signal: b.signal,
-                },
-                &[],
-            )
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    let req = AgentReq::ProcSignal {
+        handle,
+        signal: b.signal,
+    };
+    agent_ok(&app, &t, &id, req, Bytes::new()).await
 }
 
 #[derive(Deserialize, Default)]
@@ -1418,14 +1403,14 @@ async fn session_close(
     Extension(t): Extension<Tenant>,
     Path((id, session)): Path<(String, u64)>,
 ) -> ApiResult<StatusCode> {
-    let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(&AgentReq::SessionClose { session }, &[])
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    agent_ok(
+        &app,
+        &t,
+        &id,
+        AgentReq::SessionClose { session },
+        Bytes::new(),
+    )
+    .await
 }
 
 // ---- files ----
@@ -1455,27 +1440,53 @@ fn octet(bytes: Vec<u8>, ct: &'static str) -> Response {
     r
 }
 
+/// Sends one request whose answer is `Ok` to the agent of the caller's sandbox `id`: 204.
+async fn agent_ok(
+    app: &AppState,
+    t: &Tenant,
+    id: &str,
+    req: AgentReq,
+    body: Bytes,
+) -> ApiResult<StatusCode> {
+    let e = app.owned(t, id)?;
+    with_sandbox(app, &e, move |_, sb| {
+        sb.agent().call_ok(&req, &body).map_err(ApiError::from)
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Sends one request answered by data chunks (a file, a tar stream), at most `max` bytes.
+async fn agent_data(
+    app: &AppState,
+    t: &Tenant,
+    id: &str,
+    req: AgentReq,
+    max: u64,
+    content_type: &'static str,
+) -> ApiResult<Response> {
+    let e = app.owned(t, id)?;
+    let data = with_sandbox(app, &e, move |_, sb| {
+        sb.agent()
+            .call_data(&req, max as usize)
+            .map_err(ApiError::from)
+    })
+    .await?;
+    Ok(octet(data, content_type))
+}
+
 async fn file_read(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Response> {
-    let e = app.owned(&t, &id)?;
     let max = q.max_bytes.unwrap_or(MAX_READ).min(MAX_READ);
-    let data = with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_data(
-                &AgentReq::FileRead {
-                    path: q.path,
-                    max_bytes: Some(max),
-                },
-                max as usize,
-            )
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(octet(data, "application/octet-stream"))
+    let req = AgentReq::FileRead {
+        path: q.path,
+        max_bytes: Some(max),
+    };
+    agent_data(&app, &t, &id, req, max, "application/octet-stream").await
 }
 
 async fn file_write(
@@ -1535,20 +1546,11 @@ async fn file_remove(
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<StatusCode> {
-    let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(
-                &AgentReq::Remove {
-                    path: q.path,
-                    recursive: q.recursive,
-                },
-                &[],
-            )
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    let req = AgentReq::Remove {
+        path: q.path,
+        recursive: q.recursive,
+    };
+    agent_ok(&app, &t, &id, req, Bytes::new()).await
 }
 
 async fn file_list(
@@ -1602,21 +1604,12 @@ async fn file_mkdir(
     body: Bytes,
 ) -> ApiResult<StatusCode> {
     let b: MkdirBody = json_body(&body)?;
-    let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(
-                &AgentReq::Mkdir {
-                    path: b.path,
-                    parents: b.parents,
-                    mode: b.mode,
-                },
-                &[],
-            )
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    let req = AgentReq::Mkdir {
+        path: b.path,
+        parents: b.parents,
+        mode: b.mode,
+    };
+    agent_ok(&app, &t, &id, req, Bytes::new()).await
 }
 
 async fn tar_upload(
@@ -1626,14 +1619,7 @@ async fn tar_upload(
     Query(q): Query<FileQuery>,
     body: Bytes,
 ) -> ApiResult<StatusCode> {
-    let e = app.owned(&t, &id)?;
-    with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_ok(&AgentReq::TarUpload { path: q.path }, &body)
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(StatusCode::NO_CONTENT)
+    agent_ok(&app, &t, &id, AgentReq::TarUpload { path: q.path }, body).await
 }
 
 async fn tar_download(
@@ -1642,21 +1628,12 @@ async fn tar_download(
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Response> {
-    let e = app.owned(&t, &id)?;
     let max = q.max_bytes.unwrap_or(MAX_READ).min(MAX_READ);
-    let data = with_sandbox(&app, &e, move |_, sb| {
-        sb.agent()
-            .call_data(
-                &AgentReq::TarDownload {
-                    path: q.path,
-                    max_bytes: Some(max),
-                },
-                max as usize,
-            )
-            .map_err(ApiError::from)
-    })
-    .await?;
-    Ok(octet(data, "application/x-tar"))
+    let req = AgentReq::TarDownload {
+        path: q.path,
+        max_bytes: Some(max),
+    };
+    agent_data(&app, &t, &id, req, max, "application/x-tar").await
 }
 
 // ---- templates and pools ----
