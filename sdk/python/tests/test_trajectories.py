@@ -154,3 +154,26 @@ def test_follow_trajectory_streams_new_records(server, sandbox: dsec.Sandbox) ->
     sandbox.exec("echo streamed", trajectory=tid)
     assert done.wait(15), got
     assert any(isinstance(r, dict) and r.get("step") == 2 and r.get("kind") == "intent" for r in got), got
+
+
+def test_trajectory_object_resumes_by_fast_forward(sandbox: dsec.Sandbox) -> None:
+    tid = _tid()
+    actions = [COUNT, "echo two", COUNT]
+    traj = dsec.Trajectory(sandbox, tid)
+    first = [traj.exec(a) for a in actions]
+    assert [r.step for r in first] == [1, 2, 3]
+
+    # A trainer preempted here rebuilds its object and re-sends what it had sent.
+    again = dsec.Trajectory(sandbox, tid)
+    report = again.resume(actions + ["echo four"])
+    assert report.replayed == [1, 2, 3] and report.live == [4] and report.unknown == []
+    assert [r.raw for r in report.results[:3]] == [r.raw for r in first]
+    assert sandbox.files.read("/tmp/ran") == b"x\nx\n", "nothing ran twice"
+
+    assert again.annotate(reward=1.0, labels=["ok"]) > 0
+    info = again.info()
+    assert info.raw["results"] == 4 and info.raw["unknown"] == 0
+    rows = again.export(label="ok")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    kinds = [rec["kind"] for rec in again.steps()]
+    assert kinds.count("intent") == 4 and kinds.count("result") == 4

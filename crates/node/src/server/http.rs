@@ -923,7 +923,7 @@ async fn with_sandbox<T: Send + 'static>(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExecBody {
-    #[serde(default)]
+    #[serde(default, alias = "trajectory_id")]
     trajectory: Option<String>,
     #[serde(default)]
     step: Option<u64>,
@@ -1344,7 +1344,7 @@ async fn session_open(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RunBody {
-    #[serde(default)]
+    #[serde(default, alias = "trajectory_id")]
     trajectory: Option<String>,
     #[serde(default)]
     step: Option<u64>,
@@ -1419,7 +1419,7 @@ async fn session_close(
 #[serde(deny_unknown_fields)]
 struct FileQuery {
     path: String,
-    #[serde(default)]
+    #[serde(default, alias = "trajectory_id")]
     trajectory: Option<String>,
     #[serde(default)]
     step: Option<u64>,

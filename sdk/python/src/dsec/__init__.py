@@ -23,6 +23,7 @@ from .sandbox import (
     Sandbox,
     Session,
 )
+from .trajectory import ResumeReport, Trajectory
 from .types import (
     BatchDeleteItem,
     ExecEvent,
@@ -58,6 +59,8 @@ __all__ = [
     "PoolStats",
     "Tenant",
     "TrajectoryInfo",
+    "Trajectory",
+    "ResumeReport",
     "BatchDeleteItem",
     *_errors_all,
 ]
