@@ -1,0 +1,131 @@
+//! F-09: wall-clock jumps do not move TTL or lease expiry (the node keeps them on the
+//! monotonic clock). This test steps the host's real-time clock forward and back, so it lives
+//! in its own test binary (cargo runs test binaries one at a time) and restores the clock from
+//! the monotonic time it measured. Needs root; CI runs as root.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+
+fn set_wall_clock(t: SystemTime) {
+    let d = t.duration_since(UNIX_EPOCH).expect("after the epoch");
+    let st = Command::new("date")
+        .arg("-s")
+        .arg(format!("@{}.{:09}", d.as_secs(), d.subsec_nanos()))
+        .stdout(Stdio::null())
+        .status()
+        .expect("date");
+    assert!(st.success(), "set the wall clock (needs root)");
+}
+
+/// Puts the wall clock back where it would be without the jump, whatever happens.
+struct Restore {
+    wall: SystemTime,
+    mono: Instant,
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        set_wall_clock(self.wall + self.mono.elapsed());
+    }
+}
+
+#[test]
+fn f09_wall_clock_jumps_do_not_move_ttl_or_lease_expiry() {
+    let base = std::path::PathBuf::from(format!("/tmp/dclk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("dir");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
+        .arg("--data-dir")
+        .arg(base.join("d"))
+        .arg("--run-dir")
+        .arg(base.join("r"))
+        .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+        .env("DSEC_SPAWNER_SHELLS", "2")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn dsec server");
+    let url = BufReader::new(child.stdout.take().expect("stdout"))
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| {
+            l.strip_prefix("dsec server listening on ")
+                .map(str::to_owned)
+        })
+        .expect("address");
+    let key = std::fs::read_to_string(base.join("d/admin.key"))
+        .expect("key")
+        .trim()
+        .to_owned();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let call = |method: &str, path: &str, body: Option<Value>| -> Value {
+        let u = format!("{url}{path}");
+        let r = match method {
+            "GET" => agent.get(&u).header("X-API-Key", &key).call(),
+            "DELETE" => agent.delete(&u).header("X-API-Key", &key).call(),
+            _ => agent
+                .post(&u)
+                .header("X-API-Key", &key)
+                .send(body.unwrap_or(json!({})).to_string()),
+        };
+        let mut r = r.expect("http");
+        serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+            .unwrap_or(Value::Null)
+    };
+    let ttl = call("POST", "/v1/sandboxes", Some(json!({"ttl_ms": 4000})))["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let lease = call("POST", "/v1/sandboxes", Some(json!({"lease_ms": 4000})))["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let state = |id: &str| call("GET", &format!("/v1/sandboxes/{id}"), None)["state"].clone();
+    let t0 = Instant::now();
+    {
+        let _restore = Restore {
+            wall: SystemTime::now(),
+            mono: Instant::now(),
+        };
+        // Forward by a day: by the wall clock both expired long ago.
+        set_wall_clock(SystemTime::now() + Duration::from_secs(86_400));
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(
+            state(&ttl),
+            "running",
+            "a forward jump does not expire a TTL"
+        );
+        assert_eq!(
+            state(&lease),
+            "running",
+            "a forward jump does not expire a lease"
+        );
+        // Back by a day from the true time: by the wall clock neither is anywhere near.
+        set_wall_clock(SystemTime::now() - Duration::from_secs(2 * 86_400));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // The clock is restored; on the monotonic clock both expire on time.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (state(&ttl) != "stopped" || state(&lease) != "stopped") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let took = t0.elapsed();
+    assert_eq!(state(&ttl), "stopped");
+    assert_eq!(state(&lease), "stopped");
+    assert!(
+        took < Duration::from_secs(7),
+        "expired about 4 s after creation, not by the jumped clock: {took:?}"
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let st = child.wait().expect("wait");
+    assert!(st.success(), "{st:?}");
+    let _ = std::fs::remove_dir_all(&base);
+}
