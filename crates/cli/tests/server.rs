@@ -1002,7 +1002,15 @@ fn leak_counters_return_to_baseline() {
     let warm = d.create(None)["id"].as_str().expect("id").to_owned();
     d.exec_ok(&warm, "true");
     d.req("DELETE", &format!("/v1/sandboxes/{warm}"), None, None);
-    let (fd0, mounts0) = (fds(), host_mounts());
+    let rss_kb = || {
+        std::fs::read_to_string(format!("/proc/{}/status", d.child.id()))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let (fd0, mounts0, rss0) = (fds(), host_mounts(), rss_kb());
     for _ in 0..3 {
         let (s, v) = d.req(
             "POST",
@@ -1033,6 +1041,11 @@ fn leak_counters_return_to_baseline() {
         host_mounts(),
         mounts0,
         "the host's mount table is unchanged"
+    );
+    let rss1 = rss_kb();
+    assert!(
+        rss1 <= rss0 + 8 * 1024,
+        "daemon RSS {rss0} KiB before, {rss1} KiB after 30 sandboxes came and went"
     );
     assert!(d.on_machine(&BTreeSet::new()).is_empty());
     d.finish();
