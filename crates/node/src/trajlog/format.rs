@@ -7,7 +7,7 @@
 //!      0    4 magic        0x474C_5344 ("DSLG" little-endian)
 //!      4    4 len          bytes after the crc field (body), ≤ MAX_BODY
 //!      8    4 crc          CRC-32 (IEEE) of bytes 0..8 followed by the body
-//!     12    8 lsn          global sequence number, contiguous across segments
+//!     12    8 lsn          global sequence number, gaps only in compacted segments
 //!     20    8 step         the trajectory's step
 //!     28    1 kind         1 intent, 2 result, 3 annotation
 //!     29    1 traj_len     1..=128

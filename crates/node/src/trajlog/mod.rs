@@ -55,7 +55,8 @@ pub const MAX_TRAJECTORY_LEN: usize = 128;
 /// The largest payload the format can hold (16 MiB). [`Config::max_payload`] may be lower.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
-/// A log sequence number: global, starting at 1, contiguous, assigned in durable order.
+/// A log sequence number: global, starting at 1, assigned contiguously in durable order and never
+/// reused (compaction and retention leave gaps, never renumber).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Lsn(pub u64);
 
@@ -724,8 +725,8 @@ impl TrajLog {
 
     /// Deletes whole segments from the oldest on, while a segment's last write is older than
     /// [`Config::retention_max_age`] or the total size is above [`Config::retention_max_bytes`].
-    /// The active segment is never deleted, and only a prefix of the log goes, so the log stays
-    /// contiguous. Their records leave the index first. Call it periodically.
+    /// The active segment is never deleted, and only a prefix of the log goes, so no gap appears
+    /// between segments. Their records leave the index first. Call it periodically.
     pub fn enforce_retention(&self) -> Result<RetentionReport, LogError> {
         self.enforce_retention_at(SystemTime::now())
     }
