@@ -5,8 +5,8 @@
 //! compaction starts with a header giving the lsn range `first..end` it covers: its lsns only
 //! have to increase within that range (dropped records leave gaps), and the next segment must
 //! start at `end`, so a missing segment, compacted or not, is still a gap. A damaged header is
-//! corruption (`segment_header`). Temporary files of an unfinished compaction are deleted first. The scan stops at the
-//! first invalid record. What happens then depends on where it is:
+//! corruption (`segment_header`). Temporary files of an unfinished compaction are deleted first.
+//! The scan stops at the first invalid record. What happens then depends on where it is:
 //!
 //! - **Torn tail**: the bad bytes are in the last segment and no valid frame follows them. This is
 //!   what a crash during a write leaves; the segment is truncated at the bad record and the
