@@ -1,13 +1,14 @@
 //! Durability tests of the trajectory log's storage engine: L-01 (random crash points), F-11
 //! (corrupt tail vs corruption in the middle), F-12 (fsync, write and short-write faults by
 //! injection), group commit and backpressure, plus reads, replay lookups, live subscription and
-//! retention.
+//! retention, and compaction (C-01: crash points during compaction; concurrent appends and reads;
+//! failures between its write, rename and directory sync).
 //!
 //! L-01 re-executes this test binary as a child running [`l01_child_appender`] (selected by the
 //! `DSEC_TRAJLOG_L01_DIR` environment variable; without it that test does nothing) and kills it
-//! with SIGKILL at random moments.
+//! with SIGKILL at random moments; C-01 does the same with [`c01_child_compactor`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -16,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use dsec_node::trajlog::{
-    Config, Entry, FsStorage, LogError, Lsn, Record, RecordKind, SegmentFile, Storage, TrajLog,
+    CompactionReport, Config, Entry, FsStorage, LogError, Lsn, Record, RecordKind, SegmentFile,
+    Storage, TrajLog,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -860,4 +862,585 @@ fn open_temp_in_gives_a_working_log() {
     let s = log.stats();
     assert_eq!((s.appends, s.fsyncs, s.next_lsn), (1, 1, Lsn(2)));
     assert!(s.bytes_written > 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// compaction
+
+/// The first lsn of the newest segment file in `dir` (the active segment).
+fn active_first(dir: &Path) -> Lsn {
+    std::fs::read_dir(dir)
+        .expect("read_dir")
+        .filter_map(|e| {
+            let name = e.expect("entry").file_name().into_string().ok()?;
+            let digits = name.strip_prefix("seg-")?.strip_suffix(".log")?;
+            digits.parse().ok().map(Lsn)
+        })
+        .max()
+        .expect("a segment")
+}
+
+/// Whether a segment file starts with a compacted-segment header.
+fn compacted_segments(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .expect("read_dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .filter(|p| std::fs::read(p).expect("read").starts_with(b"DSLC"))
+        .count()
+}
+
+/// The records of `before` that compaction of `finished` must keep: all but those of a finished
+/// trajectory below the active segment.
+fn survivors(before: &[Entry], finished: &dyn Fn(&str) -> bool, active: Lsn) -> Vec<Entry> {
+    before
+        .iter()
+        .filter(|e| !finished(&e.trajectory) || e.lsn >= active)
+        .cloned()
+        .collect()
+}
+
+fn small_segments(dir: &Path) -> Config {
+    let mut cfg = Config::new(dir);
+    cfg.segment_bytes = 2048;
+    cfg
+}
+
+/// Compaction drops exactly the finished trajectories' records from sealed segments and keeps
+/// every other record (lsn, step, kind, payload) in order, before and after a reopen; the index
+/// rebuilt by recovery equals the one compaction left; lsns are not reused.
+#[test]
+fn compaction_drops_finished_trajectories_and_keeps_the_rest() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = TrajLog::open(small_segments(tmp.path())).expect("open");
+    for i in 0..400u64 {
+        let kind = [
+            RecordKind::Intent,
+            RecordKind::Result,
+            RecordKind::Annotation,
+        ][i as usize % 3];
+        log.append_blocking(record(&format!("k{}", i % 6), i / 6, kind))
+            .expect("append");
+    }
+    let before = read_all(&log);
+    let before_stats = log.stats();
+    let finished = |t: &str| t == "k1" || t == "k4";
+    let active = active_first(tmp.path());
+    let r = log.compact(&finished).expect("compact");
+    let expected = survivors(&before, &finished, active);
+    assert_eq!(
+        r.records_dropped as usize,
+        before.len() - expected.len(),
+        "{r:?}"
+    );
+    assert!(r.segments_rewritten > 0 && r.bytes_reclaimed > 0, "{r:?}");
+    assert_eq!(r.segments_deleted, 0, "{r:?}");
+    let after = read_all(&log);
+    assert_eq!(after, expected);
+    let stats = log.stats();
+    assert_eq!(stats.indexed, expected.len() as u64);
+    assert_eq!(
+        stats.segment_bytes,
+        before_stats.segment_bytes - r.bytes_reclaimed
+    );
+    let summaries = log.trajectories();
+    assert_eq!(
+        summaries.len(),
+        6,
+        "k1/k4 still have records in the active segment"
+    );
+
+    // Idempotent: nothing left to drop.
+    let again = log.compact(&finished).expect("compact again");
+    assert_eq!(again, CompactionReport::default());
+    drop(log);
+
+    let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(report.truncated_bytes, 0);
+    assert_eq!(read_all(&log), expected);
+    assert_eq!(
+        log.trajectories(),
+        summaries,
+        "recovery rebuilds the same index"
+    );
+    assert_eq!(log.stats().next_lsn, Lsn(401));
+    assert_eq!(
+        log.append_blocking(record("k0", 999, RecordKind::Intent))
+            .expect("append"),
+        Lsn(401)
+    );
+}
+
+/// Trajectories whose records are all in sealed segments disappear from `trajectories()`;
+/// segments left empty at the head are deleted, in the middle kept as a bare header; next_lsn
+/// never goes down; retention deletes compacted segments like any other.
+#[test]
+fn compaction_deletes_empty_segments_and_never_lowers_next_lsn() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = TrajLog::open(small_segments(tmp.path())).expect("open");
+    for (traj, n) in [
+        ("gone-a", 60u64),
+        ("keep", 30),
+        ("gone-b", 100),
+        ("tail", 40),
+    ] {
+        for step in 0..n {
+            log.append_blocking(record(traj, step, RecordKind::Result))
+                .expect("append");
+        }
+    }
+    let before = read_all(&log);
+    let segments = log.stats().segments;
+    let finished = |t: &str| t.starts_with("gone-");
+    let r = log.compact(&finished).expect("compact");
+    assert!(r.segments_deleted > 0, "the gone-a head segments go: {r:?}");
+    assert!(r.segments_rewritten > 0, "{r:?}");
+    assert_eq!(r.records_dropped, 160);
+    assert_eq!(log.stats().segments, segments - r.segments_deleted);
+    let ids: Vec<String> = log.trajectories().into_iter().map(|t| t.id).collect();
+    assert_eq!(ids, vec!["keep".to_owned(), "tail".to_owned()]);
+    assert_eq!(
+        read_all(&log),
+        survivors(&before, &finished, active_first(tmp.path()))
+    );
+    assert!(compacted_segments(tmp.path()) > 0);
+    drop(log);
+
+    let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(report.next_lsn, Lsn(231));
+    assert_eq!(read_all(&log).len(), 70);
+
+    // Everything but the active segment finished: only it stays; lsns continue above 230.
+    let r = log.compact(&|_| true).expect("compact all");
+    assert!(r.segments_deleted > 0, "{r:?}");
+    assert_eq!(log.stats().segments, 1);
+    drop(log);
+    let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(
+        log.append_blocking(record("new", 0, RecordKind::Intent))
+            .expect("append"),
+        Lsn(231)
+    );
+}
+
+/// Retention over compacted segments (bare headers included) keeps a valid log.
+#[test]
+fn retention_works_with_compacted_segments() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut cfg = small_segments(tmp.path());
+    let (log, _) = TrajLog::open(cfg.clone()).expect("open");
+    for i in 0..300u64 {
+        log.append_blocking(record(&format!("r{}", i % 3), i, RecordKind::Result))
+            .expect("append");
+    }
+    log.compact(&|t| t == "r1").expect("compact");
+    drop(log);
+    cfg.retention_max_bytes = Some(6000);
+    let (log, report) = TrajLog::open(cfg.clone()).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    let r = log.enforce_retention().expect("retention");
+    assert!(!r.deleted.is_empty());
+    assert!(log.stats().segment_bytes <= 6000);
+    let all = read_all(&log);
+    assert!(all.windows(2).all(|w| w[0].lsn < w[1].lsn));
+    assert!(all
+        .iter()
+        .all(|e| e.payload == payload(&e.trajectory, e.step)));
+    drop(log);
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(log.stats().next_lsn, Lsn(301));
+}
+
+/// A compacted segment keeps its original modification time, so age-based retention still
+/// sees when its records were written.
+#[test]
+fn compaction_keeps_segment_modification_times() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, _) = TrajLog::open(small_segments(tmp.path())).expect("open");
+    for i in 0..100u64 {
+        log.append_blocking(record(&format!("m{}", i % 2), i, RecordKind::Result))
+            .expect("append");
+    }
+    let mtimes = || -> BTreeMap<std::path::PathBuf, SystemTime> {
+        std::fs::read_dir(tmp.path())
+            .expect("read_dir")
+            .map(|e| e.expect("entry").path())
+            .map(|p| {
+                let m = std::fs::metadata(&p)
+                    .and_then(|m| m.modified())
+                    .expect("mtime");
+                (p, m)
+            })
+            .collect()
+    };
+    let before = mtimes();
+    std::thread::sleep(Duration::from_millis(20));
+    let r = log.compact(&|t| t == "m1").expect("compact");
+    assert!(r.segments_rewritten > 0);
+    assert_eq!(mtimes(), before);
+}
+
+/// Appends and reads run while compaction loops: every acknowledged record of a live
+/// trajectory is readable with its payload at every moment, reads never fail, and the finished
+/// trajectories shrink to what is in the active segment.
+#[test]
+fn compaction_runs_concurrently_with_appends_and_reads() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut cfg = Config::new(tmp.path());
+    cfg.segment_bytes = 4096;
+    let (log, _) = TrajLog::open(cfg).expect("open");
+    for step in 0..200u64 {
+        for t in 0..4 {
+            log.append_blocking(record(&format!("done-{t}"), step, RecordKind::Result))
+                .expect("append");
+        }
+    }
+    let acked: Vec<AtomicU64> = (0..4).map(|_| AtomicU64::new(0)).collect();
+    let stop = AtomicBool::new(false);
+    let reports = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for (t, acked) in acked.iter().enumerate() {
+            let (log, stop) = (&log, &stop);
+            s.spawn(move || {
+                let traj = format!("live-{t}");
+                let mut step = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    log.append_blocking(record(&traj, step, RecordKind::Intent))
+                        .expect("append");
+                    step += 1;
+                    acked.store(step, Ordering::Release);
+                }
+            });
+        }
+        for r in 0..3 {
+            let (log, stop, acked) = (&log, &stop, &acked);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    for (t, acked) in acked.iter().enumerate() {
+                        let n = acked.load(Ordering::Acquire);
+                        let traj = format!("live-{t}");
+                        let got = log.read(&traj, 0, usize::MAX).expect("read live");
+                        assert!(got.len() as u64 >= n, "reader {r}: {traj} lost records");
+                        for (i, e) in got.iter().enumerate() {
+                            assert_eq!(e.step, i as u64);
+                            assert_eq!(e.payload, payload(&traj, e.step));
+                        }
+                        let step = log.step(&traj, n.saturating_sub(1)).expect("step");
+                        assert!(n == 0 || step.is_some_and(|s| s.intent.is_some()));
+                        let done = log.read(&format!("done-{t}"), 0, usize::MAX).expect("read");
+                        assert!(done
+                            .iter()
+                            .all(|e| e.payload == payload(&e.trajectory, e.step)));
+                    }
+                }
+            });
+        }
+        let (log, stop, reports) = (&log, &stop, &reports);
+        s.spawn(move || {
+            for _ in 0..40 {
+                let r = log.compact(&|t| t.starts_with("done-")).expect("compact");
+                reports.lock().expect("lock").push(r);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    });
+    let reports = reports.into_inner().expect("lock");
+    let dropped: u64 = reports.iter().map(|r| r.records_dropped).sum();
+    assert!(dropped > 0, "{reports:?}");
+    let all = read_all(&log);
+    let active = active_first(tmp.path());
+    assert!(all
+        .iter()
+        .all(|e| !e.trajectory.starts_with("done-") || e.lsn >= active));
+    assert_eq!(all.len() as u64 + dropped, log.stats().next_lsn.0 - 1);
+    drop(log);
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(read_all(&log), all);
+}
+
+/// Faults injected into compaction's own file operations.
+struct CompactionFaults {
+    /// `write_durable`, `rename` or `sync_dir`: fails on its `at`-th call (1-based).
+    op: &'static str,
+    at: u64,
+    calls: AtomicU64,
+}
+
+impl CompactionFaults {
+    fn hit(&self, op: &str) -> io::Result<()> {
+        if op == self.op && self.calls.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
+            return Err(io::Error::other(format!("injected {op} failure")));
+        }
+        Ok(())
+    }
+}
+
+impl Storage for CompactionFaults {
+    fn create(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
+        FsStorage.create(path)
+    }
+
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>> {
+        FsStorage.open_append(path)
+    }
+
+    fn write_durable(&self, path: &Path, data: &[u8], modified: SystemTime) -> io::Result<()> {
+        self.hit("write_durable")?;
+        FsStorage.write_durable(path, data, modified)
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.hit("rename")?;
+        FsStorage.rename(from, to)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.hit("sync_dir")?;
+        FsStorage.sync_dir(dir)
+    }
+}
+
+/// A failure at any step of compaction (the temp file's write/fsync, the rename, the directory
+/// fsync) returns an error and leaves a consistent log: reads return every surviving record,
+/// no temporary file stays, a later compaction finishes the job, and recovery finds no
+/// corruption.
+#[test]
+fn compaction_failures_at_each_step_leave_a_consistent_log() {
+    for op in ["write_durable", "rename", "sync_dir"] {
+        for at in [1u64, 3] {
+            let tmp = tempfile::tempdir().expect("tempdir");
+            let storage = Arc::new(CompactionFaults {
+                op,
+                at,
+                calls: AtomicU64::new(0),
+            });
+            let (log, _) =
+                TrajLog::open_with_storage(small_segments(tmp.path()), storage).expect("open");
+            for i in 0..200u64 {
+                log.append_blocking(record(&format!("x{}", i % 4), i / 4, RecordKind::Result))
+                    .expect("append");
+            }
+            let before = read_all(&log);
+            let finished = |t: &str| t == "x2";
+            let expected = survivors(&before, &finished, active_first(tmp.path()));
+            let err = log.compact(&finished).expect_err("injected failure");
+            assert!(matches!(err, LogError::Io { .. }), "{op}@{at}: {err}");
+            let now = read_all(&log);
+            assert!(
+                expected.iter().all(|e| now.contains(e)),
+                "{op}@{at}: a surviving record is gone"
+            );
+            assert!(now.iter().all(|e| before.contains(e)), "{op}@{at}");
+            let leftovers = std::fs::read_dir(tmp.path())
+                .expect("read_dir")
+                .filter(|e| {
+                    e.as_ref()
+                        .expect("entry")
+                        .file_name()
+                        .to_string_lossy()
+                        .ends_with(".compacting")
+                })
+                .count();
+            assert_eq!(leftovers, 0, "{op}@{at}");
+            log.compact(&finished).expect("retry");
+            assert_eq!(read_all(&log), expected, "{op}@{at}");
+            drop(log);
+            let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
+            assert!(!report.is_corrupt(), "{op}@{at}: {report:?}");
+            assert_eq!(read_all(&log), expected, "{op}@{at}");
+        }
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// For any records, segment size and set of finished trajectories: compaction keeps exactly
+    /// the survivors, recovery agrees, and next_lsn is unchanged.
+    #[test]
+    fn compaction_keeps_exactly_the_survivors(
+        trajs in proptest::collection::vec(0u8..5, 1..120),
+        finished_mask in 0u8..32,
+        segment_bytes in 200u64..1500,
+    ) {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut cfg = Config::new(tmp.path());
+        cfg.segment_bytes = segment_bytes;
+        let (log, _) = TrajLog::open(cfg.clone()).expect("open");
+        let mut steps = [0u64; 5];
+        for &t in &trajs {
+            let traj = format!("p{t}");
+            log.append_blocking(record(&traj, steps[t as usize], RecordKind::Result))
+                .expect("append");
+            steps[t as usize] += 1;
+        }
+        let before = read_all(&log);
+        let finished = |id: &str| {
+            let t: u32 = id[1..].parse().expect("id");
+            finished_mask & (1 << t) != 0
+        };
+        let expected = survivors(&before, &finished, active_first(tmp.path()));
+        let r = log.compact(&finished).expect("compact");
+        proptest::prop_assert_eq!(r.records_dropped as usize, before.len() - expected.len());
+        proptest::prop_assert_eq!(&read_all(&log), &expected);
+        let summaries = log.trajectories();
+        drop(log);
+        let (log, report) = TrajLog::open(cfg).expect("reopen");
+        proptest::prop_assert!(!report.is_corrupt(), "{:?}", report);
+        proptest::prop_assert_eq!(&read_all(&log), &expected);
+        proptest::prop_assert_eq!(log.trajectories(), summaries);
+        proptest::prop_assert_eq!(log.stats().next_lsn, Lsn(trajs.len() as u64 + 1));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// C-01
+
+const C01_DIR: &str = "DSEC_TRAJLOG_C01_DIR";
+const C01_ROUND: &str = "DSEC_TRAJLOG_C01_ROUND";
+
+/// C-01: trajectories `c<round>-t<odd>` are the finished ones.
+fn c01_finished(trajectory: &str) -> bool {
+    trajectory
+        .rsplit_once("-t")
+        .and_then(|(_, t)| t.parse::<u64>().ok())
+        .is_some_and(|t| t % 2 == 1)
+}
+
+/// The C-01 child: appends from four threads and compacts in a loop until killed, printing each
+/// acknowledged record as `ACK <lsn> <trajectory> <step> END`. Does nothing unless [`C01_DIR`]
+/// is set.
+#[test]
+fn c01_child_compactor() {
+    let Ok(dir) = std::env::var(C01_DIR) else {
+        return;
+    };
+    let round = std::env::var(C01_ROUND).unwrap_or_default();
+    let mut cfg = Config::new(&dir);
+    cfg.segment_bytes = 8 << 10;
+    let (log, report) = TrajLog::open(cfg).expect("child open");
+    assert!(!report.is_corrupt(), "{report:?}");
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let log = &log;
+            let traj = format!("c{round}-t{t}");
+            s.spawn(move || {
+                for step in 0.. {
+                    let lsn = log
+                        .append_blocking(record(&traj, step, RecordKind::Intent))
+                        .expect("child append");
+                    let line = format!("ACK {lsn} {traj} {step} END\n");
+                    let mut out = io::stdout().lock();
+                    out.write_all(line.as_bytes()).expect("stdout");
+                    out.flush().expect("flush");
+                }
+            });
+        }
+        let log = &log;
+        s.spawn(move || loop {
+            log.compact(&c01_finished).expect("child compact");
+        });
+    });
+}
+
+/// C-01: SIGKILL a child that appends and compacts at random moments; after each kill recovery
+/// reports no corruption, every acknowledged record of an unfinished trajectory is there
+/// byte-for-byte (its steps contiguous from 0), lsns only increase, and no lsn is reused.
+#[test]
+fn c01_crash_during_compaction_loses_no_surviving_record() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("log");
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut rng = Rng::seeded();
+    let mut max_acked = Lsn(0);
+    let mut compacted_seen = 0;
+    let mut all_acks: Vec<(String, u64, Lsn)> = Vec::new();
+    for round in 1..=12u64 {
+        let mut child = Command::new(&exe)
+            .args([
+                "--exact",
+                "c01_child_compactor",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(C01_DIR, &dir)
+            .env(C01_ROUND, round.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn child");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let reader = std::thread::spawn(move || {
+            let mut acks = Vec::new();
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let f: Vec<&str> = line.split(' ').collect();
+                if let ["ACK", lsn, traj, step, "END"] = f[..] {
+                    let lsn = Lsn(lsn.parse().expect("lsn"));
+                    acks.push((traj.to_owned(), step.parse::<u64>().expect("step"), lsn));
+                }
+            }
+            acks
+        });
+        std::thread::sleep(Duration::from_millis(50 + rng.below(400)));
+        assert!(
+            child.try_wait().expect("try_wait").is_none(),
+            "round {round}: the child died before the kill"
+        );
+        child.kill().expect("SIGKILL child");
+        let status = child.wait().expect("wait child");
+        assert!(!status.success(), "child exited by itself: {status}");
+        let acks = reader.join().expect("reader");
+        max_acked = acks
+            .iter()
+            .map(|a| a.2)
+            .max()
+            .unwrap_or(Lsn(0))
+            .max(max_acked);
+        all_acks.extend(acks);
+        compacted_seen += compacted_segments(&dir);
+
+        let (log, report) = TrajLog::open(Config::new(&dir)).expect("reopen");
+        assert!(!report.is_corrupt(), "round {round}: {report:?}");
+        let all = read_all(&log);
+        assert!(all.windows(2).all(|w| w[0].lsn < w[1].lsn));
+        assert!(all
+            .iter()
+            .all(|e| e.payload == payload(&e.trajectory, e.step)));
+        let by_lsn: HashMap<Lsn, &Entry> = all.iter().map(|e| (e.lsn, e)).collect();
+        for (traj, step, lsn) in all_acks.iter().filter(|a| !c01_finished(&a.0)) {
+            let e = by_lsn
+                .get(lsn)
+                .unwrap_or_else(|| panic!("round {round}: acked {lsn} {traj} {step} lost"));
+            assert_eq!((&e.trajectory, e.step), (traj, *step), "round {round}");
+        }
+        let mut steps: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for e in all.iter().filter(|e| !c01_finished(&e.trajectory)) {
+            steps.entry(&e.trajectory).or_default().push(e.step);
+        }
+        for (traj, s) in steps {
+            assert!(
+                s.iter().enumerate().all(|(i, &x)| x == i as u64),
+                "round {round}: trajectory {traj} has a step gap"
+            );
+        }
+        let live: HashSet<&str> = all.iter().map(|e| e.trajectory.as_str()).collect();
+        assert!(live.iter().all(|t| log.trajectory(t).is_some()));
+        assert!(
+            log.stats().next_lsn > max_acked,
+            "round {round}: next lsn {} not above acked {max_acked}",
+            log.stats().next_lsn
+        );
+    }
+    eprintln!(
+        "C-01: {} acks, highest {max_acked}, {compacted_seen} compacted segments seen",
+        all_acks.len()
+    );
+    assert!(compacted_seen > 0, "no compaction happened before a kill");
 }

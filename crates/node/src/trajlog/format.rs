@@ -7,7 +7,7 @@
 //!      0    4 magic        0x474C_5344 ("DSLG" little-endian)
 //!      4    4 len          bytes after the crc field (body), ≤ MAX_BODY
 //!      8    4 crc          CRC-32 (IEEE) of bytes 0..8 followed by the body
-//!     12    8 lsn          global sequence number, contiguous across segments
+//!     12    8 lsn          global sequence number, gaps only in compacted segments
 //!     20    8 step         the trajectory's step
 //!     28    1 kind         1 intent, 2 result, 3 annotation
 //!     29    1 traj_len     1..=128
@@ -17,6 +17,19 @@
 //!
 //! All integers are little-endian. The CRC covers the magic and the length, so a frame whose length
 //! field is damaged fails its CRC rather than being read with another length.
+//!
+//! A segment rewritten by compaction starts with a segment header before its frames; a segment
+//! without one (its first bytes are a frame's magic, or it is empty) is an original segment:
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic        0x434C_5344 ("DSLC" little-endian)
+//!      4    4 crc          CRC-32 (IEEE) of bytes 0..4 followed by bytes 8..24
+//!      8    8 first        the first lsn the segment was created with (its file name)
+//!     16    8 end          one past the last lsn it ever held: the next segment's first lsn
+//! ```
+//!
+//! Its frames have increasing lsns in `first..end`, with gaps where records were dropped.
 
 use super::{Lsn, RecordKind, MAX_PAYLOAD, MAX_TRAJECTORY_LEN};
 
@@ -28,6 +41,57 @@ pub const HEADER_LEN: usize = 12;
 pub const BODY_FIXED: usize = 18;
 /// The largest body a valid frame can have.
 pub const MAX_BODY: usize = BODY_FIXED + MAX_TRAJECTORY_LEN + MAX_PAYLOAD;
+
+/// The first four bytes of a compacted segment.
+pub const SEGMENT_MAGIC: u32 = 0x434C_5344;
+/// The size of a compacted segment's header.
+pub const SEGMENT_HEADER_LEN: usize = 24;
+
+/// The header of a compacted segment: the lsn range `first..end` it covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentHeader {
+    /// The first lsn the segment was created with (its file name).
+    pub first: Lsn,
+    /// One past the last lsn it ever held: the next segment's first lsn.
+    pub end: Lsn,
+}
+
+/// Appends a compacted segment's header to `out`.
+pub fn encode_segment_header(out: &mut Vec<u8>, header: SegmentHeader) {
+    let magic = SEGMENT_MAGIC.to_le_bytes();
+    let mut rest = [0u8; 16];
+    rest[..8].copy_from_slice(&header.first.0.to_le_bytes());
+    rest[8..].copy_from_slice(&header.end.0.to_le_bytes());
+    out.extend_from_slice(&magic);
+    out.extend_from_slice(&crc_of(&magic, &rest).to_le_bytes());
+    out.extend_from_slice(&rest);
+}
+
+/// Reads the segment header at the start of a segment's bytes: `Ok(None)` for an original
+/// segment (no header magic), `Ok(Some(_))` for a compacted one, an error for a damaged header.
+pub fn decode_segment_header(data: &[u8]) -> Result<Option<SegmentHeader>, FrameDefect> {
+    if data.get(..4) != Some(&SEGMENT_MAGIC.to_le_bytes()[..]) {
+        return Ok(None);
+    }
+    let raw = data.get(..SEGMENT_HEADER_LEN).ok_or(FrameDefect::Short)?;
+    let u64_at = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&raw[at..at + 8]);
+        u64::from_le_bytes(b)
+    };
+    let crc = u32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]);
+    if crc_of(&raw[..4], &raw[8..]) != crc {
+        return Err(FrameDefect::Crc);
+    }
+    let header = SegmentHeader {
+        first: Lsn(u64_at(8)),
+        end: Lsn(u64_at(16)),
+    };
+    if header.end <= header.first {
+        return Err(FrameDefect::Fields);
+    }
+    Ok(Some(header))
+}
 
 /// The encoded size of a record with this trajectory and payload.
 pub fn frame_len(trajectory_len: usize, payload_len: usize) -> usize {
@@ -200,6 +264,12 @@ pub fn segment_name(first: Lsn) -> String {
     format!("seg-{:020}.log", first.0)
 }
 
+/// The temporary file a compaction of segment `first` writes before renaming it over the
+/// segment. Recovery deletes leftovers.
+pub fn compacting_name(first: Lsn) -> String {
+    format!("seg-{:020}.log.compacting", first.0)
+}
+
 /// Parses a segment file name back to its first lsn.
 pub fn parse_segment_name(name: &str) -> Option<Lsn> {
     let digits = name.strip_prefix("seg-")?.strip_suffix(".log")?;
@@ -259,6 +329,28 @@ mod tests {
             parse_segment_name("seg-00000000000000000042.log.corrupt"),
             None
         );
+    }
+
+    #[test]
+    fn segment_header_round_trip_and_damage() {
+        let h = SegmentHeader {
+            first: Lsn(10),
+            end: Lsn(25),
+        };
+        let mut buf = Vec::new();
+        encode_segment_header(&mut buf, h);
+        assert_eq!(buf.len(), SEGMENT_HEADER_LEN);
+        assert_eq!(decode_segment_header(&buf), Ok(Some(h)));
+        let mut frame = Vec::new();
+        encode(&mut frame, Lsn(1), "t", 0, RecordKind::Intent, b"");
+        assert_eq!(decode_segment_header(&frame), Ok(None));
+        assert_eq!(decode_segment_header(&[]), Ok(None));
+        for bit in 32..buf.len() * 8 {
+            let mut b = buf.clone();
+            b[bit / 8] ^= 1 << (bit % 8);
+            assert!(decode_segment_header(&b).is_err(), "flip of bit {bit}");
+        }
+        assert_eq!(decode_segment_header(&buf[..10]), Err(FrameDefect::Short));
     }
 
     proptest! {

@@ -94,31 +94,64 @@ impl Index {
 
     /// Forgets every record stored in `segment`.
     pub fn remove_segment(&mut self, segment: Lsn) {
+        self.compact_segment(segment, &HashMap::new());
+    }
+
+    /// The trajectories with records in `segment`.
+    pub fn segment_trajectories(&self, segment: Lsn) -> Vec<String> {
+        self.by_segment
+            .get(&segment.0)
+            .map(|names| names.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// After `segment` was rewritten: its records whose lsn is in `kept` move to the offset
+    /// given there, the others are forgotten. Returns how many were forgotten.
+    pub fn compact_segment(&mut self, segment: Lsn, kept: &HashMap<u64, u64>) -> u64 {
         let Some(names) = self.by_segment.remove(&segment.0) else {
-            return;
+            return 0;
         };
+        let mut dropped = 0;
+        let mut still = BTreeSet::new();
         for name in names {
             let Some(t) = self.trajs.get_mut(&name) else {
                 continue;
             };
-            let gone: Vec<(u64, u64)> = t
+            let here: Vec<(u64, u64)> = t
                 .records
                 .iter()
                 .filter(|(_, s)| s.loc.segment == segment)
                 .map(|(k, _)| *k)
                 .collect();
-            for k in &gone {
-                if let Some(slot) = t.records.remove(k) {
-                    t.count(slot.kind, false);
-                    self.records -= 1;
+            let mut removed = false;
+            for k in &here {
+                match kept.get(&k.1) {
+                    Some(&offset) => {
+                        if let Some(slot) = t.records.get_mut(k) {
+                            slot.loc.offset = offset;
+                        }
+                        still.insert(name.clone());
+                    }
+                    None => {
+                        if let Some(slot) = t.records.remove(k) {
+                            t.count(slot.kind, false);
+                            self.records -= 1;
+                            dropped += 1;
+                            removed = true;
+                        }
+                    }
                 }
             }
             if t.records.is_empty() {
                 self.trajs.remove(&name);
-            } else {
+            } else if removed {
                 t.recompute_bounds();
             }
         }
+        if !still.is_empty() {
+            self.by_segment.insert(segment.0, still);
+        }
+        dropped
     }
 
     /// Records of `trajectory` with `step >= from_step`, in `(step, lsn)` order, at most `limit`.

@@ -22,6 +22,7 @@
 //! and read payloads with positioned reads (`pread`) from the segment files; they block on disk,
 //! so async callers should use `spawn_blocking` for large reads.
 
+mod compaction;
 pub mod export;
 mod format;
 mod index;
@@ -42,6 +43,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{broadcast, oneshot};
 
+pub use compaction::CompactionReport;
 pub use recovery::{Corruption, RecoveryReport};
 pub use storage::{FsStorage, SegmentFile, Storage};
 
@@ -53,7 +55,8 @@ pub const MAX_TRAJECTORY_LEN: usize = 128;
 /// The largest payload the format can hold (16 MiB). [`Config::max_payload`] may be lower.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
-/// A log sequence number: global, starting at 1, contiguous, assigned in durable order.
+/// A log sequence number: global, starting at 1, assigned contiguously in durable order and never
+/// reused (compaction and retention leave gaps, never renumber).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Lsn(pub u64);
 
@@ -348,7 +351,13 @@ struct Shared {
     poisoned: Mutex<Option<&'static str>>,
     stats: Counters,
     events: broadcast::Sender<Arc<Entry>>,
+    /// Open read handles by segment. Swapped together with the index (under its write lock)
+    /// when compaction replaces a segment file; see [`Shared::files_for`].
     readers: Mutex<HashMap<u64, Arc<File>>>,
+    /// Compaction's file operations (the writer holds its own handle to the same storage).
+    storage: Arc<dyn Storage>,
+    /// Serializes compaction and retention, the two operations that change sealed segments.
+    maintenance: Mutex<()>,
 }
 
 fn unpoison<T>(r: Result<T, PoisonError<T>>) -> T {
@@ -397,8 +406,29 @@ impl Shared {
         Ok(f)
     }
 
-    fn load(&self, slot: Slot) -> Result<Entry, LogError> {
-        let file = self.reader(slot.loc.segment)?;
+    /// The read handles of the segments `slots` live in. Call it under the same index read lock
+    /// the slots were taken under: compaction replaces a segment's file, its reader handle and
+    /// its index offsets together under the index write lock, so a handle taken here is the file
+    /// those offsets refer to (an old, renamed-over file stays readable while a handle is open).
+    fn files_for<'a>(
+        &self,
+        slots: impl IntoIterator<Item = &'a Slot>,
+    ) -> Result<HashMap<u64, Arc<File>>, LogError> {
+        let mut files = HashMap::new();
+        for slot in slots {
+            let seg = slot.loc.segment;
+            if let std::collections::hash_map::Entry::Vacant(v) = files.entry(seg.0) {
+                v.insert(self.reader(seg)?);
+            }
+        }
+        Ok(files)
+    }
+
+    fn load(&self, files: &HashMap<u64, Arc<File>>, slot: Slot) -> Result<Entry, LogError> {
+        let file = match files.get(&slot.loc.segment.0) {
+            Some(f) => f.clone(),
+            None => self.reader(slot.loc.segment)?,
+        };
         let mut buf = vec![0u8; slot.loc.len as usize];
         let corrupt = || LogError::Corrupt {
             path: self.segment_path(slot.loc.segment),
@@ -487,8 +517,11 @@ impl TrajLog {
             .iter()
             .map(|s| (s.first.0, s.len))
             .collect();
+        // A compacted segment is never appended to: if it is the last one (its successor was
+        // lost, or quarantined by recovery), a new segment starts at its end.
+        let last_compacted = recovered.segments.last().is_some_and(|s| s.compacted);
         let (active_first, active_len, active) = match segments.last_key_value() {
-            Some((&first, &len)) => {
+            Some((&first, &len)) if !last_compacted => {
                 let path = dir.join(format::segment_name(Lsn(first)));
                 let f = storage.open_append(&path).map_err(|source| LogError::Io {
                     op: "open_segment",
@@ -497,7 +530,7 @@ impl TrajLog {
                 })?;
                 (Lsn(first), len, f)
             }
-            None => {
+            _ => {
                 let path = dir.join(format::segment_name(next_lsn));
                 let f = storage.create(&path).map_err(|source| LogError::Io {
                     op: "create_segment",
@@ -519,6 +552,8 @@ impl TrajLog {
             stats: Counters::default(),
             events,
             readers: Mutex::new(HashMap::new()),
+            storage: storage.clone(),
+            maintenance: Mutex::new(()),
             config,
         });
         let w = writer::Writer {
@@ -612,20 +647,32 @@ impl TrajLog {
         from_step: u64,
         limit: usize,
     ) -> Result<Vec<Entry>, LogError> {
-        let slots = self.shared.read_index().range(trajectory, from_step, limit);
+        let (slots, files) = {
+            let index = self.shared.read_index();
+            let slots = index.range(trajectory, from_step, limit);
+            let files = self.shared.files_for(slots.iter().map(|(_, _, s)| s))?;
+            (slots, files)
+        };
         slots
             .into_iter()
-            .map(|(_, _, slot)| self.shared.load(slot))
+            .map(|(_, _, slot)| self.shared.load(&files, slot))
             .collect()
     }
 
     /// The first intent and first result of a step (what a replay decides on), or `None` if the
     /// step has no record.
     pub fn step(&self, trajectory: &str, step: u64) -> Result<Option<StepRecords>, LogError> {
-        let Some((intent, result)) = self.shared.read_index().step(trajectory, step) else {
-            return Ok(None);
+        let (intent, result, files) = {
+            let index = self.shared.read_index();
+            let Some((intent, result)) = index.step(trajectory, step) else {
+                return Ok(None);
+            };
+            let files = self
+                .shared
+                .files_for(intent.iter().chain(result.iter()).map(|(_, s)| s))?;
+            (intent, result, files)
         };
-        let load = |x: Option<(Lsn, Slot)>| x.map(|(_, s)| self.shared.load(s)).transpose();
+        let load = |x: Option<(Lsn, Slot)>| x.map(|(_, s)| self.shared.load(&files, s)).transpose();
         Ok(Some(StepRecords {
             intent: load(intent)?,
             result: load(result)?,
@@ -678,8 +725,8 @@ impl TrajLog {
 
     /// Deletes whole segments from the oldest on, while a segment's last write is older than
     /// [`Config::retention_max_age`] or the total size is above [`Config::retention_max_bytes`].
-    /// The active segment is never deleted, and only a prefix of the log goes, so the log stays
-    /// contiguous. Their records leave the index first. Call it periodically.
+    /// The active segment is never deleted, and only a prefix of the log goes, so no gap appears
+    /// between segments. Their records leave the index first. Call it periodically.
     pub fn enforce_retention(&self) -> Result<RetentionReport, LogError> {
         self.enforce_retention_at(SystemTime::now())
     }
@@ -691,6 +738,7 @@ impl TrajLog {
         if cfg.retention_max_age.is_none() && cfg.retention_max_bytes.is_none() {
             return Ok(report);
         }
+        let _maintenance = unpoison(self.shared.maintenance.lock());
         let mut segs = self.shared.lock_segments();
         let active = self.shared.active_segment.load(Ordering::Acquire);
         let mut total: u64 = segs.values().sum();
@@ -738,6 +786,29 @@ impl TrajLog {
             })?;
         }
         Ok(report)
+    }
+
+    /// Compaction: rewrites every sealed segment (never the active one) that holds records of a
+    /// trajectory for which `finished` returns true, without those records. The other records
+    /// keep their lsn, bytes and order. A segment left without records is deleted when it is the
+    /// oldest one (otherwise it stays as a 24-byte header until it is). `finished` is asked once
+    /// per trajectory per call; records of a finished trajectory in the active segment, or
+    /// appended later, stay.
+    ///
+    /// Each segment is written to a temporary file, fsync'ed, renamed over the original and the
+    /// directory fsync'ed, so a crash leaves the old or the new segment. Appends continue
+    /// meanwhile; readers see each segment either before or after its swap. On an error the
+    /// segments already compacted stay compacted and the log stays consistent.
+    pub fn compact(&self, finished: &dyn Fn(&str) -> bool) -> Result<CompactionReport, LogError> {
+        compaction::compact(&self.shared, finished)
+    }
+
+    /// [`compact`](TrajLog::compact) dropping the trajectories in `finished`.
+    pub fn compact_trajectories<S: std::hash::BuildHasher>(
+        &self,
+        finished: &std::collections::HashSet<String, S>,
+    ) -> Result<CompactionReport, LogError> {
+        self.compact(&|t| finished.contains(t))
     }
 
     /// Stops accepting records, lets the writer finish what is queued, and joins it. Later

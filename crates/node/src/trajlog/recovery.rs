@@ -1,8 +1,12 @@
 //! Recovery on open: scan the segments in lsn order, keep the longest valid prefix.
 //!
 //! A record is valid when its frame decodes (magic, length, CRC, fields) and its lsn is the one
-//! after its predecessor's (the first segment's name gives the first lsn). The scan stops at the
-//! first invalid record. What happens then depends on where it is:
+//! after its predecessor's (the first segment's name gives the first lsn). A segment rewritten by
+//! compaction starts with a header giving the lsn range `first..end` it covers: its lsns only
+//! have to increase within that range (dropped records leave gaps), and the next segment must
+//! start at `end`, so a missing segment, compacted or not, is still a gap. A damaged header is
+//! corruption (`segment_header`). Temporary files of an unfinished compaction are deleted first.
+//! The scan stops at the first invalid record. What happens then depends on where it is:
 //!
 //! - **Torn tail**: the bad bytes are in the last segment and no valid frame follows them. This is
 //!   what a crash during a write leaves; the segment is truncated at the bad record and the
@@ -20,7 +24,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::format::{self, FrameDefect, HEADER_LEN, MAGIC};
+use super::format::{self, FrameDefect, SegmentHeader, HEADER_LEN, MAGIC, SEGMENT_HEADER_LEN};
 use super::index::{Index, Loc};
 use super::storage::sync_dir;
 use super::{LogError, Lsn};
@@ -61,8 +65,8 @@ pub struct Corruption {
     pub offset: u64,
     /// The lsn that was expected there.
     pub expected_lsn: Lsn,
-    /// What is wrong: `short`, `magic`, `length`, `crc`, `fields`, `lsn_sequence` or
-    /// `segment_gap`.
+    /// What is wrong: `short`, `magic`, `length`, `crc`, `fields`, `lsn_sequence`,
+    /// `segment_gap` or `segment_header`.
     pub defect: &'static str,
 }
 
@@ -73,6 +77,8 @@ pub struct SegmentMeta {
     pub first: Lsn,
     /// Valid length in bytes.
     pub len: u64,
+    /// Whether it starts with a compacted-segment header.
+    pub compacted: bool,
 }
 
 /// The state recovery hands to the log.
@@ -121,8 +127,38 @@ fn valid_frame_after(data: &[u8], from: usize) -> bool {
     false
 }
 
+/// Whether a record with `lsn` may follow in a segment whose next expected lsn is `next`.
+fn in_sequence(lsn: Lsn, next: Lsn, header: Option<SegmentHeader>) -> bool {
+    match header {
+        None => lsn == next,
+        Some(h) => lsn >= next && lsn < h.end,
+    }
+}
+
+/// Deletes the temporary files of a compaction that did not finish (its segment is intact).
+fn remove_compaction_leftovers(dir: &Path) -> Result<(), LogError> {
+    let mut removed = false;
+    for entry in fs::read_dir(dir).map_err(io_err("read_dir", dir))? {
+        let entry = entry.map_err(io_err("read_dir", dir))?;
+        let name = entry.file_name();
+        if name
+            .to_str()
+            .is_some_and(|n| n.ends_with(".log.compacting"))
+        {
+            let path = entry.path();
+            fs::remove_file(&path).map_err(io_err("remove_compaction_leftover", &path))?;
+            removed = true;
+        }
+    }
+    if removed {
+        sync_dir(dir).map_err(io_err("sync_dir", dir))?;
+    }
+    Ok(())
+}
+
 /// Scans `dir` and repairs it as described in the module docs.
 pub fn recover(dir: &Path) -> Result<Recovered, LogError> {
+    remove_compaction_leftovers(dir)?;
     let segs = list_segments(dir)?;
     let mut index = Index::default();
     let mut kept = Vec::new();
@@ -143,13 +179,33 @@ pub fn recover(dir: &Path) -> Result<Recovered, LogError> {
                 break;
             }
         }
-        let mut next = *first;
         let data = fs::read(path).map_err(io_err("read_segment", path))?;
-        let mut off = 0usize;
+        let header = match format::decode_segment_header(&data) {
+            Ok(Some(h)) if h.first == *first => Some(h),
+            Ok(None) => None,
+            Ok(Some(_)) | Err(_) => {
+                quarantine(dir, &segs[i..], None, &mut report)?;
+                report.corruption = Some(Corruption {
+                    segment: path.clone(),
+                    offset: 0,
+                    expected_lsn: *first,
+                    defect: "segment_header",
+                });
+                break;
+            }
+        };
+        // An original segment holds exactly `next, next + 1, …`; a compacted one increasing
+        // lsns in `first..end` (the dropped ones are gaps), and the next segment starts at `end`.
+        let mut next = *first;
+        let mut off = if header.is_some() {
+            SEGMENT_HEADER_LEN
+        } else {
+            0
+        };
         let mut bad: Option<&'static str> = None;
         while off < data.len() {
             match format::decode_frame(&data[off..]) {
-                Ok((body, n)) if body.lsn == next => {
+                Ok((body, n)) if in_sequence(body.lsn, next, header) => {
                     index.insert(
                         body.trajectory,
                         body.step,
@@ -163,7 +219,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, LogError> {
                     );
                     report.records += 1;
                     off += n;
-                    next = Lsn(next.0 + 1);
+                    next = Lsn(body.lsn.0 + 1);
                 }
                 Ok(_) => {
                     bad = Some("lsn_sequence");
@@ -175,13 +231,19 @@ pub fn recover(dir: &Path) -> Result<Recovered, LogError> {
                 }
             }
         }
+        let compacted = header.is_some();
+        if let Some(h) = header {
+            next = h.end;
+        }
         expected = Some(next);
         match bad {
             None => kept.push(SegmentMeta {
                 first: *first,
                 len: data.len() as u64,
+                compacted,
             }),
-            Some(_) if is_last && !valid_frame_after(&data, off + 1) => {
+            // A compacted segment is renamed into place whole, so it has no torn tail.
+            Some(_) if is_last && !compacted && !valid_frame_after(&data, off + 1) => {
                 let f = fs::OpenOptions::new()
                     .write(true)
                     .open(path)
@@ -193,6 +255,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, LogError> {
                 kept.push(SegmentMeta {
                     first: *first,
                     len: off as u64,
+                    compacted,
                 });
             }
             Some(defect) => {
@@ -202,6 +265,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, LogError> {
                     kept.push(SegmentMeta {
                         first: *first,
                         len: off as u64,
+                        compacted,
                     });
                 }
                 report.corruption = Some(Corruption {

@@ -1,12 +1,15 @@
-//! The file operations of the writer, behind a small trait so that tests can inject failures
-//! (F-12: write errors, short writes, fsync errors, slow disks).
+//! The file operations of the writer and of compaction, behind a small trait so that tests can
+//! inject failures (F-12: write errors, short writes, fsync errors, slow disks; failures between
+//! compaction's write, rename and directory sync).
 //!
-//! Only the writer's mutating operations go through [`Storage`]; recovery and reads use the file
-//! system directly, since a fault there is reported as an error and never acknowledged.
+//! Only the mutating operations of the writer and compaction go through [`Storage`]; recovery,
+//! retention and reads use the file system directly, since a fault there is reported as an error
+//! and never acknowledged.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
+use std::time::SystemTime;
 
 /// Creates and opens segment files for appending.
 pub trait Storage: Send + Sync + 'static {
@@ -15,6 +18,29 @@ pub trait Storage: Send + Sync + 'static {
     fn create(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>>;
     /// Opens an existing segment for appending at its end.
     fn open_append(&self, path: &Path) -> io::Result<Box<dyn SegmentFile>>;
+
+    /// Compaction: writes `data` to a new file (replacing a leftover of the same name), sets its
+    /// modification time to `modified` and makes it durable (`fsync`).
+    fn write_durable(&self, path: &Path, data: &[u8], modified: SystemTime) -> io::Result<()> {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        file.write_all(data)?;
+        file.set_modified(modified)?;
+        file.sync_all()
+    }
+
+    /// Compaction: atomically replaces `to` with `from` (`rename(2)`).
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
+    /// Makes the entries of a directory durable (after compaction's rename).
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        sync_dir(dir)
+    }
 }
 
 /// An open segment, written only at its end.

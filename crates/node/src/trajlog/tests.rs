@@ -334,3 +334,129 @@ fn invalid_records_are_refused_before_queueing() {
         })
     ));
 }
+
+// ---------------------------------------------------------------------------------------------
+// recovery of compacted segments
+
+/// Writes a compacted segment `first..end` holding `lsns` (each a record of trajectory `c`).
+fn write_compacted(dir: &Path, first: u64, end: u64, lsns: &[u64]) -> PathBuf {
+    let mut buf = Vec::new();
+    format::encode_segment_header(
+        &mut buf,
+        format::SegmentHeader {
+            first: Lsn(first),
+            end: Lsn(end),
+        },
+    );
+    for &l in lsns {
+        format::encode(&mut buf, Lsn(l), "c", l, RecordKind::Result, b"p");
+    }
+    let path = dir.join(format::segment_name(Lsn(first)));
+    std::fs::write(&path, &buf).expect("write segment");
+    path
+}
+
+/// Writes an original segment holding `first..end`.
+fn write_original(dir: &Path, first: u64, end: u64) -> PathBuf {
+    let mut buf = Vec::new();
+    for l in first..end {
+        format::encode(&mut buf, Lsn(l), "o", l, RecordKind::Intent, b"q");
+    }
+    let path = dir.join(format::segment_name(Lsn(first)));
+    std::fs::write(&path, &buf).expect("write segment");
+    path
+}
+
+#[test]
+fn recovery_accepts_gaps_inside_compacted_segments() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    write_compacted(tmp.path(), 1, 10, &[2, 5, 9]);
+    write_compacted(tmp.path(), 10, 20, &[]);
+    write_original(tmp.path(), 20, 23);
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    assert!(!report.is_corrupt(), "{report:?}");
+    let lsns: Vec<u64> = read_all(&log).iter().map(|e| e.lsn.0).collect();
+    assert_eq!(lsns, vec![2, 5, 9, 20, 21, 22]);
+    assert_eq!(report.next_lsn, Lsn(23));
+}
+
+#[test]
+fn a_compacted_last_segment_is_not_appended_to_and_bounds_next_lsn() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    write_compacted(tmp.path(), 1, 50, &[3, 4]);
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    assert!(!report.is_corrupt(), "{report:?}");
+    let lsn = log
+        .append_blocking(Record::new("n", 0, RecordKind::Intent, b"x".to_vec()))
+        .expect("append");
+    assert_eq!(lsn, Lsn(50), "never below the compacted segment's end");
+    drop(log);
+    assert!(tmp.path().join(format::segment_name(Lsn(50))).exists());
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert_eq!(read_all(&log).len(), 3);
+}
+
+#[test]
+fn compacted_segments_still_detect_corruption() {
+    // (case, expected defect, expected kept records)
+    let cases: [(&str, &str, u64); 5] = [
+        ("backwards", "lsn_sequence", 1),
+        ("beyond_end", "lsn_sequence", 1),
+        ("missing_compacted", "segment_gap", 1),
+        ("missing_original", "segment_gap", 3),
+        ("bad_header", "segment_header", 0),
+    ];
+    for (case, defect, kept) in cases {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let d = tmp.path();
+        match case {
+            "backwards" => {
+                write_compacted(d, 1, 10, &[5, 3]);
+                write_original(d, 10, 12);
+            }
+            "beyond_end" => {
+                write_compacted(d, 1, 10, &[5, 10]);
+                write_original(d, 10, 12);
+            }
+            "missing_compacted" => {
+                write_compacted(d, 1, 10, &[5]);
+                // 10..20 missing
+                write_original(d, 20, 22);
+            }
+            "missing_original" => {
+                write_compacted(d, 1, 10, &[5]);
+                write_original(d, 10, 12);
+                // 12..20 missing
+                write_compacted(d, 20, 30, &[25]);
+                write_original(d, 30, 31);
+            }
+            _ => {
+                let p = write_compacted(d, 1, 10, &[5]);
+                let mut b = std::fs::read(&p).expect("read");
+                b[17] ^= 4;
+                std::fs::write(&p, b).expect("write");
+                write_original(d, 10, 12);
+            }
+        }
+        let (log, report) = TrajLog::open(Config::new(d)).expect("open");
+        let c = report
+            .corruption
+            .clone()
+            .unwrap_or_else(|| panic!("{case}: corruption not reported"));
+        assert_eq!(c.defect, defect, "{case}");
+        assert_eq!(read_all(&log).len() as u64, kept, "{case}");
+    }
+}
+
+#[test]
+fn leftover_compaction_files_are_removed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    write_original(tmp.path(), 1, 5);
+    let tmpfile = tmp.path().join(format::compacting_name(Lsn(1)));
+    std::fs::write(&tmpfile, b"half a compaction").expect("write");
+    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("open");
+    assert!(!report.is_corrupt(), "{report:?}");
+    assert!(!tmpfile.exists());
+    assert_eq!(read_all(&log).len(), 4);
+}
