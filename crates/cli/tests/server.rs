@@ -230,7 +230,13 @@ impl Daemon {
             let (s, v) = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
             assert_eq!(s, 200, "delete {id}: {v}");
         }
-        let left = self.on_machine(&BTreeSet::new());
+        // Pool surplus is destroyed in the background: give it a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut left = self.on_machine(&BTreeSet::new());
+        while !left.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            left = self.on_machine(&BTreeSet::new());
+        }
         assert!(left.is_empty(), "left on the machine: {left:?}");
         self.sigterm();
         let st = self.child.wait().expect("wait");
