@@ -112,6 +112,12 @@ struct ServerArgs {
     /// Keep at most this many bytes of trajectory log (oldest segments go first).
     #[arg(long, value_parser = units::parse_bytes)]
     log_retention_bytes: Option<u64>,
+    /// Size at which the trajectory log starts a new segment (default 64M).
+    #[arg(long, value_parser = units::parse_bytes)]
+    log_segment_bytes: Option<u64>,
+    /// Seconds after which a finished trajectory's records are compacted out of the log.
+    #[arg(long, default_value_t = 3600)]
+    compact_finished_after: u64,
     /// Most sandboxes this node holds at once, pools included.
     #[arg(long, env = "DSEC_MAX_SANDBOXES", default_value_t = 10_000)]
     max_sandboxes: usize,
@@ -372,6 +378,8 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs(args.drain_seconds),
         max_sandboxes: args.max_sandboxes,
+        compact_finished_after: std::time::Duration::from_secs(args.compact_finished_after),
+        log_segment_bytes: args.log_segment_bytes,
         log_retention: (
             args.log_retention_hours
                 .map(|h| std::time::Duration::from_secs(h.saturating_mul(3600))),

@@ -34,12 +34,17 @@ fn dirs(tag: &str) -> (PathBuf, PathBuf) {
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {
+        Self::start_with(data, run, &[])
+    }
+
+    fn start_with(data: &Path, run: &Path, args: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
             .arg("--data-dir")
             .arg(data)
             .arg("--run-dir")
             .arg(run)
             .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+            .args(args)
             .env("DSEC_SPAWNER_SHELLS", "2")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -380,5 +385,51 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
         assert!(results.contains(a), "acked step {a} has a logged result");
     }
     assert!(rounds >= 1);
+    d.finish(&[id]);
+}
+
+/// A finished trajectory is compacted out of the log; the others stay, and replay still works.
+#[test]
+fn finished_trajectories_are_compacted_and_the_rest_replays() {
+    let (data, run) = dirs("cmp");
+    let args = [
+        "--log-segment-bytes",
+        "4096",
+        "--compact-finished-after",
+        "0",
+    ];
+    let mut d = Daemon::start_with(&data, &run, &args);
+    let id = create(&d);
+    let step = |traj: &str, n: u64| json!({"trajectory": traj, "step": n, "shell": format!("echo {traj}-{n}")});
+    let mut kept = Vec::new();
+    for n in 1..=30u64 {
+        for traj in ["done", "live"] {
+            let (s, _, body) = d.post(&format!("/v1/sandboxes/{id}/exec"), &step(traj, n));
+            assert_eq!(s, 200);
+            if traj == "live" {
+                kept.push(body);
+            }
+        }
+    }
+    let (s, _, _) = d.post("/v1/trajectories/done/finish", &json!({}));
+    assert_eq!(s, 200);
+    let (s, _, body) = d.post("/v1/admin/compact", &json!({}));
+    assert_eq!(s, 200);
+    let report: Value = serde_json::from_slice(&body).expect("report");
+    assert!(report["records_dropped"].as_u64() > Some(0), "{report}");
+    d.kill9();
+    let d = Daemon::start_with(&data, &run, &args);
+    let live = d.get("/v1/trajectories/live");
+    assert_eq!(live["results"].as_u64(), Some(30), "{live}");
+    let done = d.get("/v1/trajectories/done");
+    assert!(
+        done["code"] == "trajectory_not_found" || done["results"].as_u64() < Some(30),
+        "the finished one was compacted: {done}"
+    );
+    for n in 1..=30u64 {
+        let (s, replayed, body) = d.post(&format!("/v1/sandboxes/{id}/exec"), &step("live", n));
+        assert_eq!((s, replayed), (200, true), "step {n}");
+        assert_eq!(body, kept[n as usize - 1], "step {n} byte-identical");
+    }
     d.finish(&[id]);
 }

@@ -264,6 +264,8 @@ pub struct App {
     sweeps: std::sync::atomic::AtomicU64,
     /// The trajectory log.
     pub trajectories: Trajectories,
+    /// How long a finished trajectory stays in the log before compaction may drop it.
+    pub compact_after: std::time::Duration,
 }
 
 /// Counts a request as in flight while it lives.
@@ -394,6 +396,7 @@ impl App {
         store: Store,
         trajectories: Trajectories,
         max_sandboxes: usize,
+        compact_after: std::time::Duration,
     ) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
@@ -409,6 +412,7 @@ impl App {
             create_slots: tokio::sync::Semaphore::new(4),
             max_sandboxes,
             trajectories,
+            compact_after,
             sweeps: std::sync::atomic::AtomicU64::new(0),
             metrics: Metrics::new(),
             started: Instant::now(),
@@ -1112,7 +1116,11 @@ impl App {
         }
         if self.sweeps.load(Ordering::Relaxed).is_multiple_of(60) {
             let app = Arc::clone(self);
-            let _ = tokio::task::spawn_blocking(move || app.trajectories.enforce_retention()).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                app.trajectories.enforce_retention();
+                let _ = app.compact_finished();
+            })
+            .await;
         }
         let now = now_ms();
         let day_ago = now.saturating_sub(24 * 3600 * 1000);
@@ -1121,6 +1129,20 @@ impl App {
         let _ = self.store.purge_stopped(hour_ago);
         self.kick_pools();
         n
+    }
+
+    /// Compacts the log: records of trajectories finished at least `compact_after` ago go.
+    pub fn compact_finished(&self) -> ApiResult<serde_json::Value> {
+        let before = now_ms().saturating_sub(self.compact_after.as_millis() as u64);
+        let finished: std::collections::HashSet<String> = self
+            .store
+            .finished_trajectories(before)?
+            .into_iter()
+            .collect();
+        if finished.is_empty() {
+            return Ok(serde_json::json!({"records_dropped": 0}));
+        }
+        self.trajectories.compact(&finished)
     }
 
     /// Reconciles the store with the machine after a start: adopts sandboxes whose

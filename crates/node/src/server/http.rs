@@ -98,6 +98,8 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/trajectories/{tid}/stream", get(trajectory_stream))
         .route("/v1/trajectories/{tid}/annotations", post(annotate))
         .route("/v1/trajectories/{tid}/export", get(export_trajectory))
+        .route("/v1/trajectories/{tid}/finish", post(finish_trajectory))
+        .route("/v1/admin/compact", post(compact_log))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             idempotency,
@@ -2069,4 +2071,32 @@ fn export_row(r: &Value) -> crate::trajlog::export::ExportRow {
         annotations: json!({"step": r["annotations"], "trajectory": r["trajectory_annotations"]})
             .to_string(),
     }
+}
+
+/// Marks a trajectory finished: it will not be resumed, so its records may be compacted out
+/// of the log (after `--compact-finished-after`; export it first).
+async fn finish_trajectory(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    Path(tid): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let key = app.trajectories.existing_key(&t, &tid)?;
+    app.store.finish_trajectory(&key, super::app::now_ms())?;
+    Ok(Json(json!({"id": tid, "finished": true})))
+}
+
+/// Runs retention and compaction of finished trajectories now (admin).
+async fn compact_log(
+    AxState(app): AxState<AppState>,
+    Extension(caller): Extension<Tenant>,
+) -> ApiResult<Json<Value>> {
+    require_admin(&caller)?;
+    let app2 = Arc::clone(&app);
+    let report = tokio::task::spawn_blocking(move || {
+        app2.trajectories.enforce_retention();
+        app2.compact_finished()
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(Json(report))
 }

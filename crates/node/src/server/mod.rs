@@ -51,6 +51,10 @@ pub struct ServerConfig {
     /// Trajectory log retention: whole segments older than this, or beyond this many bytes,
     /// are deleted (never the active one).
     pub log_retention: (Option<Duration>, Option<u64>),
+    /// Finished trajectories are compacted out of the log this long after they finished.
+    pub compact_finished_after: Duration,
+    /// Size at which the trajectory log starts a new segment (default 64 MiB).
+    pub log_segment_bytes: Option<u64>,
 }
 
 /// A failure to start or run the daemon.
@@ -98,8 +102,9 @@ async fn serve(
     let traj_dir = cfg.runtime.data_dir.join("trajectories");
     let patterns = cfg.redact_patterns.clone();
     let retention = cfg.log_retention;
+    let segment_bytes = cfg.log_segment_bytes;
     let trajectories = tokio::task::spawn_blocking(move || {
-        trajectory::Trajectories::open(traj_dir, &patterns, retention)
+        trajectory::Trajectories::open(traj_dir, &patterns, retention, segment_bytes)
     })
     .await
     .map_err(|e| ServerError::Other(e.to_string()))?
@@ -110,7 +115,13 @@ async fn serve(
             &[("report", &format!("{:?}", trajectories.recovery))],
         );
     }
-    let app = App::new(runtime, store, trajectories, cfg.max_sandboxes);
+    let app = App::new(
+        runtime,
+        store,
+        trajectories,
+        cfg.max_sandboxes,
+        cfg.compact_finished_after,
+    );
     // Pools first (recovery hands their adopted sandboxes back), from the store; the host
     // pool from the flags unless it was configured through the API before.
     let stored = app.store.pools()?;

@@ -301,9 +301,23 @@ pub const ROUTES: &[Route] = &[
     r(
         "get",
         "/v1/trajectories/{tid}/export",
-        "Training rows (?format=jsonl&label=&min_reward=)",
+        "Training rows (?format=jsonl|parquet&label=&min_reward=)",
         "",
         "bytes",
+    ),
+    r(
+        "post",
+        "/v1/trajectories/{tid}/finish",
+        "Mark finished: its records may be compacted out of the log",
+        "",
+        "Trajectory",
+    ),
+    r(
+        "post",
+        "/v1/admin/compact",
+        "Run log retention and compaction of finished trajectories now (admin)",
+        "",
+        "Compaction",
     ),
 ];
 
@@ -417,6 +431,7 @@ pub fn document() -> Value {
                 "Template": obj(&["name", "layers", "env", "workdir", "user", "source"]),
                 "Trajectory": obj(&["id", "intents", "results", "annotations", "acknowledged", "unknown", "last_step", "first_lsn", "last_lsn"]),
                 "Annotation": obj(&["lsn"]),
+                "Compaction": obj(&["segments_rewritten", "segments_deleted", "records_dropped", "bytes_reclaimed"]),
                 "Pool": obj(&["template", "min", "max", "ready", "creating", "hits", "misses", "hit_rate"]),
             }
         }

@@ -117,6 +117,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, id);
 CREATE INDEX IF NOT EXISTS sandboxes_idem ON sandboxes(tenant, idem);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS finished_trajectories (
+    key TEXT PRIMARY KEY, at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS pools (
     template TEXT PRIMARY KEY, min INTEGER NOT NULL, max INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -351,6 +353,26 @@ impl Store {
                 "DELETE FROM sandboxes WHERE state = 'stopped' AND updated_at < ?1",
                 params![before_ms as i64],
             )?)
+        })
+    }
+
+    /// Marks a trajectory (its log key) finished: its records may be compacted away.
+    pub fn finish_trajectory(&self, key: &str, now_ms: u64) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR IGNORE INTO finished_trajectories (key, at) VALUES (?1, ?2)",
+                params![key, now_ms as i64],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Log keys of the trajectories finished before `before_ms`.
+    pub fn finished_trajectories(&self, before_ms: u64) -> Result<Vec<String>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT key FROM finished_trajectories WHERE at < ?1")?;
+            let rows = st.query_map(params![before_ms as i64], |r| r.get::<_, String>(0))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
         })
     }
 

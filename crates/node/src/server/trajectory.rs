@@ -221,6 +221,7 @@ impl Trajectories {
         dir: PathBuf,
         patterns: &[String],
         retention: (Option<std::time::Duration>, Option<u64>),
+        segment_bytes: Option<u64>,
     ) -> Result<Self, String> {
         let redactor = Redactor::new(patterns)?;
         let blobs = dir.join("blobs");
@@ -228,6 +229,9 @@ impl Trajectories {
         let mut config = Config::new(dir.join("segments"));
         config.retention_max_age = retention.0;
         config.retention_max_bytes = retention.1;
+        if let Some(b) = segment_bytes {
+            config.segment_bytes = b;
+        }
         let (log, recovery) = TrajLog::open(config).map_err(|e| format!("trajectory log: {e}"))?;
         Ok(Self {
             log,
@@ -242,6 +246,33 @@ impl Trajectories {
     /// The log.
     pub fn log(&self) -> &TrajLog {
         &self.log
+    }
+
+    /// The log key of a tenant's trajectory (validated), when the log has it.
+    pub fn existing_key(&self, tenant: &Tenant, trajectory: &str) -> ApiResult<String> {
+        check_id(trajectory)?;
+        let key = key(tenant, trajectory);
+        if self.log.trajectory(&key).is_none() {
+            return Err(ApiError::new(
+                ErrorCode::TrajectoryNotFound,
+                format!("no trajectory {trajectory}"),
+            ));
+        }
+        Ok(key)
+    }
+
+    /// Drops the records of `finished` trajectories from sealed log segments.
+    pub fn compact(&self, finished: &std::collections::HashSet<String>) -> ApiResult<Value> {
+        let r = self.log.compact_trajectories(finished).map_err(log_err)?;
+        if r.records_dropped > 0 {
+            self.cache.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+        Ok(json!({
+            "segments_rewritten": r.segments_rewritten,
+            "segments_deleted": r.segments_deleted,
+            "records_dropped": r.records_dropped,
+            "bytes_reclaimed": r.bytes_reclaimed,
+        }))
     }
 
     /// Applies the log's retention; forgets cached chains when segments went.
