@@ -177,3 +177,4 @@ def test_trajectory_object_resumes_by_fast_forward(sandbox: dsec.Sandbox) -> Non
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     kinds = [rec["kind"] for rec in again.steps()]
     assert kinds.count("intent") == 4 and kinds.count("result") == 4
+    again.finish()

@@ -86,6 +86,10 @@ class Trajectory:
         """Annotate the trajectory (or one step); durable; returns its lsn."""
         return self.client.annotate_trajectory(self.id, step=step, reward=reward, labels=labels, data=data)
 
+    def finish(self) -> None:
+        """Mark it finished: it will not be resumed, and its records may be compacted away."""
+        self.client.request_json("POST", f"/v1/trajectories/{self.id}/finish")
+
     def export(self, *, label: Optional[str] = None, min_reward: Optional[float] = None) -> List[Dict[str, Any]]:
         """Training rows (action, observation, status, timings, annotations) per step."""
         return self.client.export_trajectory(self.id, label=label, min_reward=min_reward)
