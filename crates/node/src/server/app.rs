@@ -264,6 +264,8 @@ pub struct App {
     sweeps: std::sync::atomic::AtomicU64,
     /// The trajectory log.
     pub trajectories: Trajectories,
+    /// The code runner (`/v1/run`, `/run_code`).
+    pub runner: super::run::Runner,
 }
 
 /// Counts a request as in flight while it lives.
@@ -394,6 +396,7 @@ impl App {
         store: Store,
         trajectories: Trajectories,
         max_sandboxes: usize,
+        runner: super::run::Runner,
     ) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
@@ -409,6 +412,7 @@ impl App {
             create_slots: tokio::sync::Semaphore::new(4),
             max_sandboxes,
             trajectories,
+            runner,
             sweeps: std::sync::atomic::AtomicU64::new(0),
             metrics: Metrics::new(),
             started: Instant::now(),
