@@ -213,6 +213,7 @@ async fn serve(
         }
     };
     sweeper.abort();
+    run::stop(&app).await;
     result?;
     log::info("stopped", &[]);
     Ok(())

@@ -1122,6 +1122,12 @@ pub async fn run_code(app: Arc<App>, t: &Tenant, body: &[u8]) -> (u16, Value) {
 /// Destroys runner sandboxes a previous node process left (their sessions died with the
 /// agent connections of that process). Zygotes and the language probe start at first use.
 pub async fn start(app: Arc<App>) {
+    stop(&app).await;
+}
+
+/// Destroys the runner's sandboxes when the node stops: zygotes and idle containers are a
+/// cache, never adopted by the next start.
+pub async fn stop(app: &Arc<App>) {
     let mine = app.runner.tenant().id.clone();
     for e in app.entries() {
         if e.record().tenant.as_deref() == Some(mine.as_str()) {
