@@ -5,6 +5,7 @@ mod admin_cmd;
 mod bench;
 mod bench_api;
 mod bench_log;
+mod bench_run;
 mod client;
 mod output;
 mod sandbox_cmd;
@@ -456,6 +457,7 @@ fn main() -> ExitCode {
         } => return remote(&cli, |c| template_push(c, name, path, *oci)),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) if args.what == "api" => bench_api::run(args),
+        Command::Bench(args) if args.what == "run" => bench_run::run(args),
         Command::Bench(args) if args.what == "log" => bench_log::run(args, &cli.data_dir),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),
     };
