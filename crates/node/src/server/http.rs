@@ -361,7 +361,7 @@ async fn readyz(AxState(app): AxState<AppState>) -> Response {
     let body = json!({
         "ready": ready && !draining,
         "draining": draining,
-        "substrates": {"container": true, "function": false, "microvm": false, "vm": false},
+        "substrates": {"container": true, "function": true, "microvm": false, "vm": false},
         "idle_shells": app.rt.idle_shells(),
         "favordynmods": app.rt.favordynmods(),
         "recovery": recovery,
