@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio
+"$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio sandbox-fusion
 
 export DSEC_BIN="${DSEC_BIN:-$PWD/target/x86_64-unknown-linux-gnu/debug/dsec}"
 if [ ! -x "$DSEC_BIN" ]; then

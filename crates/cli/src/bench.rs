@@ -17,7 +17,8 @@ use serde::Serialize;
 /// Arguments of `dsec bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// What to measure: `container` (the substrate, in process), `api` (the daemon over HTTP) or
+    /// What to measure: `container` (the substrate, in process), `api` (the daemon over HTTP),
+    /// `run` (the code runner: function vs container substrate vs `python3 -c`) or
     /// `log` (the trajectory log's durable appends and replay, with SQLite as the peer).
     pub what: String,
     /// Iterations per latency figure.

@@ -5,6 +5,7 @@ mod admin_cmd;
 mod bench;
 mod bench_api;
 mod bench_log;
+mod bench_run;
 mod client;
 mod output;
 mod sandbox_cmd;
@@ -124,6 +125,16 @@ struct ServerArgs {
     /// Ready sandboxes of the `host` template kept at most (0: no pool).
     #[arg(long, env = "DSEC_POOL_MAX", default_value_t = 64)]
     pool_max: usize,
+    /// Serve the code runner (`/run_code`, `/v1/run`, …) without an API key, as the
+    /// `anonymous` tenant (at most 8 runs in flight). Only on a loopback listener.
+    #[arg(long)]
+    anonymous_run: bool,
+    /// Most Python zygotes (function-substrate sandboxes) per template.
+    #[arg(long, default_value_t = 4)]
+    run_zygotes: usize,
+    /// Modules each Python zygote imports once (comma-separated; default: common stdlib).
+    #[arg(long, value_delimiter = ',')]
+    run_preload: Option<Vec<String>>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -394,6 +405,14 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
             min: args.pool_min.min(args.pool_max),
             max: args.pool_max,
         }),
+        run: {
+            let base = dsec_node::server::run::RunConfig::default();
+            dsec_node::server::run::RunConfig {
+                preload: args.run_preload.clone().unwrap_or(base.preload),
+                zygotes: args.run_zygotes.clamp(1, 256),
+                anonymous: args.anonymous_run,
+            }
+        },
     };
     let key_file = cli.data_dir.join("admin.key");
     dsec_node::server::run(cfg, move |addr, key| {
@@ -446,6 +465,7 @@ fn main() -> ExitCode {
         } => return remote(&cli, |c| template_push(c, name, path, *oci)),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) if args.what == "api" => bench_api::run(args),
+        Command::Bench(args) if args.what == "run" => bench_run::run(args),
         Command::Bench(args) if args.what == "log" => bench_log::run(args, &cli.data_dir),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),
     };

@@ -266,6 +266,8 @@ pub struct App {
     pub trajectories: Trajectories,
     /// How long a finished trajectory stays in the log before compaction may drop it.
     pub compact_after: std::time::Duration,
+    /// The code runner (`/v1/run`, `/run_code`).
+    pub runner: super::run::Runner,
 }
 
 /// Counts a request as in flight while it lives.
@@ -397,6 +399,7 @@ impl App {
         trajectories: Trajectories,
         max_sandboxes: usize,
         compact_after: std::time::Duration,
+        runner: super::run::Runner,
     ) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
@@ -413,6 +416,7 @@ impl App {
             max_sandboxes,
             trajectories,
             compact_after,
+            runner,
             sweeps: std::sync::atomic::AtomicU64::new(0),
             metrics: Metrics::new(),
             started: Instant::now(),

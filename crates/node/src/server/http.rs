@@ -92,6 +92,16 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/pools", get(list_pools))
         .route("/v1/pools/{template}", get(get_pool).put(set_pool))
         .route("/v1/events", get(events))
+        .route("/v1/run", post(run_native))
+        .route("/v1/run/batch", post(run_batch))
+        .route("/v1/languages", get(languages))
+        .route("/run_code", post(run_code))
+        .route("/v1/ping", get(ping))
+        .route("/t/{key}/run_code", post(run_code))
+        .route("/t/{key}/v1/ping", get(ping))
+        .route("/t/{key}/v1/run", post(run_native))
+        .route("/t/{key}/v1/run/batch", post(run_batch))
+        .route("/t/{key}/v1/languages", get(languages))
         .route("/v1/trajectories", get(list_trajectories))
         .route("/v1/trajectories/{tid}", get(get_trajectory))
         .route("/v1/trajectories/{tid}/records", get(trajectory_records))
@@ -131,7 +141,11 @@ async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(auth::random_id, str::to_owned);
-    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let (method, mut path) = (req.method().clone(), req.uri().path().to_owned());
+    // A key carried in the path is never logged.
+    if let Some((_, tail)) = path.strip_prefix("/t/").and_then(|r| r.split_once('/')) {
+        path = format!("/t/<key>/{tail}");
+    }
     let mut resp = REQUEST_ID
         .scope(id.clone(), async move {
             let resp = next.run(req).await;
@@ -154,20 +168,43 @@ async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -
     resp
 }
 
+/// Paths of the code runner: the only ones a key in the path (`/t/<key>/…`) or the anonymous
+/// tenant may reach.
+fn is_run_path(path: &str) -> bool {
+    matches!(
+        path,
+        "/run_code" | "/v1/ping" | "/v1/run" | "/v1/run/batch" | "/v1/languages"
+    )
+}
+
 async fn authenticate(AxState(app): AxState<AppState>, mut req: Request, next: Next) -> Response {
-    let key = req
-        .headers()
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .or_else(|| {
-            req.headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(|v| v.trim().to_owned())
-        });
+    // Clients that cannot send a header carry the key in the path: `/t/<key>/run_code`.
+    let in_path = req
+        .uri()
+        .path()
+        .strip_prefix("/t/")
+        .and_then(|rest| rest.split_once('/'))
+        .filter(|(_, tail)| is_run_path(&format!("/{tail}")))
+        .map(|(key, _)| key.to_owned());
+    let anonymous_ok = is_run_path(req.uri().path());
+    let key = in_path.or_else(|| {
+        req.headers()
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| {
+                req.headers()
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer "))
+                    .map(|v| v.trim().to_owned())
+            })
+    });
     let Some(key) = key else {
+        if let Some(t) = app.runner.anonymous().filter(|_| anonymous_ok) {
+            req.extensions_mut().insert(t.clone());
+            return next.run(req).await;
+        }
         return ApiError::new(
             ErrorCode::Unauthorized,
             "pass an API key as `Authorization: Bearer <key>` or `X-API-Key`",
@@ -326,7 +363,7 @@ async fn readyz(AxState(app): AxState<AppState>) -> Response {
     let body = json!({
         "ready": ready && !draining,
         "draining": draining,
-        "substrates": {"container": true, "function": false, "microvm": false, "vm": false},
+        "substrates": {"container": true, "function": true, "microvm": false, "vm": false},
         "idle_shells": app.rt.idle_shells(),
         "favordynmods": app.rt.favordynmods(),
         "recovery": recovery,
@@ -2099,4 +2136,43 @@ async fn compact_log(
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
     Ok(Json(report))
+}
+
+// ---- code runner (see `run/mod.rs`) ----
+
+async fn run_native(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(super::run::run(app, &t, &body).await?))
+}
+
+async fn run_batch(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(super::run::run_batch(app, &t, &body).await?))
+}
+
+async fn languages(AxState(app): AxState<AppState>) -> ApiResult<Json<Value>> {
+    Ok(Json(super::run::list_languages(app).await?))
+}
+
+async fn run_code(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+    body: Bytes,
+) -> Response {
+    let (status, v) = super::run::run_code(app, &t, &body).await;
+    (
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        Json(v),
+    )
+        .into_response()
+}
+
+async fn ping() -> Json<Value> {
+    Json(json!("pong"))
 }

@@ -13,6 +13,7 @@ pub mod error;
 mod http;
 mod log;
 pub mod openapi;
+pub mod run;
 pub mod store;
 pub mod trajectory;
 
@@ -55,6 +56,8 @@ pub struct ServerConfig {
     pub compact_finished_after: Duration,
     /// Size at which the trajectory log starts a new segment (default 64 MiB).
     pub log_segment_bytes: Option<u64>,
+    /// The code runner (`/v1/run`, `/run_code`).
+    pub run: run::RunConfig,
 }
 
 /// A failure to start or run the daemon.
@@ -115,12 +118,26 @@ async fn serve(
             &[("report", &format!("{:?}", trajectories.recovery))],
         );
     }
+    if cfg.run.anonymous && !cfg.listen.ip().is_loopback() {
+        return Err(ServerError::Other(format!(
+            "--anonymous-run is allowed only on a loopback listener, not {}",
+            cfg.listen
+        )));
+    }
+    let run_tenant = internal_tenant(&store, "run", None)?;
+    let anonymous = if cfg.run.anonymous {
+        Some(internal_tenant(&store, "anonymous", Some(16))?)
+    } else {
+        None
+    };
+    let runner = run::Runner::new(cfg.run.clone(), run_tenant, anonymous);
     let app = App::new(
         runtime,
         store,
         trajectories,
         cfg.max_sandboxes,
         cfg.compact_finished_after,
+        runner,
     );
     // Pools first (recovery hands their adopted sandboxes back), from the store; the host
     // pool from the flags unless it was configured through the API before.
@@ -153,6 +170,7 @@ async fn serve(
             ("took_ms", &report.took_ms.to_string()),
         ],
     );
+    tokio::spawn(run::start(Arc::clone(&app)));
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ServerError::Other(format!("listen on {}: {e}", cfg.listen)))?;
@@ -207,6 +225,7 @@ async fn serve(
         }
     };
     sweeper.abort();
+    run::stop(&app).await;
     result?;
     log::info("stopped", &[]);
     Ok(())
@@ -225,6 +244,28 @@ async fn wait_for_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// A tenant the node itself uses (the runner's sandboxes, the anonymous runner): made on the
+/// first start, never given an API key.
+fn internal_tenant(
+    store: &store::Store,
+    name: &str,
+    max_sandboxes: Option<u64>,
+) -> Result<store::Tenant, ServerError> {
+    if let Some(t) = store.tenant_by_name(name)? {
+        return Ok(t);
+    }
+    let t = store::Tenant {
+        id: format!("tn-{name}"),
+        name: name.to_owned(),
+        admin: false,
+        max_sandboxes,
+        max_memory_bytes: None,
+        created_at_ms: app::now_ms(),
+    };
+    store.insert_tenant(&t)?;
+    Ok(t)
 }
 
 /// Creates the `admin` tenant on the first start and writes its key to

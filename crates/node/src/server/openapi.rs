@@ -319,6 +319,37 @@ pub const ROUTES: &[Route] = &[
         "",
         "Compaction",
     ),
+    r(
+        "post",
+        "/v1/run",
+        "Run a snippet (python on the function substrate; other languages compile and run in a container)",
+        "json",
+        "RunResult",
+    ),
+    r(
+        "post",
+        "/v1/run/batch",
+        "Run many snippets ({\"requests\": [...], \"concurrency\"})",
+        "json",
+        "BatchResult",
+    ),
+    r("get", "/v1/languages", "Languages the runner has toolchains for", "", "List"),
+    r(
+        "post",
+        "/run_code",
+        "SandboxFusion-compatible run (also /t/{key}/run_code)",
+        "json",
+        "RunCodeResponse",
+    ),
+    r("get", "/v1/ping", "SandboxFusion liveness: \"pong\"", "", "Pong"),
+    r(
+        "post",
+        "/t/{key}/run_code",
+        "SandboxFusion-compatible run, API key in the path",
+        "json",
+        "RunCodeResponse",
+    ),
+    r("get", "/t/{key}/v1/ping", "SandboxFusion liveness, API key in the path", "", "Pong"),
 ];
 
 fn answer_schema(kind: &str) -> Value {
@@ -432,6 +463,9 @@ pub fn document() -> Value {
                 "Trajectory": obj(&["id", "intents", "results", "annotations", "acknowledged", "unknown", "last_step", "first_lsn", "last_lsn"]),
                 "Annotation": obj(&["lsn"]),
                 "Compaction": obj(&["segments_rewritten", "segments_deleted", "records_dropped", "bytes_reclaimed"]),
+                "RunResult": obj(&["status", "compile_result", "run_result", "files", "substrate", "server_us"]),
+                "RunCodeResponse": obj(&["status", "message", "compile_result", "run_result", "executor_pod_name", "files"]),
+                "Pong": {"type": "string"},
                 "Pool": obj(&["template", "min", "max", "ready", "creating", "hits", "misses", "hit_rate"]),
             }
         }

@@ -80,6 +80,15 @@ def _batch_delete_body(
     return {"ids": list(ids)} if ids is not None else {"labels": dict(labels or {})}
 
 
+def run_body(code: str, language: str, options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The JSON body of a run request (``memory_limit_mb`` is accepted for ``memory_limit_MB``)."""
+    body: Dict[str, Any] = {"code": code, "language": language}
+    for k, v in options.items():
+        if v is not None:
+            body["memory_limit_MB" if k == "memory_limit_mb" else k] = v
+    return body
+
+
 class _ClientBase:
     def __init__(
         self,
@@ -414,6 +423,39 @@ class Client(_ClientBase):
     def set_pool(self, template: str, *, min: int, max: int) -> PoolStats:
         """Configure the warm pool of a template (admin)."""
         return PoolStats.from_json(self.request_json("PUT", f"/v1/pools/{template}", json={"min": min, "max": max}))
+
+    # -- code runner ---------------------------------------------------------------------------
+
+    def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        **options: Any,
+    ) -> Dict[str, Any]:
+        """Run a snippet (``POST /v1/run``): python on the function substrate, other languages
+        compile and run in a container. ``options``: ``stdin``, ``files`` (path → base64),
+        ``fetch_files``, ``run_timeout``, ``compile_timeout`` (seconds), ``memory_limit_MB``,
+        ``output_limit``, ``substrate``, ``template``. Answers ``{"status", "compile_result",
+        "run_result": {"status", "exit_code", "stdout", "stderr", "execution_time",
+        "memory_kb"}, "files", "substrate", "server_us"}``."""
+        return self.request_json("POST", "/v1/run", json=run_body(code, language, options))
+
+    def run_codes(
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        *,
+        concurrency: int = 16,
+    ) -> List[Dict[str, Any]]:
+        """Run many snippets in one call (``POST /v1/run/batch``), at most ``concurrency`` at
+        once on the node. Each request is a mapping like :meth:`run_code`'s arguments; each
+        item answers ``{"ok": True, "result": …}`` or ``{"ok": False, "error": {problem}}``,
+        in order."""
+        body = {"requests": [dict(r) for r in requests], "concurrency": concurrency}
+        return self.request_json("POST", "/v1/run/batch", json=body)["items"]
+
+    def languages(self) -> List[Dict[str, Any]]:
+        """The languages the node has toolchains for."""
+        return self.request_json("GET", "/v1/languages")["items"]
 
     # -- trajectories --------------------------------------------------------------------------
 
@@ -859,6 +901,17 @@ class AsyncClient(_ClientBase):
                     yield _json.loads(ev.data)
                 except ValueError:
                     continue
+
+    async def run_code(self, code: str, language: str = "python", **options: Any) -> Dict[str, Any]:
+        """:meth:`Client.run_code`, awaited."""
+        return await self.request_json("POST", "/v1/run", json=run_body(code, language, options))
+
+    async def run_codes(
+        self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16
+    ) -> List[Dict[str, Any]]:
+        """:meth:`Client.run_codes`, awaited."""
+        body = {"requests": [dict(r) for r in requests], "concurrency": concurrency}
+        return (await self.request_json("POST", "/v1/run/batch", json=body))["items"]
 
     async def create_tenant(
         self,

@@ -1,0 +1,263 @@
+//! `dsec bench run`: the code runner measured through HTTP from a separate process.
+//!
+//! The bench starts `dsec server` as a child on fresh state dirs and runs `print(1+1)` three
+//! ways in the same run: the function substrate (a fork of a warm zygote), the container
+//! substrate (a fresh `/usr/bin/python3` in a pooled sandbox), and `python3 -c` on the host
+//! (the peer: no sandbox, no HTTP). Each at concurrency 1, 16 and 64 with p50/p99 through
+//! HTTP, the node's own time (`server_us`) and calls/s; then a C++ compile-and-run.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use crate::bench::{dist, us, BenchArgs};
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    base: std::path::PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // The node destroys the runner's sandboxes when it stops.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.base);
+    }
+}
+
+fn start_daemon(zygotes: usize) -> anyhow::Result<Daemon> {
+    let base = std::path::PathBuf::from(format!("/tmp/dsec-bench-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base)?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("--data-dir")
+        .arg(base.join("d"))
+        .arg("--run-dir")
+        .arg(base.join("r"))
+        .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+        .args(["--run-zygotes", &zygotes.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("start dsec server")?;
+    let out = child.stdout.take().context("stdout")?;
+    let mut url = None;
+    for line in BufReader::new(out).lines() {
+        let line = line?;
+        if let Some(u) = line.strip_prefix("dsec server listening on ") {
+            url = Some(u.to_owned());
+            break;
+        }
+    }
+    let url = url.context("the daemon did not start")?;
+    let key = std::fs::read_to_string(base.join("d/admin.key"))?
+        .trim()
+        .to_owned();
+    Ok(Daemon {
+        child,
+        url,
+        key,
+        base,
+    })
+}
+
+#[derive(Clone)]
+struct Client {
+    agent: ureq::Agent,
+    url: String,
+    key: String,
+}
+
+impl Client {
+    fn run(&self, body: &Value) -> anyhow::Result<Value> {
+        let mut r = self
+            .agent
+            .post(format!("{}/v1/run", self.url))
+            .header("X-API-Key", &self.key)
+            .send(body.to_string())?;
+        let status = r.status().as_u16();
+        let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec()?)?;
+        if status != 200 || v["status"] != "Success" {
+            bail!("run: {status} {v}");
+        }
+        Ok(v)
+    }
+}
+
+/// `threads` workers each calling `call` `per_thread` times: client latency, node time, rate.
+fn load(
+    threads: usize,
+    per_thread: usize,
+    call: &(dyn Fn() -> anyhow::Result<u64> + Sync),
+) -> Value {
+    let errors = AtomicU64::new(0);
+    let t0 = Instant::now();
+    let results: Vec<(Vec<u64>, Vec<u64>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                let errors = &errors;
+                s.spawn(move || {
+                    let (mut lat, mut server) = (vec![], vec![]);
+                    for _ in 0..per_thread {
+                        let t = Instant::now();
+                        match call() {
+                            Ok(server_us) => {
+                                lat.push(us(t));
+                                if server_us > 0 {
+                                    server.push(server_us);
+                                }
+                            }
+                            Err(_) => {
+                                errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    (lat, server)
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let wall = t0.elapsed();
+    let (mut lat, mut server) = (vec![], vec![]);
+    for (a, b) in results {
+        lat.extend(a);
+        server.extend(b);
+    }
+    let n = lat.len();
+    json!({
+        "concurrency": threads,
+        "latency": dist(lat),
+        "server": if server.is_empty() { Value::Null } else { json!(dist(server)) },
+        "calls_per_s": n as f64 / wall.as_secs_f64(),
+        "errors": errors.load(Ordering::Relaxed),
+    })
+}
+
+/// Runs the runner benchmark.
+pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let d = start_daemon(4)?;
+    let c = Client {
+        agent: ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_idle_connections(256)
+            .max_idle_connections_per_host(256)
+            .timeout_global(Some(Duration::from_secs(120)))
+            .build()
+            .into(),
+        url: d.url.clone(),
+        key: d.key.clone(),
+    };
+    let n = args.iterations.max(20);
+    let function = json!({"code": "print(1+1)", "language": "python"});
+    let container = json!({"code": "print(1+1)", "language": "python", "substrate": "container"});
+    // Warm-up: every zygote and a few container sandboxes exist before measuring.
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..3 {
+                    let _ = c.run(&function);
+                    let _ = c.run(&container);
+                }
+            });
+        }
+    });
+    let call_fn = || -> anyhow::Result<u64> {
+        let v = c.run(&function)?;
+        Ok(v["server_us"].as_u64().unwrap_or(0))
+    };
+    let call_ct = || -> anyhow::Result<u64> {
+        let v = c.run(&container)?;
+        Ok(v["server_us"].as_u64().unwrap_or(0))
+    };
+    let call_host = || -> anyhow::Result<u64> {
+        let o = Command::new("/usr/bin/python3")
+            .args(["-c", "print(1+1)"])
+            .output()?;
+        if o.stdout != b"2\n" {
+            bail!("python3 -c: {o:?}");
+        }
+        Ok(0)
+    };
+    let mut out = serde_json::Map::new();
+    for (name, call, scale) in [
+        (
+            "function",
+            &call_fn as &(dyn Fn() -> anyhow::Result<u64> + Sync),
+            1,
+        ),
+        ("container_fresh_interpreter", &call_ct, 4),
+        ("host_python3_c", &call_host, 4),
+    ] {
+        let mut by = serde_json::Map::new();
+        for conc in [1usize, 16, 64] {
+            let per = (n / scale / conc).clamp(2, 1000);
+            by.insert(conc.to_string(), load(conc, per, call));
+        }
+        out.insert(name.into(), Value::Object(by));
+    }
+    let cpp = json!({"language": "cpp",
+        "code": "#include <iostream>\nint main(){ long s = 0; for (int i = 0; i < 1000; i++) s += i; std::cout << s << std::endl; }"});
+    let mut compile = vec![];
+    let mut total = vec![];
+    for _ in 0..5 {
+        let t = Instant::now();
+        let v = c.run(&cpp)?;
+        total.push(us(t));
+        compile.push(
+            (v["compile_result"]["execution_time"]
+                .as_f64()
+                .unwrap_or(0.0)
+                * 1e6) as u64,
+        );
+    }
+    out.insert(
+        "cpp_compile_and_run".into(),
+        json!({"total": dist(total), "compile": dist(compile)}),
+    );
+    let p50 =
+        |k: &str, c: &str, f: &str| out[k][c][f]["p50_us"].as_u64().unwrap_or(0) as f64 / 1000.0;
+    let summary = json!({
+        "function_p50_ms_server": p50("function", "1", "server"),
+        "function_p50_ms_http": p50("function", "1", "latency"),
+        "container_p50_ms_http": p50("container_fresh_interpreter", "1", "latency"),
+        "host_python3_c_p50_ms": p50("host_python3_c", "1", "latency"),
+        "speedup_vs_container_p50": p50("container_fresh_interpreter", "1", "latency")
+            / p50("function", "1", "latency").max(0.001),
+        "function_calls_per_s_at_64": out["function"]["64"]["calls_per_s"],
+        "function_errors_at_64": out["function"]["64"]["errors"],
+    });
+    let doc = json!({
+        "bench": "run",
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
+        "iterations": n,
+        "results": Value::Object(out),
+        "summary": summary,
+    });
+    let text = serde_json::to_string_pretty(&doc)?;
+    println!("{text}");
+    if let Some(p) = &args.out {
+        std::fs::write(p, &text)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,322 @@
+//! The code runner (`/v1/run`, `/run_code`) against a real `dsec server`: verdicts, isolation
+//! between consecutive calls, compile errors, typed errors for bad requests, and the path key
+//! and anonymous tenant of SandboxFusion clients.
+//!
+//! Needs root (namespaces, cgroups, mounts); CI runs as root.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    base: PathBuf,
+    agent: ureq::Agent,
+}
+
+impl Daemon {
+    fn start(tag: &str, args: &[&str]) -> Self {
+        let base = PathBuf::from(format!("/tmp/dsr-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).expect("create test dir");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
+            .arg("--data-dir")
+            .arg(base.join("d"))
+            .arg("--run-dir")
+            .arg(base.join("r"))
+            .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+            .args(args)
+            .env("DSEC_SPAWNER_SHELLS", "2")
+            .stdout(Stdio::piped())
+            .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .expect("spawn dsec server");
+        let out = child.stdout.take().expect("stdout");
+        let mut url = None;
+        for line in BufReader::new(out).lines() {
+            let line = line.expect("read stdout");
+            if let Some(u) = line.strip_prefix("dsec server listening on ") {
+                url = Some(u.to_owned());
+                break;
+            }
+        }
+        let key = std::fs::read_to_string(base.join("d/admin.key"))
+            .expect("admin.key")
+            .trim()
+            .to_owned();
+        Self {
+            child,
+            url: url.expect("the server printed its address"),
+            key,
+            base,
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(120)))
+                .build()
+                .into(),
+        }
+    }
+
+    fn post(&self, path: &str, key: Option<&str>, body: &Value) -> (u16, Value) {
+        let mut b = self.agent.post(format!("{}{path}", self.url));
+        if let Some(k) = key {
+            b = b.header("X-API-Key", k);
+        }
+        let mut r = b.send(body.to_string()).expect("http");
+        let status = r.status().as_u16();
+        let v = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+            .unwrap_or(Value::Null);
+        (status, v)
+    }
+
+    fn run(&self, body: Value) -> Value {
+        let (s, v) = self.post("/v1/run", Some(&self.key.clone()), &body);
+        assert_eq!(s, 200, "run: {v}");
+        v
+    }
+
+    fn py(&self, code: &str) -> Value {
+        self.run(json!({"code": code, "language": "python"}))["run_result"].clone()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // The runner's sandboxes outlive the daemon like any other: the admin destroys them.
+        std::thread::sleep(Duration::from_millis(300));
+        let url = format!("{}/v1/sandboxes?tenant=tn-run&limit=1000", self.url);
+        let listed: Value = self
+            .agent
+            .get(&url)
+            .header("X-API-Key", &self.key)
+            .call()
+            .ok()
+            .and_then(|mut r| serde_json::from_slice(&r.body_mut().read_to_vec().ok()?).ok())
+            .unwrap_or(Value::Null);
+        for sb in listed["items"].as_array().into_iter().flatten() {
+            if let Some(id) = sb["id"].as_str() {
+                let _ = self
+                    .agent
+                    .delete(format!("{}/v1/sandboxes/{id}", self.url))
+                    .header("X-API-Key", &self.key)
+                    .call();
+            }
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.base);
+    }
+}
+
+#[test]
+fn python_verdicts_and_isolation() {
+    let d = Daemon::start("verdicts", &[]);
+    let r = d.py("print(1+1)");
+    assert_eq!(r["status"], "Finished", "{r}");
+    assert_eq!(r["stdout"], "2\n");
+    assert_eq!(r["exit_code"], 0);
+
+    let r = d.run(json!({"code": "while True: pass", "language": "python", "run_timeout": 1}));
+    assert_eq!(r["run_result"]["status"], "TimeLimitExceeded", "{r}");
+    assert_eq!(r["status"], "Failed");
+
+    let r = d.run(
+        json!({"code": "x = bytearray(1 << 30)", "language": "python", "memory_limit_MB": 256}),
+    );
+    assert_eq!(r["run_result"]["status"], "MemoryLimitExceeded", "{r}");
+
+    let r = d.py("raise ValueError('boom')");
+    assert_eq!(r["status"], "RuntimeError", "{r}");
+    assert_eq!(r["exit_code"], 1);
+    assert!(
+        r["stderr"]
+            .as_str()
+            .unwrap_or("")
+            .contains("ValueError: boom"),
+        "{r}"
+    );
+
+    let r =
+        d.run(json!({"code": "print('x' * 100000)", "language": "python", "output_limit": 1000}));
+    assert_eq!(r["run_result"]["status"], "OutputLimitExceeded", "{r}");
+
+    let r = d.run(json!({"code": "print(input()[::-1])", "language": "python", "stdin": "abc\n"}));
+    assert_eq!(r["run_result"]["stdout"], "cba\n", "{r}");
+
+    // Call 1 leaves a file, a background process and a global; call 2 sees none of them.
+    let r = d.py(
+        "import subprocess\nopen('/tmp/leak', 'w').write('x')\nsubprocess.Popen(['sleep', '300'], start_new_session=True)\nLEAK = 1",
+    );
+    assert_eq!(r["status"], "Finished", "{r}");
+    let r = d.py(
+        "import os\nprint(os.path.exists('/tmp/leak'), 'LEAK' in globals(), any(open(f'/proc/{p}/cmdline','rb').read().startswith(b'sleep') for p in os.listdir('/proc') if p.isdigit()))",
+    );
+    assert_eq!(r["stdout"], "False False False\n", "{r}");
+
+    // Files in and out.
+    let r = d.run(json!({
+        "code": "print(open('in/a.txt').read()); open('out.txt', 'w').write('done')",
+        "language": "python",
+        "files": {"in/a.txt": "aGVsbG8="},
+        "fetch_files": ["out.txt"],
+    }));
+    assert_eq!(r["run_result"]["stdout"], "hello\n", "{r}");
+    assert_eq!(r["files"]["out.txt"], "ZG9uZQ==", "{r}");
+
+    // A call that kills its zygote gets an answer, and the next call works.
+    let key = d.key.clone();
+    let (s, v) = d.post(
+        "/v1/run",
+        Some(&key),
+        &json!({"code": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "language": "python"}),
+    );
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (502, Some("agent_unavailable")),
+        "{v}"
+    );
+    let r = d.py("print('after')");
+    assert_eq!(r["stdout"], "after\n", "{r}");
+}
+
+#[test]
+fn compiled_languages_and_bad_requests() {
+    let d = Daemon::start("compiled", &[]);
+    let r = d.run(json!({"code": "#include <cstdio>\nint main(){std::printf(\"%d\\n\", 6*7);}", "language": "cpp"}));
+    assert_eq!(r["compile_result"]["status"], "Finished", "{r}");
+    assert_eq!(r["run_result"]["stdout"], "42\n", "{r}");
+    let r = d.run(json!({"code": "int main(){ return undefined_x; }", "language": "c"}));
+    assert_eq!(r["status"], "Failed", "{r}");
+    assert_ne!(r["compile_result"]["exit_code"], 0, "{r}");
+    assert!(r["run_result"].is_null(), "{r}");
+    let r = d.run(json!({"code": "echo $((6*7)); cat", "language": "bash", "stdin": "in"}));
+    assert_eq!(r["run_result"]["stdout"], "42\nin", "{r}");
+    let r = d.run(json!({"code": "print(1+1)", "language": "python", "substrate": "container"}));
+    assert_eq!(r["run_result"]["stdout"], "2\n", "{r}");
+    assert_eq!(r["substrate"], "container");
+
+    let key = d.key.clone();
+    for (body, code, status) in [
+        (
+            json!({"code": "1", "language": "cobol"}),
+            "invalid_request",
+            400,
+        ),
+        (json!({"language": "python"}), "invalid_request", 400),
+        (
+            json!({"code": "1", "language": "python", "files": {"a": "!!"}}),
+            "invalid_request",
+            400,
+        ),
+        (
+            json!({"code": "1", "language": "python", "files": {"../a": ""}}),
+            "invalid_request",
+            400,
+        ),
+        (
+            json!({"code": "1", "language": "python", "files": {"big": "A".repeat(24 << 20)}}),
+            "too_large",
+            413,
+        ),
+        (
+            json!({"code": "1", "language": "python", "run_timeout": -1}),
+            "invalid_request",
+            400,
+        ),
+    ] {
+        let (s, v) = d.post("/v1/run", Some(&key), &body);
+        assert_eq!((s, v["code"].as_str()), (status, Some(code)), "{v}");
+    }
+    let (s, v) = d.post("/v1/run", None, &json!({"code": "1", "language": "python"}));
+    assert_eq!((s, v["code"].as_str()), (401, Some("unauthorized")), "{v}");
+    let mut r = d
+        .agent
+        .get(format!("{}/v1/languages", d.url))
+        .header("X-API-Key", &key)
+        .call()
+        .expect("http");
+    let langs: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+        .unwrap_or(Value::Null);
+    let names: Vec<&str> = langs["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"python") && names.contains(&"c") && names.contains(&"bash"),
+        "{langs}"
+    );
+}
+
+#[test]
+fn sandbox_fusion_shape_path_key_and_anonymous() {
+    let d = Daemon::start("fusion", &["--anonymous-run"]);
+    let key = d.key.clone();
+    let (s, v) = d.post(
+        &format!("/t/{key}/run_code"),
+        None,
+        &json!({"code": "print(3)", "language": "python"}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "Success", "{v}");
+    assert_eq!(v["run_result"]["return_code"], 0);
+    assert_eq!(v["run_result"]["stdout"], "3\n");
+    let (s, v) = d.post(
+        "/t/not-a-key/run_code",
+        None,
+        &json!({"code": "print(3)", "language": "python"}),
+    );
+    assert_eq!(s, 401, "{v}");
+    let (s, v) = d.post(
+        "/run_code",
+        None,
+        &json!({"code": "import sys; sys.exit(3)", "language": "python"}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (
+            v["status"].as_str(),
+            v["run_result"]["return_code"].as_i64()
+        ),
+        (Some("Failed"), Some(3)),
+        "{v}"
+    );
+    let (s, v) = d.post(
+        "/run_code",
+        None,
+        &json!({"code": "x = bytearray(1 << 30)", "language": "python", "memory_limit_MB": 128}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["run_result"]["status"], "Finished", "{v}");
+    assert_eq!(v["run_result"]["verdict"], "MemoryLimitExceeded", "{v}");
+    let (s, v) = d.post(
+        "/run_code",
+        None,
+        &json!({"code": "1", "language": "cobol"}),
+    );
+    assert_eq!(
+        (s, v["status"].as_str()),
+        (400, Some("SandboxError")),
+        "{v}"
+    );
+    // The anonymous tenant reaches the runner only.
+    let mut r = d
+        .agent
+        .get(format!("{}/v1/sandboxes", d.url))
+        .call()
+        .expect("http");
+    assert_eq!(r.status().as_u16(), 401);
+    let _ = r.body_mut().read_to_vec();
+}

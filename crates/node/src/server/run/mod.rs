@@ -1,0 +1,1137 @@
+//! The code runner: `POST /v1/run`, `POST /v1/run/batch`, `GET /v1/languages`, and
+//! SandboxFusion's `POST /run_code` and `GET /v1/ping` (see `docs/api.md`, "Code runner").
+//!
+//! Python runs on the function substrate: a pool of container sandboxes per template, each with
+//! a persistent Python session (the real `/usr/bin/python3`) into which `zygote.py` is loaded
+//! once. A call is one session input that forks a limited child from the zygote (see the
+//! script). Every other language (and Python with `substrate: "container"`) runs in a pooled
+//! container sandbox with a compile and a run phase; the sandbox is reset before it is reused.
+//!
+//! Sandboxes of the runner belong to the internal `run` tenant; they are counted against the
+//! node's `--max-sandboxes` like any other.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use dsec_api::agent::{Event, Request as AgentReq, SessionKind};
+use dsec_api::exec::{Command, ExecRequest, ExecResult, ExecStatus};
+use dsec_api::ErrorCode;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::app::{App, CreateRequest, Entry};
+use super::error::{ApiError, ApiResult};
+use super::log;
+use super::store::Tenant;
+
+const ZYGOTE: &str = include_str!("zygote.py");
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+/// Most bytes of files sent with one run (decoded).
+pub const MAX_FILES_BYTES: usize = 16 << 20;
+/// Most files sent or fetched with one run.
+pub const MAX_FILES: usize = 256;
+/// Longest code accepted.
+pub const MAX_CODE: usize = 1 << 20;
+/// Longest run or compile phase, seconds.
+pub const MAX_TIMEOUT_S: f64 = 300.0;
+/// Default and largest output kept per stream on the function substrate (its answer travels
+/// base64-encoded inside the session's 1 MiB capture).
+pub const FUNCTION_OUTPUT_MAX: u64 = 256 << 10;
+/// Most items in one batch.
+pub const MAX_BATCH: usize = 1000;
+/// Runs the anonymous tenant may have in flight at once.
+pub const ANONYMOUS_CONCURRENCY: usize = 8;
+/// Where the container substrate puts a run's files.
+const WORKDIR: &str = "/tmp/dsec-run";
+
+/// Settings of the runner.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Modules the Python zygote imports once (failures ignored).
+    pub preload: Vec<String>,
+    /// Most zygotes (function-substrate sandboxes) per template.
+    pub zygotes: usize,
+    /// Serve the run endpoints without an API key (as the `anonymous` tenant).
+    pub anonymous: bool,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            preload: [
+                "math",
+                "json",
+                "re",
+                "collections",
+                "itertools",
+                "functools",
+                "heapq",
+                "bisect",
+                "string",
+                "random",
+                "typing",
+                "fractions",
+                "decimal",
+                "datetime",
+            ]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect(),
+            zygotes: 4,
+            anonymous: false,
+        }
+    }
+}
+
+/// A language the runner knows: its source file, compile and run commands.
+#[derive(Debug, Clone, Copy)]
+struct Lang {
+    name: &'static str,
+    /// Other names accepted (SandboxFusion's).
+    aliases: &'static [&'static str],
+    source: &'static str,
+    compile: Option<&'static str>,
+    run: &'static str,
+    /// The binary whose presence on the template makes the language available.
+    probe: &'static str,
+}
+
+const LANGS: &[Lang] = &[
+    Lang {
+        name: "python",
+        aliases: &["python3"],
+        source: "main.py",
+        compile: None,
+        run: "/usr/bin/python3 main.py",
+        probe: "/usr/bin/python3",
+    },
+    Lang {
+        name: "bash",
+        aliases: &["sh"],
+        source: "main.sh",
+        compile: None,
+        run: "bash main.sh",
+        probe: "bash",
+    },
+    Lang {
+        name: "c",
+        aliases: &[],
+        source: "main.c",
+        compile: Some("gcc -O2 -o main main.c -lm"),
+        run: "./main",
+        probe: "gcc",
+    },
+    Lang {
+        name: "cpp",
+        aliases: &["c++"],
+        source: "main.cpp",
+        compile: Some("g++ -O2 -std=c++17 -o main main.cpp -lm"),
+        run: "./main",
+        probe: "g++",
+    },
+    Lang {
+        name: "nodejs",
+        aliases: &["javascript", "node"],
+        source: "main.js",
+        compile: None,
+        run: "node main.js",
+        probe: "node",
+    },
+    Lang {
+        name: "go",
+        aliases: &[],
+        source: "main.go",
+        compile: Some("go build -o main main.go"),
+        run: "./main",
+        probe: "go",
+    },
+    Lang {
+        name: "java",
+        aliases: &[],
+        source: "Main.java",
+        compile: Some("javac Main.java"),
+        run: "java Main",
+        probe: "javac",
+    },
+    Lang {
+        name: "rust",
+        aliases: &[],
+        source: "main.rs",
+        compile: Some("rustc -O -o main main.rs"),
+        run: "./main",
+        probe: "rustc",
+    },
+];
+
+fn lang(name: &str) -> ApiResult<&'static Lang> {
+    LANGS
+        .iter()
+        .find(|l| l.name == name || l.aliases.contains(&name))
+        .ok_or_else(|| {
+            ApiError::invalid(format!(
+                "unknown language {:?} (known: {})",
+                name.chars().take(32).collect::<String>(),
+                LANGS.iter().map(|l| l.name).collect::<Vec<_>>().join(", ")
+            ))
+        })
+}
+
+/// Where a run goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Substrate {
+    /// A forked child of a warm zygote (Python only).
+    Function,
+    /// A fresh process in a pooled container sandbox.
+    Container,
+}
+
+/// The verdict of one phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Verdict {
+    /// Ran to its end (any exit code 0).
+    Finished,
+    /// Wall or CPU limit passed.
+    TimeLimitExceeded,
+    /// Memory limit hit.
+    MemoryLimitExceeded,
+    /// Exited non-zero or was killed by a signal.
+    RuntimeError,
+    /// Wrote more than the output limit.
+    OutputLimitExceeded,
+}
+
+/// One phase (compile or run).
+#[derive(Debug, Clone, Serialize)]
+pub struct PhaseResult {
+    /// Verdict.
+    pub status: Verdict,
+    /// Exit code (negative: killed by that signal).
+    pub exit_code: Option<i32>,
+    /// Standard output (lossy UTF-8).
+    pub stdout: String,
+    /// Standard error (lossy UTF-8).
+    pub stderr: String,
+    /// Wall time, seconds.
+    pub execution_time: f64,
+    /// Peak resident memory, KiB.
+    pub memory_kb: u64,
+}
+
+/// What a run produced.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunOutcome {
+    /// `Success` when every phase finished with exit code 0, else `Failed`.
+    pub status: &'static str,
+    /// The compile phase, for compiled languages.
+    pub compile_result: Option<PhaseResult>,
+    /// The run phase (absent when compiling failed).
+    pub run_result: Option<PhaseResult>,
+    /// Fetched files, base64.
+    pub files: BTreeMap<String, String>,
+    /// Which substrate ran it.
+    pub substrate: Substrate,
+    /// Time the node spent on the run, microseconds.
+    pub server_us: u64,
+}
+
+impl Serialize for Substrate {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match self {
+            Substrate::Function => "function",
+            Substrate::Container => "container",
+        })
+    }
+}
+
+/// A run request (native `/v1/run` and SandboxFusion's `/run_code` share it; unknown fields
+/// are refused).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunBody {
+    code: Option<String>,
+    language: Option<String>,
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    files: BTreeMap<String, Option<String>>,
+    #[serde(default)]
+    fetch_files: Vec<String>,
+    #[serde(default)]
+    run_timeout: Option<f64>,
+    #[serde(default)]
+    compile_timeout: Option<f64>,
+    #[serde(default, rename = "memory_limit_MB")]
+    memory_limit_mb: Option<i64>,
+    #[serde(default)]
+    output_limit: Option<u64>,
+    #[serde(default)]
+    template: Option<String>,
+    #[serde(default)]
+    substrate: Option<Substrate>,
+}
+
+/// A validated run.
+#[derive(Debug, Clone)]
+struct RunSpec {
+    lang: &'static Lang,
+    code: String,
+    stdin: Vec<u8>,
+    files: Vec<(String, Vec<u8>)>,
+    fetch: Vec<String>,
+    run_timeout: Duration,
+    compile_timeout: Duration,
+    memory_bytes: Option<u64>,
+    output_limit: u64,
+    template: String,
+    substrate: Substrate,
+}
+
+fn rel_path(p: &str) -> ApiResult<()> {
+    let bad = p.is_empty()
+        || p.len() > 255
+        || p.starts_with('/')
+        || p.contains('\0')
+        || p.split('/').any(|c| c == ".." || c == "." || c.is_empty());
+    if bad {
+        return Err(ApiError::invalid(format!(
+            "file paths are relative, without '.', '..' or empty parts: {:?}",
+            p.chars().take(64).collect::<String>()
+        )));
+    }
+    Ok(())
+}
+
+fn seconds(v: Option<f64>, default: f64, name: &str) -> ApiResult<Duration> {
+    let s = v.unwrap_or(default);
+    if !s.is_finite() || s <= 0.0 || s > MAX_TIMEOUT_S {
+        return Err(ApiError::invalid(format!(
+            "{name} must be in (0, {MAX_TIMEOUT_S}] seconds"
+        )));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl RunBody {
+    fn validate(self) -> ApiResult<RunSpec> {
+        let code = self
+            .code
+            .ok_or_else(|| ApiError::invalid("missing field `code`"))?;
+        if code.len() > MAX_CODE {
+            return Err(ApiError::new(
+                ErrorCode::TooLarge,
+                format!("code exceeds {MAX_CODE} bytes"),
+            ));
+        }
+        let lang = lang(
+            self.language
+                .as_deref()
+                .ok_or_else(|| ApiError::invalid("missing field `language`"))?,
+        )?;
+        let substrate = match (self.substrate, lang.name) {
+            (Some(Substrate::Function), "python") | (None, "python") => Substrate::Function,
+            (Some(Substrate::Function), other) => {
+                return Err(ApiError::invalid(format!(
+                    "the function substrate runs python only, not {other}"
+                )))
+            }
+            (Some(Substrate::Container) | None, _) => Substrate::Container,
+        };
+        if self.files.len() > MAX_FILES || self.fetch_files.len() > MAX_FILES {
+            return Err(ApiError::invalid(format!(
+                "at most {MAX_FILES} files and {MAX_FILES} fetch_files"
+            )));
+        }
+        let mut files = Vec::new();
+        let mut total = 0usize;
+        for (p, b64) in self.files {
+            rel_path(&p)?;
+            let data = match b64 {
+                Some(s) => B64.decode(s.as_bytes()).map_err(|e| {
+                    ApiError::invalid(format!("files[{p:?}] is not valid base64: {e}"))
+                })?,
+                None => Vec::new(),
+            };
+            total += data.len();
+            if total > MAX_FILES_BYTES {
+                return Err(ApiError::new(
+                    ErrorCode::TooLarge,
+                    format!("files exceed {MAX_FILES_BYTES} bytes in total"),
+                ));
+            }
+            files.push((p, data));
+        }
+        for p in &self.fetch_files {
+            rel_path(p)?;
+        }
+        let cap_max = match substrate {
+            Substrate::Function => FUNCTION_OUTPUT_MAX,
+            Substrate::Container => dsec_api::exec::MAX_OUTPUT_LIMIT,
+        };
+        let output_limit = self.output_limit.unwrap_or(FUNCTION_OUTPUT_MAX);
+        if output_limit == 0 || output_limit > cap_max {
+            return Err(ApiError::invalid(format!(
+                "output_limit must be in 1..={cap_max} on this substrate"
+            )));
+        }
+        let memory_bytes = match self.memory_limit_mb {
+            None | Some(..=0) => None,
+            Some(mb) if mb > 64 * 1024 => {
+                return Err(ApiError::invalid("memory_limit_MB must be at most 65536"))
+            }
+            Some(mb) => Some(mb as u64 * 1024 * 1024),
+        };
+        let template = self.template.unwrap_or_else(|| "host".into());
+        crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(RunSpec {
+            lang,
+            code,
+            stdin: self.stdin.unwrap_or_default().into_bytes(),
+            files,
+            fetch: self.fetch_files,
+            run_timeout: seconds(self.run_timeout, 10.0, "run_timeout")?,
+            compile_timeout: seconds(self.compile_timeout, 10.0, "compile_timeout")?,
+            memory_bytes,
+            output_limit,
+            template,
+            substrate,
+        })
+    }
+}
+
+/// A warm zygote: a sandbox of the `run` tenant and its Python session with the dispatcher
+/// loaded.
+#[derive(Debug)]
+struct Zygote {
+    entry: Arc<Entry>,
+    session: u64,
+}
+
+/// One template's zygotes.
+#[derive(Debug)]
+struct ZygotePool {
+    idle: Mutex<Vec<Zygote>>,
+    slots: Arc<tokio::sync::Semaphore>,
+}
+
+/// The runner's live state (one per node).
+#[derive(Debug)]
+pub struct Runner {
+    cfg: RunConfig,
+    tenant: Tenant,
+    anonymous: Option<Tenant>,
+    anonymous_slots: Arc<tokio::sync::Semaphore>,
+    zygotes: Mutex<HashMap<String, Arc<ZygotePool>>>,
+    containers: Mutex<HashMap<String, Vec<Arc<Entry>>>>,
+    languages: tokio::sync::OnceCell<Vec<String>>,
+}
+
+impl Runner {
+    /// A runner whose sandboxes belong to `tenant`; `anonymous` serves keyless requests.
+    pub fn new(cfg: RunConfig, tenant: Tenant, anonymous: Option<Tenant>) -> Self {
+        Self {
+            cfg,
+            tenant,
+            anonymous,
+            anonymous_slots: Arc::new(tokio::sync::Semaphore::new(ANONYMOUS_CONCURRENCY)),
+            zygotes: Mutex::new(HashMap::new()),
+            containers: Mutex::new(HashMap::new()),
+            languages: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// The tenant keyless run requests act as, when enabled.
+    pub fn anonymous(&self) -> Option<&Tenant> {
+        self.anonymous.as_ref()
+    }
+
+    /// The tenant that owns the runner's sandboxes.
+    pub fn tenant(&self) -> &Tenant {
+        &self.tenant
+    }
+
+    fn zygote_pool(&self, template: &str) -> Arc<ZygotePool> {
+        let mut m = self.zygotes.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(m.entry(template.to_owned()).or_insert_with(|| {
+            Arc::new(ZygotePool {
+                idle: Mutex::new(Vec::new()),
+                slots: Arc::new(tokio::sync::Semaphore::new(self.cfg.zygotes.max(1))),
+            })
+        }))
+    }
+}
+
+/// Runs one agent request on a sandbox, holding it exclusively.
+async fn agent_call(
+    app: &Arc<App>,
+    e: &Arc<Entry>,
+    req: AgentReq,
+    body: Vec<u8>,
+    timeout: Option<Duration>,
+) -> ApiResult<Event> {
+    let _ = app;
+    let mut guard = e.lock().await;
+    tokio::task::spawn_blocking(move || match guard.as_mut() {
+        Some(sb) => Ok(sb.agent().call(&req, &body, timeout, |_, _| {})?.0),
+        None => Err(ApiError::no_sandbox("")),
+    })
+    .await
+    .map_err(|err| ApiError::internal(err.to_string()))?
+}
+
+async fn sandbox_exec(
+    app: &Arc<App>,
+    e: &Arc<Entry>,
+    req: ExecRequest,
+    stdin: Vec<u8>,
+) -> ApiResult<ExecResult> {
+    let mut guard = e.lock().await;
+    let rt = Arc::clone(&app.rt);
+    tokio::task::spawn_blocking(move || match guard.as_mut() {
+        Some(sb) => sb
+            .exec(&rt, &req, &stdin, |_, _| {})
+            .map_err(ApiError::from),
+        None => Err(ApiError::no_sandbox("")),
+    })
+    .await
+    .map_err(|err| ApiError::internal(err.to_string()))?
+}
+
+/// A sandbox of the runner's tenant (from the template's pool when it has one).
+async fn runner_sandbox(app: &Arc<App>, template: &str) -> ApiResult<Arc<Entry>> {
+    let mut labels = BTreeMap::new();
+    labels.insert("dsec.run".to_owned(), "1".to_owned());
+    let rec = app
+        .create(
+            app.runner.tenant(),
+            CreateRequest {
+                template: template.to_owned(),
+                labels,
+                ..CreateRequest::default()
+            },
+        )
+        .await?;
+    app.entry(&rec.id)
+        .ok_or_else(|| ApiError::internal("a runner sandbox vanished after its create"))
+}
+
+/// Opens the Python session in `e` and loads the dispatcher into it.
+async fn start_zygote(app: &Arc<App>, e: Arc<Entry>) -> ApiResult<Zygote> {
+    let ev = agent_call(
+        app,
+        &e,
+        AgentReq::SessionOpen {
+            kind: SessionKind::Python,
+            env: BTreeMap::new(),
+            cwd: Some("/".into()),
+        },
+        Vec::new(),
+        Some(Duration::from_secs(30)),
+    )
+    .await?;
+    let Event::SessionOpened { session } = ev else {
+        return Err(ApiError::internal(format!("unexpected {ev:?}")));
+    };
+    let preload = serde_json::to_string(&app.runner.cfg.preload).unwrap_or_else(|_| "[]".into());
+    let input = format!("{ZYGOTE}\n_dsec_init({preload}, True)\n");
+    let ev = agent_call(
+        app,
+        &e,
+        AgentReq::SessionRun {
+            session,
+            input,
+            timeout_ms: Some(60_000),
+        },
+        Vec::new(),
+        Some(Duration::from_secs(60)),
+    )
+    .await?;
+    match ev {
+        Event::ExecDone(r) if r.exit_code == Some(0) => Ok(Zygote { entry: e, session }),
+        Event::ExecDone(r) => Err(ApiError::internal(format!(
+            "the zygote did not start: {}",
+            String::from_utf8_lossy(&r.stderr.data)
+        ))),
+        other => Err(ApiError::internal(format!("unexpected {other:?}"))),
+    }
+}
+
+async fn new_zygote(app: &Arc<App>, template: &str) -> ApiResult<Zygote> {
+    let e = runner_sandbox(app, template).await?;
+    match start_zygote(app, Arc::clone(&e)).await {
+        Ok(z) => Ok(z),
+        Err(err) => {
+            let _ = app.destroy(&e).await;
+            Err(err)
+        }
+    }
+}
+
+/// Replaces a zygote that died or was tainted: the sandbox is reset (every process killed, a
+/// fresh writable layer) and a new session loaded; on failure it is destroyed.
+async fn recycle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
+    let e = z.entry;
+    let again = match app.reset(&e).await {
+        Ok(_) => start_zygote(&app, Arc::clone(&e)).await,
+        Err(err) => Err(err),
+    };
+    match again {
+        Ok(z) => pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(z),
+        Err(err) => {
+            log::warn(
+                "zygote replacement failed",
+                &[("sandbox", &e.id), ("error", &err.detail)],
+            );
+            let _ = app.destroy(&e).await;
+        }
+    }
+}
+
+/// The zygote's answer line.
+#[derive(Debug, Deserialize)]
+struct ZygoteAnswer {
+    verdict: Verdict,
+    rc: Option<i32>,
+    out: String,
+    err: String,
+    t: f64,
+    kb: u64,
+    files: BTreeMap<String, String>,
+    taint: bool,
+}
+
+fn lossy_b64(s: &str) -> String {
+    B64.decode(s.as_bytes())
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}
+
+async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
+    let pool = app.runner.zygote_pool(&spec.template);
+    let permit = Arc::clone(&pool.slots)
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::internal("runner closed"))?;
+    let idle = pool.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+    let z = match idle {
+        Some(z) => z,
+        None => new_zygote(app, &spec.template).await?,
+    };
+    let files: BTreeMap<&str, String> = spec
+        .files
+        .iter()
+        .map(|(p, d)| (p.as_str(), B64.encode(d)))
+        .collect();
+    let timeout = spec.run_timeout.as_secs_f64();
+    let req = json!({
+        "code": spec.code,
+        "stdin": B64.encode(&spec.stdin),
+        "files": files,
+        "fetch": spec.fetch,
+        "timeout": timeout,
+        "cpu": (timeout.ceil() as u64).max(1),
+        "mem": spec.memory_bytes.unwrap_or(0),
+        "cap": spec.output_limit,
+    })
+    .to_string();
+    let literal = serde_json::to_string(&req).unwrap_or_default();
+    let input = format!("_dsec_call({literal})");
+    let budget = spec.run_timeout + Duration::from_secs(10);
+    let ev = agent_call(
+        app,
+        &z.entry,
+        AgentReq::SessionRun {
+            session: z.session,
+            input,
+            timeout_ms: Some(budget.as_millis() as u64),
+        },
+        Vec::new(),
+        Some(budget + Duration::from_secs(5)),
+    )
+    .await;
+    let answer = match &ev {
+        Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => {
+            let line = String::from_utf8_lossy(&r.stdout.data);
+            serde_json::from_str::<ZygoteAnswer>(line.trim()).ok()
+        }
+        _ => None,
+    };
+    let healthy = answer.as_ref().is_some_and(|a| !a.taint);
+    if healthy {
+        pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(z);
+        drop(permit);
+    } else {
+        // The slot stays taken until the replacement is ready.
+        let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
+        tokio::spawn(async move {
+            recycle_zygote(app2, pool2, z).await;
+            drop(permit);
+        });
+    }
+    let Some(a) = answer else {
+        let why = match ev {
+            Ok(Event::ExecDone(r)) => format!(
+                "the zygote ended the call abnormally ({:?}): {}",
+                r.status,
+                String::from_utf8_lossy(&r.stderr.data)
+                    .chars()
+                    .take(500)
+                    .collect::<String>()
+            ),
+            Ok(other) => format!("unexpected {other:?}"),
+            Err(e) => e.detail,
+        };
+        return Err(ApiError::new(ErrorCode::AgentUnavailable, why));
+    };
+    let run = PhaseResult {
+        status: a.verdict,
+        exit_code: a.rc,
+        stdout: lossy_b64(&a.out),
+        stderr: lossy_b64(&a.err),
+        execution_time: a.t,
+        memory_kb: a.kb,
+    };
+    Ok(RunOutcome {
+        status: if run.status == Verdict::Finished {
+            "Success"
+        } else {
+            "Failed"
+        },
+        compile_result: None,
+        run_result: Some(run),
+        files: a.files,
+        substrate: Substrate::Function,
+        server_us: 0,
+    })
+}
+
+fn phase_of(r: &ExecResult, memory: Option<u64>) -> PhaseResult {
+    let over_memory = memory.is_some_and(|m| r.peak_rss_kb * 1024 >= m / 100 * 95);
+    let status = match r.status {
+        ExecStatus::Ok => Verdict::Finished,
+        ExecStatus::Timeout => Verdict::TimeLimitExceeded,
+        ExecStatus::Oom => Verdict::MemoryLimitExceeded,
+        ExecStatus::OutputLimit => Verdict::OutputLimitExceeded,
+        _ if over_memory => Verdict::MemoryLimitExceeded,
+        ExecStatus::NonzeroExit | ExecStatus::Killed => Verdict::RuntimeError,
+    };
+    let status = if status == Verdict::Finished && (r.stdout.truncated || r.stderr.truncated) {
+        Verdict::OutputLimitExceeded
+    } else {
+        status
+    };
+    PhaseResult {
+        status,
+        exit_code: r.exit_code.or(r.signal.map(|s| -s)),
+        stdout: String::from_utf8_lossy(&r.stdout.data).into_owned(),
+        stderr: String::from_utf8_lossy(&r.stderr.data).into_owned(),
+        execution_time: r.wall_us as f64 / 1e6,
+        memory_kb: r.peak_rss_kb,
+    }
+}
+
+fn shell_exec(cmd: String, timeout: Duration, output_limit: u64) -> ExecRequest {
+    ExecRequest {
+        command: Command::Shell(cmd),
+        env: BTreeMap::new(),
+        cwd: Some(WORKDIR.into()),
+        timeout_ms: Some(timeout.as_millis().max(1) as u64),
+        cpu_limit_ms: Some(timeout.as_millis().max(1) as u64),
+        output_limit: Some(output_limit),
+        stream: false,
+    }
+}
+
+async fn write_file(app: &Arc<App>, e: &Arc<Entry>, path: String, data: Vec<u8>) -> ApiResult<()> {
+    let ev = agent_call(
+        app,
+        e,
+        AgentReq::FileWrite {
+            path,
+            mode: Some(0o755),
+            parents: true,
+        },
+        data,
+        Some(Duration::from_secs(30)),
+    )
+    .await?;
+    match ev {
+        Event::Ok => Ok(()),
+        other => Err(ApiError::internal(format!("unexpected {other:?}"))),
+    }
+}
+
+async fn read_file(e: &Arc<Entry>, path: String, max: u64) -> Option<Vec<u8>> {
+    let mut guard = e.lock().await;
+    tokio::task::spawn_blocking(move || {
+        let sb = guard.as_mut()?;
+        let req = AgentReq::FileRead {
+            path,
+            max_bytes: Some(max),
+        };
+        let mut data = Vec::new();
+        let r = sb
+            .agent()
+            .call(&req, &[], Some(Duration::from_secs(30)), |ev, b| {
+                if matches!(ev, Event::Data { .. }) {
+                    data.extend_from_slice(b);
+                }
+            });
+        match r {
+            Ok((ev, last)) => {
+                if matches!(ev, Event::Data { .. }) {
+                    data.extend_from_slice(&last);
+                }
+                Some(data)
+            }
+            Err(_) => None,
+        }
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+async fn run_container_in(app: &Arc<App>, e: &Arc<Entry>, spec: &RunSpec) -> ApiResult<RunOutcome> {
+    let lang = spec.lang;
+    write_file(
+        app,
+        e,
+        format!("{WORKDIR}/{}", lang.source),
+        spec.code.clone().into_bytes(),
+    )
+    .await?;
+    for (p, d) in &spec.files {
+        write_file(app, e, format!("{WORKDIR}/{p}"), d.clone()).await?;
+    }
+    let mut compile_result = None;
+    if let Some(cc) = lang.compile {
+        let r = sandbox_exec(
+            app,
+            e,
+            shell_exec(cc.to_owned(), spec.compile_timeout, spec.output_limit),
+            Vec::new(),
+        )
+        .await?;
+        let phase = phase_of(&r, None);
+        let ok = phase.status == Verdict::Finished;
+        compile_result = Some(phase);
+        if !ok {
+            return Ok(RunOutcome {
+                status: "Failed",
+                compile_result,
+                run_result: None,
+                files: BTreeMap::new(),
+                substrate: Substrate::Container,
+                server_us: 0,
+            });
+        }
+    }
+    let cmd = match spec.memory_bytes {
+        Some(m) => format!("ulimit -v {} 2>/dev/null; exec {}", m / 1024, lang.run),
+        None => format!("exec {}", lang.run),
+    };
+    let r = sandbox_exec(
+        app,
+        e,
+        shell_exec(cmd, spec.run_timeout, spec.output_limit),
+        spec.stdin.clone(),
+    )
+    .await?;
+    let run = phase_of(&r, spec.memory_bytes);
+    let mut files = BTreeMap::new();
+    for p in &spec.fetch {
+        if let Some(d) = read_file(e, format!("{WORKDIR}/{p}"), MAX_FILES_BYTES as u64).await {
+            files.insert(p.clone(), B64.encode(d));
+        }
+    }
+    Ok(RunOutcome {
+        status: if run.status == Verdict::Finished {
+            "Success"
+        } else {
+            "Failed"
+        },
+        compile_result,
+        run_result: Some(run),
+        files,
+        substrate: Substrate::Container,
+        server_us: 0,
+    })
+}
+
+async fn run_container(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
+    let idle = app
+        .runner
+        .containers
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_mut(&spec.template)
+        .and_then(Vec::pop);
+    let e = match idle {
+        Some(e) => e,
+        None => runner_sandbox(app, &spec.template).await?,
+    };
+    let out = run_container_in(app, &e, spec).await;
+    // Reset for the next run in the background; a sandbox that cannot be reset goes.
+    let app2 = Arc::clone(app);
+    let template = spec.template.clone();
+    tokio::spawn(async move {
+        if app2.reset(&e).await.is_ok() {
+            let mut m = app2
+                .runner
+                .containers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let idle = m.entry(template).or_default();
+            if idle.len() < app2.runner.cfg.zygotes.max(1) * 4 {
+                idle.push(e);
+                return;
+            }
+        }
+        let _ = app2.destroy(&e).await;
+    });
+    out
+}
+
+async fn ensure_available(app: &Arc<App>, spec: &RunSpec) -> ApiResult<()> {
+    if spec.lang.name == "python" || spec.template != "host" {
+        return Ok(());
+    }
+    let have = languages(app).await?;
+    if have.iter().any(|l| l == spec.lang.name) {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "language {} is not available on template {} (no {} found)",
+        spec.lang.name, spec.template, spec.lang.probe
+    )))
+}
+
+/// Runs one request.
+async fn run_one(app: &Arc<App>, body: RunBody) -> ApiResult<RunOutcome> {
+    let spec = body.validate()?;
+    ensure_available(app, &spec).await?;
+    let t0 = Instant::now();
+    let mut out = match spec.substrate {
+        Substrate::Function => run_function(app, &spec).await?,
+        Substrate::Container => run_container(app, &spec).await?,
+    };
+    out.server_us = t0.elapsed().as_micros() as u64;
+    Ok(out)
+}
+
+/// The languages whose toolchain is on the `host` template (probed once, in a sandbox).
+async fn languages(app: &Arc<App>) -> ApiResult<Vec<String>> {
+    app.runner
+        .languages
+        .get_or_try_init(|| async {
+            let e = runner_sandbox(app, "host").await?;
+            let script: String = LANGS
+                .iter()
+                .map(|l| {
+                    format!(
+                        "command -v {} >/dev/null 2>&1 && echo {}\n",
+                        l.probe, l.name
+                    )
+                })
+                .collect();
+            let r = sandbox_exec(
+                app,
+                &e,
+                ExecRequest {
+                    cwd: Some("/".into()),
+                    ..shell_exec(script, Duration::from_secs(30), 1 << 16)
+                },
+                Vec::new(),
+            )
+            .await;
+            let _ = app.destroy(&e).await;
+            let r = r?;
+            Ok(String::from_utf8_lossy(&r.stdout.data)
+                .lines()
+                .map(str::to_owned)
+                .collect())
+        })
+        .await
+        .cloned()
+}
+
+/// Holds an anonymous run slot while a run lasts.
+fn anonymous_slot(app: &App, t: &Tenant) -> ApiResult<Option<tokio::sync::OwnedSemaphorePermit>> {
+    if app.runner.anonymous().is_none_or(|a| a.id != t.id) {
+        return Ok(None);
+    }
+    Arc::clone(&app.runner.anonymous_slots)
+        .try_acquire_owned()
+        .map(Some)
+        .map_err(|_| ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(
+                ErrorCode::QuotaExceeded,
+                format!("the anonymous tenant may have {ANONYMOUS_CONCURRENCY} runs in flight"),
+            )
+        })
+}
+
+fn parse_body<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> ApiResult<T> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))
+}
+
+/// `POST /v1/run`.
+pub async fn run(app: Arc<App>, t: &Tenant, body: &[u8]) -> ApiResult<Value> {
+    let _slot = anonymous_slot(&app, t)?;
+    let out = run_one(&app, parse_body(body)?).await?;
+    Ok(serde_json::to_value(out).unwrap_or_default())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    requests: Vec<Value>,
+    #[serde(default)]
+    concurrency: Option<usize>,
+}
+
+/// `POST /v1/run/batch`: items answer in order, each `{"ok":true,"result":…}` or
+/// `{"ok":false,"error":{problem}}`.
+pub async fn run_batch(app: Arc<App>, t: &Tenant, body: &[u8]) -> ApiResult<Value> {
+    let b: BatchBody = parse_body(body)?;
+    if b.requests.len() > MAX_BATCH {
+        return Err(ApiError::invalid(format!(
+            "at most {MAX_BATCH} requests per batch"
+        )));
+    }
+    let _slot = anonymous_slot(&app, t)?;
+    let gate = Arc::new(tokio::sync::Semaphore::new(
+        b.concurrency.unwrap_or(64).clamp(1, 256),
+    ));
+    let mut set = tokio::task::JoinSet::new();
+    for (i, v) in b.requests.into_iter().enumerate() {
+        let app = Arc::clone(&app);
+        let gate = Arc::clone(&gate);
+        set.spawn(async move {
+            let _p = gate.acquire_owned().await;
+            let r = match serde_json::from_value::<RunBody>(v) {
+                Ok(body) => run_one(&app, body).await,
+                Err(e) => Err(ApiError::invalid(format!("bad request: {e}"))),
+            };
+            (i, r)
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(r) = set.join_next().await {
+        let (i, r) = r.map_err(|e| ApiError::internal(e.to_string()))?;
+        out.push((
+            i,
+            match r {
+                Ok(o) => json!({"ok": true, "result": o}),
+                Err(e) => json!({"ok": false, "error": e.problem()}),
+            },
+        ));
+    }
+    out.sort_by_key(|(i, _)| *i);
+    Ok(json!({"items": out.into_iter().map(|(_, v)| v).collect::<Vec<_>>()}))
+}
+
+/// `GET /v1/languages`.
+pub async fn list_languages(app: Arc<App>) -> ApiResult<Value> {
+    let have = languages(&app).await?;
+    let items: Vec<Value> = LANGS
+        .iter()
+        .filter(|l| l.name == "python" || have.iter().any(|h| h == l.name))
+        .map(|l| {
+            json!({
+                "name": l.name,
+                "aliases": l.aliases,
+                "substrates": if l.name == "python" { vec!["function", "container"] } else { vec!["container"] },
+                "compiled": l.compile.is_some(),
+            })
+        })
+        .collect();
+    Ok(json!({"items": items}))
+}
+
+/// SandboxFusion's `CommandRunResult` of a phase: its statuses are `Finished`, `Error` and
+/// `TimeLimitExceeded`; the finer verdict (with `MemoryLimitExceeded`) travels in the extra
+/// field `verdict`, which its pydantic models ignore.
+fn fusion_phase(p: &PhaseResult) -> Value {
+    // A non-zero exit is `Finished` with its return code there too.
+    let status = match p.status {
+        Verdict::TimeLimitExceeded => "TimeLimitExceeded",
+        Verdict::Finished
+        | Verdict::RuntimeError
+        | Verdict::MemoryLimitExceeded
+        | Verdict::OutputLimitExceeded => "Finished",
+    };
+    json!({
+        "status": status,
+        "execution_time": p.execution_time,
+        "return_code": p.exit_code,
+        "stdout": p.stdout,
+        "stderr": p.stderr,
+        "verdict": p.status,
+        "memory_kb": p.memory_kb,
+    })
+}
+
+/// `POST /run_code` (SandboxFusion): never a problem+json for what the code did; a request the
+/// node cannot serve answers `SandboxError` with the reason in `message` (and the HTTP status
+/// of the matching native error).
+pub async fn run_code(app: Arc<App>, t: &Tenant, body: &[u8]) -> (u16, Value) {
+    let r = async {
+        let _slot = anonymous_slot(&app, t)?;
+        run_one(&app, parse_body(body)?).await
+    }
+    .await;
+    match r {
+        Ok(o) => {
+            let ok = o
+                .run_result
+                .as_ref()
+                .is_some_and(|r| r.status == Verdict::Finished && r.exit_code == Some(0));
+            (
+                200,
+                json!({
+                    "status": if ok { "Success" } else { "Failed" },
+                    "message": "",
+                    "compile_result": o.compile_result.as_ref().map(fusion_phase),
+                    "run_result": o.run_result.as_ref().map(fusion_phase),
+                    "executor_pod_name": null,
+                    "files": o.files,
+                }),
+            )
+        }
+        Err(e) => (
+            ApiError::status_of(e.code).as_u16(),
+            json!({
+                "status": "SandboxError",
+                "message": e.detail,
+                "code": e.code,
+                "compile_result": null,
+                "run_result": null,
+                "executor_pod_name": null,
+                "files": {},
+            }),
+        ),
+    }
+}
+
+/// Destroys runner sandboxes a previous node process left (their sessions died with the
+/// agent connections of that process). Zygotes and the language probe start at first use.
+pub async fn start(app: Arc<App>) {
+    stop(&app).await;
+}
+
+/// Destroys the runner's sandboxes when the node stops: zygotes and idle containers are a
+/// cache, never adopted by the next start.
+pub async fn stop(app: &Arc<App>) {
+    let mine = app.runner.tenant().id.clone();
+    for e in app.entries() {
+        if e.record().tenant.as_deref() == Some(mine.as_str()) {
+            let _ = app.destroy(&e).await;
+        }
+    }
+}

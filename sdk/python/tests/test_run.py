@@ -1,0 +1,69 @@
+"""The code runner: the SDK's run_code/run_codes, and the real `sandbox-fusion` client from PyPI
+pointed at `/t/<key>` (SandboxFusion clients cannot send headers), unchanged."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+import dsec
+
+
+def test_run_code_verdicts(client: dsec.Client) -> None:
+    r = client.run_code("print(1 + 1)")
+    assert r["status"] == "Success", r
+    assert r["substrate"] == "function"
+    assert r["run_result"]["stdout"] == "2\n"
+    r = client.run_code("while True: pass", run_timeout=1)
+    assert r["run_result"]["status"] == "TimeLimitExceeded", r
+    r = client.run_code("x = bytearray(1 << 30)", memory_limit_mb=200)
+    assert r["run_result"]["status"] == "MemoryLimitExceeded", r
+    r = client.run_code('#include <stdio.h>\nint main(){puts("c ok");}', "c")
+    assert r["run_result"]["stdout"] == "c ok\n", r
+    with pytest.raises(dsec.DsecError) as e:
+        client.run_code("1", "cobol")
+    assert e.value.code == "invalid_request"
+
+
+def test_run_codes_batch_is_isolated(client: dsec.Client) -> None:
+    reqs = [{"code": f"import os\nprint({i}, os.path.exists('/tmp/x'))\nopen('/tmp/x', 'w')", "language": "python"} for i in range(20)]
+    items = client.run_codes(reqs, concurrency=8)
+    assert [it["ok"] for it in items] == [True] * 20, items
+    assert [it["result"]["run_result"]["stdout"] for it in items] == [f"{i} False\n" for i in range(20)]
+
+
+def test_sandbox_fusion_client_unchanged(server, client: dsec.Client) -> None:
+    sf = pytest.importorskip("sandbox_fusion")
+    endpoint = f"{server.url}/t/{client.api_key}"
+    r = sf.run_code(sf.RunCodeRequest(code="print(input() * 2)", language="python", stdin="ab\n"), endpoint=endpoint)
+    assert r.status == sf.RunStatus.Success, r
+    assert r.run_result.stdout == "abab\n"
+    assert r.run_result.return_code == 0
+    r = sf.run_code(sf.RunCodeRequest(code="import sys; sys.exit(4)", language="python"), endpoint=endpoint)
+    assert r.status == sf.RunStatus.Failed and r.run_result.return_code == 4, r
+    r = sf.run_code(
+        sf.RunCodeRequest(code="import time; time.sleep(5)", language="python", run_timeout=1), endpoint=endpoint
+    )
+    assert r.run_result.status == sf.CommandRunStatus.TimeLimitExceeded, r
+    r = sf.run_code(
+        sf.RunCodeRequest(
+            code='#include <iostream>\nint main(){std::string s; std::cin >> s; std::cout << s.size() << "\\n";}',
+            language="cpp",
+            stdin="hello",
+        ),
+        endpoint=endpoint,
+    )
+    assert r.status == sf.RunStatus.Success and r.run_result.stdout == "5\n", r
+    r = sf.run_code(
+        sf.RunCodeRequest(
+            code="print(open('in.txt').read()); open('out.txt', 'w').write('o')",
+            language="python",
+            files={"in.txt": base64.b64encode(b"data").decode()},
+            fetch_files=["out.txt"],
+        ),
+        endpoint=endpoint,
+    )
+    assert r.run_result.stdout == "data\n" and r.files == {"out.txt": base64.b64encode(b"o").decode()}, r
+    with pytest.raises(Exception, match="unknown language|SandboxError|Sandbox responded"):
+        sf.run_code(sf.RunCodeRequest(code="1", language="lean"), endpoint=endpoint, max_attempts=1)
