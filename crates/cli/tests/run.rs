@@ -320,3 +320,56 @@ fn sandbox_fusion_shape_path_key_and_anonymous() {
     assert_eq!(r.status().as_u16(), 401);
     let _ = r.body_mut().read_to_vec();
 }
+
+/// The R-xx abuse cases through SandboxFusion's `/run_code`: each is contained in its call
+/// (a verdict, not a crash), and the next call still answers correctly.
+#[test]
+fn abuse_through_run_code_is_contained() {
+    let d = Daemon::start("abuse", &[]);
+    let key = d.key.clone();
+    let run_code = |code: &str, timeout: f64| {
+        d.post(
+            "/run_code",
+            Some(&key),
+            &json!({"code": code, "language": "python", "run_timeout": timeout, "memory_limit_MB": 128}),
+        )
+    };
+    let cases = [
+        // R-01 fork bomb: pids limit, ends by its deadline.
+        ("R-01", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", 2.0),
+        // R-02 double-fork escapee that would outlive the call.
+        ("R-02", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(1000)\n    os._exit(0)\nprint('parent done')", 2.0),
+        // R-03 memory bomb.
+        ("R-03", "a = []\nwhile True: a.append(bytearray(1 << 20))", 5.0),
+        // R-04 disk fill of the writable layer.
+        ("R-04", "f = open('/tmp/fill', 'wb')\nwhile True: f.write(b'x' * (1 << 20))", 5.0),
+        // R-06 sleep forever / spin.
+        ("R-06", "import time\ntime.sleep(1000)", 1.0),
+        // R-08 output flood without newlines, invalid UTF-8.
+        ("R-08", "import sys\nwhile True: sys.stdout.buffer.write(b'\\xff' * 65536)", 5.0),
+        // R-09 zombie leak.
+        ("R-09", "import os\nfor _ in range(50):\n    if os.fork() == 0: os._exit(0)\nprint('ok')", 2.0),
+    ];
+    for (id, code, timeout) in cases {
+        let (s, v) = run_code(code, timeout);
+        assert_eq!(s, 200, "{id}: {v}");
+        assert!(
+            matches!(v["status"].as_str(), Some("Success" | "Failed")),
+            "{id}: a verdict, not a sandbox error: {v}"
+        );
+        // The next call is clean and correct: no process, file or output of the abuser left.
+        let (s, next) = run_code(
+            "import os\nprocs = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(procs) <= 4, os.path.exists('/tmp/fill'))",
+            5.0,
+        );
+        assert_eq!(s, 200, "{id}: {next}");
+        assert_eq!(
+            next["status"], "Success",
+            "{id}: the node still runs code: {next}"
+        );
+        assert_eq!(
+            next["run_result"]["stdout"], "True False\n",
+            "{id}: nothing survived: {next}"
+        );
+    }
+}
