@@ -34,7 +34,7 @@ def test_run_codes_batch_is_isolated(client: dsec.Client) -> None:
 
 
 def test_sandbox_fusion_client_unchanged(server, client: dsec.Client) -> None:
-    sf = pytest.importorskip("sandbox_fusion")
+    import sandbox_fusion as sf  # installed by scripts/test-python.sh; a missing install fails
     endpoint = f"{server.url}/t/{client.api_key}"
     r = sf.run_code(sf.RunCodeRequest(code="print(input() * 2)", language="python", stdin="ab\n"), endpoint=endpoint)
     assert r.status == sf.RunStatus.Success, r
@@ -67,3 +67,12 @@ def test_sandbox_fusion_client_unchanged(server, client: dsec.Client) -> None:
     assert r.run_result.stdout == "data\n" and r.files == {"out.txt": base64.b64encode(b"o").decode()}, r
     with pytest.raises(Exception, match="unknown language|SandboxError|Sandbox responded"):
         sf.run_code(sf.RunCodeRequest(code="1", language="lean"), endpoint=endpoint, max_attempts=1)
+
+
+def test_module_level_run_code(server, client: dsec.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_URL", server.url)
+    monkeypatch.setenv("DSEC_API_KEY", client.api_key)
+    monkeypatch.setattr(dsec, "_default_client", None)
+    assert dsec.run_code("print(6 * 7)")["run_result"]["stdout"] == "42\n"
+    items = dsec.run_codes([{"code": f"print({i})", "language": "python"} for i in range(3)], concurrency=2)
+    assert [it["result"]["run_result"]["stdout"] for it in items] == ["0\n", "1\n", "2\n"]

@@ -38,6 +38,26 @@ from .types import (
 
 __version__ = "0.1.0"
 
+_default_client = None
+
+
+def _client() -> Client:
+    global _default_client
+    if _default_client is None:
+        _default_client = Client()  # DSEC_URL / DSEC_API_KEY
+    return _default_client
+
+
+def run_code(code: str, language: str = "python", **options: object) -> dict:
+    """Run a snippet on the node from ``DSEC_URL`` with ``DSEC_API_KEY`` (see
+    :meth:`Client.run_code`)."""
+    return _client().run_code(code, language, **options)
+
+
+def run_codes(requests: list, *, concurrency: int = 16) -> list:
+    """Run many snippets at most ``concurrency`` at once (see :meth:`Client.run_codes`)."""
+    return _client().run_codes(requests, concurrency=concurrency)
+
 __all__ = [
     "Client",
     "AsyncClient",
@@ -61,6 +81,8 @@ __all__ = [
     "TrajectoryInfo",
     "Trajectory",
     "ResumeReport",
+    "run_code",
+    "run_codes",
     "BatchDeleteItem",
     *_errors_all,
 ]
