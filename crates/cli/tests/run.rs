@@ -373,3 +373,51 @@ fn abuse_through_run_code_is_contained() {
         );
     }
 }
+
+/// A tenant with a sandbox quota may have that many runs in flight; more answer
+/// `quota_exceeded` until one ends.
+#[test]
+fn runs_in_flight_follow_the_tenant_quota() {
+    let d = Daemon::start("quota", &[]);
+    let admin = d.key.clone();
+    let (s, t) = d.post(
+        "/v1/tenants",
+        Some(&admin),
+        &json!({"name": "runner-a", "max_sandboxes": 1}),
+    );
+    assert_eq!(s, 201, "{t}");
+    let key = t["api_key"].as_str().expect("key").to_owned();
+    std::thread::scope(|sc| {
+        let slow = sc.spawn(|| {
+            d.post(
+                "/v1/run",
+                Some(&key),
+                &json!({"code": "import time\ntime.sleep(1.5)\nprint('slept')", "language": "python"}),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let (s, v) = d.post(
+            "/v1/run",
+            Some(&key),
+            &json!({"code": "print(1)", "language": "python"}),
+        );
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (429, Some("quota_exceeded")),
+            "{v}"
+        );
+        let (s, v) = slow.join().expect("join");
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["run_result"]["stdout"], "slept\n");
+    });
+    let (s, v) = d.post(
+        "/v1/run",
+        Some(&key),
+        &json!({"code": "print(1)", "language": "python"}),
+    );
+    assert_eq!(
+        (s, v["run_result"]["stdout"].as_str()),
+        (200, Some("1\n")),
+        "{v}"
+    );
+}

@@ -424,6 +424,8 @@ pub struct Runner {
     tenant: Tenant,
     anonymous: Option<Tenant>,
     anonymous_slots: Arc<tokio::sync::Semaphore>,
+    /// Run slots of tenants with a sandbox quota.
+    tenant_slots: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
     zygotes: Mutex<HashMap<String, Arc<ZygotePool>>>,
     containers: Mutex<HashMap<String, Vec<Arc<Entry>>>>,
     languages: tokio::sync::OnceCell<Vec<String>>,
@@ -437,6 +439,7 @@ impl Runner {
             tenant,
             anonymous,
             anonymous_slots: Arc::new(tokio::sync::Semaphore::new(ANONYMOUS_CONCURRENCY)),
+            tenant_slots: Mutex::new(HashMap::new()),
             zygotes: Mutex::new(HashMap::new()),
             containers: Mutex::new(HashMap::new()),
             languages: tokio::sync::OnceCell::new(),
@@ -959,21 +962,36 @@ async fn languages(app: &Arc<App>) -> ApiResult<Vec<String>> {
         .cloned()
 }
 
-/// Holds an anonymous run slot while a run lasts.
+/// Holds one of the tenant's run slots while a run lasts: the anonymous tenant may have
+/// [`ANONYMOUS_CONCURRENCY`] runs in flight, a tenant with a sandbox quota as many runs as its
+/// `max_sandboxes`, others are not limited here (the zygote pools bound the node).
 fn anonymous_slot(app: &App, t: &Tenant) -> ApiResult<Option<tokio::sync::OwnedSemaphorePermit>> {
-    if app.runner.anonymous().is_none_or(|a| a.id != t.id) {
+    let (slots, limit) = if app.runner.anonymous().is_some_and(|a| a.id == t.id) {
+        (
+            Arc::clone(&app.runner.anonymous_slots),
+            ANONYMOUS_CONCURRENCY,
+        )
+    } else if let Some(m) = t.max_sandboxes {
+        let m = usize::try_from(m).unwrap_or(usize::MAX).clamp(1, 1 << 16);
+        let slots = Arc::clone(
+            app.runner
+                .tenant_slots
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(t.id.clone())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(m))),
+        );
+        (slots, m)
+    } else {
         return Ok(None);
-    }
-    Arc::clone(&app.runner.anonymous_slots)
-        .try_acquire_owned()
-        .map(Some)
-        .map_err(|_| ApiError {
-            retry_after: Some(1),
-            ..ApiError::new(
-                ErrorCode::QuotaExceeded,
-                format!("the anonymous tenant may have {ANONYMOUS_CONCURRENCY} runs in flight"),
-            )
-        })
+    };
+    slots.try_acquire_owned().map(Some).map_err(|_| ApiError {
+        retry_after: Some(1),
+        ..ApiError::new(
+            ErrorCode::QuotaExceeded,
+            format!("tenant {} may have {limit} runs in flight", t.name),
+        )
+    })
 }
 
 fn parse_body<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> ApiResult<T> {
