@@ -34,13 +34,28 @@ def _dsec_clean():
     tainted = False
     st = _DSEC_STATE
     if st["sweep"]:
+        # Repeat until no live process but the agent and the zygote is left: a fork bomb can
+        # fork between the listing and the kill (pids.max bounds how long that can go on).
         me = os.getpid()
-        for p in os.listdir("/proc"):
-            if p.isdigit() and int(p) not in (1, me):
+        for _ in range(200):
+            live = 0
+            for p in os.listdir("/proc"):
+                if not p.isdigit() or int(p) in (1, me):
+                    continue
+                try:
+                    with open("/proc/%s/stat" % p, "rb") as f:
+                        if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                            continue
+                except (OSError, IndexError):
+                    continue
+                live += 1
                 try:
                     os.kill(int(p), signal.SIGKILL)
                 except OSError:
                     pass
+            if live == 0:
+                break
+            time.sleep(0.001)
     for d, base in st["base"].items():
         if base is None:
             continue
