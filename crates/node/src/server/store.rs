@@ -367,10 +367,10 @@ impl Store {
         })
     }
 
-    /// Log keys of the trajectories finished before `before_ms`.
+    /// Log keys of the trajectories finished at or before `before_ms`.
     pub fn finished_trajectories(&self, before_ms: u64) -> Result<Vec<String>, StoreError> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT key FROM finished_trajectories WHERE at < ?1")?;
+            let mut st = c.prepare("SELECT key FROM finished_trajectories WHERE at <= ?1")?;
             let rows = st.query_map(params![before_ms as i64], |r| r.get::<_, String>(0))?;
             Ok(rows.collect::<Result<Vec<_>, _>>()?)
         })
