@@ -11,6 +11,7 @@ fi
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v gcc >/dev/null || need+=(gcc)
+command -v tar >/dev/null || need+=(tar)
 [ -x /usr/bin/python3 ] || need+=(python3)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then

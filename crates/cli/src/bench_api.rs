@@ -70,9 +70,9 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.destroy_everything();
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {

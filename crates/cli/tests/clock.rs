@@ -122,9 +122,9 @@ fn f09_wall_clock_jumps_do_not_move_ttl_or_lease_expiry() {
         took < Duration::from_secs(7),
         "expired about 4 s after creation, not by the jumped clock: {took:?}"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
+    if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
     let st = child.wait().expect("wait");
     assert!(st.success(), "{st:?}");
     let _ = std::fs::remove_dir_all(&base);

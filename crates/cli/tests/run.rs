@@ -111,9 +111,9 @@ impl Drop for Daemon {
                     .call();
             }
         }
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.base);
     }

@@ -117,9 +117,9 @@ impl Daemon {
             .map(|r| r.flatten().map(|e| e.file_name()).collect())
             .unwrap_or_default();
         assert!(left.is_empty(), "left on the machine: {left:?}");
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
         let st = self.child.wait().expect("wait");
         assert!(st.success(), "{st:?}");
     }
@@ -127,6 +127,22 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // A failed test must not leave sandboxes running (they outlive the daemon by design).
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let ids: Vec<String> = std::fs::read_dir(self.run.join("sandboxes"))
+                .map(|r| {
+                    r.flatten()
+                        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default();
+            for id in ids {
+                let _ = agent()
+                    .delete(format!("{}/v1/sandboxes/{id}", self.url))
+                    .header("X-API-Key", &self.key)
+                    .call();
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
