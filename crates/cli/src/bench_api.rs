@@ -17,10 +17,11 @@ use serde_json::{json, Value};
 
 use crate::bench::{dist, us, BenchArgs};
 
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
+/// A `dsec server` child on fresh state dirs (benches of the daemon share it).
+pub(crate) struct Daemon {
+    pub(crate) child: Child,
+    pub(crate) url: String,
+    pub(crate) key: String,
     base: std::path::PathBuf,
 }
 
@@ -73,7 +74,7 @@ impl Drop for Daemon {
         if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
                 break;
@@ -86,8 +87,9 @@ impl Drop for Daemon {
     }
 }
 
-fn start_daemon() -> anyhow::Result<Daemon> {
-    let base = std::path::PathBuf::from(format!("/tmp/dsec-bench-api-{}", std::process::id()));
+/// Starts `dsec server` (this executable) with `extra` flags on dirs named after `tag`.
+pub(crate) fn start_daemon(tag: &str, extra: &[&str]) -> anyhow::Result<Daemon> {
+    let base = std::path::PathBuf::from(format!("/tmp/dsec-bench-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(&base)?;
     let exe = std::env::current_exe()?;
@@ -97,6 +99,7 @@ fn start_daemon() -> anyhow::Result<Daemon> {
         .arg("--run-dir")
         .arg(base.join("r"))
         .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -287,7 +290,7 @@ fn cycles(c: &Client, threads: usize, per_thread: usize) -> anyhow::Result<Value
 
 /// Runs the API benchmark.
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let d = start_daemon()?;
+    let d = start_daemon("api", &[])?;
     let c = Client {
         agent: ureq::Agent::config_builder()
             .http_status_as_error(false)

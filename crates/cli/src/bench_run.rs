@@ -6,77 +6,14 @@
 //! (the peer: no sandbox, no HTTP). Each at concurrency 1, 16 and 64 with p50/p99 through
 //! HTTP, the node's own time (`server_us`) and calls/s; then a C++ compile-and-run.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::{json, Value};
 
 use crate::bench::{dist, us, BenchArgs};
-
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    base: std::path::PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // The node destroys the runner's sandboxes when it stops.
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.base);
-    }
-}
-
-fn start_daemon(zygotes: usize) -> anyhow::Result<Daemon> {
-    let base = std::path::PathBuf::from(format!("/tmp/dsec-bench-run-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base)?;
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg("--data-dir")
-        .arg(base.join("d"))
-        .arg("--run-dir")
-        .arg(base.join("r"))
-        .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
-        .args(["--run-zygotes", &zygotes.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("start dsec server")?;
-    let out = child.stdout.take().context("stdout")?;
-    let mut url = None;
-    for line in BufReader::new(out).lines() {
-        let line = line?;
-        if let Some(u) = line.strip_prefix("dsec server listening on ") {
-            url = Some(u.to_owned());
-            break;
-        }
-    }
-    let url = url.context("the daemon did not start")?;
-    let key = std::fs::read_to_string(base.join("d/admin.key"))?
-        .trim()
-        .to_owned();
-    Ok(Daemon {
-        child,
-        url,
-        key,
-        base,
-    })
-}
 
 #[derive(Clone)]
 struct Client {
@@ -153,7 +90,7 @@ fn load(
 
 /// Runs the runner benchmark.
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let d = start_daemon(4)?;
+    let d = crate::bench_api::start_daemon("run", &["--run-zygotes", "4"])?;
     let c = Client {
         agent: ureq::Agent::config_builder()
             .http_status_as_error(false)
