@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::io::{self, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -30,7 +29,7 @@ const KILL_ALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The writing half of the connection.
 pub struct Out {
-    w: Mutex<UnixStream>,
+    w: Mutex<Box<dyn Write + Send>>,
 }
 
 impl Out {
@@ -77,6 +76,8 @@ pub struct Agent {
     next_handle: AtomicU64,
     inflight: AtomicUsize,
     workers: Arc<Workers>,
+    /// Set when the agent is PID 1 of a VM guest.
+    guest: Option<crate::vm::Guest>,
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -174,11 +175,18 @@ impl Agent {
     }
 
     /// Builds the agent around the protocol socket.
-    pub fn new(sock: UnixStream, root: Root, root_path: PathBuf, reaper: Arc<Reaper>) -> Agent {
+    pub fn new(
+        sock: Box<dyn Write + Send>,
+        root: Root,
+        root_path: PathBuf,
+        reaper: Arc<Reaper>,
+        guest: Option<crate::vm::Guest>,
+    ) -> Agent {
         Agent {
             out: Out {
                 w: Mutex::new(sock),
             },
+            guest,
             root: RwLock::new(Arc::new(root)),
             root_path,
             reaper,
@@ -192,7 +200,7 @@ impl Agent {
 
     /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
     /// error; then kills everything it started.
-    pub fn serve(self: &Arc<Self>, mut reader: UnixStream) {
+    pub fn serve(self: &Arc<Self>, mut reader: impl io::Read) {
         self.out.send(
             0,
             &Event::Hello {
@@ -238,7 +246,10 @@ impl Agent {
         }
         // Quick, non-blocking requests are answered on the reader thread: a thread per request
         // would cost more than the work.
-        if matches!(req, Request::Configure { .. } | Request::ReopenRoot) {
+        if matches!(
+            req,
+            Request::Configure { .. } | Request::ReopenRoot | Request::Identify { .. }
+        ) {
             self.handle(id, req, body);
             return;
         }
@@ -405,6 +416,22 @@ impl Agent {
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
                 }
             }
+            Request::Identify {
+                hostname,
+                unix_ns,
+                disk_bytes,
+                disk_inodes,
+            } => match &self.guest {
+                None => out.error(
+                    id,
+                    ErrorCode::InvalidRequest,
+                    &msg("identify is for VM guests only"),
+                ),
+                Some(g) => match g.identify(&hostname, unix_ns, disk_bytes, disk_inodes, &body) {
+                    Ok(()) => ok(),
+                    Err(e) => out.error(id, ErrorCode::Internal, &e),
+                },
+            },
             Request::ReopenRoot => {
                 // A reset: the supervisor killed every other process of the sandbox before
                 // swapping the root, so their handles and sessions go too.

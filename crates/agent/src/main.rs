@@ -16,6 +16,7 @@ mod files;
 mod reaper;
 mod session;
 mod tar;
+mod vm;
 
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -42,6 +43,9 @@ fn run() -> anyhow::Result<()> {
     proc::set_not_dumpable().context("mark the agent not dumpable")?;
     proc::block_sigchld().context("block SIGCHLD")?;
     proc::set_child_subreaper().context("become child subreaper")?;
+    if vm::is_guest() {
+        return vm::run();
+    }
     let sock = proc::take_inherited_fd(PROTOCOL_FD).context("protocol socket on fd 3")?;
     let sock = UnixStream::from(sock);
     let root = std::env::var_os(exec::ROOT_ENV).map_or_else(|| PathBuf::from("/"), PathBuf::from);
@@ -49,7 +53,13 @@ fn run() -> anyhow::Result<()> {
     let root = files::Root::open(&root_path).context("open sandbox root")?;
     let reaper = reaper::Reaper::start().context("start reaper thread")?;
     let reader = sock.try_clone().context("clone protocol socket")?;
-    let agent = Arc::new(conn::Agent::new(sock, root, root_path, reaper));
+    let agent = Arc::new(conn::Agent::new(
+        Box::new(sock),
+        root,
+        root_path,
+        reaper,
+        None,
+    ));
     agent.serve(reader);
     Ok(())
 }

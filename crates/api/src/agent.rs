@@ -198,6 +198,20 @@ pub enum Request {
         #[serde(default)]
         fsize: Option<u64>,
     },
+    /// VM guests only: gives a guest restored from its template's snapshot its own identity —
+    /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —
+    /// and mixes the request body (fresh random bytes) into the guest's entropy pool, so clones
+    /// of one snapshot share no random state. Answer: `Ok`.
+    Identify {
+        /// The guest's hostname.
+        hostname: String,
+        /// The host's wall clock, nanoseconds since the Unix epoch.
+        unix_ns: u64,
+        /// Size limit of the writable layer in bytes (the disk quota).
+        disk_bytes: u64,
+        /// Inode limit of the writable layer.
+        disk_inodes: u64,
+    },
 }
 
 /// Metadata of one path.

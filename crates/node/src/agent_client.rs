@@ -199,8 +199,13 @@ impl AgentConn {
 
     /// Liveness check.
     pub fn ping(&mut self) -> Result<(), AgentError> {
+        self.ping_within(Duration::from_secs(5))
+    }
+
+    /// Liveness check with a chosen timeout (a VM's first answer comes at the end of its boot).
+    pub fn ping_within(&mut self, timeout: Duration) -> Result<(), AgentError> {
         match self
-            .call(&Request::Ping, &[], Some(Duration::from_secs(5)), |_, _| {})?
+            .call(&Request::Ping, &[], Some(timeout), |_, _| {})?
             .0
         {
             Event::Pong => Ok(()),

@@ -11,3 +11,4 @@ pub mod sandbox;
 pub mod server;
 pub mod template;
 pub mod trajlog;
+pub mod vm;

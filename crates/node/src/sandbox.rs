@@ -82,6 +82,45 @@ impl Limits {
     }
 }
 
+/// How a sandbox is isolated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Substrate {
+    /// Namespaces, cgroups, seccomp and overlayfs.
+    #[default]
+    Container,
+    /// A QEMU microVM (`-M microvm`).
+    Microvm,
+    /// A QEMU q35 virtual machine (PCI, ACPI, more vCPUs).
+    Vm,
+}
+
+impl Substrate {
+    /// The API name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Substrate::Container => "container",
+            Substrate::Microvm => "microvm",
+            Substrate::Vm => "vm",
+        }
+    }
+
+    /// Parses an API name (`function` is not a sandbox substrate: it is served by `/v1/run`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "container" => Some(Substrate::Container),
+            "microvm" => Some(Substrate::Microvm),
+            "vm" => Some(Substrate::Vm),
+            _ => None,
+        }
+    }
+
+    /// Whether this is a VM substrate.
+    pub fn is_vm(self) -> bool {
+        self != Substrate::Container
+    }
+}
+
 /// What to create.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -101,6 +140,9 @@ pub struct SandboxSpec {
     pub max_uses: u32,
     /// Reuse limits: recycle after this much cumulative acquired time.
     pub max_busy_ms: u64,
+    /// How the sandbox is isolated.
+    #[serde(default)]
+    pub substrate: Substrate,
 }
 
 impl Default for SandboxSpec {
@@ -113,6 +155,7 @@ impl Default for SandboxSpec {
             userns: false,
             max_uses: 100,
             max_busy_ms: 3_600_000,
+            substrate: Substrate::Container,
         }
     }
 }

@@ -10,6 +10,7 @@
 
 pub mod cgroup;
 pub mod fs;
+pub mod guest;
 pub mod ipc;
 pub mod launch;
 pub mod proc;

@@ -75,6 +75,32 @@ impl ContainerRuntime {
         Ok((dirs, t.env.clone()))
     }
 
+    /// The base environment of every command in sandbox `id`: defaults, then the template's,
+    /// then the request's.
+    pub(crate) fn sandbox_env(
+        &self,
+        id: &str,
+        template_env: Env,
+        spec: &SandboxSpec,
+    ) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = vec![
+            (
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            ),
+            ("HOME".into(), "/root".into()),
+            ("LANG".into(), "C.UTF-8".into()),
+            ("TERM".into(), "xterm".into()),
+            ("HOSTNAME".into(), id.to_owned()),
+            ("DSEC_SANDBOX_ID".into(), id.to_owned()),
+        ];
+        for (k, v) in template_env.into_iter().chain(spec.env.clone()) {
+            env.retain(|(ek, _)| *ek != k);
+            env.push((k, v));
+        }
+        env
+    }
+
     /// Creates a sandbox and waits until its agent is ready.
     pub fn create(&self, spec: &SandboxSpec) -> Result<(Sandbox, Phases), RuntimeError> {
         self.create_with_id(&new_id(), spec)
@@ -91,25 +117,14 @@ impl ContainerRuntime {
         if !valid_id(id) {
             return Err(RuntimeError::Invalid(format!("invalid sandbox id {id:?}")));
         }
+        if spec.substrate.is_vm() {
+            return self.create_vm(id, spec);
+        }
         let t0 = Instant::now();
         let (lowerdirs, template_env) = self.lowerdirs(&spec.template)?;
         let id = id.to_owned();
         let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
-        let mut env: Vec<(String, String)> = vec![
-            (
-                "PATH".into(),
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-            ),
-            ("HOME".into(), "/root".into()),
-            ("LANG".into(), "C.UTF-8".into()),
-            ("TERM".into(), "xterm".into()),
-            ("HOSTNAME".into(), id.clone()),
-            ("DSEC_SANDBOX_ID".into(), id.clone()),
-        ];
-        for (k, v) in template_env.into_iter().chain(spec.env.clone()) {
-            env.retain(|(ek, _)| *ek != k);
-            env.push((k, v));
-        }
+        let env = self.sandbox_env(&id, template_env, spec);
         let config = LaunchConfig {
             id: id.clone(),
             lowerdirs,
@@ -180,9 +195,10 @@ impl ContainerRuntime {
             spec: spec.clone(),
             state: State::Creating,
             agent: AgentConn::new(agent_fd),
-            control,
+            control: Some(control),
             sup,
             init_pid,
+            vm: None,
             run_dir,
             oom_kills: 0,
             uses: 0,

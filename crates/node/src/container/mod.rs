@@ -10,6 +10,7 @@ pub mod shim;
 mod adopt;
 mod create;
 mod exec;
+mod vmsub;
 
 use std::collections::HashMap;
 use std::io;
@@ -92,6 +93,15 @@ pub enum RuntimeError {
     /// A lifecycle rule was violated.
     #[error(transparent)]
     Transition(#[from] InvalidTransition),
+    /// A VM substrate failed.
+    #[error("vm sandbox {id}: {source}")]
+    Vm {
+        /// Sandbox id.
+        id: String,
+        /// Cause.
+        #[source]
+        source: crate::vm::VmError,
+    },
 }
 
 impl RuntimeError {
@@ -102,6 +112,7 @@ impl RuntimeError {
             RuntimeError::Template(e) => e.code(),
             RuntimeError::Agent { source, .. } => source.code(),
             RuntimeError::Transition(_) => ErrorCode::InvalidTransition,
+            RuntimeError::Vm { source, .. } => source.code(),
             RuntimeError::Launch { .. } => ErrorCode::ResourceExhausted,
             RuntimeError::Prepare { .. }
             | RuntimeError::MissingBinary { .. }
@@ -188,7 +199,11 @@ pub struct ContainerRuntime {
     next_req: AtomicU64,
     stage: PathBuf,
     host_mask: PathBuf,
+    /// The host mask layer where it is built (the VM substrates build root images from it).
+    host_mask_src: PathBuf,
     favordynmods: bool,
+    /// The VM substrates, started on first use.
+    vms: Mutex<Option<Arc<crate::vm::VmRuntime>>>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -265,7 +280,9 @@ impl ContainerRuntime {
             next_req: AtomicU64::new(1),
             stage,
             host_mask,
+            host_mask_src: mask_src,
             favordynmods,
+            vms: Mutex::new(None),
         })
     }
 
@@ -390,9 +407,13 @@ pub struct Sandbox {
     spec: SandboxSpec,
     state: State,
     agent: AgentConn,
-    control: OwnedFd,
+    /// The supervisor's control socket (containers only).
+    control: Option<OwnedFd>,
+    /// The supervisor (containers) or the QEMU process (VMs).
     sup: PidFd,
     init_pid: i32,
+    /// What a VM sandbox is restored from (VM substrates only).
+    vm: Option<vmsub::VmBinding>,
     run_dir: PathBuf,
     oom_kills: u64,
     uses: u32,
@@ -450,10 +471,14 @@ impl Sandbox {
 
     /// Why the sandbox is not whole any more ([`Sandbox::is_alive`]), if it is not.
     pub fn death(&self) -> Option<String> {
+        if self.vm.is_some() {
+            return (!self.sup.is_alive()).then(|| "its QEMU process exited".into());
+        }
         if !self.sup.is_alive() {
             return Some("its supervisor exited".into());
         }
-        match ipc::poll_readable(self.control.as_fd(), Duration::ZERO) {
+        let control = self.control.as_ref()?;
+        match ipc::poll_readable(control.as_fd(), Duration::ZERO) {
             Ok(false) => None,
             Ok(true) => {
                 // The supervisor records the init's wait status next to its socket.
@@ -491,18 +516,19 @@ impl Sandbox {
             message,
         };
         let bytes = serde_json::to_vec(msg).map_err(|e| sup_err(e.to_string()))?;
-        ipc::send_with_fds(self.control.as_fd(), &bytes, &[])
-            .map_err(|e| sup_err(e.to_string()))?;
+        let control = self
+            .control
+            .as_ref()
+            .ok_or_else(|| sup_err("no supervisor (a VM sandbox)".into()))?;
+        ipc::send_with_fds(control.as_fd(), &bytes, &[]).map_err(|e| sup_err(e.to_string()))?;
         let deadline = Instant::now() + timeout;
         let mut buf = vec![0u8; MAX_MSG];
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if !ipc::poll_readable(self.control.as_fd(), left)
-                .map_err(|e| sup_err(e.to_string()))?
-            {
+            if !ipc::poll_readable(control.as_fd(), left).map_err(|e| sup_err(e.to_string()))? {
                 return Err(sup_err(format!("no answer within {timeout:?}")));
             }
-            let (n, fds) = ipc::recv_with_fds(self.control.as_fd(), &mut buf)
+            let (n, fds) = ipc::recv_with_fds(control.as_fd(), &mut buf)
                 .map_err(|e| sup_err(e.to_string()))?;
             if n == 0 {
                 return Err(sup_err("control socket closed".into()));
@@ -524,7 +550,11 @@ impl Sandbox {
         if let Some(t) = self.acquired_at.take() {
             self.busy += t.elapsed();
         }
-        let result = self.reset_inner();
+        let result = if self.vm.is_some() {
+            self.reset_vm()
+        } else {
+            self.reset_inner()
+        };
         self.state = match result {
             Ok(()) => self.state.transition(State::Ready)?,
             Err(_) => self.state.transition(State::Failed)?,
@@ -567,6 +597,9 @@ impl Sandbox {
     /// its own mount namespace) and runtime directory.
     pub fn destroy(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
         self.state = self.state.transition(State::Stopping)?;
+        if self.vm.is_some() {
+            return self.destroy_vm(rt);
+        }
         let answered = self.control_call(&ControlMsg::Destroy, Duration::from_secs(10));
         // Whatever the supervisor said, make sure it is gone and nothing is left behind.
         if !self

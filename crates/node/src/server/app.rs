@@ -15,7 +15,7 @@ use serde::Serialize;
 use tokio::sync::{broadcast, watch, OwnedMutexGuard};
 
 use crate::container::{ContainerRuntime, Sandbox};
-use crate::sandbox::{Limits, SandboxSpec, State};
+use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
 
 use super::error::{ApiError, ApiResult};
 use super::log;
@@ -201,6 +201,8 @@ impl PoolState {
 pub struct CreateRequest {
     /// Template name.
     pub template: String,
+    /// Substrate.
+    pub substrate: Substrate,
     /// Limits.
     pub limits: Limits,
     /// Environment for every command.
@@ -388,7 +390,8 @@ impl std::fmt::Debug for App {
 }
 
 fn pool_key(req: &CreateRequest) -> Option<String> {
-    (req.limits == Limits::default() && !req.writable_root).then(|| req.template.clone())
+    (req.limits == Limits::default() && !req.writable_root && req.substrate == Substrate::Container)
+        .then(|| req.template.clone())
 }
 
 impl App {
@@ -674,9 +677,10 @@ impl App {
                             template: req.template.clone(),
                             limits: req.limits.clone(),
                             writable_root: req.writable_root,
+                            substrate: req.substrate,
                             ..SandboxSpec::default()
                         },
-                        substrate: "container".into(),
+                        substrate: req.substrate.name().into(),
                         labels: BTreeMap::new(),
                         env: BTreeMap::new(),
                         created_at_ms: now,

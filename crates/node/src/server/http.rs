@@ -22,7 +22,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
 
-use crate::sandbox::{Limits, State};
+use crate::sandbox::{Limits, State, Substrate};
 
 use super::app::{now_ms, App, CreateRequest, Entry, PoolSize};
 use super::error::{ApiError, ApiResult, REQUEST_ID};
@@ -360,10 +360,18 @@ async fn readyz(AxState(app): AxState<AppState>) -> Response {
         .lock()
         .map(|r| serde_json::to_value(&*r).unwrap_or_default())
         .unwrap_or_default();
+    let vms = app.rt.vms_started();
+    let vm_info = json!({
+        "started": vms.is_some(),
+        "accel": vms.as_ref().map_or_else(|| crate::vm::detect_accel().name(), |v| v.accel().name()),
+        "qemu": vms.as_ref().map(|v| v.qemu_version().to_owned()),
+        "kernel": vms.as_ref().map(|v| v.kernel_version().to_owned()),
+    });
     let body = json!({
         "ready": ready && !draining,
         "draining": draining,
-        "substrates": {"container": true, "function": true, "microvm": false, "vm": false},
+        "substrates": {"container": true, "function": true, "microvm": true, "vm": true},
+        "vm": vm_info,
         "idle_shells": app.rt.idle_shells(),
         "favordynmods": app.rt.favordynmods(),
         "recovery": recovery,
@@ -513,20 +521,20 @@ struct CreateBody {
 }
 
 fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
-    match b.substrate.as_deref() {
-        None | Some("container") => {}
-        Some(s @ ("function" | "microvm" | "vm")) => {
-            return Err(ApiError::invalid(format!(
-                "substrate {s:?} is not available on this node yet; use \"container\""
-            )))
+    let substrate = match b.substrate.as_deref() {
+        None => Substrate::Container,
+        Some("function") => {
+            return Err(ApiError::invalid(
+                "substrate \"function\" runs snippets through POST /v1/run, not sandboxes",
+            ))
         }
-        Some(s) => {
-            return Err(ApiError::invalid(format!(
-                "unknown substrate {:?}",
+        Some(s) => Substrate::parse(s).ok_or_else(|| {
+            ApiError::invalid(format!(
+                "unknown substrate {:?} (container, microvm, vm)",
                 s.chars().take(32).collect::<String>()
-            )))
-        }
-    }
+            ))
+        })?,
+    };
     // Partial limits: missing fields take the defaults.
     let limits = match b.limits {
         None => Limits::default(),
@@ -570,6 +578,7 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
     crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(CreateRequest {
         template,
+        substrate,
         limits,
         env,
         labels: b.labels,

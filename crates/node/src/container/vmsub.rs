@@ -1,0 +1,293 @@
+//! VM sandboxes (`microvm`, `vm`) behind the same [`Sandbox`] type as containers: the node's
+//! lifecycle, pools, API and trajectory log do not know which substrate they hold.
+//!
+//! A VM sandbox has no supervisor: its QEMU process plays that role (`Sandbox::sup` is QEMU's
+//! pidfd) and sits in the sandbox's cgroup (memory = guest RAM + QEMU's own overhead, CPU
+//! weight and optional cap, pids). Its run directory is `<run_dir>/sandboxes/<id>` like a
+//! container's, so a node that restarts finds it there; it cannot re-attach to a VM (QEMU
+//! accepts one agent connection, and the guest's half-written frames are lost with the old
+//! one), so recovery reaps it: the cgroup kill takes QEMU with it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsec_sys::cgroup::{Cgroup, CgroupLimits};
+use dsec_sys::ipc::PidFd;
+
+use super::{ContainerRuntime, Phases, RuntimeError, Sandbox};
+use crate::agent_client::AgentConn;
+use crate::sandbox::{SandboxSpec, State, Substrate};
+use crate::vm::{self, Snapshot, SnapshotKey, TemplateRoot, VmError, VmKind, VmRuntime};
+
+/// Memory the QEMU process may use beyond guest RAM (its heap, the TCG translation cache).
+const QEMU_OVERHEAD: u64 = 256 << 20;
+/// Threads a QEMU process may have (vCPUs, I/O, RCU, migration).
+const QEMU_PIDS: u64 = 256;
+
+/// What a VM sandbox needs to be restored again (reset).
+#[derive(Debug)]
+pub(crate) struct VmBinding {
+    rt: Arc<VmRuntime>,
+    snap: Arc<Snapshot>,
+    cgroup: Cgroup,
+    env: Vec<(String, String)>,
+}
+
+fn vm_err(id: &str) -> impl FnOnce(VmError) -> RuntimeError + '_ {
+    move |source| RuntimeError::Vm {
+        id: id.to_owned(),
+        source,
+    }
+}
+
+impl ContainerRuntime {
+    /// The VM substrates, started (QEMU installed, guest kernel prepared — from Debian's
+    /// packages, cached) on first use.
+    pub fn vms(&self) -> Result<Arc<VmRuntime>, RuntimeError> {
+        let mut g = self.vms.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = g.as_ref() {
+            return Ok(Arc::clone(v));
+        }
+        let cache = std::env::var_os(vm::CACHE_ENV)
+            .map_or_else(|| vm::DEFAULT_CACHE.into(), std::path::PathBuf::from);
+        let rt = VmRuntime::start(
+            cache,
+            self.cfg.run_dir.join("sandboxes"),
+            self.cfg.agent_bin.clone(),
+        )
+        .map_err(vm_err("-"))?;
+        let rt = Arc::new(rt);
+        *g = Some(Arc::clone(&rt));
+        Ok(rt)
+    }
+
+    /// Whether the VM substrates were started in this process.
+    pub fn vms_started(&self) -> Option<Arc<VmRuntime>> {
+        self.vms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(Arc::clone)
+    }
+
+    /// Where a template's root filesystem comes from, for its VM root image, and its env.
+    fn template_root(
+        &self,
+        template: &str,
+    ) -> Result<(TemplateRoot, Vec<(String, String)>), RuntimeError> {
+        if template == "host" {
+            // The image must follow the host: name it by the mask (what is hidden) and by the
+            // package database's modification time (what is installed).
+            let dpkg = std::fs::metadata("/var/lib/dpkg/status")
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_secs());
+            let mask = self.host_mask_src.display().to_string();
+            return Ok((
+                TemplateRoot::Host {
+                    lowerdir: format!("{mask}:/"),
+                    key: format!("{mask}\0{dpkg}"),
+                },
+                Vec::new(),
+            ));
+        }
+        let t = self
+            .templates
+            .get(template)
+            .map_err(RuntimeError::Template)?;
+        let mut dirs = self.templates.lowerdirs(&t);
+        dirs.reverse();
+        let key = dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join("\0");
+        Ok((TemplateRoot::Layers { dirs, key }, t.env.clone()))
+    }
+
+    /// The snapshot VM sandboxes of `spec` are restored from (made first if needed: a boot of
+    /// a few seconds under TCG, once per template, substrate, memory size and vCPU count).
+    pub fn vm_snapshot(
+        &self,
+        spec: &SandboxSpec,
+    ) -> Result<(Arc<VmRuntime>, Arc<Snapshot>), RuntimeError> {
+        let kind = match spec.substrate {
+            Substrate::Microvm => VmKind::Microvm,
+            Substrate::Vm => VmKind::Vm,
+            Substrate::Container => {
+                return Err(RuntimeError::Invalid("not a VM substrate".into()));
+            }
+        };
+        let rt = self.vms()?;
+        let (root, _) = self.template_root(&spec.template)?;
+        let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        let default_cpus = if kind == VmKind::Vm { 2 } else { 1 };
+        let vcpus = spec
+            .limits
+            .cpu_max
+            .map_or(default_cpus, |c| c.ceil() as u32)
+            .clamp(1, host_cpus.max(1));
+        let key = SnapshotKey {
+            kind,
+            template: spec.template.clone(),
+            memory_mib: (spec.limits.memory_max >> 20).clamp(128, 64 << 10),
+            vcpus,
+        };
+        let snap = rt.snapshot(&key, &root).map_err(vm_err("-"))?;
+        Ok((rt, snap))
+    }
+
+    /// Creates a VM sandbox by restoring its template's snapshot.
+    pub(crate) fn create_vm(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+    ) -> Result<(Sandbox, Phases), RuntimeError> {
+        let t0 = Instant::now();
+        let (rt, snap) = self.vm_snapshot(spec)?;
+        let (_, template_env) = self.template_root(&spec.template)?;
+        let env = self.sandbox_env(id, template_env, spec);
+        let limits = CgroupLimits {
+            cpu_weight: Some(spec.limits.cpu_weight),
+            cpu_max: spec
+                .limits
+                .cpu_max
+                .map(|c| ((c * 100_000.0) as u64, 100_000)),
+            memory_high: None,
+            memory_max: Some((snap.key().memory_mib << 20) + QEMU_OVERHEAD),
+            pids_max: Some(QEMU_PIDS),
+        };
+        if let Some(old) = self.cgroups.open(id) {
+            let _ = old.kill_all();
+            let _ = old.remove();
+        }
+        let cgroup = self
+            .cgroups
+            .create(id, &limits)
+            .map_err(RuntimeError::Cgroup)?;
+        let t_cg = t0.elapsed().as_micros() as u64;
+        let started = start_vm(&rt, id, &snap, &cgroup, spec, &env);
+        let (sup, agent) = match started {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = cgroup.kill_all();
+                let _ = cgroup.remove();
+                let _ = std::fs::remove_dir_all(rt.run_dir(id));
+                return Err(e);
+            }
+        };
+        let launch_us = t0.elapsed().as_micros() as u64;
+        let sandbox = Sandbox {
+            id: id.to_owned(),
+            spec: spec.clone(),
+            state: State::Ready,
+            agent,
+            control: None,
+            init_pid: sup.pid(),
+            sup,
+            vm: Some(VmBinding {
+                rt: Arc::clone(&rt),
+                snap,
+                cgroup,
+                env,
+            }),
+            run_dir: rt.run_dir(id),
+            oom_kills: 0,
+            uses: 0,
+            busy: Duration::ZERO,
+            acquired_at: None,
+        };
+        Ok((
+            sandbox,
+            Phases {
+                launch_us,
+                hello_us: t0.elapsed().as_micros() as u64,
+                cgroup_us: t_cg,
+                clone_exec_us: launch_us - t_cg,
+            },
+        ))
+    }
+}
+
+/// Restores the snapshot into a new QEMU in `cgroup`, then identifies and configures the guest.
+fn start_vm(
+    rt: &VmRuntime,
+    id: &str,
+    snap: &Arc<Snapshot>,
+    cgroup: &Cgroup,
+    spec: &SandboxSpec,
+    env: &[(String, String)],
+) -> Result<(PidFd, AgentConn), RuntimeError> {
+    let (proc, mut agent) = rt
+        .restore(id, snap, |pid| {
+            cgroup
+                .attach(pid)
+                .map_err(|e| VmError::Qmp(format!("attach QEMU to its cgroup: {e}")))
+        })
+        .map_err(vm_err(id))?;
+    let ready = (|| -> Result<(), VmError> {
+        vm::identify(
+            &mut agent,
+            id,
+            spec.limits.disk_bytes,
+            spec.limits.disk_inodes,
+        )?;
+        agent.call_ok(
+            &dsec_api::agent::Request::Configure {
+                env: env.to_vec(),
+                nofile: Some(spec.limits.open_files_max),
+                fsize: Some(spec.limits.file_size_max),
+            },
+            &[],
+        )?;
+        Ok(())
+    })();
+    if let Err(e) = ready {
+        proc.kill();
+        return Err(vm_err(id)(e));
+    }
+    Ok((proc.into_pidfd(), agent))
+}
+
+impl Sandbox {
+    /// The substrate of this sandbox.
+    pub fn substrate(&self) -> Substrate {
+        self.spec.substrate
+    }
+
+    /// Reset of a VM: a fresh QEMU restored from the snapshot again replaces the old one (in
+    /// the same cgroup); nothing of the old guest survives.
+    pub(crate) fn reset_vm(&mut self) -> Result<(), RuntimeError> {
+        let Some(b) = self.vm.as_ref() else {
+            return Err(RuntimeError::Invalid("not a VM sandbox".into()));
+        };
+        let _ = self.sup.signal(9);
+        let _ = self.sup.wait_exit(Duration::from_secs(5));
+        let (sup, agent) = start_vm(&b.rt, &self.id, &b.snap, &b.cgroup, &self.spec, &b.env)?;
+        self.init_pid = sup.pid();
+        self.sup = sup;
+        self.agent = agent;
+        Ok(())
+    }
+
+    /// Destroys a VM sandbox: QEMU, cgroup, run directory.
+    pub(crate) fn destroy_vm(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
+        let _ = self.sup.signal(9);
+        let _ = self.sup.wait_exit(Duration::from_secs(5));
+        if let Some(b) = self.vm.take() {
+            let _ = b.cgroup.kill_all();
+            let _ = b.cgroup.remove();
+        }
+        let clean = rt.cleanup_leftovers(&self.id, &self.run_dir) && !self.sup.is_alive();
+        self.state = self.state.transition(State::Stopped)?;
+        if clean {
+            Ok(())
+        } else {
+            Err(RuntimeError::Supervisor {
+                id: self.id.clone(),
+                message: "the VM left processes or files behind".into(),
+            })
+        }
+    }
+}

@@ -1,0 +1,651 @@
+//! The `microvm` and `vm` substrates: each sandbox is a QEMU virtual machine whose PID 1 is the
+//! same `dsec-agent` that runs in containers, reached over a virtio-serial port.
+//!
+//! Creation is a restore, not a boot. Per (template, machine, memory, vCPUs) the node boots one
+//! VM to agent-ready with its RAM in a file (`share=on`), then saves the device state with
+//! `x-ignore-shared` (the RAM file *is* the memory snapshot; the device state is ~70 KB). Every
+//! sandbox is a new QEMU that maps that file privately (`share=off`: copy-on-write, so clones
+//! share every page they have not written and nothing is copied per clone), loads the device
+//! state and continues; the node then gives the guest its identity (`Identify`: hostname,
+//! clock, entropy, disk quota) and its environment (`Configure`).
+//!
+//! Snapshots are cached on disk under the VM cache directory, keyed by everything that shapes
+//! them (kernel, initramfs, root image, QEMU version, machine, memory, vCPUs), so a restarted
+//! node reuses them. Reset = restore the snapshot again into a new QEMU.
+
+pub mod image;
+pub mod qemu;
+
+use std::collections::HashMap;
+use std::fs;
+use std::os::fd::AsFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dsec_api::ErrorCode;
+use dsec_sys::ipc::PidFd;
+use serde_json::json;
+
+use crate::agent_client::{AgentConn, AgentError};
+use image::{ImageError, Kernel, RootSource};
+use qemu::{Accel, Machine, Qmp, VmArgs, AGENT_SOCK, QMP_SOCK};
+
+/// Name of the agent's virtio-serial port (the agent looks for it by name).
+pub const PORT_NAME: &str = "dsec.agent";
+/// Environment variable overriding the VM cache directory.
+pub const CACHE_ENV: &str = "DSEC_VM_CACHE";
+/// Default VM cache directory (kernel, initramfs, root images, snapshots). Shared by every node
+/// process of the host: everything in it is content-keyed and built atomically.
+pub const DEFAULT_CACHE: &str = "/var/cache/dsec/vm";
+/// Environment variable choosing the accelerator: `kvm`, `tcg` or `auto` (default).
+pub const ACCEL_ENV: &str = "DSEC_VM_ACCEL";
+/// How long a template boot may take to reach agent-ready (TCG on a busy 2-core machine).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long a restore may take.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Version of the snapshot recipe; bump to invalidate cached snapshots.
+const SNAPSHOT_FORMAT: &str = "1";
+
+/// Everything that can go wrong with a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// Preparing the kernel, initramfs, root image or QEMU failed.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// An I/O step failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// The step.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QMP answered with an error or the VM misbehaved.
+    #[error("qemu: {0}")]
+    Qmp(String),
+    /// The agent in the guest failed.
+    #[error("guest agent: {0}")]
+    Agent(#[from] AgentError),
+    /// The request cannot be served by a VM substrate.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl VmError {
+    pub(crate) fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> VmError {
+        move |source| VmError::Io { what, source }
+    }
+
+    /// The API error code.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            VmError::Invalid(_) => ErrorCode::InvalidRequest,
+            VmError::Agent(e) => e.code(),
+            _ => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Which VM substrate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum VmKind {
+    /// `microvm`: QEMU `-M microvm`, one vCPU by default, minimal devices.
+    Microvm,
+    /// `vm`: QEMU q35 with PCI/ACPI, two vCPUs by default.
+    Vm,
+}
+
+impl VmKind {
+    fn machine(self) -> Machine {
+        match self {
+            VmKind::Microvm => Machine::Microvm,
+            VmKind::Vm => Machine::Q35,
+        }
+    }
+
+    /// Substrate name.
+    pub fn name(self) -> &'static str {
+        match self {
+            VmKind::Microvm => "microvm",
+            VmKind::Vm => "vm",
+        }
+    }
+}
+
+/// What a snapshot is made for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SnapshotKey {
+    /// Substrate.
+    pub kind: VmKind,
+    /// Template name.
+    pub template: String,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+}
+
+/// A template's VM snapshot on disk.
+#[derive(Debug)]
+pub struct Snapshot {
+    key: SnapshotKey,
+    dir: PathBuf,
+    root_image: PathBuf,
+    initrd: PathBuf,
+    cmdline: String,
+    /// Milliseconds the boot to agent-ready took (0 when loaded from the cache).
+    pub boot_ms: u64,
+    /// Milliseconds saving the snapshot took (0 when loaded from the cache).
+    pub save_ms: u64,
+}
+
+impl Snapshot {
+    fn ram(&self) -> PathBuf {
+        self.dir.join("ram")
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    /// What it was made for.
+    pub fn key(&self) -> &SnapshotKey {
+        &self.key
+    }
+}
+
+/// Where a template's root filesystem comes from (resolved by the container runtime).
+#[derive(Debug, Clone)]
+pub enum TemplateRoot {
+    /// The host template: `lowerdir=` value and a key naming the host's current state.
+    Host {
+        /// overlayfs `lowerdir=` (mask first, then `/`).
+        lowerdir: String,
+        /// Cache key parts.
+        key: String,
+    },
+    /// Stored layer directories, lowest first, and their digests.
+    Layers {
+        /// Layer directories, lowest first.
+        dirs: Vec<PathBuf>,
+        /// Cache key parts (the layer digests).
+        key: String,
+    },
+}
+
+/// The VM side of the node: kernel, initramfs, snapshots, QEMU processes.
+#[derive(Debug)]
+pub struct VmRuntime {
+    qemu: PathBuf,
+    qemu_version: String,
+    cache: PathBuf,
+    run_base: PathBuf,
+    accel: Accel,
+    kernel: Kernel,
+    agent: PathBuf,
+    snapshots: Mutex<HashMap<SnapshotKey, Arc<Snapshot>>>,
+    build: Mutex<()>,
+}
+
+/// Detects the accelerator: `DSEC_VM_ACCEL` when set; otherwise KVM only when `/dev/kvm`
+/// opens and the CPU advertises hardware virtualisation (a PVM-backed `/dev/kvm`, as on the
+/// development machines, cannot boot an ordinary guest kernel), else TCG.
+pub fn detect_accel() -> Accel {
+    match std::env::var(ACCEL_ENV).as_deref() {
+        Ok("kvm") => return Accel::Kvm,
+        Ok("tcg") => return Accel::Tcg,
+        _ => {}
+    }
+    let kvm = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    let hw = fs::read_to_string("/proc/cpuinfo")
+        .map(|c| {
+            c.lines()
+                .filter(|l| l.starts_with("flags"))
+                .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+        })
+        .unwrap_or(false);
+    if kvm && hw {
+        Accel::Kvm
+    } else {
+        Accel::Tcg
+    }
+}
+
+/// Kernel parameters that skip TSC and delay-loop calibration (1 boot in 5–8 hangs in TSC
+/// calibration under TCG without them). The guest TSC ticks at the host's rate under both TCG
+/// and KVM.
+fn tsc_params() -> String {
+    let khz = fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| {
+        c.lines()
+            .find(|l| l.starts_with("cpu MHz"))
+            .and_then(|l| l.split(':').nth(1))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(|mhz| (mhz * 1000.0) as u64)
+    });
+    match khz {
+        // lpj = loops per jiffy = tsc_khz * 1000 / HZ (Debian: HZ=250).
+        Some(khz) if khz > 0 => format!("tsc_early_khz={khz} lpj={}", khz * 4),
+        _ => String::new(),
+    }
+}
+
+impl VmRuntime {
+    /// Prepares QEMU and the guest kernel (from Debian's packages, cached in `cache`), and the
+    /// run directory for QEMU processes. `agent` is the static `dsec-agent` binary.
+    pub fn start(cache: PathBuf, run_base: PathBuf, agent: PathBuf) -> Result<Self, VmError> {
+        fs::create_dir_all(&cache).map_err(VmError::io("create the VM cache"))?;
+        fs::create_dir_all(&run_base).map_err(VmError::io("create the VM run dir"))?;
+        let qemu = image::ensure_qemu()?;
+        let out = Command::new(&qemu)
+            .arg("--version")
+            .output()
+            .map_err(VmError::io("qemu --version"))?;
+        let qemu_version = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let kernel = image::prepare_kernel(&cache)?;
+        Ok(Self {
+            qemu,
+            qemu_version,
+            cache,
+            run_base,
+            accel: detect_accel(),
+            kernel,
+            agent,
+            snapshots: Mutex::new(HashMap::new()),
+            build: Mutex::new(()),
+        })
+    }
+
+    /// The accelerator in use.
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    /// The QEMU version line.
+    pub fn qemu_version(&self) -> &str {
+        &self.qemu_version
+    }
+
+    /// The guest kernel release.
+    pub fn kernel_version(&self) -> &str {
+        &self.kernel.version
+    }
+
+    /// The run directory of VM `id`.
+    pub fn run_dir(&self, id: &str) -> PathBuf {
+        self.run_base.join(id)
+    }
+
+    /// Ids with a run directory (live or leftover VMs).
+    pub fn run_dirs(&self) -> Vec<String> {
+        fs::read_dir(&self.run_base)
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn initrd(&self, kind: VmKind) -> Result<PathBuf, VmError> {
+        let agent_digest = file_digest(&self.agent)?;
+        let modules = match kind {
+            VmKind::Microvm => image::MICROVM_MODULES,
+            VmKind::Vm => image::VM_MODULES,
+        };
+        let key = image::image_key(&[
+            "initrd",
+            &agent_digest,
+            &self.kernel.version,
+            &modules.join(","),
+        ]);
+        let out = self.cache.join("initrd").join(format!("{key}.cpio"));
+        if !out.exists() {
+            fs::create_dir_all(out.parent().unwrap_or(&self.cache))
+                .map_err(VmError::io("create the initrd dir"))?;
+            image::build_initramfs(&self.agent, &self.kernel, modules, &out)?;
+        }
+        Ok(out)
+    }
+
+    fn root_image(&self, root: &TemplateRoot) -> Result<PathBuf, VmError> {
+        let (key, source) = match root {
+            TemplateRoot::Host { lowerdir, key } => (
+                image::image_key(&["host", key]),
+                RootSource::Overlay {
+                    lowerdir: lowerdir.clone(),
+                },
+            ),
+            TemplateRoot::Layers { dirs, key } => {
+                (image::image_key(&["layers", key]), RootSource::Layers(dirs))
+            }
+        };
+        let out = self.cache.join("root").join(format!("{key}.ext4"));
+        if !out.exists() {
+            fs::create_dir_all(out.parent().unwrap_or(&self.cache))
+                .map_err(VmError::io("create the root image dir"))?;
+            image::build_root_image(source, &out)?;
+        }
+        Ok(out)
+    }
+
+    /// The snapshot for `key`, booting and saving it first if there is none yet (seconds under
+    /// TCG; once per key and host).
+    pub fn snapshot(
+        &self,
+        key: &SnapshotKey,
+        root: &TemplateRoot,
+    ) -> Result<Arc<Snapshot>, VmError> {
+        if let Some(s) = lock(&self.snapshots).get(key) {
+            return Ok(Arc::clone(s));
+        }
+        let _building = lock(&self.build);
+        if let Some(s) = lock(&self.snapshots).get(key) {
+            return Ok(Arc::clone(s));
+        }
+        let initrd = self.initrd(key.kind)?;
+        let root_image = self.root_image(root)?;
+        let mut cmdline = format!(
+            "console=ttyS0 quiet panic=-1 dsec_vm=1 dsec_disk={} {}",
+            1u64 << 30,
+            tsc_params()
+        );
+        if key.kind == VmKind::Microvm {
+            cmdline.push_str(" pci=off");
+        }
+        let digest = image::image_key(&[
+            SNAPSHOT_FORMAT,
+            &self.qemu_version,
+            self.accel.name(),
+            &self.kernel.kernel.display().to_string(),
+            &initrd.display().to_string(),
+            &root_image.display().to_string(),
+            key.kind.name(),
+            &key.memory_mib.to_string(),
+            &key.vcpus.to_string(),
+            &cmdline,
+        ]);
+        let dir = self.cache.join("snap").join(&digest);
+        let mut snap = Snapshot {
+            key: key.clone(),
+            dir: dir.clone(),
+            root_image,
+            initrd,
+            cmdline,
+            boot_ms: 0,
+            save_ms: 0,
+        };
+        if !dir.join("complete").exists() {
+            self.make_snapshot(&mut snap)?;
+        }
+        let snap = Arc::new(snap);
+        lock(&self.snapshots).insert(key.clone(), Arc::clone(&snap));
+        Ok(snap)
+    }
+
+    fn args(&self, snap: &Snapshot, run_dir: &Path, boot: bool) -> VmArgs {
+        VmArgs {
+            machine: snap.key.kind.machine(),
+            accel: self.accel,
+            memory_mib: snap.key.memory_mib,
+            vcpus: snap.key.vcpus,
+            kernel: self.kernel.kernel.clone(),
+            initrd: snap.initrd.clone(),
+            cmdline: snap.cmdline.clone(),
+            root_image: snap.root_image.clone(),
+            ram_file: snap.ram(),
+            ram_shared: boot,
+            run_dir: run_dir.to_path_buf(),
+            console_log: boot.then(|| run_dir.join("console.log")),
+            incoming: !boot,
+        }
+    }
+
+    fn spawn(&self, args: &VmArgs, log: &Path) -> Result<PidFd, VmError> {
+        let log = fs::File::create(log).map_err(VmError::io("create the qemu log"))?;
+        let err = log.try_clone().map_err(VmError::io("clone the qemu log"))?;
+        let child = Command::new(&self.qemu)
+            .args(args.to_args())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .env_clear()
+            .process_group(0)
+            .spawn()
+            .map_err(VmError::io("start qemu"))?;
+        let pid = child.id() as i32;
+        // The child is reaped through its pidfd by whoever destroys it; std's handle is not
+        // needed (dropping it neither kills nor waits).
+        drop(child);
+        PidFd::open(pid).map_err(VmError::io("pidfd of qemu"))
+    }
+
+    /// Boots the template VM with its RAM written through to the snapshot's RAM file, waits for
+    /// the agent's hello, and saves the device state.
+    fn make_snapshot(&self, snap: &mut Snapshot) -> Result<(), VmError> {
+        let tmp = snap.dir.with_extension("tmp");
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(&tmp).map_err(VmError::io("create the snapshot dir"))?;
+        let mut args = self.args(snap, &tmp, true);
+        args.ram_file = tmp.join("ram");
+        let t0 = Instant::now();
+        let qemu = self.spawn(&args, &tmp.join("qemu.log"))?;
+        let result = (|| -> Result<(), VmError> {
+            let deadline = t0 + BOOT_TIMEOUT;
+            let mut qmp = Qmp::connect(&tmp.join(QMP_SOCK), deadline)?;
+            let sock = qemu::connect_retry(&tmp.join(AGENT_SOCK), deadline)?;
+            let mut agent = AgentConn::new(sock.into());
+            // The hello is the boot's end: the agent serves requests from here on.
+            agent.ping_within(BOOT_TIMEOUT.saturating_sub(t0.elapsed()))?;
+            if !agent.greeted() {
+                return Err(VmError::Qmp("the guest agent sent no hello".into()));
+            }
+            snap.boot_ms = t0.elapsed().as_millis() as u64;
+            let t1 = Instant::now();
+            qmp.execute("stop", serde_json::Value::Null)?;
+            qmp.ignore_shared()?;
+            let state = fs::File::create(tmp.join("state"))
+                .map_err(VmError::io("create the snapshot state"))?;
+            qmp.pass_fd("snap", state.as_fd())?;
+            drop(state);
+            qmp.execute("migrate", json!({ "uri": "fd:snap" }))?;
+            qmp.wait_migration(Instant::now() + Duration::from_secs(60))?;
+            snap.save_ms = t1.elapsed().as_millis() as u64;
+            let _ = qmp.execute("quit", serde_json::Value::Null);
+            drop(agent);
+            Ok(())
+        })();
+        let _ = qemu.signal(9);
+        let _ = qemu.wait_exit(Duration::from_secs(5));
+        if let Err(e) = result {
+            let log = fs::read_to_string(tmp.join("console.log")).unwrap_or_default();
+            let qlog = fs::read_to_string(tmp.join("qemu.log")).unwrap_or_default();
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(VmError::Qmp(format!(
+                "template boot failed: {e}; qemu: {}; console: {}",
+                tail(&qlog, 800),
+                tail(&log, 1500)
+            )));
+        }
+        for f in [AGENT_SOCK, QMP_SOCK] {
+            let _ = fs::remove_file(tmp.join(f));
+        }
+        fs::write(tmp.join("complete"), format!("{}\n", snap.boot_ms))
+            .map_err(VmError::io("mark the snapshot complete"))?;
+        let _ = fs::remove_dir_all(&snap.dir);
+        fs::rename(&tmp, &snap.dir).map_err(VmError::io("publish the snapshot"))?;
+        Ok(())
+    }
+
+    /// Starts a VM for sandbox `id` from `snap`; returns it with a connected agent that has
+    /// not been given its identity yet.
+    pub fn restore(
+        &self,
+        id: &str,
+        snap: &Arc<Snapshot>,
+        attach: impl FnOnce(i32) -> Result<(), VmError>,
+    ) -> Result<(VmProc, AgentConn), VmError> {
+        let run_dir = self.run_dir(id);
+        let _ = fs::remove_dir_all(&run_dir);
+        fs::create_dir_all(&run_dir).map_err(VmError::io("create the VM run dir"))?;
+        let t0 = Instant::now();
+        let args = self.args(snap, &run_dir, false);
+        let pid = self.spawn(&args, &run_dir.join("qemu.log"))?;
+        fs::write(run_dir.join("qemu.pid"), pid.pid().to_string())
+            .map_err(VmError::io("record the qemu pid"))?;
+        let vm = VmProc {
+            pid,
+            run_dir: run_dir.clone(),
+            spawned_us: 0,
+        };
+        let deadline = t0 + RESTORE_TIMEOUT;
+        let restored = (|| -> Result<AgentConn, VmError> {
+            attach(vm.pid())?;
+            let mut qmp = Qmp::connect(&run_dir.join(QMP_SOCK), deadline)?;
+            // Connect the agent's port before the device state loads: the guest then finds the
+            // host end connected, as it was when the snapshot was taken, and its agent goes on
+            // reading where it stopped.
+            let sock = qemu::connect_retry(&run_dir.join(AGENT_SOCK), deadline)?;
+            qmp.ignore_shared()?;
+            let state = fs::File::open(snap.state()).map_err(VmError::io("open the snapshot"))?;
+            qmp.pass_fd("snap", state.as_fd())?;
+            drop(state);
+            qmp.execute("migrate-incoming", json!({ "uri": "fd:snap" }))?;
+            qmp.wait_migration(deadline)?;
+            qmp.execute("cont", serde_json::Value::Null)?;
+            Ok(AgentConn::adopted(sock.into()))
+        })();
+        match restored {
+            Ok(agent) => Ok((
+                VmProc {
+                    spawned_us: t0.elapsed().as_micros() as u64,
+                    ..vm
+                },
+                agent,
+            )),
+            Err(e) => {
+                let qlog = fs::read_to_string(run_dir.join("qemu.log")).unwrap_or_default();
+                vm.kill();
+                let _ = fs::remove_dir_all(&run_dir);
+                Err(match e {
+                    VmError::Qmp(m) => VmError::Qmp(format!("{m}; qemu: {}", tail(&qlog, 800))),
+                    other => other,
+                })
+            }
+        }
+    }
+
+    /// Kills the QEMU of a VM this process has no handle for (a leftover of an earlier node
+    /// process) — only if its command line names that VM's run directory — and removes the
+    /// run directory.
+    pub fn cleanup_leftover(&self, id: &str) -> bool {
+        let run_dir = self.run_dir(id);
+        if let Some(pid) = fs::read_to_string(run_dir.join("qemu.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+        {
+            let ours = fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&*run_dir.to_string_lossy()))
+                .unwrap_or(false);
+            if ours {
+                if let Ok(fd) = PidFd::open(pid) {
+                    let _ = fd.signal(9);
+                    let _ = fd.wait_exit(Duration::from_secs(5));
+                }
+            }
+        }
+        let _ = fs::remove_dir_all(&run_dir);
+        !run_dir.exists()
+    }
+}
+
+/// Gives a restored guest its identity: hostname, the host's clock, 64 fresh random bytes for
+/// its entropy pool, its disk quota.
+pub fn identify(
+    agent: &mut AgentConn,
+    hostname: &str,
+    disk_bytes: u64,
+    disk_inodes: u64,
+) -> Result<(), VmError> {
+    let mut seed = [0u8; 64];
+    getrandom::fill(&mut seed).map_err(|e| VmError::Qmp(format!("getrandom: {e}")))?;
+    let unix_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    agent.call_ok(
+        &dsec_api::agent::Request::Identify {
+            hostname: hostname.chars().take(64).collect(),
+            unix_ns,
+            disk_bytes,
+            disk_inodes,
+        },
+        &seed,
+    )?;
+    Ok(())
+}
+
+/// One running QEMU process.
+#[derive(Debug)]
+pub struct VmProc {
+    pid: PidFd,
+    run_dir: PathBuf,
+    /// Microseconds from spawning QEMU to the guest running again.
+    pub spawned_us: u64,
+}
+
+impl VmProc {
+    /// Host pid of QEMU.
+    pub fn pid(&self) -> i32 {
+        self.pid.pid()
+    }
+
+    /// Whether QEMU still runs.
+    pub fn is_alive(&self) -> bool {
+        self.pid.is_alive()
+    }
+
+    /// Kills QEMU and waits for it.
+    pub fn kill(&self) {
+        let _ = self.pid.signal(9);
+        let _ = self.pid.wait_exit(Duration::from_secs(5));
+    }
+
+    /// The run directory.
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+
+    /// The pidfd of QEMU.
+    pub fn into_pidfd(self) -> PidFd {
+        self.pid
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let mut start = s.len().saturating_sub(n);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    s[start..].trim()
+}
+
+fn file_digest(p: &Path) -> Result<String, VmError> {
+    use sha2::{Digest, Sha256};
+    let data = fs::read(p).map_err(VmError::io("read the agent binary"))?;
+    Ok(hex::encode(Sha256::digest(&data)))
+}

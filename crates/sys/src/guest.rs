@@ -1,0 +1,196 @@
+//! System calls `dsec-agent` needs when it is PID 1 of a VM guest (the `microvm` and `vm`
+//! substrates): mounting the guest's root, loading the virtio modules the initramfs carries,
+//! switching root, and taking a fresh identity after a snapshot restore (hostname, clock,
+//! entropy).
+//!
+//! None of this runs on the host: the guest kernel is the isolation boundary there, and the
+//! agent is the only process in the guest until it starts commands.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// `MS_RDONLY`.
+pub const MS_RDONLY: u64 = libc::MS_RDONLY;
+/// `MS_NOSUID`.
+pub const MS_NOSUID: u64 = libc::MS_NOSUID;
+/// `MS_NODEV`.
+pub const MS_NODEV: u64 = libc::MS_NODEV;
+/// `MS_NOEXEC`.
+pub const MS_NOEXEC: u64 = libc::MS_NOEXEC;
+/// `MS_REMOUNT`.
+pub const MS_REMOUNT: u64 = libc::MS_REMOUNT;
+
+fn cpath(p: &Path) -> io::Result<CString> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+fn cstr(s: &str) -> io::Result<CString> {
+    CString::new(s).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+fn ok(rc: libc::c_int) -> io::Result<()> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `mount(2)`: mounts `source` of type `fstype` on `target` with `flags` and `data`.
+pub fn mount(source: &str, target: &Path, fstype: &str, flags: u64, data: &str) -> io::Result<()> {
+    let (s, t, f, d) = (cstr(source)?, cpath(target)?, cstr(fstype)?, cstr(data)?);
+    // SAFETY: every pointer is a valid NUL-terminated string for the duration of the call.
+    ok(unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            f.as_ptr(),
+            flags as libc::c_ulong,
+            d.as_ptr().cast(),
+        )
+    })
+}
+
+/// Moves the mount at `from` to `to` (`MS_MOVE`).
+pub fn move_mount(from: &Path, to: &Path) -> io::Result<()> {
+    let (s, t) = (cpath(from)?, cpath(to)?);
+    // SAFETY: valid NUL-terminated paths; no fstype or data for MS_MOVE.
+    ok(unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_MOVE,
+            std::ptr::null(),
+        )
+    })
+}
+
+/// Makes `new_root` the root of the calling process: the initramfs (`rootfs`) cannot be
+/// `pivot_root`ed away, so this is the classic `switch_root` sequence — chdir into the new
+/// root, move its mount over `/`, chroot to `.`.
+pub fn switch_root(new_root: &Path) -> io::Result<()> {
+    std::env::set_current_dir(new_root)?;
+    move_mount(Path::new("."), Path::new("/"))?;
+    let dot = cstr(".")?;
+    // SAFETY: valid NUL-terminated path.
+    ok(unsafe { libc::chroot(dot.as_ptr()) })?;
+    std::env::set_current_dir("/")
+}
+
+/// Loads a kernel module from an open `.ko` file (`finit_module(2)`). A module that is already
+/// loaded is not an error.
+pub fn load_module(file: BorrowedFd<'_>) -> io::Result<()> {
+    let params = cstr("")?;
+    // SAFETY: a borrowed open fd, a valid empty parameter string and no flags.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_finit_module,
+            file.as_raw_fd(),
+            params.as_ptr(),
+            0 as libc::c_int,
+        )
+    };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EEXIST) {
+            return Ok(());
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Sets the hostname (UTS namespace of the caller).
+pub fn set_hostname(name: &str) -> io::Result<()> {
+    // SAFETY: a valid buffer of `name.len()` bytes.
+    ok(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) })
+}
+
+/// Sets `CLOCK_REALTIME` to `unix_ns` nanoseconds since the epoch. A guest restored from a
+/// snapshot wakes up with the clock of the moment the snapshot was taken.
+pub fn set_realtime(unix_ns: u128) -> io::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: (unix_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (unix_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: a valid timespec for the duration of the call.
+    ok(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) })
+}
+
+/// Mixes `seed` into the kernel's entropy pool and credits it (`RNDADDENTROPY`), so clones of
+/// one snapshot do not share their random state. `random` is an open `/dev/random` or
+/// `/dev/urandom`.
+pub fn add_entropy(random: BorrowedFd<'_>, seed: &[u8]) -> io::Result<()> {
+    let seed = &seed[..seed.len().min(512)];
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let words = seed.len().div_ceil(4);
+    let mut buf = vec![0u32; 2 + words];
+    buf[0] = (seed.len() * 8) as u32;
+    buf[1] = seed.len() as u32;
+    for (i, chunk) in seed.chunks(4).enumerate() {
+        let mut w = [0u8; 4];
+        w[..chunk.len()].copy_from_slice(chunk);
+        buf[2 + i] = u32::from_ne_bytes(w);
+    }
+    // RNDADDENTROPY = _IOW('R', 0x03, int[2])
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    // SAFETY: `buf` is a rand_pool_info of the size it declares, valid for the call.
+    ok(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })
+}
+
+/// Brings the loopback interface up (the guest has no other network interface).
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: socket with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: ifreq is plain data; zeroed is valid.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    ifr.ifr_name[0] = b'l' as libc::c_char;
+    ifr.ifr_name[1] = b'o' as libc::c_char;
+    ifr.ifr_ifru.ifru_flags =
+        (libc::IFF_UP | libc::IFF_LOOPBACK | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
+    let rc = unsafe { libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr) };
+    let err = io::Error::last_os_error();
+    // SAFETY: closing our own socket.
+    unsafe { libc::close(fd) };
+    if rc < 0 {
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Whether the host end of a virtio-serial port is connected: `poll` reports `POLLHUP` on the
+/// port while it is not.
+pub fn port_host_connected(port: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: port.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the duration of the call.
+    let rc = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EINTR) {
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    Ok(rc > 0 && p.revents & libc::POLLHUP == 0)
+}
+
+/// Powers the guest off (`reboot(RB_POWER_OFF)`); only returns on error.
+pub fn power_off() -> io::Error {
+    // SAFETY: no pointers; the call does not return on success.
+    unsafe { libc::sync() };
+    // SAFETY: as above.
+    unsafe { libc::reboot(libc::RB_POWER_OFF) };
+    io::Error::last_os_error()
+}
