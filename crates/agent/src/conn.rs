@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dsec_api::agent::{Event, Request, DATA_CHUNK, PROTOCOL_VERSION};
-use dsec_api::exec::{ExecRequest, ExecResult, Stream, MAX_TIMEOUT_MS};
+use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus, Stream, MAX_TIMEOUT_MS};
 use dsec_api::frame::{self, FrameError};
 use dsec_api::ErrorCode;
 use dsec_sys::proc;
@@ -40,7 +40,30 @@ impl Out {
                 let mut w = lock(&self.w);
                 let _ = w.write_all(&bytes);
             }
-            Err(e) => eprintln!("dsec-agent: encode event for request {id}: {e}"),
+            Err(FrameError::HeaderTooLarge(_)) if matches!(ev, Event::ExecDone(_)) => {
+                // Captured output that JSON-escapes beyond the frame limit (1 MiB of NUL bytes
+                // is 6 MiB of `\u0000`): keep less of it, marked truncated, rather than answer
+                // nothing.
+                if let Event::ExecDone(r) = ev {
+                    let mut r = r.clone();
+                    if shrink_output(&mut r) {
+                        self.send(id, &Event::ExecDone(r), body);
+                        return;
+                    }
+                }
+                self.error(
+                    id,
+                    ErrorCode::Internal,
+                    &msg("exec result too large to send"),
+                );
+            }
+            Err(e) => {
+                eprintln!("dsec-agent: encode event for request {id}: {e}");
+                // Never leave the host waiting for an answer that will not come.
+                if !matches!(ev, Event::Error { .. }) {
+                    self.error(id, ErrorCode::Internal, &e);
+                }
+            }
         }
     }
 
@@ -54,6 +77,29 @@ impl Out {
         }
         self.send(id, &Event::Error { code, message }, &[]);
     }
+}
+
+/// Halves the kept bytes of the larger captured stream (head and tail halves kept); false when
+/// there is nothing left to drop.
+fn shrink_output(r: &mut ExecResult) -> bool {
+    let c = if r.stdout.data.len() >= r.stderr.data.len() {
+        &mut r.stdout
+    } else {
+        &mut r.stderr
+    };
+    let len = c.data.len();
+    if len < 64 {
+        return false;
+    }
+    let keep = len / 2;
+    let head = keep / 2;
+    let tail = keep - head;
+    let mut data = Vec::with_capacity(keep);
+    data.extend_from_slice(&c.data[..head]);
+    data.extend_from_slice(&c.data[len - tail..]);
+    c.data = data;
+    c.truncated = true;
+    true
 }
 
 /// A background process.
@@ -421,13 +467,23 @@ impl Agent {
                 unix_ns,
                 disk_bytes,
                 disk_inodes,
+                read_only_root,
+                scratch,
             } => match &self.guest {
                 None => out.error(
                     id,
                     ErrorCode::InvalidRequest,
                     &msg("identify is for VM guests only"),
                 ),
-                Some(g) => match g.identify(&hostname, unix_ns, disk_bytes, disk_inodes, &body) {
+                Some(g) => match g
+                    .identify(&hostname, unix_ns, disk_bytes, disk_inodes, &body)
+                    .and_then(|()| {
+                        if read_only_root {
+                            g.read_only_root(&scratch)
+                        } else {
+                            Ok(())
+                        }
+                    }) {
                     Ok(()) => ok(),
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
                 },
@@ -469,8 +525,19 @@ impl Agent {
                 self.out.send(id, &Event::Output { stream: s }, b);
             }
         };
+        // In a VM guest the kernel's OOM killer is the memory limit: a command that failed
+        // while it killed something is reported as `oom`, as the cgroup counter does for
+        // containers on the host.
+        let ooms = self.guest.as_ref().map(|_| crate::vm::oom_kills());
         match exec::run(req, body, &self.root(), &self.reaper, &mut sink) {
-            Ok(r) => self.out.send(id, &Event::ExecDone(r), &[]),
+            Ok(mut r) => {
+                if let Some(before) = ooms {
+                    if crate::vm::oom_kills() > before && r.status != ExecStatus::Ok {
+                        r.status = ExecStatus::Oom;
+                    }
+                }
+                self.out.send(id, &Event::ExecDone(r), &[])
+            }
             Err(e) => self.out.error(id, e.code(), &e),
         }
     }

@@ -72,6 +72,14 @@ impl Guest {
             let random = OpenOptions::new().write(true).open("/dev/urandom")?;
             guest::add_entropy(random.as_fd(), seed)?;
         }
+        // The writable layer is a tmpfs in guest RAM: at most half of it, so that filling the
+        // disk ends in ENOSPC, not in a guest with no memory left.
+        let ram = mem_total();
+        let disk_bytes = if ram > 0 {
+            disk_bytes.min(ram / 2)
+        } else {
+            disk_bytes
+        };
         let upper = PathBuf::from(format!("/proc/self/fd/{}", raw(&self.upper)));
         guest::mount(
             "tmpfs",
@@ -81,6 +89,49 @@ impl Guest {
             &format!("size={disk_bytes},nr_inodes={disk_inodes}"),
         )
     }
+}
+
+impl Guest {
+    /// Makes `/` read-only for everything but `scratch` (each becomes a writable bind mount of
+    /// itself first), like a container's default root. Per mount point, not per filesystem:
+    /// the writable layer stays writable underneath the scratch directories.
+    pub fn read_only_root(&self, scratch: &[String]) -> io::Result<()> {
+        for dir in scratch {
+            if !dir.starts_with('/') || dir.contains("..") {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("bad scratch directory {dir:?}"),
+                ));
+            }
+            fs::create_dir_all(dir)?;
+            guest::bind_mount(Path::new(dir), Path::new(dir))?;
+        }
+        guest::remount_bind_read_only(Path::new("/"))
+    }
+}
+
+/// The guest kernel's count of OOM kills (`oom_kill` in `/proc/vmstat`).
+pub fn oom_kills() -> u64 {
+    fs::read_to_string("/proc/vmstat")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Guest RAM in bytes (`MemTotal`).
+fn mem_total() -> u64 {
+    fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 fn raw(f: &File) -> i32 {

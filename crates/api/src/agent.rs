@@ -211,6 +211,12 @@ pub enum Request {
         disk_bytes: u64,
         /// Inode limit of the writable layer.
         disk_inodes: u64,
+        /// Make `/` read-only except for `scratch` (the default, as in a container).
+        #[serde(default)]
+        read_only_root: bool,
+        /// Directories that stay writable under a read-only root.
+        #[serde(default)]
+        scratch: Vec<String>,
     },
 }
 

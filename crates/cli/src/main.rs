@@ -6,6 +6,7 @@ mod bench;
 mod bench_api;
 mod bench_log;
 mod bench_run;
+mod bench_vm;
 mod client;
 mod output;
 mod sandbox_cmd;
@@ -466,6 +467,7 @@ fn main() -> ExitCode {
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) if args.what == "api" => bench_api::run(args),
         Command::Bench(args) if args.what == "run" => bench_run::run(args),
+        Command::Bench(args) if args.what == "vm" => bench_vm::run(args),
         Command::Bench(args) if args.what == "log" => bench_log::run(args, &cli.data_dir),
         Command::Bench(args) => bench::run(args, || runtime(&cli)),
     };

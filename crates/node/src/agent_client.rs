@@ -204,10 +204,7 @@ impl AgentConn {
 
     /// Liveness check with a chosen timeout (a VM's first answer comes at the end of its boot).
     pub fn ping_within(&mut self, timeout: Duration) -> Result<(), AgentError> {
-        match self
-            .call(&Request::Ping, &[], Some(timeout), |_, _| {})?
-            .0
-        {
+        match self.call(&Request::Ping, &[], Some(timeout), |_, _| {})?.0 {
             Event::Pong => Ok(()),
             other => Err(AgentError::Unexpected(format!("{other:?}"))),
         }

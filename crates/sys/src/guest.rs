@@ -69,6 +69,36 @@ pub fn move_mount(from: &Path, to: &Path) -> io::Result<()> {
     })
 }
 
+/// Bind-mounts `from` on `to`.
+pub fn bind_mount(from: &Path, to: &Path) -> io::Result<()> {
+    let (s, t) = (cpath(from)?, cpath(to)?);
+    // SAFETY: valid NUL-terminated paths; no fstype or data for MS_BIND.
+    ok(unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    })
+}
+
+/// Makes the mount at `target` read-only (this mount point only, not its filesystem).
+pub fn remount_bind_read_only(target: &Path) -> io::Result<()> {
+    let t = cpath(target)?;
+    // SAFETY: valid NUL-terminated path; no source, fstype or data for a bind remount.
+    ok(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY,
+            std::ptr::null(),
+        )
+    })
+}
+
 /// Makes `new_root` the root of the calling process: the initramfs (`rootfs`) cannot be
 /// `pivot_root`ed away, so this is the classic `switch_root` sequence — chdir into the new
 /// root, move its mount over `/`, chroot to `.`.
@@ -139,7 +169,13 @@ pub fn add_entropy(random: BorrowedFd<'_>, seed: &[u8]) -> io::Result<()> {
     // RNDADDENTROPY = _IOW('R', 0x03, int[2])
     const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
     // SAFETY: `buf` is a rand_pool_info of the size it declares, valid for the call.
-    ok(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })
+    ok(unsafe { libc::ioctl(random.as_raw_fd(), RNDADDENTROPY as _, buf.as_ptr()) })?;
+    // Credited entropy only reaches the CRNG at its next scheduled reseed (up to a minute
+    // later): reseed now, so that the very next read differs between clones.
+    // RNDRESEEDCRNG = _IO('R', 0x07)
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    // SAFETY: the ioctl takes no argument.
+    ok(unsafe { libc::ioctl(random.as_raw_fd(), RNDRESEEDCRNG as _) })
 }
 
 /// Brings the loopback interface up (the guest has no other network interface).

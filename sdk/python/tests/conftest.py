@@ -388,10 +388,23 @@ def client(server: ServerProc) -> dsec.Client:
     return server.client()
 
 
+# Every test that takes the `sandbox` fixture runs once per substrate: the same requests must
+# give the same results on a container and on both VM substrates (QEMU; TCG on machines
+# without usable hardware virtualisation).
+SUBSTRATES = ["container", "microvm", "vm"]
+
+
+@pytest.fixture(params=SUBSTRATES)
+def substrate(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def sandbox(client: dsec.Client):
-    """A fresh sandbox (admin tenant), destroyed afterwards."""
-    with dsec.Sandbox.create(client, labels={"fixture": "sandbox"}, ttl_ms=600_000) as sb:
+def sandbox(client: dsec.Client, substrate: str):
+    """A fresh sandbox (admin tenant) of each substrate, destroyed afterwards."""
+    with dsec.Sandbox.create(
+        client, labels={"fixture": "sandbox"}, ttl_ms=600_000, substrate=substrate
+    ) as sb:
         yield sb
 
 

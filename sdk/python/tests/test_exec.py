@@ -258,3 +258,14 @@ def test_exec_stream_failure_is_typed(sandbox: dsec.Sandbox) -> None:
 def test_exec_stream_binary_chunks(sandbox: dsec.Sandbox) -> None:
     events = list(sandbox.exec_stream("printf '\\377\\000\\376'"))
     assert b"".join(e.data for e in events if e.type == "stdout") == b"\xff\x00\xfe"
+
+
+def test_output_of_nul_bytes_is_capped_not_dropped(sandbox: dsec.Sandbox) -> None:
+    """R-08: output that JSON-escapes to many times its size (NUL bytes) still gets an answer,
+    capped and flagged, instead of a frame too large to send."""
+    t0 = time.monotonic()
+    r = sandbox.exec("head -c 3000000 /dev/zero", output_limit=4 << 20, timeout_ms=60_000)
+    assert time.monotonic() - t0 < 30
+    assert r.ok, r
+    assert r.stdout_truncated and r.stdout_total == 3_000_000
+    assert 0 < len(r.stdout) < 3_000_000 and set(r.stdout) == {0}

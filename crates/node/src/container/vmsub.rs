@@ -24,6 +24,17 @@ const QEMU_OVERHEAD: u64 = 256 << 20;
 /// Threads a QEMU process may have (vCPUs, I/O, RCU, migration).
 const QEMU_PIDS: u64 = 256;
 
+/// Paths whose modification times name the host template's VM root image: package installs
+/// and removals touch them. Changes deeper down (a file edited in place) keep the old image
+/// until the VM cache is cleared.
+const HOST_FINGERPRINT: &[&str] = &[
+    "/var/lib/dpkg/status",
+    "/usr/local/bin",
+    "/usr/local/lib",
+    "/opt",
+    "/etc",
+];
+
 /// What a VM sandbox needs to be restored again (reset).
 #[derive(Debug)]
 pub(crate) struct VmBinding {
@@ -76,18 +87,30 @@ impl ContainerRuntime {
         template: &str,
     ) -> Result<(TemplateRoot, Vec<(String, String)>), RuntimeError> {
         if template == "host" {
-            // The image must follow the host: name it by the mask (what is hidden) and by the
-            // package database's modification time (what is installed).
-            let dpkg = std::fs::metadata("/var/lib/dpkg/status")
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_secs());
+            // The image must follow the host: name it by the mask (what is hidden: its id is
+            // the digest of its description, the same for every node whose own directories are
+            // already hidden) and by when the installed software last changed.
+            let mtime = |p: &str| {
+                std::fs::metadata(p)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_secs())
+            };
+            let changed: Vec<String> = HOST_FINGERPRINT
+                .iter()
+                .map(|p| format!("{p}={}", mtime(p)))
+                .collect();
+            let mask_id = self
+                .host_mask_src
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             let mask = self.host_mask_src.display().to_string();
             return Ok((
                 TemplateRoot::Host {
                     lowerdir: format!("{mask}:/"),
-                    key: format!("{mask}\0{dpkg}"),
+                    key: format!("{mask_id}\0{}", changed.join("\0")),
                 },
                 Vec::new(),
             ));
@@ -227,12 +250,7 @@ fn start_vm(
         })
         .map_err(vm_err(id))?;
     let ready = (|| -> Result<(), VmError> {
-        vm::identify(
-            &mut agent,
-            id,
-            spec.limits.disk_bytes,
-            spec.limits.disk_inodes,
-        )?;
+        vm::identify(&mut agent, id, spec, super::create::SCRATCH_DIRS)?;
         agent.call_ok(
             &dsec_api::agent::Request::Configure {
                 env: env.to_vec(),

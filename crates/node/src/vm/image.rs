@@ -1303,7 +1303,9 @@ pub enum RootSource<'a> {
     Layers(&'a [PathBuf]),
     /// A ready overlayfs `lowerdir=` option value, topmost layer first, e.g. `<mask>:/` for
     /// the host template. Layers that are filesystem roots (like `/`) are assumed to have no
-    /// whiteouts and are sized with `statvfs`; the others are walked.
+    /// whiteouts and are sized with `statvfs`, the others are walked. `statvfs` counts the
+    /// whole filesystem, hidden parts included, so the image of a host with a big hidden
+    /// `/work` is much larger than its contents (sparse: the disk use is the contents').
     Overlay {
         /// The `lowerdir=` value (`:`-separated absolute paths, no escapes).
         lowerdir: String,
@@ -1341,7 +1343,8 @@ const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
 /// The size is estimated up front (mke2fs needs it): the bytes and inodes used by the
 /// merged view, plus 15% and 256 MiB, plus 20% and 10000 inodes; the file is sparse. The
 /// image is built next to `out` and renamed; `out` must not be visible in the source (for
-/// the host's `/`, build it in a directory the mask hides). Needs root.
+/// the host's `/`, build it in a directory the mask hides). The image is mode 0600 (the host
+/// template's holds host files). Needs root.
 pub fn build_root_image(src: RootSource<'_>, out: &Path) -> Result<(), ImageError> {
     let mut lowers = match src {
         RootSource::Layers(layers) => layers
@@ -2650,6 +2653,42 @@ kernel/fs/overlayfs/overlay.ko:
             matches!(err, Err(ImageError::InvalidSource { .. })),
             "{err:?}"
         );
+        Ok(())
+    }
+
+    /// Builds the host template's root image (`<mask>:/`, ~45 s, a few GB) at
+    /// `$DSEC_DEV_HOST_IMAGE`, whose directory must be hidden by the mask (e.g. under
+    /// `/var/cache`): `DSEC_DEV_HOST_IMAGE=/var/cache/dsec-dev/vm/host-root.img cargo test -p
+    /// dsec-node --lib vm::image -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "builds an image of the host's /; set DSEC_DEV_HOST_IMAGE"]
+    fn real_host_root_image() -> anyhow::Result<()> {
+        let Some(out) = std::env::var_os("DSEC_DEV_HOST_IMAGE") else {
+            eprintln!("skipped: DSEC_DEV_HOST_IMAGE is not set");
+            return Ok(());
+        };
+        let out = PathBuf::from(out);
+        let data_dir = parent_dir(&out).join("host-data");
+        fs::create_dir_all(&data_dir)?;
+        let mask = crate::template::host_mask_layer(&data_dir, &[])?;
+        let start = std::time::Instant::now();
+        let lowerdir = format!("{}:/", mask.display());
+        build_root_image(RootSource::Overlay { lowerdir }, &out)?;
+        let meta = fs::metadata(&out)?;
+        eprintln!(
+            "{}: {} bytes ({} allocated) in {:?}",
+            out.display(),
+            meta.len(),
+            meta.blocks() * 512,
+            start.elapsed()
+        );
+        assert!(!image_dir(&out, "/etc")?.contains_key("shadow"));
+        assert!(image_dir(&out, "/etc")?.contains_key("passwd"));
+        assert!(image_dir(&out, "/root")?.is_empty());
+        assert!(image_dir(&out, "/var/cache")?.is_empty());
+        let top = image_dir(&out, "/")?;
+        eprintln!("/: {:?}", keys(&top));
+        assert_eq!(top["tmp"].0, 0o041_777);
         Ok(())
     }
 

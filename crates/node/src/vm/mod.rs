@@ -254,6 +254,7 @@ impl VmRuntime {
             .unwrap_or_default()
             .to_string();
         let kernel = image::prepare_kernel(&cache)?;
+        gc(&cache);
         Ok(Self {
             qemu,
             qemu_version,
@@ -311,7 +312,9 @@ impl VmRuntime {
             &modules.join(","),
         ]);
         let out = self.cache.join("initrd").join(format!("{key}.cpio"));
-        if !out.exists() {
+        if out.exists() {
+            touch(&out);
+        } else {
             fs::create_dir_all(out.parent().unwrap_or(&self.cache))
                 .map_err(VmError::io("create the initrd dir"))?;
             image::build_initramfs(&self.agent, &self.kernel, modules, &out)?;
@@ -320,22 +323,39 @@ impl VmRuntime {
     }
 
     fn root_image(&self, root: &TemplateRoot) -> Result<PathBuf, VmError> {
-        let (key, source) = match root {
+        let (name, source) = match root {
             TemplateRoot::Host { lowerdir, key } => (
-                image::image_key(&["host", key]),
+                format!("host-{}.ext4", image::image_key(&["host", key])),
                 RootSource::Overlay {
                     lowerdir: lowerdir.clone(),
                 },
             ),
-            TemplateRoot::Layers { dirs, key } => {
-                (image::image_key(&["layers", key]), RootSource::Layers(dirs))
-            }
+            TemplateRoot::Layers { dirs, key } => (
+                format!("layers-{}.ext4", image::image_key(&["layers", key])),
+                RootSource::Layers(dirs),
+            ),
         };
-        let out = self.cache.join("root").join(format!("{key}.ext4"));
+        let dir = self.cache.join("root");
+        let out = dir.join(&name);
+        if out.exists() {
+            touch(&out);
+            return Ok(out);
+        }
+        fs::create_dir_all(&dir).map_err(VmError::io("create the root image dir"))?;
+        // One build at a time per host: another node process may be building the same image.
+        let _lock = CacheLock::take(&self.cache)?;
         if !out.exists() {
-            fs::create_dir_all(out.parent().unwrap_or(&self.cache))
-                .map_err(VmError::io("create the root image dir"))?;
             image::build_root_image(source, &out)?;
+            if name.starts_with("host-") {
+                // The host changed: the older images of it are stale (a VM still using one
+                // keeps its open file).
+                for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    if n.starts_with("host-") && n != name {
+                        let _ = fs::remove_file(e.path());
+                    }
+                }
+            }
         }
         Ok(out)
     }
@@ -386,8 +406,13 @@ impl VmRuntime {
             boot_ms: 0,
             save_ms: 0,
         };
-        if !dir.join("complete").exists() {
-            self.make_snapshot(&mut snap)?;
+        if dir.join("complete").exists() {
+            touch(&dir);
+        } else {
+            let _lock = CacheLock::take(&self.cache)?;
+            if !dir.join("complete").exists() {
+                self.make_snapshot(&mut snap)?;
+            }
         }
         let snap = Arc::new(snap);
         lock(&self.snapshots).insert(key.clone(), Arc::clone(&snap));
@@ -575,8 +600,8 @@ impl VmRuntime {
 pub fn identify(
     agent: &mut AgentConn,
     hostname: &str,
-    disk_bytes: u64,
-    disk_inodes: u64,
+    spec: &crate::sandbox::SandboxSpec,
+    scratch: &[&str],
 ) -> Result<(), VmError> {
     let mut seed = [0u8; 64];
     getrandom::fill(&mut seed).map_err(|e| VmError::Qmp(format!("getrandom: {e}")))?;
@@ -587,8 +612,10 @@ pub fn identify(
         &dsec_api::agent::Request::Identify {
             hostname: hostname.chars().take(64).collect(),
             unix_ns,
-            disk_bytes,
-            disk_inodes,
+            disk_bytes: spec.limits.disk_bytes,
+            disk_inodes: spec.limits.disk_inodes,
+            read_only_root: !spec.writable_root,
+            scratch: scratch.iter().map(|s| (*s).to_owned()).collect(),
         },
         &seed,
     )?;
@@ -629,6 +656,64 @@ impl VmProc {
     /// The pidfd of QEMU.
     pub fn into_pidfd(self) -> PidFd {
         self.pid
+    }
+}
+
+/// An exclusive `flock` on `<cache>/lock`, held while building shared cache entries.
+struct CacheLock {
+    _file: fs::File,
+}
+
+impl CacheLock {
+    fn take(cache: &Path) -> Result<Self, VmError> {
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(cache.join("lock"))
+            .map_err(VmError::io("open the VM cache lock"))?;
+        rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive)
+            .map_err(|e| VmError::io("lock the VM cache")(e.into()))?;
+        Ok(Self { _file: f })
+    }
+}
+
+/// Marks a cache entry used now ([`gc`] removes entries unused for [`CACHE_MAX_IDLE`]).
+fn touch(p: &Path) {
+    if let Ok(f) = fs::File::open(p) {
+        let _ = f.set_modified(SystemTime::now());
+    }
+}
+
+/// How long an unused cache entry (snapshot, initramfs, root image) is kept.
+const CACHE_MAX_IDLE: Duration = Duration::from_secs(2 * 24 * 3600);
+
+/// Removes snapshots, initramfs images and root images unused for [`CACHE_MAX_IDLE`], and
+/// leftovers of interrupted builds older than a day.
+fn gc(cache: &Path) {
+    let now = SystemTime::now();
+    for sub in ["snap", "initrd", "root"] {
+        for e in fs::read_dir(cache.join(sub))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Ok(meta) = e.metadata() else { continue };
+            let idle = meta
+                .modified()
+                .ok()
+                .and_then(|t| now.duration_since(t).ok())
+                .unwrap_or_default();
+            let name = e.file_name().to_string_lossy().into_owned();
+            let partial = name.ends_with(".tmp") || name.starts_with('.');
+            if idle > CACHE_MAX_IDLE || (partial && idle > Duration::from_secs(24 * 3600)) {
+                let _ = if meta.is_dir() {
+                    fs::remove_dir_all(e.path())
+                } else {
+                    fs::remove_file(e.path())
+                };
+            }
+        }
     }
 }
 

@@ -1,0 +1,198 @@
+"""VM substrates (`microvm`, `vm`): what only a virtual machine has to prove.
+
+The exec/files/sessions/limits suite runs against every substrate through the parametrised
+`sandbox` fixture (conftest.py); this file adds the abuse cases inside a guest, the guest's
+identity after a snapshot restore, QEMU being killed, the daemon being killed with VMs running,
+and guest-chosen paths (C-10).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from _util import cgroup_dirs_named, sandbox_exists
+
+VMS = ["microvm", "vm"]
+PY = "/usr/bin/python3"
+
+
+def qemu_pid(srv, sid: str) -> int:
+    return int((srv.run_dir / "sandboxes" / sid / "qemu.pid").read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(cond, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_guest_identity_after_restore(client: dsec.Client, substrate: str) -> None:
+    """Clones of one snapshot get their own hostname, the host's clock and fresh entropy."""
+    a = dsec.Sandbox.create(client, substrate=substrate)
+    b = dsec.Sandbox.create(client, substrate=substrate)
+    try:
+        assert a.substrate == substrate
+        probe = "hostname; date +%s; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"
+        ra, rb = a.exec(probe), b.exec(probe)
+        assert ra.ok and rb.ok, (ra, rb)
+        ha, ta, ea = ra.text.split("\n")[:3]
+        hb, tb, eb = rb.text.split("\n")[:3]
+        assert ha == a.id and hb == b.id
+        assert abs(int(ta) - time.time()) < 30 and abs(int(tb) - time.time()) < 30
+        assert ea != eb, "two clones of one snapshot produced the same random bytes"
+        # a guest kernel of its own, not the host's
+        uname = a.exec("uname -r").text.strip()
+        assert uname != os.uname().release
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_reset_restores_the_snapshot(client: dsec.Client, substrate: str) -> None:
+    with dsec.Sandbox.create(client, substrate=substrate) as sb:
+        sb.files.write("/tmp/state", b"dirty")
+        assert sb.exec("ls /tmp/state").ok
+        sb.reset()
+        r = sb.exec("ls /tmp/state")
+        assert r.status == "nonzero_exit", r
+        assert sb.exec("hostname").text.strip() == sb.id
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_r03_memory_bomb_is_oom_inside_only(client: dsec.Client, substrate: str) -> None:
+    with dsec.Sandbox.create(client, substrate=substrate, limits={"memory_max": 256 << 20}) as sb:
+        r = sb.exec([PY, "-c", "a = []\nwhile True: a.append(bytearray(1 << 20))"], timeout_ms=60_000)
+        assert r.status == "oom", r
+        # the guest survives its OOM and keeps serving
+        again = sb.exec("echo alive")
+        assert again.ok and again.text == "alive\n"
+        # tmpfs: the writable layer is bounded below guest RAM, so filling it is ENOSPC
+        fill = sb.exec("head -c 2000000000 /dev/zero > /tmp/fill; echo rc=$?", timeout_ms=60_000)
+        assert "rc=1" in fill.text or "No space" in fill.stderr_text, fill
+        assert sb.exec("echo still").text == "still\n"
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_r06_spin_and_sleep_time_out(client: dsec.Client, substrate: str) -> None:
+    with dsec.Sandbox.create(client, substrate=substrate) as sb:
+        t0 = time.monotonic()
+        r = sb.exec("sleep 1000", timeout_ms=1000)
+        assert r.status == "timeout", r
+        r = sb.exec("while :; do :; done", timeout_ms=1000)
+        assert r.status == "timeout", r
+        r = sb.exec("cat", timeout_ms=1000)  # stdin closed: returns at once
+        assert r.ok
+        assert time.monotonic() - t0 < 30
+        assert sb.exec("echo ok").ok
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_r08_output_flood_is_capped(client: dsec.Client, substrate: str) -> None:
+    with dsec.Sandbox.create(client, substrate=substrate) as sb:
+        r = sb.exec(
+            [PY, "-c", "import sys\nwhile True: sys.stdout.buffer.write(b'\\xff' * 65536)"],
+            output_limit=1 << 20,
+            timeout_ms=60_000,
+        )
+        assert r.status == "output_limit", r
+        assert r.stdout_truncated and len(r.stdout) <= 1 << 20
+        # a grandchild holding the pipe does not hold the exec
+        t0 = time.monotonic()
+        r = sb.exec("(sleep 100 &) ; echo main-done", timeout_ms=30_000)
+        assert r.ok and r.text.startswith("main-done"), r
+        assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_c10_guest_paths_are_not_followed_on_the_host(client: dsec.Client, substrate: str, tmp_path: Path) -> None:
+    with dsec.Sandbox.create(client, substrate=substrate) as sb:
+        r = sb.exec(
+            "mkdir -p /tmp/out && echo data > /tmp/out/file && "
+            "ln -s /etc /tmp/out/etc-link && ln -s ../../../../../../tmp /tmp/out/up && "
+            "ln -s /etc/hostname /tmp/hn"
+        )
+        assert r.ok, r
+        dest = tmp_path / "dl"
+        sb.download_dir("/tmp/out", dest)
+        assert (dest / "file").read_bytes() == b"data\n"
+        # links from a guest are never recreated (nor followed) on the host
+        assert not os.path.lexists(dest / "etc-link") and not os.path.lexists(dest / "up")
+        # a guest symlink is not followed by file reads either: it resolves beneath the
+        # guest's root, never to a host path
+        with pytest.raises(dsec.DsecError):
+            sb.files.read("/tmp/hn")
+        # a tar whose member names climb out of the destination is refused outright
+        evil = io.BytesIO()
+        with tarfile.open(fileobj=evil, mode="w") as tf:
+            info = tarfile.TarInfo("../../escape")
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"x"))
+        sb.files.write("/tmp/evil.tar", evil.getvalue())
+        assert sb.exec("mkdir -p /tmp/e && tar -xf /tmp/evil.tar -C /tmp/e 2>&1; true").ok
+        listing = sb.files.list("/tmp")
+        assert all("/" not in e.name for e in listing)
+
+
+@pytest.mark.durability
+@pytest.mark.parametrize("substrate", VMS)
+def test_qemu_kill9_is_recorded_and_cleaned(fresh_server, substrate: str) -> None:
+    c = fresh_server.client()
+    sb = dsec.Sandbox.create(c, substrate=substrate)
+    pid = qemu_pid(fresh_server, sb.id)
+    assert alive(pid)
+    os.kill(pid, 9)
+    # the node notices, records why, and leaves nothing behind
+    assert wait_until(lambda: c.get_sandbox(sb.id).state in ("failed", "stopped"), 30), c.get_sandbox(sb.id)
+    rec = c.get_sandbox(sb.id)
+    assert "QEMU" in (rec.error or ""), rec
+    assert wait_until(lambda: not cgroup_dirs_named({sb.id}), 20)
+    assert not (fresh_server.run_dir / "sandboxes" / sb.id).exists()
+    try:
+        sb.destroy()
+    except dsec.DsecError:
+        pass
+
+
+@pytest.mark.durability
+def test_daemon_kill9_with_vms_running(fresh_server) -> None:
+    """VMs cannot be re-attached across a daemon restart: the new daemon reaps them, records
+    why, and its list matches reality (no QEMU left, no cgroup, no run dir)."""
+    c = fresh_server.client()
+    vms = [dsec.Sandbox.create(c, substrate=s, labels={"restart": "vm"}) for s in VMS]
+    ctr = dsec.Sandbox.create(c, labels={"restart": "ctr"})
+    pids = [qemu_pid(fresh_server, v.id) for v in vms]
+    c.close()
+    fresh_server.kill9()
+    fresh_server.clients = []
+    fresh_server.start()
+    c2 = fresh_server.client()
+    for v, pid in zip(vms, pids):
+        assert wait_until(lambda: not alive(pid), 20), f"QEMU {pid} of {v.id} survived recovery"
+        rec = c2.get_sandbox(v.id) if sandbox_exists(c2, v.id) else None
+        assert rec is None or rec.state in dsec.FINAL_STATES, rec
+        assert not cgroup_dirs_named({v.id})
+        assert not (fresh_server.run_dir / "sandboxes" / v.id).exists()
+    live = {s.id for s in c2.list_sandboxes() if s.state not in dsec.FINAL_STATES}
+    assert live == {ctr.id}, live
+    assert dsec.Sandbox.connect(ctr.id, c2).exec("echo ok").ok
+    dsec.Sandbox.connect(ctr.id, c2).destroy()
