@@ -198,3 +198,28 @@ def test_daemon_kill9_with_vms_running(fresh_server) -> None:
     assert live == {ctr.id}, live
     assert dsec.Sandbox.connect(ctr.id, c2).exec("echo ok").ok
     dsec.Sandbox.connect(ctr.id, c2).destroy()
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_warm_pool_of_vms(client: dsec.Client, substrate: str) -> None:
+    """A VM pool is named `<template>@<substrate>` and serves creates of that substrate."""
+    name = f"host@{substrate}"
+    st = client.set_pool(name, min=1, max=2)
+    try:
+        assert st.template == name and st.min == 1
+        deadline = time.monotonic() + 120
+        while client.get_pool(name).ready < 1:
+            assert time.monotonic() < deadline, "the VM pool never filled"
+            time.sleep(0.2)
+        hits = client.get_pool(name).hits
+        with dsec.Sandbox.create(client, substrate=substrate) as sb:
+            assert sb.pooled and sb.substrate == substrate
+            assert sb.exec("hostname").text.strip() == sb.id
+        assert client.get_pool(name).hits == hits + 1
+        # a container create does not take a VM from the pool
+        with dsec.Sandbox.create(client) as c:
+            assert c.substrate == "container"
+    finally:
+        client.set_pool(name, min=0, max=0)
+    with pytest.raises(dsec.InvalidRequest):
+        client.set_pool("host@function", min=0, max=1)

@@ -390,8 +390,25 @@ impl std::fmt::Debug for App {
 }
 
 fn pool_key(req: &CreateRequest) -> Option<String> {
-    (req.limits == Limits::default() && !req.writable_root && req.substrate == Substrate::Container)
-        .then(|| req.template.clone())
+    (req.limits == Limits::default() && !req.writable_root)
+        .then(|| pool_name(&req.template, req.substrate))
+}
+
+/// A pool's name: the template for containers, `<template>@<substrate>` for VMs (`@` cannot
+/// occur in a template name).
+pub fn pool_name(template: &str, substrate: Substrate) -> String {
+    match substrate {
+        Substrate::Container => template.to_owned(),
+        vm => format!("{template}@{}", vm.name()),
+    }
+}
+
+/// Splits a pool name into template and substrate; `None` for an unknown substrate.
+pub fn parse_pool_name(name: &str) -> Option<(&str, Substrate)> {
+    match name.split_once('@') {
+        None => Some((name, Substrate::Container)),
+        Some((t, s)) => Substrate::parse(s).filter(|s| s.is_vm()).map(|s| (t, s)),
+    }
 }
 
 impl App {
@@ -1025,7 +1042,9 @@ impl App {
         }
     }
 
-    async fn fill_one(self: &Arc<Self>, template: &str) -> ApiResult<String> {
+    async fn fill_one(self: &Arc<Self>, pool: &str) -> ApiResult<String> {
+        let (template, substrate) = parse_pool_name(pool)
+            .ok_or_else(|| ApiError::invalid(format!("bad pool name {pool:?}")))?;
         let id = crate::container::new_id();
         let rec = SandboxRecord {
             id: id.clone(),
@@ -1034,9 +1053,10 @@ impl App {
             version: 0,
             spec: SandboxSpec {
                 template: template.to_owned(),
+                substrate,
                 ..SandboxSpec::default()
             },
-            substrate: "container".into(),
+            substrate: substrate.name().into(),
             labels: BTreeMap::new(),
             env: BTreeMap::new(),
             created_at_ms: now_ms(),

@@ -1798,9 +1798,11 @@ async fn set_pool(
     if size.min > size.max || size.max > 10_000 {
         return Err(ApiError::invalid("need min ≤ max ≤ 10000"));
     }
-    if template != "host" {
+    let (base, _) = super::app::parse_pool_name(&template)
+        .ok_or_else(|| ApiError::invalid("a pool is named <template> or <template>@microvm|vm"))?;
+    if base != "host" {
         let rt = Arc::clone(&app.rt);
-        let name = template.clone();
+        let name = base.to_owned();
         tokio::task::spawn_blocking(move || rt.templates().get(&name))
             .await
             .map_err(|e| ApiError::internal(e.to_string()))??;

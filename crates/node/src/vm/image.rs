@@ -19,7 +19,7 @@
 //! Everything is written atomically (a temporary file or directory next to the target, then
 //! a rename), so a crash never leaves a half-built artifact under its final name.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::fs;
 use std::io::{self, BufWriter, Read, Write};
@@ -1302,10 +1302,7 @@ pub enum RootSource<'a> {
     /// hide lower contents.
     Layers(&'a [PathBuf]),
     /// A ready overlayfs `lowerdir=` option value, topmost layer first, e.g. `<mask>:/` for
-    /// the host template. Layers that are filesystem roots (like `/`) are assumed to have no
-    /// whiteouts and are sized with `statvfs`, the others are walked. `statvfs` counts the
-    /// whole filesystem, hidden parts included, so the image of a host with a big hidden
-    /// `/work` is much larger than its contents (sparse: the disk use is the contents').
+    /// the host template.
     Overlay {
         /// The `lowerdir=` value (`:`-separated absolute paths, no escapes).
         lowerdir: String,
@@ -1314,6 +1311,8 @@ pub enum RootSource<'a> {
 
 /// Block size of root images.
 const ROOT_BLOCK: u64 = 4096;
+/// Inode size of root images (`mke2fs -I`).
+const ROOT_INODE_SIZE: u64 = 256;
 /// Free space added to the estimated size of a root image, besides 15%.
 const ROOT_SLACK: u64 = 256 << 20;
 /// Inodes added to the estimated count, besides 20%.
@@ -1340,8 +1339,11 @@ const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
 ///   `mke2fs` fail: such directories get a copy (attributes only) in an extra top layer,
 ///   which makes overlayfs merge and filter them.
 ///
-/// The size is estimated up front (mke2fs needs it): the bytes and inodes used by the
-/// merged view, plus 15% and 256 MiB, plus 20% and 10000 inodes; the file is sparse. The
+/// The size is estimated up front (mke2fs needs it) by walking the merged view as overlayfs
+/// would show it (whiteouts, opaque directories, no crossing into other mounts: see
+/// [`MergeScan`]), so hidden trees of a layer (the host's `/work`, caches…) do not count:
+/// the bytes used by the merged view plus 15% and 256 MiB, its inodes plus 20% and 10000,
+/// and the inode table; the file is sparse. The
 /// image is built next to `out` and renamed; `out` must not be visible in the source (for
 /// the host's `/`, build it in a directory the mask hides). The image is mode 0600 (the host
 /// template's holds host files). Needs root.
@@ -1350,11 +1352,11 @@ pub fn build_root_image(src: RootSource<'_>, out: &Path) -> Result<(), ImageErro
         RootSource::Layers(layers) => layers
             .iter()
             .rev()
-            .map(|path| Lower::new(path, false))
+            .map(|path| Lower::new(path))
             .collect::<Result<Vec<_>, _>>()?,
         RootSource::Overlay { lowerdir } => lowerdir
             .split(':')
-            .map(|path| Lower::new(Path::new(path), true))
+            .map(|path| Lower::new(Path::new(path)))
             .collect::<Result<Vec<_>, _>>()?,
     };
     if lowers.is_empty() {
@@ -1374,12 +1376,10 @@ pub fn build_root_image(src: RootSource<'_>, out: &Path) -> Result<(), ImageErro
     if !fixup.is_empty() {
         let layer = work_path.join("fixup");
         build_fixup_layer(&layer, &fixup)?;
-        lowers.insert(0, Lower::new(&layer, false)?);
+        lowers.insert(0, Lower::new(&layer)?);
     }
 
-    let bytes = usage.bytes + usage.bytes * 15 / 100 + ROOT_SLACK;
-    let bytes = bytes.div_ceil(ROOT_BLOCK) * ROOT_BLOCK;
-    let inodes = usage.inodes + usage.inodes / 5 + ROOT_SLACK_INODES;
+    let (bytes, inodes) = image_size(usage);
 
     let image = tempfile::Builder::new()
         .prefix(".dsec-root-")
@@ -1422,19 +1422,24 @@ pub fn build_root_image(src: RootSource<'_>, out: &Path) -> Result<(), ImageErro
     Ok(())
 }
 
+/// The size (bytes, a multiple of the block size) and inode count of an image for contents
+/// using `usage`: 15% and 256 MiB more space, 20% and 10000 more inodes, plus the inode table.
+fn image_size(usage: Usage) -> (u64, u64) {
+    let inodes = usage.inodes + usage.inodes / 5 + ROOT_SLACK_INODES;
+    let bytes = usage.bytes + usage.bytes * 15 / 100 + ROOT_SLACK + inodes * ROOT_INODE_SIZE;
+    (bytes.div_ceil(ROOT_BLOCK) * ROOT_BLOCK, inodes)
+}
+
 /// One lower layer of a merged view.
 struct Lower {
     /// Canonical path.
     path: PathBuf,
     /// Device of `path`.
     dev: u64,
-    /// A filesystem root (`/`, a mount point) given in a lowerdir string: sized with
-    /// `statvfs`, assumed free of whiteouts, not walked.
-    root: bool,
 }
 
 impl Lower {
-    fn new(path: &Path, allow_root: bool) -> Result<Self, ImageError> {
+    fn new(path: &Path) -> Result<Self, ImageError> {
         let invalid = |reason: &str| ImageError::InvalidSource {
             path: path.to_path_buf(),
             reason: reason.into(),
@@ -1448,12 +1453,36 @@ impl Lower {
             return Err(invalid("not a directory"));
         }
         check_option_path(&canonical)?;
-        let root = allow_root && is_filesystem_root(&canonical, &meta)?;
         Ok(Self {
             path: canonical,
             dev: meta.dev(),
-            root,
         })
+    }
+
+    /// Whether the directory `path` (with metadata `meta`) in this layer belongs to the
+    /// layer's own filesystem and mount: overlayfs does not cross mount points inside a
+    /// layer (it shows the directory underneath), bind mounts of the same filesystem
+    /// included.
+    fn same_mount(&self, path: &Path, meta: &fs::Metadata) -> bool {
+        use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
+        if meta.dev() != self.dev {
+            return false;
+        }
+        // Without statx (Linux < 4.11) or STATX_ATTR_MOUNT_ROOT (< 5.8) only `st_dev` tells.
+        match rustix::fs::statx(
+            rustix::fs::CWD,
+            path,
+            AtFlags::SYMLINK_NOFOLLOW,
+            StatxFlags::BASIC_STATS,
+        ) {
+            Ok(stx) => {
+                !(stx
+                    .stx_attributes_mask
+                    .contains(StatxAttributes::MOUNT_ROOT)
+                    && stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
+            }
+            Err(_) => true,
+        }
     }
 }
 
@@ -1476,15 +1505,6 @@ fn check_option_path(path: &Path) -> Result<&str, ImageError> {
     })
 }
 
-/// Whether the directory `path` is the root of its filesystem.
-fn is_filesystem_root(path: &Path, meta: &fs::Metadata) -> Result<bool, ImageError> {
-    let Some(parent) = path.parent() else {
-        return Ok(true);
-    };
-    let parent_meta = fs::metadata(parent).map_err(|e| io_err("stat", parent, e))?;
-    Ok(parent_meta.dev() != meta.dev() || parent_meta.ino() == meta.ino())
-}
-
 /// Space used by a filesystem tree, as far as an ext4 image of it is concerned.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 struct Usage {
@@ -1492,7 +1512,15 @@ struct Usage {
     inodes: u64,
 }
 
-/// A walk of the merged view of lower layers (topmost first), simulating overlayfs lookup.
+/// A walk of the merged view of lower layers (topmost first), simulating overlayfs lookup,
+/// to size an image of it.
+///
+/// Each directory of each layer is listed once and its entries `lstat`ed once. Whiteouts
+/// and opaque directories hide what is below them, and directories that are mount points
+/// inside a layer are not entered (overlayfs shows the directory underneath, usually
+/// empty), so whatever a layer holds but the merged view does not show (the host's `/work`
+/// under the host mask, `/proc`…) is not counted. A live filesystem (the host's `/`) may
+/// change during the walk: entries that disappear are skipped.
 struct MergeScan<'a> {
     lowers: &'a [Lower],
     /// Estimated use of the merged view.
@@ -1505,6 +1533,9 @@ struct MergeScan<'a> {
     fixup: BTreeMap<PathBuf, PathBuf>,
 }
 
+/// An entry of a merged directory in one layer: the layer's index and the entry's metadata.
+type Found = (usize, fs::Metadata);
+
 impl<'a> MergeScan<'a> {
     fn run(lowers: &'a [Lower]) -> Result<Self, ImageError> {
         let mut scan = Self {
@@ -1513,12 +1544,6 @@ impl<'a> MergeScan<'a> {
             seen: HashSet::new(),
             fixup: BTreeMap::new(),
         };
-        for lower in lowers.iter().filter(|l| l.root) {
-            let stat = rustix::fs::statvfs(&lower.path)
-                .map_err(|e| io_err("statvfs", &lower.path, e.into()))?;
-            scan.usage.bytes += stat.f_blocks.saturating_sub(stat.f_bfree) * stat.f_frsize;
-            scan.usage.inodes += stat.f_files.saturating_sub(stat.f_ffree);
-        }
         let all: Vec<usize> = (0..lowers.len()).collect();
         let mut ancestors = Vec::new();
         scan.dir(Path::new(""), &all, &mut ancestors)?;
@@ -1535,27 +1560,32 @@ impl<'a> MergeScan<'a> {
         ancestors: &mut Vec<(PathBuf, PathBuf)>,
     ) -> Result<(), ImageError> {
         let lowers = self.lowers;
-        let walked: Vec<&Lower> = layers
-            .iter()
-            .filter_map(|&i| lowers.get(i))
-            .filter(|l| !l.root)
-            .collect();
         let Some(top) = layers.first().and_then(|&i| lowers.get(i)) else {
             return Ok(());
         };
         ancestors.push((rel.to_path_buf(), top.path.join(rel)));
-        // Entries only in filesystem-root layers are counted by statvfs and have no whiteouts.
-        let mut names = BTreeSet::<OsString>::new();
+        // Name → its entries in the layers that have it, topmost first.
+        let mut names = BTreeMap::<OsString, Vec<Found>>::new();
         let mut whiteouts = false;
-        for lower in &walked {
+        for &i in layers {
+            let Some(lower) = lowers.get(i) else {
+                continue;
+            };
             let dir = lower.path.join(rel);
-            for entry in fs::read_dir(&dir).map_err(|e| io_err("read dir", &dir, e))? {
+            let entries = match fs::read_dir(&dir) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err("read dir", &dir, e)),
+            };
+            for entry in entries {
                 let entry = entry.map_err(|e| io_err("read dir", &dir, e))?;
-                let meta = entry
-                    .metadata()
-                    .map_err(|e| io_err("stat", &entry.path(), e))?;
+                let meta = match entry.metadata() {
+                    Ok(meta) => meta,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(io_err("stat", &entry.path(), e)),
+                };
                 whiteouts |= is_whiteout(&meta);
-                names.insert(entry.file_name());
+                names.entry(entry.file_name()).or_default().push((i, meta));
             }
         }
         if layers.len() == 1 && whiteouts {
@@ -1564,74 +1594,117 @@ impl<'a> MergeScan<'a> {
                 self.fixup.insert(dir.clone(), source.clone());
             }
         }
-        self.usage.inodes += 1;
-        self.usage.bytes += ROOT_BLOCK;
-        for name in &names {
+        self.count_dir();
+        for (name, found) in &names {
             self.usage.bytes += (8 + name.len() as u64).div_ceil(4) * 4;
-            self.entry(&rel.join(name), layers, ancestors)?;
+            self.entry(&rel.join(name), found, ancestors)?;
         }
         ancestors.pop();
         Ok(())
     }
 
-    /// Looks `rel` up in `layers` (the layers of its parent, topmost first) as overlayfs
-    /// does: the topmost entry wins; directories merge down to an opaque one, a whiteout or
-    /// a non-directory.
+    /// Resolves `rel` from its entries `found` in the layers of its parent (topmost first)
+    /// as overlayfs does: the topmost entry wins; directories merge down to an opaque one, a
+    /// whiteout or a non-directory.
     fn entry(
         &mut self,
         rel: &Path,
-        layers: &[usize],
+        found: &[Found],
         ancestors: &mut Vec<(PathBuf, PathBuf)>,
     ) -> Result<(), ImageError> {
         let lowers = self.lowers;
         let mut dirs = Vec::new();
-        for &i in layers {
-            let Some(lower) = lowers.get(i) else {
+        // A mount point seen in a layer: overlayfs shows the directory underneath.
+        let mut mount_point = false;
+        for (n, (i, meta)) in found.iter().enumerate() {
+            let Some(lower) = lowers.get(*i) else {
                 continue;
             };
-            let path = lower.path.join(rel);
-            let meta = match fs::symlink_metadata(&path) {
-                Ok(meta) => meta,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io_err("stat", &path, e)),
-            };
-            if is_whiteout(&meta) {
+            if is_whiteout(meta) {
                 break;
             }
+            let path = lower.path.join(rel);
             if meta.is_dir() {
-                // overlayfs does not cross mounts inside a layer: it shows the directory below.
-                if meta.dev() == lower.dev {
-                    dirs.push(i);
+                if !lower.same_mount(&path, meta) {
+                    mount_point = true;
+                    continue;
                 }
-                if is_opaque(&path) {
+                dirs.push(*i);
+                // An opaque directory matters only with layers below it.
+                if n + 1 < found.len() && is_opaque(&path) {
                     break;
                 }
                 continue;
             }
-            if dirs.is_empty() && !lower.root {
-                self.count_file(&meta);
+            if dirs.is_empty() && !mount_point {
+                self.count_file(&path, meta);
             }
             break;
         }
-        if dirs.iter().any(|&i| lowers.get(i).is_some_and(|l| !l.root)) {
+        if !dirs.is_empty() {
             self.dir(rel, &dirs, ancestors)?;
+        } else if mount_point {
+            self.count_dir();
         }
         Ok(())
     }
 
-    fn count_file(&mut self, meta: &fs::Metadata) {
+    /// Counts an (empty) directory; its entries are counted by [`Self::dir`].
+    fn count_dir(&mut self) {
+        self.usage.inodes += 1;
+        self.usage.bytes += ROOT_BLOCK;
+    }
+
+    fn count_file(&mut self, path: &Path, meta: &fs::Metadata) {
         if meta.nlink() > 1 && !self.seen.insert((meta.dev(), meta.ino())) {
             return;
         }
         self.usage.inodes += 1;
         let file_type = meta.file_type();
         if file_type.is_file() {
-            self.usage.bytes += meta.len().div_ceil(ROOT_BLOCK) * ROOT_BLOCK;
+            self.usage.bytes += file_data_bytes(path, meta);
         } else if file_type.is_symlink() && meta.len() >= 60 {
             // Shorter targets are stored in the inode.
             self.usage.bytes += ROOT_BLOCK;
         }
     }
+}
+
+/// The space the regular file `path` takes in an image: its size in whole blocks, or, if it
+/// has holes, its data ranges in whole blocks (`mke2fs -d` keeps holes, so a sparse file of
+/// terabytes like `/var/log/lastlog` needs no space).
+fn file_data_bytes(path: &Path, meta: &fs::Metadata) -> u64 {
+    let size = meta.len().div_ceil(ROOT_BLOCK) * ROOT_BLOCK;
+    if meta.blocks() * 512 >= size {
+        return size;
+    }
+    // Fewer blocks than its size: sparse, compressed or inline. Only holes are subtracted.
+    data_ranges_bytes(path, meta.len()).map_or(size, |data| data.min(size))
+}
+
+/// The total size of the data ranges (`SEEK_DATA`/`SEEK_HOLE`) of the first `len` bytes of
+/// the file `path`, each rounded out to whole blocks; `None` if they cannot be listed.
+fn data_ranges_bytes(path: &Path, len: u64) -> Option<u64> {
+    use rustix::fs::SeekFrom;
+    let file = fs::File::open(path).ok()?;
+    let mut total = 0;
+    let mut pos = 0;
+    while pos < len {
+        let start = match rustix::fs::seek(&file, SeekFrom::Data(pos)) {
+            Ok(start) => start,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(_) => return None,
+        };
+        let end = rustix::fs::seek(&file, SeekFrom::Hole(start))
+            .ok()?
+            .min(len);
+        if end <= start {
+            break;
+        }
+        total += end.div_ceil(ROOT_BLOCK) * ROOT_BLOCK - start / ROOT_BLOCK * ROOT_BLOCK;
+        pos = end;
+    }
+    Some(total)
 }
 
 /// Whether `meta` is an overlayfs whiteout (a character device 0/0).
@@ -1803,7 +1876,7 @@ impl BuildPlan<'_> {
             }
         }
         script.push_str(&format!(
-            "mke2fs -q -F -t ext4 -b {ROOT_BLOCK} -I 256 -m 0 -O ^has_journal -L dsec-root \
+            "mke2fs -q -F -t ext4 -b {ROOT_BLOCK} -I {ROOT_INODE_SIZE} -m 0 -O ^has_journal -L dsec-root \
              -N {} -E root_owner=0:0 -d {} {} {}k\n",
             self.inodes,
             sh_quote(&merged),
@@ -2469,6 +2542,80 @@ kernel/fs/overlayfs/overlay.ko:
             assert!(check_option_path(Path::new(bad)).is_err(), "{bad}");
         }
         assert_eq!(sh_quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn merged_view_size_estimate() -> anyhow::Result<()> {
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir()?;
+        let base = dir.path().join("base");
+        let top = dir.path().join("top");
+        for d in ["etc", "usr/lib", "var"] {
+            fs::create_dir_all(base.join(d))?;
+        }
+        fs::write(base.join("etc/passwd"), "root:x:0:0\n")?;
+        fs::hard_link(base.join("etc/passwd"), base.join("usr/passwd"))?;
+        fs::write(base.join("usr/lib/big"), vec![7u8; 8 << 20])?;
+        // 1 GiB apparent, one block of data.
+        let sparse = fs::File::create(base.join("var/sparse"))?;
+        sparse.set_len(1 << 30)?;
+        std::os::unix::fs::FileExt::write_all_at(&sparse, b"data", 512 << 20)?;
+        drop(sparse);
+        std::os::unix::fs::symlink("x".repeat(100), base.join("var/long-link"))?;
+        for d in ["etc", "usr/lib"] {
+            fs::create_dir_all(top.join(d))?;
+        }
+        fs::write(top.join("etc/hostname"), "sandbox\n")?;
+        whiteout(&top.join("usr/lib/big"))?;
+        whiteout(&top.join("var"))?;
+
+        let scan = |layers: &[&Path]| -> anyhow::Result<Usage> {
+            let lowers = layers
+                .iter()
+                .map(|p| Lower::new(p))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(MergeScan::run(&lowers)?.usage)
+        };
+
+        // Alone, the base counts its big file, the data of its sparse file, a hard-linked
+        // file once: dirs /, etc, usr, usr/lib, var + passwd, big, sparse, long-link.
+        let alone = scan(&[&base])?;
+        assert_eq!(alone.inodes, 9, "{alone:?}");
+        assert!(alone.bytes >= (8 << 20) + 2 * ROOT_BLOCK, "{alone:?}");
+        assert!(
+            alone.bytes < 9 * MIB,
+            "the sparse file's holes count: {alone:?}"
+        );
+
+        // Under the top layer, the whiteouts hide the big file and all of var; the hidden
+        // entries of the base do not count: dirs /, etc, usr, usr/lib + passwd, hostname.
+        let merged = scan(&[&top, &base])?;
+        assert_eq!(merged.inodes, 6, "{merged:?}");
+        assert!(merged.bytes < MIB, "hidden files count: {merged:?}");
+        assert_eq!(scan(&[&top])?.inodes, 4, "whiteouts are not counted");
+
+        let (bytes, inodes) = image_size(merged);
+        assert_eq!(bytes % ROOT_BLOCK, 0);
+        assert!(bytes >= ROOT_SLACK + merged.bytes && bytes < ROOT_SLACK + 8 * MIB);
+        assert_eq!(
+            inodes,
+            merged.inodes + merged.inodes / 5 + ROOT_SLACK_INODES
+        );
+
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("opaque directories skipped: needs root for trusted xattrs");
+            return Ok(());
+        }
+        // An opaque directory hides what is below it.
+        fs::create_dir_all(top.join("etc2"))?;
+        fs::create_dir_all(base.join("etc2"))?;
+        fs::write(base.join("etc2/big"), vec![1u8; 4 << 20])?;
+        assert!(scan(&[&top, &base])?.bytes > 4 * MIB);
+        opaque(&top.join("etc2"))?;
+        let hidden = scan(&[&top, &base])?;
+        assert_eq!(hidden.inodes, 7, "{hidden:?}");
+        assert!(hidden.bytes < MIB, "{hidden:?}");
+        Ok(())
     }
 
     // -- Root images: these need root, unshare, mke2fs and debugfs. --
