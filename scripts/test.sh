@@ -14,6 +14,11 @@ command -v gcc >/dev/null || need+=(gcc)
 command -v tar >/dev/null || need+=(tar)
 [ -x /usr/bin/python3 ] || need+=(python3)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
+# VM substrates: QEMU (TCG where /dev/kvm cannot run a guest), mke2fs for root images,
+# unshare/mount for building them in a private mount namespace.
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v mke2fs >/dev/null || need+=(e2fsprogs)
+command -v unshare >/dev/null || need+=(util-linux)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
@@ -23,6 +28,14 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Integration tests start the agent and shim binaries of the same target dir.
 cargo build --workspace
+# The guest kernel (Debian's linux-image-cloud-amd64, unpacked, never installed), the
+# initramfs, the host template's root image and its snapshots: built once per host and cached
+# in /var/cache/dsec/vm, so that the VM tests restore instead of boot.
+# Its state dirs live under /tmp like the test daemons', whose host mask (and so root image)
+# is then the same.
+prep=$(mktemp -d /tmp/dsec-vm-prepare.XXXXXX)
+./target/x86_64-unknown-linux-gnu/debug/dsec --data-dir "$prep/data" --run-dir "$prep/run" vm prepare
+rm -rf "$prep"
 rust=0
 cargo test --workspace --no-fail-fast || rust=$?
 # The Python SDK's system tests drive the real daemon (venv with the SDK, pytest).

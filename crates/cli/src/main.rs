@@ -21,7 +21,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::container::{ContainerRuntime, RuntimeConfig};
-use dsec_node::sandbox::{Limits, SandboxSpec};
+use dsec_node::sandbox::{Limits, SandboxSpec, Substrate};
 
 /// dsec: elastic sandboxes for agentic training.
 #[derive(Debug, Parser)]
@@ -85,11 +85,35 @@ enum Command {
         #[command(subcommand)]
         command: admin_cmd::TenantCmd,
     },
+    /// Prepare the VM substrates: install QEMU and the guest kernel from Debian's packages,
+    /// build the initramfs and the template's root image, boot and snapshot the template.
+    Vm {
+        #[command(subcommand)]
+        command: VmCmd,
+    },
     /// List, show, annotate and export trajectories of a running daemon.
     #[command(after_long_help = client::EXIT_CODES)]
     Trajectory {
         #[command(subcommand)]
         command: trajectory_cmd::TrajectoryCmd,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum VmCmd {
+    /// Make everything a VM sandbox of TEMPLATE needs, so that the first create is a restore
+    /// (prints what was prepared as JSON). Idempotent; cached in DSEC_VM_CACHE
+    /// (default /var/cache/dsec/vm).
+    Prepare {
+        /// Template.
+        #[arg(long, default_value = "host")]
+        template: String,
+        /// Substrates to prepare (microvm, vm); both by default.
+        #[arg(long = "substrate")]
+        substrates: Vec<String>,
+        /// Guest memory (the snapshot is made for one memory size: the default limit).
+        #[arg(long, default_value = "512M", value_parser = units::parse_bytes)]
+        memory: u64,
     },
 }
 
@@ -193,12 +217,76 @@ struct RunArgs {
     /// Map root inside the sandbox to an unprivileged host uid (user namespace).
     #[arg(long)]
     userns: bool,
+    /// Substrate: container, microvm or vm.
+    #[arg(long, default_value = "container", value_parser = parse_substrate)]
+    substrate: Substrate,
     /// Print the full result as JSON instead of the command's output.
     #[arg(long)]
     json: bool,
     /// The command and its arguments.
     #[arg(required = true, last = true)]
     command: Vec<String>,
+}
+
+fn parse_substrate(s: &str) -> Result<Substrate, String> {
+    Substrate::parse(s).ok_or_else(|| format!("unknown substrate {s:?} (container, microvm, vm)"))
+}
+
+fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
+    let VmCmd::Prepare {
+        template,
+        substrates,
+        memory,
+    } = cmd;
+    let kinds: Vec<Substrate> = if substrates.is_empty() {
+        vec![Substrate::Microvm, Substrate::Vm]
+    } else {
+        substrates
+            .iter()
+            .map(|s| {
+                parse_substrate(s)
+                    .map_err(anyhow::Error::msg)
+                    .and_then(|k| {
+                        if k.is_vm() {
+                            Ok(k)
+                        } else {
+                            anyhow::bail!("{s} is not a VM substrate")
+                        }
+                    })
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    let rt = runtime(cli)?;
+    let mut out = Vec::new();
+    for kind in kinds {
+        let t0 = std::time::Instant::now();
+        let spec = SandboxSpec {
+            template: template.clone(),
+            substrate: kind,
+            limits: Limits {
+                memory_max: *memory,
+                ..Limits::default()
+            },
+            ..SandboxSpec::default()
+        };
+        let (vms, snap) = rt
+            .vm_snapshot(&spec)
+            .with_context(|| format!("prepare {}", kind.name()))?;
+        out.push(serde_json::json!({
+            "substrate": kind.name(),
+            "template": template,
+            "accel": vms.accel().name(),
+            "qemu": vms.qemu_version(),
+            "kernel": vms.kernel_version(),
+            "memory_mib": snap.key().memory_mib,
+            "vcpus": snap.key().vcpus,
+            "boot_ms": snap.boot_ms,
+            "save_ms": snap.save_ms,
+            "took_ms": t0.elapsed().as_millis() as u64,
+        }));
+    }
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(ExitCode::SUCCESS)
 }
 
 fn runtime(cli: &Cli) -> anyhow::Result<ContainerRuntime> {
@@ -226,6 +314,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         env: args.env.iter().cloned().collect(),
         writable_root: args.writable_root,
         userns: args.userns,
+        substrate: args.substrate,
         ..SandboxSpec::default()
     };
     let rt = runtime(cli)?;
@@ -461,6 +550,7 @@ fn main() -> ExitCode {
         }
         Command::Server(args) => server(&cli, args),
         Command::Run(args) => run(&cli, args),
+        Command::Vm { command } => vm(&cli, command),
         Command::Template {
             command: TemplateCmd::Push { name, path, oci },
         } => return remote(&cli, |c| template_push(c, name, path, *oci)),

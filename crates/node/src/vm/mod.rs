@@ -434,10 +434,14 @@ impl VmRuntime {
             run_dir: run_dir.to_path_buf(),
             console_log: boot.then(|| run_dir.join("console.log")),
             incoming: !boot,
+            jail: jail_user().map(|u| (u, run_dir.join("jail"))),
         }
     }
 
     fn spawn(&self, args: &VmArgs, log: &Path) -> Result<PidFd, VmError> {
+        if let Some((_, dir)) = &args.jail {
+            fs::create_dir_all(dir).map_err(VmError::io("create the QEMU jail"))?;
+        }
         let log = fs::File::create(log).map_err(VmError::io("create the qemu log"))?;
         let err = log.try_clone().map_err(VmError::io("clone the qemu log"))?;
         let child = Command::new(&self.qemu)
@@ -657,6 +661,15 @@ impl VmProc {
     pub fn into_pidfd(self) -> PidFd {
         self.pid
     }
+}
+
+/// The unprivileged user QEMU runs as once started: `nobody`, when the host has it.
+fn jail_user() -> Option<String> {
+    let passwd = fs::read_to_string("/etc/passwd").ok()?;
+    passwd
+        .lines()
+        .any(|l| l.starts_with("nobody:"))
+        .then(|| "nobody".to_owned())
 }
 
 /// An exclusive `flock` on `<cache>/lock`, held while building shared cache entries.

@@ -87,6 +87,9 @@ pub struct VmArgs {
     pub console_log: Option<PathBuf>,
     /// Wait for an incoming snapshot instead of booting.
     pub incoming: bool,
+    /// Least privilege after start-up: the user QEMU switches to (`-runas`) and the empty
+    /// directory it chroots into (`-chroot`), once every file and socket it needs is open.
+    pub jail: Option<(String, PathBuf)>,
 }
 
 /// QMP socket name in the run directory.
@@ -176,10 +179,20 @@ impl VmArgs {
         if self.incoming {
             push(&["-incoming", "defer"]);
         }
-        push(&[
-            "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-        ]);
+        // QEMU's own seccomp filter is installed before `-runas` switches users, so it must
+        // allow the set*id calls when the process drops root; a QEMU that runs as `nobody`
+        // in an empty chroot cannot elevate with them anyway.
+        let elevate = match &self.jail {
+            Some((user, dir)) => {
+                let dir = dir.display().to_string();
+                push(&["-runas", user, "-chroot", &dir]);
+                "allow"
+            }
+            None => "deny",
+        };
+        let sandbox =
+            format!("on,obsolete=deny,elevateprivileges={elevate},spawn=deny,resourcecontrol=deny");
+        push(&["-sandbox", &sandbox]);
         a
     }
 }
@@ -344,6 +357,7 @@ mod tests {
             run_dir: "/run/x".into(),
             console_log: None,
             incoming,
+            jail: Some(("nobody".into(), "/run/x/jail".into())),
         }
         .to_args()
     }
@@ -354,6 +368,7 @@ mod tests {
         assert!(a.contains("mem-path=/ram,share=off"), "{a}");
         assert!(a.contains("-incoming defer"));
         assert!(a.contains("spawn=deny"));
+        assert!(a.contains("-runas nobody -chroot /run/x/jail"));
         assert!(a.contains("readonly=on"));
         assert!(a.contains("-nodefaults"));
         assert!(!a.contains("-netdev") && !a.contains("-nic"));
