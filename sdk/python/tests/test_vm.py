@@ -63,6 +63,13 @@ def test_guest_identity_after_restore(client: dsec.Client, substrate: str) -> No
         # a guest kernel of its own, not the host's
         uname = a.exec("uname -r").text.strip()
         assert uname != os.uname().release
+        # the accelerator in use and the restores are reported
+        ready = client.readyz()
+        assert ready["vm"]["started"] and ready["vm"]["accel"] in ("tcg", "kvm")
+        assert ready["vm"]["kernel"] == uname
+        text = client.metrics()
+        assert f'dsec_vm_accel{{accel="{ready["vm"]["accel"]}"}} 1' in text
+        assert f'dsec_vm_sandboxes_created_total{{substrate="{substrate}"}}' in text
     finally:
         a.destroy()
         b.destroy()

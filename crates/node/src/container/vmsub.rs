@@ -51,6 +51,45 @@ fn vm_err(id: &str) -> impl FnOnce(VmError) -> RuntimeError + '_ {
     }
 }
 
+/// Names the content of a host mask layer as the VM image sees it: every entry below the top
+/// level (opaque directories, whiteouts) and the top-level directories, but not the top-level
+/// whiteouts — those hide host directories the image never contains anyway, and they come and
+/// go with unrelated directories at the host's `/` (a CI checkout), which must not force a
+/// rebuild of a multi-GB image.
+fn mask_fingerprint(mask: &std::path::Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    fn walk(dir: &std::path::Path, rel: &str, depth: usize, out: &mut Vec<String>) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let mut entries: Vec<_> = rd.flatten().collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let Ok(m) = e.metadata() else { continue };
+            let name = format!("{rel}/{}", e.file_name().to_string_lossy());
+            let whiteout = !m.is_dir() && !m.is_file() && m.rdev() == 0;
+            if depth == 0 && whiteout {
+                continue;
+            }
+            let opaque = std::fs::read_dir(e.path()).is_ok() && xattr_opaque(&e.path());
+            out.push(format!("{name} {:o} {}", m.mode(), u8::from(opaque)));
+            if m.is_dir() {
+                walk(&e.path(), &name, depth + 1, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(mask, "", 0, &mut out);
+    crate::vm::image::image_key(&out.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+fn xattr_opaque(p: &std::path::Path) -> bool {
+    let mut buf = [0u8; 8];
+    rustix::fs::getxattr(p, "trusted.overlay.opaque", &mut buf)
+        .map(|n| &buf[..n] == b"y")
+        .unwrap_or(false)
+}
+
 impl ContainerRuntime {
     /// The VM substrates, started (QEMU installed, guest kernel prepared — from Debian's
     /// packages, cached) on first use.
@@ -101,11 +140,7 @@ impl ContainerRuntime {
                 .iter()
                 .map(|p| format!("{p}={}", mtime(p)))
                 .collect();
-            let mask_id = self
-                .host_mask_src
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let mask_id = mask_fingerprint(&self.host_mask_src);
             let mask = self.host_mask_src.display().to_string();
             return Ok((
                 TemplateRoot::Host {
@@ -307,5 +342,30 @@ impl Sandbox {
                 message: "the VM left processes or files behind".into(),
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mask_fingerprint;
+    use crate::template::unpack::{make_whiteout, set_opaque};
+
+    #[test]
+    fn mask_key_ignores_top_level_whiteouts_only() -> anyhow::Result<()> {
+        let a = tempfile::tempdir()?;
+        let b = tempfile::tempdir()?;
+        for m in [a.path(), b.path()] {
+            std::fs::create_dir_all(m.join("etc/ssh"))?;
+            make_whiteout(&m.join("etc/shadow"))?;
+            std::fs::create_dir(m.join("root"))?;
+            set_opaque(&m.join("root"))?;
+        }
+        // A CI checkout appearing at the host's `/` adds a top-level whiteout.
+        make_whiteout(&b.path().join("check"))?;
+        assert_eq!(mask_fingerprint(a.path()), mask_fingerprint(b.path()));
+        // What the image does contain changes the key.
+        make_whiteout(&b.path().join("etc/ssh/ssh_host_key"))?;
+        assert_ne!(mask_fingerprint(a.path()), mask_fingerprint(b.path()));
+        Ok(())
     }
 }

@@ -321,6 +321,12 @@ pub struct Metrics {
     pub reset: Histogram,
     /// Destroy latency.
     pub destroy: Histogram,
+    /// VM sandboxes created (snapshot restores), microvm.
+    pub vm_created_microvm: Counter,
+    /// VM sandboxes created (snapshot restores), vm.
+    pub vm_created_vm: Counter,
+    /// Create latency of VM sandboxes (restore to identified guest).
+    pub vm_restore: Histogram,
 }
 
 impl Metrics {
@@ -337,7 +343,23 @@ impl Metrics {
                 &[("phase", p)],
             )
         };
+        let vm_created = |k: &str| {
+            registry
+                .counter(
+                    "dsec_vm_sandboxes_created_total",
+                    "VM sandboxes created by restoring their template's snapshot",
+                    &[("substrate", k)],
+                )
+                .unwrap_or_default()
+        };
         Self {
+            vm_created_microvm: vm_created("microvm"),
+            vm_created_vm: vm_created("vm"),
+            vm_restore: h(
+                "dsec_vm_restore_seconds",
+                "VM create latency: QEMU start, snapshot restore, guest identity",
+                &[],
+            ),
             created: c(
                 "dsec_sandboxes_created_total",
                 "Sandboxes created by the runtime",
@@ -782,18 +804,29 @@ impl App {
             Ok((mut sb, phases)) => {
                 failpoint("create:after_launch");
                 let us = |v: u64| std::time::Duration::from_micros(v);
-                self.metrics
-                    .phase_launch
-                    .observe_duration(us(phases.launch_us));
-                self.metrics
-                    .phase_hello
-                    .observe_duration(us(phases.hello_us));
-                self.metrics
-                    .phase_cgroup
-                    .observe_duration(us(phases.cgroup_us));
-                self.metrics
-                    .phase_clone_exec
-                    .observe_duration(us(phases.clone_exec_us));
+                match sb.substrate() {
+                    Substrate::Container => {
+                        self.metrics
+                            .phase_launch
+                            .observe_duration(us(phases.launch_us));
+                        self.metrics
+                            .phase_hello
+                            .observe_duration(us(phases.hello_us));
+                        self.metrics
+                            .phase_cgroup
+                            .observe_duration(us(phases.cgroup_us));
+                        self.metrics
+                            .phase_clone_exec
+                            .observe_duration(us(phases.clone_exec_us));
+                    }
+                    Substrate::Microvm => self.metrics.vm_created_microvm.inc(),
+                    Substrate::Vm => self.metrics.vm_created_vm.inc(),
+                }
+                if sb.substrate().is_vm() {
+                    self.metrics
+                        .vm_restore
+                        .observe_duration(us(phases.hello_us));
+                }
                 self.metrics.created.inc();
                 let for_tenant = e.record().tenant.is_some();
                 if for_tenant {

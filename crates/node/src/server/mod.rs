@@ -335,6 +335,14 @@ async fn metrics_text(AxState(app): AxState<Arc<App>>) -> Response {
         "# HELP dsec_http_requests_in_flight Requests being served\n# TYPE dsec_http_requests_in_flight gauge\ndsec_http_requests_in_flight {}",
         app.in_flight()
     );
+    let accel = app.rt.vms_started().map(|v| v.accel().name());
+    let _ = writeln!(
+        out,
+        "# HELP dsec_vm_accel The VM substrates' accelerator (1 = in use; absent until first use)\n# TYPE dsec_vm_accel gauge"
+    );
+    if let Some(a) = accel {
+        let _ = writeln!(out, "dsec_vm_accel{{accel=\"{a}\"}} 1");
+    }
     // Per-sandbox resource use, read from the cgroups off the async threads.
     let rt = Arc::clone(&app.rt);
     let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
