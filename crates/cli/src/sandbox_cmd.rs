@@ -57,6 +57,9 @@ pub struct CreateArgs {
     /// Template to create the sandbox from (the daemon's default: `host`).
     #[arg(long)]
     template: Option<String>,
+    /// Substrate: container (default), microvm or vm.
+    #[arg(long)]
+    substrate: Option<String>,
     /// Memory limit (bytes, or 256M, 1G).
     #[arg(long, value_parser = units::parse_bytes)]
     memory: Option<u64>,
@@ -280,6 +283,9 @@ fn create(c: &Client, a: &CreateArgs) -> Result<ExitCode, ClientError> {
     let mut spec = Map::new();
     if let Some(t) = &a.template {
         spec.insert("template".into(), t.clone().into());
+    }
+    if let Some(s) = &a.substrate {
+        spec.insert("substrate".into(), s.clone().into());
     }
     if !limits.is_empty() {
         spec.insert("limits".into(), limits.into());

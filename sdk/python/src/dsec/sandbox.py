@@ -193,7 +193,8 @@ class Sandbox(_SandboxData):
             labels: free-form labels to find the sandbox by.
             ttl_ms: lifetime after which the node destroys the sandbox.
             lease_ms: owner lease; the sandbox is destroyed unless :meth:`heartbeat` renews it.
-            substrate: isolation substrate (only ``container`` today).
+            substrate: isolation substrate: ``container`` (default), ``microvm`` or ``vm`` (a QEMU
+                guest restored from its template's snapshot); every other call is the same.
             writable_root: make the whole root writable instead of only the scratch dirs.
             secret_env: environment whose values are redacted from the trajectory log.
             idempotency_key: makes the create safe to repeat (same key → same sandbox).
