@@ -246,7 +246,16 @@ impl Agent {
 
     /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
     /// error; then kills everything it started.
-    pub fn serve(self: &Arc<Self>, mut reader: impl io::Read) {
+    pub fn serve(self: &Arc<Self>, reader: impl io::Read) {
+        self.serve_connection(reader);
+        let _ = self.kill_all(Duration::from_secs(2));
+    }
+
+    /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
+    /// error. Everything started keeps running: a VM guest's agent serves the next host
+    /// connection with the same processes, sessions and handles (the node re-attaches after a
+    /// restart).
+    pub fn serve_connection(self: &Arc<Self>, mut reader: impl io::Read) {
         self.out.send(
             0,
             &Event::Hello {
@@ -282,7 +291,6 @@ impl Agent {
                 }
             }
         }
-        let _ = self.kill_all(Duration::from_secs(2));
     }
 
     fn dispatch(self: &Arc<Self>, id: u64, req: Request, body: Vec<u8>) {

@@ -12,8 +12,8 @@
 //! the first request after a restore is `Identify`: the guest takes its own hostname, the
 //! host's clock, fresh entropy and its disk quota.
 //!
-//! When the host end of the port goes away (the node restarted, or a snapshot clone not yet
-//! connected), everything the agent started is killed and it waits for the next connection.
+//! When the host end of the port goes away (the node restarted) the agent keeps everything it
+//! started and waits for the next connection, which it greets with `Hello`.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
@@ -144,21 +144,24 @@ pub fn run() -> anyhow::Result<()> {
     let guest = Arc::new(boot().context("guest boot")?);
     let reaper = Reaper::start().context("start reaper thread")?;
     let port = open_port().context("open the agent port")?;
+    let writer = port.try_clone().context("clone port")?;
+    let root = Root::open(Path::new("/")).context("open root")?;
+    let agent = Arc::new(Agent::new(
+        Box::new(writer),
+        root,
+        PathBuf::from("/"),
+        reaper,
+        Some(Guest {
+            upper: guest.upper.try_clone().context("clone upper fd")?,
+        }),
+    ));
+    // One agent for the guest's life: when the host end goes away (the node restarted) the
+    // guest's processes, sessions and handles stay, and the next connection is greeted with a
+    // new `Hello` that the node resynchronises on (frames cut by the disconnect are lost).
     loop {
         wait_for_host(&port);
         let reader = port.try_clone().context("clone port")?;
-        let writer = port.try_clone().context("clone port")?;
-        let root = Root::open(Path::new("/")).context("open root")?;
-        let agent = Arc::new(Agent::new(
-            Box::new(writer),
-            root,
-            PathBuf::from("/"),
-            Arc::clone(&reaper),
-            Some(Guest {
-                upper: guest.upper.try_clone().context("clone upper fd")?,
-            }),
-        ));
-        agent.serve(PortReader(reader));
+        agent.serve_connection(PortReader(reader));
     }
 }
 

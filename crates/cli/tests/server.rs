@@ -713,7 +713,14 @@ fn bad_requests_get_typed_errors() {
         (
             "POST",
             "/v1/sandboxes",
-            Some(br#"{"substrate":"vm"}"#.to_vec()),
+            Some(br#"{"substrate":"function"}"#.to_vec()),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"substrate":"firecracker"}"#.to_vec()),
             400,
             "invalid_request",
         ),

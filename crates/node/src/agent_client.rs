@@ -54,6 +54,8 @@ impl AgentError {
 /// Grace added to a request's own timeout before the connection is declared dead.
 const DEADLINE_SLACK: Duration = Duration::from_secs(5);
 /// Deadline of requests that carry no timeout of their own.
+/// Most bytes [`AgentConn::reattach`] reads before the greeting.
+pub const RESYNC_MAX: usize = 64 << 20;
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
 
 /// A connection to one agent.
@@ -90,6 +92,72 @@ impl AgentConn {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1 << 50, |d| d.as_micros() as u64);
         c
+    }
+
+    /// Re-attaches to a VM guest's agent after the node restarted: the guest greets every new
+    /// connection with `Hello`, but the byte stream may begin with the rest of a frame cut by
+    /// the disconnect. Bytes are skipped until a whole `Hello` frame decodes; what follows it
+    /// is the connection's stream. Fails at `timeout` or when more than [`RESYNC_MAX`] bytes
+    /// arrive without a greeting.
+    pub fn reattach(fd: OwnedFd, timeout: Duration) -> Result<Self, AgentError> {
+        let mut c = Self::adopted(fd);
+        let deadline = Instant::now() + timeout;
+        let mut pending: Vec<u8> = Vec::new();
+        let prefix = [frame::MAGIC[0], frame::MAGIC[1], PROTOCOL_VERSION, 1];
+        loop {
+            let mut start = 0;
+            while let Some(off) = pending[start..].windows(4).position(|w| w == prefix) {
+                let pos = start + off;
+                let mut dec = FrameDecoder::new();
+                dec.push(&pending[pos..]);
+                if let Ok(Some(raw)) = dec.next_frame() {
+                    if let Ok((env, _)) = raw.into_event() {
+                        if let Event::Hello { version, .. } = env.ev {
+                            if version != PROTOCOL_VERSION {
+                                return Err(AgentError::Unexpected(format!(
+                                    "agent protocol version {version}"
+                                )));
+                            }
+                            c.decoder = dec;
+                            return Ok(c);
+                        }
+                    }
+                }
+                // Garbage, a late answer, or a frame that is not complete yet (perhaps a
+                // bogus length): look further.
+                start = pos + 1;
+            }
+            if pending.len() > RESYNC_MAX {
+                return Err(AgentError::Unexpected(
+                    "no greeting from the agent after a reconnect".into(),
+                ));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(AgentError::Timeout(Duration::ZERO));
+            }
+            c.stream
+                .set_read_timeout(Some(deadline - now))
+                .map_err(AgentError::Disconnected)?;
+            match c.stream.read(&mut c.buf) {
+                Ok(0) => {
+                    return Err(AgentError::Disconnected(io::Error::from(
+                        io::ErrorKind::UnexpectedEof,
+                    )))
+                }
+                Ok(n) => pending.extend_from_slice(&c.buf[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(AgentError::Timeout(Duration::ZERO))
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(AgentError::Disconnected(e)),
+            }
+        }
     }
 
     fn read_event(&mut self, deadline: Instant) -> Result<(u64, Event, Vec<u8>), AgentError> {
@@ -264,5 +332,67 @@ impl AgentConn {
             }
             other => Err(AgentError::Unexpected(format!("{other:?}"))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (AgentConn, UnixStream, UnixStream) {
+        let (node, agent) = UnixStream::pair().unwrap();
+        let dup = node.try_clone().unwrap();
+        (AgentConn::new(dup.into()), node, agent)
+    }
+
+    #[test]
+    fn reattach_skips_a_cut_frame_and_late_answers() {
+        let (_unused, node, mut agent) = pair();
+        let late = frame::encode_event(7, &Event::Pong, &[]).unwrap();
+        let hello = frame::encode_event(
+            0,
+            &Event::Hello {
+                version: PROTOCOL_VERSION,
+                pid: 1,
+            },
+            &[],
+        )
+        .unwrap();
+        let next = frame::encode_event(u64::MAX, &Event::Ok, &[]).unwrap();
+        // the tail of a frame cut by the disconnect, a frame prefix claiming a huge body, a
+        // whole late answer, then the greeting and what follows it
+        let mut bytes = late[5..].to_vec();
+        bytes.extend_from_slice(&[
+            b'D',
+            b'S',
+            PROTOCOL_VERSION,
+            1,
+            0,
+            0,
+            0,
+            1,
+            0xff,
+            0xff,
+            0xff,
+            0x01,
+        ]);
+        bytes.extend_from_slice(&late);
+        bytes.extend_from_slice(&hello);
+        bytes.extend_from_slice(&next);
+        agent.write_all(&bytes).unwrap();
+        let mut c = AgentConn::reattach(node.into(), Duration::from_secs(5)).unwrap();
+        assert!(c.greeted());
+        let (id, ev, _) = c
+            .read_event(Instant::now() + Duration::from_secs(5))
+            .unwrap();
+        assert_eq!((id, ev), (u64::MAX, Event::Ok));
+    }
+
+    #[test]
+    fn reattach_without_greeting_times_out() {
+        let (_unused, node, mut agent) = pair();
+        agent.write_all(b"DS\x01\x01garbage").unwrap();
+        let r = AgentConn::reattach(node.into(), Duration::from_millis(200));
+        assert!(matches!(r, Err(AgentError::Timeout(_))));
     }
 }

@@ -51,6 +51,9 @@ impl ContainerRuntime {
         if !super::valid_id(id) {
             return Err(RuntimeError::Invalid(format!("invalid sandbox id {id:?}")));
         }
+        if spec.substrate.is_vm() {
+            return self.adopt_vm(id, spec, state);
+        }
         let run_dir = self.sandbox_run_dir(id);
         let sup_err = |message: String| RuntimeError::Supervisor {
             id: id.to_owned(),

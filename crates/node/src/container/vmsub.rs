@@ -4,9 +4,11 @@
 //! A VM sandbox has no supervisor: its QEMU process plays that role (`Sandbox::sup` is QEMU's
 //! pidfd) and sits in the sandbox's cgroup (memory = guest RAM + QEMU's own overhead, CPU
 //! weight and optional cap, pids). Its run directory is `<run_dir>/sandboxes/<id>` like a
-//! container's, so a node that restarts finds it there; it cannot re-attach to a VM (QEMU
-//! accepts one agent connection, and the guest's half-written frames are lost with the old
-//! one), so recovery reaps it: the cgroup kill takes QEMU with it.
+//! container's, so a node that restarts finds it there and re-attaches ([`adopt_vm`]): QEMU
+//! listens for the agent connection again, the guest's agent keeps its processes and greets
+//! the new connection, and the node skips whatever a cut frame left in the stream.
+//!
+//! [`adopt_vm`]: ContainerRuntime::adopt_vm
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -265,6 +267,70 @@ impl ContainerRuntime {
                 clone_exec_us: launch_us - t_cg,
             },
         ))
+    }
+}
+
+impl ContainerRuntime {
+    /// Re-attaches to a VM sandbox an earlier node process created: its QEMU (found by the pid
+    /// recorded in the run directory, checked against its command line) listens for the agent
+    /// connection again, and the guest's agent greets the new connection; its processes,
+    /// sessions and files are as they were.
+    pub(crate) fn adopt_vm(
+        &self,
+        id: &str,
+        spec: SandboxSpec,
+        state: State,
+    ) -> Result<Sandbox, RuntimeError> {
+        let (rt, snap) = self.vm_snapshot(&spec)?;
+        let run_dir = rt.run_dir(id);
+        let err = |m: String| RuntimeError::Supervisor {
+            id: id.to_owned(),
+            message: m,
+        };
+        let pid = std::fs::read_to_string(run_dir.join("qemu.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+            .ok_or_else(|| err("no QEMU pid recorded".into()))?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains(&*run_dir.to_string_lossy()) {
+            return Err(err(format!("process {pid} is not this sandbox's QEMU")));
+        }
+        let sup = PidFd::open(pid).map_err(|e| err(format!("pidfd of QEMU: {e}")))?;
+        let cgroup = self
+            .cgroups
+            .open(id)
+            .ok_or_else(|| err("the sandbox's cgroup is gone".into()))?;
+        let sock = std::os::unix::net::UnixStream::connect(run_dir.join(vm::qemu::AGENT_SOCK))
+            .map_err(|e| err(format!("connect to the agent port: {e}")))?;
+        let agent =
+            AgentConn::reattach(sock.into(), Duration::from_secs(10)).map_err(|source| {
+                RuntimeError::Agent {
+                    id: id.to_owned(),
+                    source,
+                }
+            })?;
+        let (_, template_env) = self.template_root(&spec.template)?;
+        let env = self.sandbox_env(id, template_env, &spec);
+        Ok(Sandbox {
+            id: id.to_owned(),
+            spec,
+            state,
+            agent,
+            control: None,
+            init_pid: pid,
+            sup,
+            vm: Some(VmBinding {
+                rt: Arc::clone(&rt),
+                snap,
+                cgroup,
+                env,
+            }),
+            run_dir,
+            oom_kills: 0,
+            uses: u32::from(state == State::Running),
+            busy: Duration::ZERO,
+            acquired_at: (state == State::Running).then(Instant::now),
+        })
     }
 }
 

@@ -344,18 +344,11 @@ impl VmRuntime {
         fs::create_dir_all(&dir).map_err(VmError::io("create the root image dir"))?;
         // One build at a time per host: another node process may be building the same image.
         let _lock = CacheLock::take(&self.cache)?;
+        gc(&self.cache);
+        // Older images of a changed host are not deleted here: another node process (another
+        // data dir, so another mask) may still use them; the idle-time GC removes them.
         if !out.exists() {
             image::build_root_image(source, &out)?;
-            if name.starts_with("host-") {
-                // The host changed: the older images of it are stale (a VM still using one
-                // keeps its open file).
-                for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
-                    let n = e.file_name().to_string_lossy().into_owned();
-                    if n.starts_with("host-") && n != name {
-                        let _ = fs::remove_file(e.path());
-                    }
-                }
-            }
         }
         Ok(out)
     }
@@ -368,6 +361,10 @@ impl VmRuntime {
         root: &TemplateRoot,
     ) -> Result<Arc<Snapshot>, VmError> {
         if let Some(s) = lock(&self.snapshots).get(key) {
+            // In use: keep it (and what it needs) out of reach of the cache GC.
+            for p in [&s.dir, &s.root_image, &s.initrd] {
+                touch(p);
+            }
             return Ok(Arc::clone(s));
         }
         let _building = lock(&self.build);
@@ -384,8 +381,23 @@ impl VmRuntime {
         if key.kind == VmKind::Microvm {
             cmdline.push_str(" pci=off");
         }
+        // The guest's page cache in the snapshot holds blocks of this very image file: a
+        // rebuilt image at the same path (deleted by a cache clean-up, then made again) must
+        // not meet an old snapshot. Its inode and birth time name the file, not the path.
+        let image_id = fs::metadata(&root_image)
+            .map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                let born = m
+                    .created()
+                    .ok()
+                    .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos());
+                format!("{}:{}:{born}", m.dev(), m.ino())
+            })
+            .map_err(VmError::io("stat the root image"))?;
         let digest = image::image_key(&[
             SNAPSHOT_FORMAT,
+            &image_id,
             &self.qemu_version,
             self.accel.name(),
             &self.kernel.kernel.display().to_string(),
@@ -699,7 +711,7 @@ fn touch(p: &Path) {
 }
 
 /// How long an unused cache entry (snapshot, initramfs, root image) is kept.
-const CACHE_MAX_IDLE: Duration = Duration::from_secs(2 * 24 * 3600);
+const CACHE_MAX_IDLE: Duration = Duration::from_secs(24 * 3600);
 
 /// Removes snapshots, initramfs images and root images unused for [`CACHE_MAX_IDLE`], and
 /// leftovers of interrupted builds older than a day.
