@@ -84,3 +84,34 @@ def test_pool_fields(client: dsec.Client) -> None:
     want = {"template", "min", "max", "target", "ready", "creating", "hits", "misses", "hit_rate",
             "acquire_rate", "refill_ms", "peak"}
     assert want <= set(p.raw), p.raw
+
+
+def test_languages_are_probed_per_template(client: dsec.Client) -> None:
+    host = {l["name"] for l in client.languages()}
+    assert {"python", "bash", "c", "cpp"} <= host
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
+    client.upload_template(name, _tiny_rootfs())
+    try:
+        tiny = {l["name"] for l in client.languages(name)}
+        # only /bin/sh is there: no compiler, no bash
+        assert not {"c", "cpp", "bash"} & tiny, tiny
+        with pytest.raises(dsec.InvalidRequest):
+            client.run_code("int main(){return 0;}", "c", template=name)
+    finally:
+        client.delete_template(name)
+    with pytest.raises(dsec.TemplateNotFound):
+        client.languages(name)
+
+
+@pytest.mark.parametrize("substrate", ["microvm", "vm"])
+def test_imported_template_in_a_vm(client: dsec.Client, substrate: str) -> None:
+    """An imported template's layers become the VM's root image."""
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
+    client.upload_template(name, _tiny_rootfs())
+    try:
+        with dsec.Sandbox.create(client, template=name, substrate=substrate) as sb:
+            r = sb.exec(["/bin/sh", "-c", "read x < /etc/marker; echo $x; echo ok > /tmp/w; read y < /tmp/w; echo $y"])
+            assert r.ok and r.text == "tiny-rootfs\nok\n", r
+            assert not sb.files.exists("/usr/bin/python3")
+    finally:
+        client.delete_template(name)

@@ -1742,6 +1742,7 @@ async fn import_template(
     })
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
+    forget_template(&app, &t.name);
     Ok((
         StatusCode::CREATED,
         Json(serde_json::to_value(t).unwrap_or_default()),
@@ -1766,10 +1767,21 @@ async fn delete_template(
         ));
     }
     let rt = Arc::clone(&app.rt);
+    let gone = name.clone();
     tokio::task::spawn_blocking(move || rt.templates().delete(&name))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))??;
+    forget_template(&app, &gone);
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Drops what was derived from a template that was imported again or deleted: its probed
+/// languages and its VM snapshots (the next VM create builds them from the new layers).
+fn forget_template(app: &App, name: &str) {
+    super::run::forget_languages(app, name);
+    if let Some(vms) = app.rt.vms_started() {
+        vms.forget_template(name);
+    }
 }
 
 async fn list_pools(AxState(app): AxState<AppState>) -> Json<Value> {
@@ -2167,8 +2179,18 @@ async fn run_batch(
     Ok(Json(super::run::run_batch(app, &t, &body).await?))
 }
 
-async fn languages(AxState(app): AxState<AppState>) -> ApiResult<Json<Value>> {
-    Ok(Json(super::run::list_languages(app).await?))
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LanguagesQuery {
+    #[serde(default)]
+    template: Option<String>,
+}
+
+async fn languages(
+    AxState(app): AxState<AppState>,
+    Query(q): Query<LanguagesQuery>,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(super::run::list_languages(app, q.template).await?))
 }
 
 async fn run_code(

@@ -283,6 +283,12 @@ impl VmRuntime {
         &self.kernel.version
     }
 
+    /// Forgets the snapshots of `template` held in memory (it was imported again or deleted);
+    /// the on-disk cache is keyed by content and needs nothing.
+    pub fn forget_template(&self, template: &str) {
+        lock(&self.snapshots).retain(|k, _| k.template != template);
+    }
+
     /// The run directory of VM `id`.
     pub fn run_dir(&self, id: &str) -> PathBuf {
         self.run_base.join(id)

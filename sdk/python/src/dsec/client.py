@@ -453,9 +453,10 @@ class Client(_ClientBase):
         body = {"requests": [dict(r) for r in requests], "concurrency": concurrency}
         return self.request_json("POST", "/v1/run/batch", json=body)["items"]
 
-    def languages(self) -> List[Dict[str, Any]]:
-        """The languages the node has toolchains for."""
-        return self.request_json("GET", "/v1/languages")["items"]
+    def languages(self, template: Optional[str] = None) -> List[Dict[str, Any]]:
+        """The languages whose toolchains are on ``template`` (default: ``host``)."""
+        params = {"template": template} if template else None
+        return self.request_json("GET", "/v1/languages", params=params)["items"]
 
     # -- trajectories --------------------------------------------------------------------------
 

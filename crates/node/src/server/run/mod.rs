@@ -428,7 +428,8 @@ pub struct Runner {
     tenant_slots: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
     zygotes: Mutex<HashMap<String, Arc<ZygotePool>>>,
     containers: Mutex<HashMap<String, Vec<Arc<Entry>>>>,
-    languages: tokio::sync::OnceCell<Vec<String>>,
+    /// Toolchains found per template (probed once per template, in a sandbox of it).
+    languages: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Vec<String>>>>>,
 }
 
 impl Runner {
@@ -442,7 +443,7 @@ impl Runner {
             tenant_slots: Mutex::new(HashMap::new()),
             zygotes: Mutex::new(HashMap::new()),
             containers: Mutex::new(HashMap::new()),
-            languages: tokio::sync::OnceCell::new(),
+            languages: Mutex::new(HashMap::new()),
         }
     }
 
@@ -900,10 +901,10 @@ async fn run_container(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> 
 }
 
 async fn ensure_available(app: &Arc<App>, spec: &RunSpec) -> ApiResult<()> {
-    if spec.lang.name == "python" || spec.template != "host" {
+    if spec.lang.name == "python" {
         return Ok(());
     }
-    let have = languages(app).await?;
+    let have = languages(app, &spec.template).await?;
     if have.iter().any(|l| l == spec.lang.name) {
         return Ok(());
     }
@@ -926,40 +927,47 @@ async fn run_one(app: &Arc<App>, body: RunBody) -> ApiResult<RunOutcome> {
     Ok(out)
 }
 
-/// The languages whose toolchain is on the `host` template (probed once, in a sandbox).
-async fn languages(app: &Arc<App>) -> ApiResult<Vec<String>> {
-    app.runner
-        .languages
-        .get_or_try_init(|| async {
-            let e = runner_sandbox(app, "host").await?;
-            let script: String = LANGS
-                .iter()
-                .map(|l| {
-                    format!(
-                        "command -v {} >/dev/null 2>&1 && echo {}\n",
-                        l.probe, l.name
-                    )
-                })
-                .collect();
-            let r = sandbox_exec(
-                app,
-                &e,
-                ExecRequest {
-                    cwd: Some("/".into()),
-                    ..shell_exec(script, Duration::from_secs(30), 1 << 16)
-                },
-                Vec::new(),
-            )
-            .await;
-            let _ = app.destroy(&e).await;
-            let r = r?;
-            Ok(String::from_utf8_lossy(&r.stdout.data)
-                .lines()
-                .map(str::to_owned)
-                .collect())
-        })
-        .await
-        .cloned()
+/// The languages whose toolchain is on `template` (probed once per template, in a sandbox of
+/// it; a failed probe is not cached).
+async fn languages(app: &Arc<App>, template: &str) -> ApiResult<Vec<String>> {
+    let cell = Arc::clone(
+        app.runner
+            .languages
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(template.to_owned())
+            .or_default(),
+    );
+    cell.get_or_try_init(|| async {
+        let e = runner_sandbox(app, template).await?;
+        let script: String = LANGS
+            .iter()
+            .map(|l| {
+                format!(
+                    "command -v {} >/dev/null 2>&1 && echo {}\n",
+                    l.probe, l.name
+                )
+            })
+            .collect();
+        let r = sandbox_exec(
+            app,
+            &e,
+            ExecRequest {
+                cwd: Some("/".into()),
+                ..shell_exec(script, Duration::from_secs(30), 1 << 16)
+            },
+            Vec::new(),
+        )
+        .await;
+        let _ = app.destroy(&e).await;
+        let r = r?;
+        Ok(String::from_utf8_lossy(&r.stdout.data)
+            .lines()
+            .map(str::to_owned)
+            .collect())
+    })
+    .await
+    .cloned()
 }
 
 /// Holds one of the tenant's run slots while a run lasts: the anonymous tenant may have
@@ -1054,9 +1062,20 @@ pub async fn run_batch(app: Arc<App>, t: &Tenant, body: &[u8]) -> ApiResult<Valu
     Ok(json!({"items": out.into_iter().map(|(_, v)| v).collect::<Vec<_>>()}))
 }
 
-/// `GET /v1/languages`.
-pub async fn list_languages(app: Arc<App>) -> ApiResult<Value> {
-    let have = languages(&app).await?;
+/// Forgets what was probed on `template` (it was imported again or deleted).
+pub fn forget_languages(app: &App, template: &str) {
+    app.runner
+        .languages
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(template);
+}
+
+/// `GET /v1/languages[?template=NAME]` (default `host`).
+pub async fn list_languages(app: Arc<App>, template: Option<String>) -> ApiResult<Value> {
+    let template = template.unwrap_or_else(|| "host".into());
+    crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let have = languages(&app, &template).await?;
     let items: Vec<Value> = LANGS
         .iter()
         .filter(|l| l.name == "python" || have.iter().any(|h| h == l.name))
@@ -1069,7 +1088,7 @@ pub async fn list_languages(app: Arc<App>) -> ApiResult<Value> {
             })
         })
         .collect();
-    Ok(json!({"items": items}))
+    Ok(json!({"template": template, "items": items}))
 }
 
 /// SandboxFusion's `CommandRunResult` of a phase: its statuses are `Finished`, `Error` and
