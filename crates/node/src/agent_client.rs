@@ -339,16 +339,16 @@ impl AgentConn {
 mod tests {
     use super::*;
 
-    fn pair() -> (AgentConn, UnixStream, UnixStream) {
-        let (node, agent) = UnixStream::pair().unwrap();
-        let dup = node.try_clone().unwrap();
-        (AgentConn::new(dup.into()), node, agent)
+    fn pair() -> anyhow::Result<(AgentConn, UnixStream, UnixStream)> {
+        let (node, agent) = UnixStream::pair()?;
+        let dup = node.try_clone()?;
+        Ok((AgentConn::new(dup.into()), node, agent))
     }
 
     #[test]
-    fn reattach_skips_a_cut_frame_and_late_answers() {
-        let (_unused, node, mut agent) = pair();
-        let late = frame::encode_event(7, &Event::Pong, &[]).unwrap();
+    fn reattach_skips_a_cut_frame_and_late_answers() -> anyhow::Result<()> {
+        let (_unused, node, mut agent) = pair()?;
+        let late = frame::encode_event(7, &Event::Pong, &[])?;
         let hello = frame::encode_event(
             0,
             &Event::Hello {
@@ -356,9 +356,8 @@ mod tests {
                 pid: 1,
             },
             &[],
-        )
-        .unwrap();
-        let next = frame::encode_event(u64::MAX, &Event::Ok, &[]).unwrap();
+        )?;
+        let next = frame::encode_event(u64::MAX, &Event::Ok, &[])?;
         // the tail of a frame cut by the disconnect, a frame prefix claiming a huge body, a
         // whole late answer, then the greeting and what follows it
         let mut bytes = late[5..].to_vec();
@@ -379,20 +378,20 @@ mod tests {
         bytes.extend_from_slice(&late);
         bytes.extend_from_slice(&hello);
         bytes.extend_from_slice(&next);
-        agent.write_all(&bytes).unwrap();
-        let mut c = AgentConn::reattach(node.into(), Duration::from_secs(5)).unwrap();
+        agent.write_all(&bytes)?;
+        let mut c = AgentConn::reattach(node.into(), Duration::from_secs(5))?;
         assert!(c.greeted());
-        let (id, ev, _) = c
-            .read_event(Instant::now() + Duration::from_secs(5))
-            .unwrap();
+        let (id, ev, _) = c.read_event(Instant::now() + Duration::from_secs(5))?;
         assert_eq!((id, ev), (u64::MAX, Event::Ok));
+        Ok(())
     }
 
     #[test]
-    fn reattach_without_greeting_times_out() {
-        let (_unused, node, mut agent) = pair();
-        agent.write_all(b"DS\x01\x01garbage").unwrap();
+    fn reattach_without_greeting_times_out() -> anyhow::Result<()> {
+        let (_unused, node, mut agent) = pair()?;
+        agent.write_all(b"DS\x01\x01garbage")?;
         let r = AgentConn::reattach(node.into(), Duration::from_millis(200));
         assert!(matches!(r, Err(AgentError::Timeout(_))));
+        Ok(())
     }
 }
