@@ -75,6 +75,11 @@ impl Client {
                 .delete(&url)
                 .header("X-API-Key", &self.key)
                 .call(),
+            "PUT" => self
+                .agent
+                .put(&url)
+                .header("X-API-Key", &self.key)
+                .send(body.map(Value::to_string).unwrap_or_default()),
             _ => self
                 .agent
                 .post(&url)
@@ -404,6 +409,41 @@ fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow
     }))
 }
 
+/// A warm pool of `n` microvms (`host@microvm`): acquire latency (a pool hit), and the first
+/// exec in an acquired VM (the pool ran one command in each, so its translation cache is warm).
+fn pooled(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
+    let pool = "/v1/pools/host@microvm";
+    b.c.ok("PUT", pool, Some(&json!({"min": n, "max": n})))?;
+    let result = (|| -> anyhow::Result<Value> {
+        let (mut acquire, mut first_exec, mut first_wall) = (vec![], vec![], vec![]);
+        for _ in 0..n {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while b.c.ok("GET", pool, None)?["ready"].as_u64().unwrap_or(0) < n as u64 {
+                if Instant::now() > deadline {
+                    bail!("the microvm pool did not fill");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let (id, took) = b.create(&json!({"substrate": "microvm"}))?;
+            acquire.push(took);
+            let t = Instant::now();
+            first_wall.push(b.c.exec_true(&id)?);
+            first_exec.push(us(t));
+            b.delete(&id)?;
+        }
+        let st = b.c.ok("GET", pool, None)?;
+        Ok(json!({
+            "pool": "host@microvm",
+            "acquire_pool_hit": dist(acquire),
+            "first_exec_true_after_acquire": dist(first_exec),
+            "first_exec_true_process_wall": dist(first_wall),
+            "hits": st["hits"],
+        }))
+    })();
+    let _ = b.c.ok("PUT", pool, Some(&json!({"min": 0, "max": 0})));
+    result
+}
+
 /// Exec `/bin/true` `n` times in a microvm, a vm and a container, interleaved, with the HTTP
 /// floor (`GET /livez`).
 fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
@@ -707,6 +747,7 @@ fn measure(
     cr.insert("microvm".into(), creates(b, "microvm", n_micro, settle)?);
     cr.insert("vm".into(), creates(b, "vm", n_vm, settle)?);
     out.insert("create_from_snapshot".into(), Value::Object(cr));
+    out.insert("pooled_microvm".into(), pooled(b, 5)?);
 
     out.insert("exec_true".into(), execs(b, args.iterations.clamp(10, 50))?);
 
