@@ -150,8 +150,10 @@ def test_typed_errors(client: dsec.Client, server) -> None:
     assert ei.value.request_id
 
     with pytest.raises(dsec.InvalidRequest) as ei2:
-        dsec.Sandbox.create(client, substrate="vm")
+        dsec.Sandbox.create(client, substrate="firecracker")
     assert ei2.value.status == 400
+    with pytest.raises(dsec.InvalidRequest):
+        dsec.Sandbox.create(client, substrate="function")  # served by /v1/run
 
     with pytest.raises(dsec.InvalidRequest):
         dsec.Sandbox.create(client, limits={"memory_max": "lots"})
