@@ -29,15 +29,7 @@ impl Daemon {
     /// Destroys every sandbox the bench made (sandboxes outlive their daemon by design, so a
     /// bench that stops early must not leave its abusers running).
     fn destroy_everything(&self) {
-        let c = Client {
-            agent: ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(60)))
-                .build()
-                .into(),
-            url: self.url.clone(),
-            key: self.key.clone(),
-        };
+        let c = Client::new(&self.url, &self.key, Duration::from_secs(60));
         let _ = c.set_pool(0, 0);
         for _ in 0..3 {
             let Ok(v) = c.ok("GET", "/v1/sandboxes?limit=1000", None) else {
@@ -125,15 +117,36 @@ pub(crate) fn start_daemon(tag: &str, extra: &[&str]) -> anyhow::Result<Daemon> 
     })
 }
 
+/// A blocking HTTP client of the bench's daemon (shared by the API and VM benches).
 #[derive(Clone)]
-struct Client {
+pub(crate) struct Client {
     agent: ureq::Agent,
     url: String,
     key: String,
 }
 
 impl Client {
-    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<(u16, Value)> {
+    /// A client of `url` with API key `key`; every call gives up after `timeout`.
+    pub(crate) fn new(url: &str, key: &str, timeout: Duration) -> Self {
+        Self {
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .max_idle_connections(256)
+                .max_idle_connections_per_host(256)
+                .timeout_global(Some(timeout))
+                .build()
+                .into(),
+            url: url.to_owned(),
+            key: key.to_owned(),
+        }
+    }
+
+    pub(crate) fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(u16, Value)> {
         let url = format!("{}{path}", self.url);
         let r = match method {
             "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
@@ -162,7 +175,12 @@ impl Client {
         ))
     }
 
-    fn ok(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Value> {
+    pub(crate) fn ok(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<Value> {
         let (s, v) = self.call(method, path, body)?;
         if !(200..300).contains(&s) {
             bail!("{method} {path}: {s} {v}");
@@ -291,17 +309,7 @@ fn cycles(c: &Client, threads: usize, per_thread: usize) -> anyhow::Result<Value
 /// Runs the API benchmark.
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let d = start_daemon("api", &[])?;
-    let c = Client {
-        agent: ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .max_idle_connections(256)
-            .max_idle_connections_per_host(256)
-            .timeout_global(Some(Duration::from_secs(120)))
-            .build()
-            .into(),
-        url: d.url.clone(),
-        key: d.key.clone(),
-    };
+    let c = Client::new(&d.url, &d.key, Duration::from_secs(120));
     let n = args.iterations.max(20);
     let mut out = serde_json::Map::new();
     let rss_start = rss_kb(d.child.id());

@@ -26,7 +26,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
 
 use crate::bench::{dist, us, BenchArgs};
-use crate::bench_api::{start_daemon, Daemon};
+use crate::bench_api::{start_daemon, Client};
 
 /// Target: create from snapshot, p50.
 const TARGET_CREATE_P50_MS: f64 = 150.0;
@@ -46,69 +46,18 @@ const BOOT_MARKER: &[u8] = b"Kernel panic";
 /// that matters here).
 const USER_HZ: u64 = 100;
 
-/// A small HTTP client of the bench's daemon.
-struct Client {
-    agent: ureq::Agent,
-    url: String,
-    key: String,
-}
-
-impl Client {
-    fn new(d: &Daemon) -> Self {
-        Self {
-            agent: ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(180)))
-                .build()
-                .into(),
-            url: d.url.clone(),
-            key: d.key.clone(),
-        }
+/// Runs `/bin/true` in `id`; returns the process's own wall time as the sandbox measured it
+/// (spawn to exit, microseconds; 0 when not reported).
+fn exec_true(c: &Client, id: &str) -> anyhow::Result<u64> {
+    let v = c.ok(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(&json!({"argv": ["/bin/true"]})),
+    )?;
+    if v["status"] != "ok" {
+        bail!("exec true in {id}: {v}");
     }
-
-    fn ok(&self, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Value> {
-        let url = format!("{}{path}", self.url);
-        let r = match method {
-            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
-            "DELETE" => self
-                .agent
-                .delete(&url)
-                .header("X-API-Key", &self.key)
-                .call(),
-            "PUT" => self
-                .agent
-                .put(&url)
-                .header("X-API-Key", &self.key)
-                .send(body.map(Value::to_string).unwrap_or_default()),
-            _ => self
-                .agent
-                .post(&url)
-                .header("X-API-Key", &self.key)
-                .send(body.map(Value::to_string).unwrap_or_default()),
-        };
-        let mut r = r.with_context(|| format!("{method} {path}"))?;
-        let status = r.status().as_u16();
-        let bytes = r.body_mut().with_config().limit(16 << 20).read_to_vec()?;
-        let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        if !(200..300).contains(&status) {
-            bail!("{method} {path}: {status} {v}");
-        }
-        Ok(v)
-    }
-
-    /// Runs `/bin/true` in `id`; returns the process's own wall time as the sandbox measured
-    /// it (spawn to exit, microseconds; 0 when not reported).
-    fn exec_true(&self, id: &str) -> anyhow::Result<u64> {
-        let v = self.ok(
-            "POST",
-            &format!("/v1/sandboxes/{id}/exec"),
-            Some(&json!({"argv": ["/bin/true"]})),
-        )?;
-        if v["status"] != "ok" {
-            bail!("exec true in {id}: {v}");
-        }
-        Ok(v["wall_us"].as_u64().unwrap_or(0))
-    }
+    Ok(v["wall_us"].as_u64().unwrap_or(0))
 }
 
 /// The daemon, its client, and every sandbox created and not yet deleted.
@@ -357,7 +306,7 @@ fn cold_snapshot(
         "limits": {"memory_max": memory_mib << 20},
     }))?;
     let t = Instant::now();
-    b.c.exec_true(&id)?;
+    exec_true(&b.c, &id)?;
     let exec = us(t);
     b.delete(&id)?;
     let wall_ms = wall / 1000;
@@ -388,7 +337,7 @@ fn cold_snapshot(
 fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow::Result<Value> {
     let body = json!({"substrate": substrate});
     let (id, warm) = b.create(&body)?;
-    b.c.exec_true(&id)?;
+    exec_true(&b.c, &id)?;
     b.delete(&id)?;
     let (mut create, mut first_exec, mut first_wall, mut delete) = (vec![], vec![], vec![], vec![]);
     for _ in 0..n {
@@ -396,7 +345,7 @@ fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow
         let (id, took) = b.create(&body)?;
         create.push(took);
         let t = Instant::now();
-        first_wall.push(b.c.exec_true(&id)?);
+        first_wall.push(exec_true(&b.c, &id)?);
         first_exec.push(us(t));
         delete.push(b.delete(&id)?);
     }
@@ -427,7 +376,7 @@ fn pooled(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
             let (id, took) = b.create(&json!({"substrate": "microvm"}))?;
             acquire.push(took);
             let t = Instant::now();
-            first_wall.push(b.c.exec_true(&id)?);
+            first_wall.push(exec_true(&b.c, &id)?);
             first_exec.push(us(t));
             b.delete(&id)?;
         }
@@ -452,7 +401,7 @@ fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
     for s in subs {
         let (id, _) = b.create(&json!({"substrate": s}))?;
         for _ in 0..3 {
-            b.c.exec_true(&id)?;
+            exec_true(&b.c, &id)?;
         }
         ids.push(id);
     }
@@ -462,7 +411,7 @@ fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
     for _ in 0..n {
         for (i, id) in ids.iter().enumerate() {
             let t = Instant::now();
-            wall[i].push(b.c.exec_true(id)?);
+            wall[i].push(exec_true(&b.c, id)?);
             lat[i].push(us(t));
         }
         let t = Instant::now();
@@ -537,7 +486,7 @@ fn density(b: &mut Bench, k: usize, out: &mut Map<String, Value>) -> anyhow::Res
     let mut failed = 0;
     for id in &held {
         let t = Instant::now();
-        match b.c.exec_true(id) {
+        match exec_true(&b.c, id) {
             Ok(_) => exec.push(us(t)),
             Err(_) => failed += 1,
         }
@@ -720,7 +669,7 @@ fn measure(
         let dirs = ["snap", "initrd", "root"];
         let before: Vec<_> = dirs.iter().map(|d| entries(cache, d)).collect();
         let (id, took) = b.create(&json!({"substrate": s}))?;
-        b.c.exec_true(&id)?;
+        exec_true(&b.c, &id)?;
         b.delete(&id)?;
         let mut v = json!({"wall_ms": took / 1000});
         // What this create had to build first (the rest of the wall time is the boot).
@@ -766,7 +715,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     // start_daemon's layout: `<base>/r` is the run dir, VM sandboxes under `sandboxes/`.
     let base = format!("/tmp/dsec-bench-vm-{}", std::process::id());
     let mut b = Bench {
-        c: Client::new(&d),
+        c: Client::new(&d.url, &d.key, Duration::from_secs(180)),
         sandboxes_dir: Path::new(&base).join("r/sandboxes"),
         live: Vec::new(),
     };

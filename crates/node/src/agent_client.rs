@@ -132,31 +132,8 @@ impl AgentConn {
                     "no greeting from the agent after a reconnect".into(),
                 ));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(AgentError::Timeout(Duration::ZERO));
-            }
-            c.stream
-                .set_read_timeout(Some(deadline - now))
-                .map_err(AgentError::Disconnected)?;
-            match c.stream.read(&mut c.buf) {
-                Ok(0) => {
-                    return Err(AgentError::Disconnected(io::Error::from(
-                        io::ErrorKind::UnexpectedEof,
-                    )))
-                }
-                Ok(n) => pending.extend_from_slice(&c.buf[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Err(AgentError::Timeout(Duration::ZERO))
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(AgentError::Disconnected(e)),
-            }
+            let n = c.read_some(deadline)?;
+            pending.extend_from_slice(&c.buf[..n]);
         }
     }
 
@@ -166,31 +143,37 @@ impl AgentConn {
                 let (env, body) = raw.into_event().map_err(AgentError::Protocol)?;
                 return Ok((env.id, env.ev, body));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(AgentError::Timeout(deadline.saturating_duration_since(now)));
+            let n = self.read_some(deadline)?;
+            let Self { decoder, buf, .. } = self;
+            decoder.push(&buf[..n]);
+        }
+    }
+
+    /// Reads what the agent sent into `self.buf` (waiting until `deadline`); returns how many
+    /// bytes (0 after an interrupted read). End of stream is `Disconnected`.
+    fn read_some(&mut self, deadline: Instant) -> Result<usize, AgentError> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(AgentError::Timeout(Duration::ZERO));
+        }
+        self.stream
+            .set_read_timeout(Some(deadline - now))
+            .map_err(AgentError::Disconnected)?;
+        match self.stream.read(&mut self.buf) {
+            Ok(0) => Err(AgentError::Disconnected(io::Error::from(
+                io::ErrorKind::UnexpectedEof,
+            ))),
+            Ok(n) => Ok(n),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(AgentError::Timeout(Duration::ZERO))
             }
-            self.stream
-                .set_read_timeout(Some(deadline - now))
-                .map_err(AgentError::Disconnected)?;
-            match self.stream.read(&mut self.buf) {
-                Ok(0) => {
-                    return Err(AgentError::Disconnected(io::Error::from(
-                        io::ErrorKind::UnexpectedEof,
-                    )))
-                }
-                Ok(n) => self.decoder.push(&self.buf[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Err(AgentError::Timeout(Duration::ZERO))
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(AgentError::Disconnected(e)),
-            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+            Err(e) => Err(AgentError::Disconnected(e)),
         }
     }
 

@@ -1250,20 +1250,10 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
 }
 
 fn loopback_up(err: &OwnedFd) {
-    // SAFETY: socket with constant arguments.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    check(fd, err, "lo_socket");
-    // SAFETY: ifreq is plain data; zeroed is valid.
-    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    ifr.ifr_name[0] = b'l' as libc::c_char;
-    ifr.ifr_name[1] = b'o' as libc::c_char;
-    ifr.ifr_ifru.ifru_flags =
-        (libc::IFF_UP | libc::IFF_LOOPBACK | libc::IFF_RUNNING) as libc::c_short;
-    // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
-    let rc = unsafe { libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr) };
-    // SAFETY: closing our own socket.
-    unsafe { libc::close(fd) };
-    check(rc, err, "lo_up");
+    // No allocation on this path (a raw OS error), so it is fine between clone and exec.
+    if crate::guest::loopback_up().is_err() {
+        fail(err, "lo_up");
+    }
 }
 
 /// Clears every capability set of the calling process: locks securebits so that uid 0 gains
