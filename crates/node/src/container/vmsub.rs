@@ -29,12 +29,13 @@ const QEMU_PIDS: u64 = 256;
 /// Paths whose modification times name the host template's VM root image: package installs
 /// and removals touch them. Changes deeper down (a file edited in place) keep the old image
 /// until the VM cache is cleared.
+/// (`/etc` itself is left out: its modification time moves whenever any tool replaces a file
+/// there by rename.)
 const HOST_FINGERPRINT: &[&str] = &[
     "/var/lib/dpkg/status",
     "/usr/local/bin",
     "/usr/local/lib",
     "/opt",
-    "/etc",
 ];
 
 /// What a VM sandbox needs to be restored again (reset).
