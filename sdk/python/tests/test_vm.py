@@ -236,3 +236,33 @@ def test_warm_pool_of_vms(client: dsec.Client, substrate: str) -> None:
         client.set_pool(name, min=0, max=0)
     with pytest.raises(dsec.InvalidRequest):
         client.set_pool("host@function", min=0, max=1)
+
+
+@pytest.mark.parametrize("substrate", VMS)
+def test_qemu_is_confined(server, client: dsec.Client, substrate: str) -> None:
+    """QEMU is treated as hostile: unprivileged, chrooted, in the sandbox's cgroup with a
+    memory cap, holding nothing of the daemon."""
+    with dsec.Sandbox.create(client, substrate=substrate, limits={"memory_max": 256 << 20}) as sb:
+        pid = qemu_pid(server, sb.id)
+        status = Path(f"/proc/{pid}/status").read_text()
+        uids = next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1:]
+        assert all(u == "65534" for u in uids), f"QEMU runs as {uids}"
+        assert os.readlink(f"/proc/{pid}/root") == str(server.run_dir / "sandboxes" / sb.id / "jail")
+        assert "Seccomp:\t2" in status, "QEMU has no seccomp filter"
+        # in the sandbox's cgroup, memory capped at guest RAM + QEMU's overhead
+        groups = cgroup_dirs_named({sb.id})
+        assert groups
+        assert any(str(pid) in Path(g, "cgroup.procs").read_text().split() for g in groups)
+        for g in groups:
+            for f in ("memory.max", "memory.limit_in_bytes"):
+                p = Path(g, f)
+                if p.exists():
+                    assert int(p.read_text()) == (256 << 20) + (256 << 20)
+        # no descriptor of the daemon's state, listeners or other sandboxes
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            assert str(server.data_dir) not in target, target
+            assert not target.startswith(str(server.run_dir / "sandboxes")) or sb.id in target, target
