@@ -34,7 +34,11 @@ use crate::reaper::Reaper;
 pub const PORT_NAME: &str = "dsec.agent";
 /// Environment variable (from the kernel command line `dsec_vm=1`) that selects guest mode.
 pub const VM_ENV: &str = "dsec_vm";
-/// Environment variable with the initial writable-layer size in bytes.
+/// Label of the template's root image.
+const ROOT_LABEL: &str = "dsec-root";
+/// Label of the writable layer's disk.
+const UPPER_LABEL: &str = "dsec-upper";
+/// Environment variable with the initial writable-layer size in bytes (tmpfs fallback).
 const DISK_ENV: &str = "dsec_disk";
 /// How long boot waits for a device to appear.
 const DEVICE_WAIT: Duration = Duration::from_secs(20);
@@ -48,6 +52,8 @@ pub fn is_guest() -> bool {
 #[derive(Debug)]
 pub struct Guest {
     upper: File,
+    /// The writable layer is a disk of its own (its size is the disk quota), not a tmpfs.
+    upper_disk: bool,
 }
 
 impl Guest {
@@ -71,6 +77,10 @@ impl Guest {
         if !seed.is_empty() {
             let random = OpenOptions::new().write(true).open("/dev/urandom")?;
             guest::add_entropy(random.as_fd(), seed)?;
+        }
+        if self.upper_disk {
+            // The disk's size is the quota (the snapshot was made for it).
+            return Ok(());
         }
         // The writable layer is a tmpfs in guest RAM: at most half of it, so that filling the
         // disk ends in ENOSPC, not in a guest with no memory left.
@@ -108,6 +118,22 @@ impl Guest {
         }
         guest::remount_bind_read_only(Path::new("/"))
     }
+}
+
+/// The volume label of the ext4 filesystem on `dev` (`s_volume_name`, 16 bytes at offset 120
+/// of the superblock at 1024), if it has one.
+fn ext4_label(dev: &Path) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(dev).ok()?;
+    let mut sb = [0u8; 256];
+    f.read_exact_at(&mut sb, 1024).ok()?;
+    // s_magic at offset 56
+    if u16::from_le_bytes([sb[56], sb[57]]) != 0xEF53 {
+        return None;
+    }
+    let name = &sb[120..136];
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Some(String::from_utf8_lossy(&name[..end]).into_owned())
 }
 
 /// The guest kernel's count of OOM kills (`oom_kill` in `/proc/vmstat`).
@@ -153,6 +179,7 @@ pub fn run() -> anyhow::Result<()> {
         reaper,
         Some(Guest {
             upper: guest.upper.try_clone().context("clone upper fd")?,
+            upper_disk: guest.upper_disk,
         }),
     ));
     // One agent for the guest's life: when the host end goes away (the node restarted) the
@@ -209,19 +236,43 @@ fn boot() -> anyhow::Result<Guest> {
         "",
     )?;
     load_modules(Path::new("/modules"))?;
+    // Two disks: the template's root image and the writable layer's. Which one the kernel
+    // named vda depends on probe order: tell them apart by their ext4 labels.
     wait_for(Path::new("/dev/vda"))?;
-    mount("/dev/vda", "/lower", "ext4", MS_RDONLY, "")?;
-    let disk = std::env::var(DISK_ENV)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(1 << 30);
-    mount(
-        "tmpfs",
-        "/upper",
-        "tmpfs",
-        MS_NOSUID | MS_NODEV,
-        &format!("size={disk},mode=0755"),
-    )?;
+    let second = Path::new("/dev/vdb");
+    let t0 = Instant::now();
+    while !second.exists() && t0.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (root, upper_dev) = if ext4_label(second).as_deref() == Some(ROOT_LABEL) {
+        ("/dev/vdb", Some("/dev/vda"))
+    } else if second.exists() {
+        ("/dev/vda", Some("/dev/vdb"))
+    } else {
+        ("/dev/vda", None)
+    };
+    mount(root, "/lower", "ext4", MS_RDONLY, "")?;
+    let upper_disk = match upper_dev {
+        Some(dev) if ext4_label(Path::new(dev)).as_deref() == Some(UPPER_LABEL) => {
+            mount(dev, "/upper", "ext4", MS_NOSUID | MS_NODEV, "")?;
+            true
+        }
+        _ => {
+            // No disk for the writable layer: a tmpfs in guest RAM.
+            let disk = std::env::var(DISK_ENV)
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(1 << 30);
+            mount(
+                "tmpfs",
+                "/upper",
+                "tmpfs",
+                MS_NOSUID | MS_NODEV,
+                &format!("size={disk},mode=0755"),
+            )?;
+            false
+        }
+    };
     mkdirs("/upper/data")?;
     mkdirs("/upper/work")?;
     let upper = File::open("/upper").context("open /upper")?;
@@ -259,7 +310,7 @@ fn boot() -> anyhow::Result<Guest> {
     let _ = fs::set_permissions("/tmp", std::os::unix::fs::PermissionsExt::from_mode(0o1777));
     guest::set_hostname("sandbox").context("hostname")?;
     guest::loopback_up().context("lo up")?;
-    Ok(Guest { upper })
+    Ok(Guest { upper, upper_disk })
 }
 
 fn load_modules(dir: &Path) -> anyhow::Result<()> {

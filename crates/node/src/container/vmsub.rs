@@ -194,6 +194,8 @@ impl ContainerRuntime {
             template: spec.template.clone(),
             memory_mib: (spec.limits.memory_max >> 20).clamp(128, 64 << 10),
             vcpus,
+            disk_mib: spec.limits.disk_bytes.div_ceil(1 << 20).clamp(16, 1 << 20),
+            disk_inodes: spec.limits.disk_inodes.clamp(1024, 1 << 26),
         };
         let snap = rt.snapshot(&key, &root).map_err(vm_err("-"))?;
         Ok((rt, snap))

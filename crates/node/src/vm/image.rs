@@ -1322,6 +1322,33 @@ const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 /// Prefix of overlayfs's private xattrs, which never belong in an image.
 const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
 
+/// Makes the empty ext4 filesystem of a VM's writable layer at `out`: `bytes` large (sparse)
+/// with `inodes` inodes — the disk quota. Labelled `dsec-upper` (the guest tells its disks
+/// apart by label), no journal (the layer never outlives its VM), no reserved blocks.
+pub fn build_upper_image(out: &Path, bytes: u64, inodes: u64) -> Result<(), ImageError> {
+    let f = std::fs::File::create(out).map_err(|e| io_err("create", out, e))?;
+    f.set_len(bytes).map_err(|e| io_err("size", out, e))?;
+    drop(f);
+    run(Command::new("mke2fs")
+        .args([
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-O",
+            "^has_journal",
+            "-L",
+            "dsec-upper",
+            "-m",
+            "0",
+        ])
+        .args(["-E", "root_owner=0:0,lazy_itable_init=1,nodiscard"])
+        .arg("-N")
+        .arg(inodes.to_string())
+        .arg(out))?;
+    Ok(())
+}
+
 /// Builds a read-only-use ext4 image of `src` at `out`.
 ///
 /// The merged view is mounted read-only with overlayfs in a private mount namespace

@@ -127,6 +127,10 @@ pub struct SnapshotKey {
     pub memory_mib: u64,
     /// vCPUs.
     pub vcpus: u32,
+    /// Size of the writable layer's disk in MiB (the disk quota).
+    pub disk_mib: u64,
+    /// Inodes of the writable layer's filesystem.
+    pub disk_inodes: u64,
 }
 
 /// A template's VM snapshot on disk.
@@ -150,6 +154,12 @@ impl Snapshot {
 
     fn state(&self) -> PathBuf {
         self.dir.join("state")
+    }
+
+    /// The writable layer's disk as the template boot left it (clones write to a private,
+    /// already-unlinked copy-on-write overlay of it).
+    fn upper(&self) -> PathBuf {
+        self.dir.join("upper.img")
     }
 
     /// What it was made for.
@@ -379,11 +389,7 @@ impl VmRuntime {
         }
         let initrd = self.initrd(key.kind)?;
         let root_image = self.root_image(root)?;
-        let mut cmdline = format!(
-            "console=ttyS0 quiet panic=-1 dsec_vm=1 dsec_disk={} {}",
-            1u64 << 30,
-            tsc_params()
-        );
+        let mut cmdline = format!("console=ttyS0 quiet panic=-1 dsec_vm=1 {}", tsc_params());
         if key.kind == VmKind::Microvm {
             cmdline.push_str(" pci=off");
         }
@@ -412,6 +418,8 @@ impl VmRuntime {
             key.kind.name(),
             &key.memory_mib.to_string(),
             &key.vcpus.to_string(),
+            &key.disk_mib.to_string(),
+            &key.disk_inodes.to_string(),
             &cmdline,
         ]);
         let dir = self.cache.join("snap").join(&digest);
@@ -449,10 +457,16 @@ impl VmRuntime {
             root_image: snap.root_image.clone(),
             ram_file: snap.ram(),
             ram_shared: boot,
+            upper: snap.upper(),
             run_dir: run_dir.to_path_buf(),
             console_log: boot.then(|| run_dir.join("console.log")),
             incoming: !boot,
-            jail: jail_user().map(|u| (u, run_dir.join("jail"))),
+            // Clones only: a template boot runs nothing but the agent, and handing its block
+            // devices over at the end of the save reopens files by path (not in a chroot).
+            jail: (!boot)
+                .then(jail_user)
+                .flatten()
+                .map(|u| (u, run_dir.join("jail"))),
         }
     }
 
@@ -462,12 +476,17 @@ impl VmRuntime {
         }
         let log = fs::File::create(log).map_err(VmError::io("create the qemu log"))?;
         let err = log.try_clone().map_err(VmError::io("clone the qemu log"))?;
+        // A clone's writable disk is QEMU's own temporary overlay (`snapshot=on`), created and
+        // unlinked at start in TMPDIR: on disk, next to the cache, gone with the process.
+        let tmp = self.cache.join("tmp");
+        fs::create_dir_all(&tmp).map_err(VmError::io("create the overlay dir"))?;
         let child = Command::new(&self.qemu)
             .args(args.to_args())
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
             .env_clear()
+            .env("TMPDIR", &tmp)
             .process_group(0)
             .spawn()
             .map_err(VmError::io("start qemu"))?;
@@ -486,6 +505,8 @@ impl VmRuntime {
         fs::create_dir_all(&tmp).map_err(VmError::io("create the snapshot dir"))?;
         let mut args = self.args(snap, &tmp, true);
         args.ram_file = tmp.join("ram");
+        args.upper = tmp.join("upper.img");
+        image::build_upper_image(&args.upper, snap.key.disk_mib << 20, snap.key.disk_inodes)?;
         let t0 = Instant::now();
         let qemu = self.spawn(&args, &tmp.join("qemu.log"))?;
         let result = (|| -> Result<(), VmError> {

@@ -78,6 +78,9 @@ pub struct VmArgs {
     pub root_image: PathBuf,
     /// File backing guest RAM.
     pub ram_file: PathBuf,
+    /// The writable layer's disk: written through while booting a template, a private
+    /// copy-on-write overlay (`snapshot=on`) for clones.
+    pub upper: PathBuf,
     /// `true` while booting a template (guest RAM written through to `ram_file`); `false`
     /// for clones (a private copy-on-write mapping of it).
     pub ram_shared: bool,
@@ -155,6 +158,12 @@ impl VmArgs {
             self.root_image.display()
         );
         push(&["-drive", &drive, "-device", &format!("{blk},drive=root")]);
+        let upper = format!(
+            "id=upper,file={},format=raw,if=none,cache=unsafe,discard=unmap{}",
+            self.upper.display(),
+            if self.ram_shared { "" } else { ",snapshot=on" }
+        );
+        push(&["-drive", &upper, "-device", &format!("{blk},drive=upper")]);
         let agent = format!(
             "socket,id=agent,path={},server=on,wait=off",
             self.run_dir.join(AGENT_SOCK).display()
@@ -354,6 +363,7 @@ mod tests {
             root_image: "/r.img".into(),
             ram_file: "/ram".into(),
             ram_shared: !incoming,
+            upper: "/u.img".into(),
             run_dir: "/run/x".into(),
             console_log: None,
             incoming,
@@ -373,6 +383,7 @@ mod tests {
         assert!(a.contains("-nodefaults"));
         assert!(!a.contains("-netdev") && !a.contains("-nic"));
         assert!(a.contains("virtio-serial-device"));
+        assert!(a.contains("file=/u.img,format=raw,if=none,cache=unsafe,discard=unmap,snapshot=on"));
     }
 
     #[test]
@@ -381,5 +392,6 @@ mod tests {
         assert!(a.contains("share=on"));
         assert!(!a.contains("-incoming"));
         assert!(a.contains("virtio-blk-pci") && a.contains("q35"));
+        assert!(a.contains("file=/u.img") && !a.contains("snapshot=on"));
     }
 }
