@@ -412,6 +412,7 @@ impl VmRuntime {
             &image_id,
             &self.qemu_version,
             self.accel.name(),
+            self.accel.cpu(),
             &self.kernel.kernel.display().to_string(),
             &initrd.display().to_string(),
             &root_image.display().to_string(),

@@ -48,6 +48,17 @@ impl Accel {
         }
     }
 
+    /// The guest CPU model. Under TCG an x86-64-v2 CPU (SSE4.2, POPCNT: what common
+    /// distributions' binaries may assume) rather than `max`: `max` also emulates features
+    /// such as 5-level paging that make every guest page walk dearer — `/bin/true` forks and
+    /// execs ~1.8 ms (11%) faster in the guest with this model.
+    pub fn cpu(self) -> &'static str {
+        match self {
+            Accel::Kvm => "host",
+            Accel::Tcg => "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt",
+        }
+    }
+
     /// Name in reports.
     pub fn name(self) -> &'static str {
         match self {
@@ -112,14 +123,7 @@ impl VmArgs {
             Machine::Q35 => "q35,memory-backend=mem,vmport=off,smbus=off,sata=off",
         };
         push(&["-M", machine, "-accel", self.accel.arg()]);
-        push(&[
-            "-cpu",
-            if self.accel == Accel::Kvm {
-                "host"
-            } else {
-                "max"
-            },
-        ]);
+        push(&["-cpu", self.accel.cpu()]);
         let mem = format!("{}M", self.memory_mib);
         let smp = self.vcpus.to_string();
         push(&["-m", &mem, "-smp", &smp]);
