@@ -54,49 +54,40 @@ pub fn mount(source: &str, target: &Path, fstype: &str, flags: u64, data: &str) 
     })
 }
 
-/// Moves the mount at `from` to `to` (`MS_MOVE`).
-pub fn move_mount(from: &Path, to: &Path) -> io::Result<()> {
-    let (s, t) = (cpath(from)?, cpath(to)?);
-    // SAFETY: valid NUL-terminated paths; no fstype or data for MS_MOVE.
+/// `mount(2)` without a filesystem type or data: moves, binds and bind remounts.
+fn mount_flags(source: Option<&Path>, target: &Path, flags: libc::c_ulong) -> io::Result<()> {
+    let s = source.map(cpath).transpose()?;
+    let t = cpath(target)?;
+    // SAFETY: the paths are valid NUL-terminated strings (or null for no source) for the
+    // duration of the call; these operations take no fstype or data.
     ok(unsafe {
         libc::mount(
-            s.as_ptr(),
+            s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
             t.as_ptr(),
             std::ptr::null(),
-            libc::MS_MOVE,
+            flags,
             std::ptr::null(),
         )
     })
+}
+
+/// Moves the mount at `from` to `to` (`MS_MOVE`).
+pub fn move_mount(from: &Path, to: &Path) -> io::Result<()> {
+    mount_flags(Some(from), to, libc::MS_MOVE)
 }
 
 /// Bind-mounts `from` on `to`.
 pub fn bind_mount(from: &Path, to: &Path) -> io::Result<()> {
-    let (s, t) = (cpath(from)?, cpath(to)?);
-    // SAFETY: valid NUL-terminated paths; no fstype or data for MS_BIND.
-    ok(unsafe {
-        libc::mount(
-            s.as_ptr(),
-            t.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    })
+    mount_flags(Some(from), to, libc::MS_BIND)
 }
 
 /// Makes the mount at `target` read-only (this mount point only, not its filesystem).
 pub fn remount_bind_read_only(target: &Path) -> io::Result<()> {
-    let t = cpath(target)?;
-    // SAFETY: valid NUL-terminated path; no source, fstype or data for a bind remount.
-    ok(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            t.as_ptr(),
-            std::ptr::null(),
-            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY,
-            std::ptr::null(),
-        )
-    })
+    mount_flags(
+        None,
+        target,
+        libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY,
+    )
 }
 
 /// Makes `new_root` the root of the calling process: the initramfs (`rootfs`) cannot be
@@ -220,13 +211,4 @@ pub fn port_host_connected(port: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<
         return Err(e);
     }
     Ok(rc > 0 && p.revents & libc::POLLHUP == 0)
-}
-
-/// Powers the guest off (`reboot(RB_POWER_OFF)`); only returns on error.
-pub fn power_off() -> io::Error {
-    // SAFETY: no pointers; the call does not return on success.
-    unsafe { libc::sync() };
-    // SAFETY: as above.
-    unsafe { libc::reboot(libc::RB_POWER_OFF) };
-    io::Error::last_os_error()
 }

@@ -123,11 +123,9 @@ impl ContainerRuntime {
             .map(Arc::clone)
     }
 
-    /// Where a template's root filesystem comes from, for its VM root image, and its env.
-    fn template_root(
-        &self,
-        template: &str,
-    ) -> Result<(TemplateRoot, Vec<(String, String)>), RuntimeError> {
+    /// Where a template's root filesystem comes from, for its VM root image (walks the host
+    /// mask: called only when no snapshot of the template is loaded yet).
+    fn template_root(&self, template: &str) -> Result<TemplateRoot, RuntimeError> {
         if template == "host" {
             // The image must follow the host: name it by the mask (what is hidden: its id is
             // the digest of its description, the same for every node whose own directories are
@@ -145,13 +143,10 @@ impl ContainerRuntime {
                 .collect();
             let mask_id = mask_fingerprint(&self.host_mask_src);
             let mask = self.host_mask_src.display().to_string();
-            return Ok((
-                TemplateRoot::Host {
-                    lowerdir: format!("{mask}:/"),
-                    key: format!("{mask_id}\0{}", changed.join("\0")),
-                },
-                Vec::new(),
-            ));
+            return Ok(TemplateRoot::Host {
+                lowerdir: format!("{mask}:/"),
+                key: format!("{mask_id}\0{}", changed.join("\0")),
+            });
         }
         let t = self
             .templates
@@ -164,7 +159,20 @@ impl ContainerRuntime {
             .map(|d| d.display().to_string())
             .collect::<Vec<_>>()
             .join("\0");
-        Ok((TemplateRoot::Layers { dirs, key }, t.env.clone()))
+        Ok(TemplateRoot::Layers { dirs, key })
+    }
+
+    /// The base environment of VM sandbox `id` (defaults, the template's, the request's).
+    fn vm_env(&self, id: &str, spec: &SandboxSpec) -> Result<Vec<(String, String)>, RuntimeError> {
+        let template_env = if spec.template == "host" {
+            Vec::new()
+        } else {
+            self.templates
+                .get(&spec.template)
+                .map_err(RuntimeError::Template)?
+                .env
+        };
+        Ok(self.sandbox_env(id, template_env, spec))
     }
 
     /// The snapshot VM sandboxes of `spec` are restored from (made first if needed: a boot of
@@ -181,7 +189,6 @@ impl ContainerRuntime {
             }
         };
         let rt = self.vms()?;
-        let (root, _) = self.template_root(&spec.template)?;
         let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         let default_cpus = if kind == VmKind::Vm { 2 } else { 1 };
         let vcpus = spec
@@ -197,7 +204,13 @@ impl ContainerRuntime {
             disk_mib: spec.limits.disk_bytes.div_ceil(1 << 20).clamp(16, 1 << 20),
             disk_inodes: spec.limits.disk_inodes.clamp(1024, 1 << 26),
         };
-        let snap = rt.snapshot(&key, &root).map_err(vm_err("-"))?;
+        let snap = match rt.loaded(&key) {
+            Some(snap) => snap,
+            None => {
+                let root = self.template_root(&spec.template)?;
+                rt.snapshot(&key, &root).map_err(vm_err("-"))?
+            }
+        };
         Ok((rt, snap))
     }
 
@@ -209,8 +222,7 @@ impl ContainerRuntime {
     ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
         let (rt, snap) = self.vm_snapshot(spec)?;
-        let (_, template_env) = self.template_root(&spec.template)?;
-        let env = self.sandbox_env(id, template_env, spec);
+        let env = self.vm_env(id, spec)?;
         let limits = CgroupLimits {
             cpu_weight: Some(spec.limits.cpu_weight),
             cpu_max: spec
@@ -241,26 +253,13 @@ impl ContainerRuntime {
             }
         };
         let launch_us = t0.elapsed().as_micros() as u64;
-        let sandbox = Sandbox {
-            id: id.to_owned(),
-            spec: spec.clone(),
-            state: State::Ready,
-            agent,
-            control: None,
-            init_pid: sup.pid(),
-            sup,
-            vm: Some(VmBinding {
-                rt: Arc::clone(&rt),
-                snap,
-                cgroup,
-                env,
-            }),
-            run_dir: rt.run_dir(id),
-            oom_kills: 0,
-            uses: 0,
-            busy: Duration::ZERO,
-            acquired_at: None,
+        let binding = VmBinding {
+            rt,
+            snap,
+            cgroup,
+            env,
         };
+        let sandbox = binding.sandbox(id, spec.clone(), State::Ready, sup, agent);
         Ok((
             sandbox,
             Phases {
@@ -312,28 +311,43 @@ impl ContainerRuntime {
                     source,
                 }
             })?;
-        let (_, template_env) = self.template_root(&spec.template)?;
-        let env = self.sandbox_env(id, template_env, &spec);
-        Ok(Sandbox {
+        let env = self.vm_env(id, &spec)?;
+        let binding = VmBinding {
+            rt,
+            snap,
+            cgroup,
+            env,
+        };
+        Ok(binding.sandbox(id, spec, state, sup, agent))
+    }
+}
+
+impl VmBinding {
+    /// The [`Sandbox`] of VM `id`, in `state` (`Running` counts as acquired now).
+    fn sandbox(
+        self,
+        id: &str,
+        spec: SandboxSpec,
+        state: State,
+        sup: PidFd,
+        agent: AgentConn,
+    ) -> Sandbox {
+        let acquired = state == State::Running;
+        Sandbox {
             id: id.to_owned(),
             spec,
             state,
             agent,
             control: None,
-            init_pid: pid,
+            init_pid: sup.pid(),
             sup,
-            vm: Some(VmBinding {
-                rt: Arc::clone(&rt),
-                snap,
-                cgroup,
-                env,
-            }),
-            run_dir,
+            run_dir: self.rt.run_dir(id),
+            vm: Some(self),
             oom_kills: 0,
-            uses: u32::from(state == State::Running),
+            uses: u32::from(acquired),
             busy: Duration::ZERO,
-            acquired_at: (state == State::Running).then(Instant::now),
-        })
+            acquired_at: acquired.then(Instant::now),
+        }
     }
 }
 
@@ -346,7 +360,7 @@ fn start_vm(
     spec: &SandboxSpec,
     env: &[(String, String)],
 ) -> Result<(PidFd, AgentConn), RuntimeError> {
-    let (proc, mut agent) = rt
+    let (qemu, mut agent) = rt
         .restore(id, snap, |pid| {
             cgroup
                 .attach(pid)
@@ -366,10 +380,10 @@ fn start_vm(
         Ok(())
     })();
     if let Err(e) = ready {
-        proc.kill();
+        vm::kill(&qemu);
         return Err(vm_err(id)(e));
     }
-    Ok((proc.into_pidfd(), agent))
+    Ok((qemu, agent))
 }
 
 impl Sandbox {

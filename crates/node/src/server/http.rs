@@ -1823,39 +1823,48 @@ async fn set_pool(
     get_pool(AxState(app), Path(template)).await
 }
 
-async fn events(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
-) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let rx = app.events.subscribe();
-    let stream = futures_util::stream::unfold((rx, t, app), |(mut rx, t, app)| async move {
+/// An SSE stream of the broadcast items `pick` selects (event name and data); a lagging
+/// subscriber gets a `lagged` event with the number it missed. It ends when the node drains,
+/// so that shutdown does not wait for it.
+fn broadcast_sse<T: Clone + Send + 'static>(
+    app: AppState,
+    rx: tokio::sync::broadcast::Receiver<T>,
+    pick: impl Fn(&T) -> Option<(&'static str, String)> + Send + 'static,
+) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
+    futures_util::stream::unfold((rx, pick, app), |(mut rx, pick, app)| async move {
         loop {
-            // The stream ends when the node drains, so that shutdown does not wait for it.
             if app.draining.load(Ordering::Relaxed) {
                 return None;
             }
             let Ok(next) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await else {
                 continue;
             };
-            match next {
-                Ok(ev) if t.admin || ev.tenant.as_deref() == Some(&t.id) => {
-                    let data = serde_json::to_string(&ev).unwrap_or_default();
-                    return Some((
-                        Ok(SseEvent::default().event("lifecycle").data(data)),
-                        (rx, t, app),
-                    ));
-                }
-                Ok(_) => continue,
+            let (event, data) = match next {
+                Ok(item) => match pick(&item) {
+                    Some(picked) => picked,
+                    None => continue,
+                },
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                    let data = json!({"lagged": n}).to_string();
-                    return Some((
-                        Ok(SseEvent::default().event("lagged").data(data)),
-                        (rx, t, app),
-                    ));
+                    ("lagged", json!({"lagged": n}).to_string())
                 }
                 Err(_) => return None,
-            }
+            };
+            return Some((
+                Ok(SseEvent::default().event(event).data(data)),
+                (rx, pick, app),
+            ));
         }
+    })
+}
+
+async fn events(
+    AxState(app): AxState<AppState>,
+    Extension(t): Extension<Tenant>,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let rx = app.events.subscribe();
+    let stream = broadcast_sse(app, rx, move |ev: &super::app::LifecycleEvent| {
+        (t.admin || ev.tenant.as_deref() == Some(&t.id))
+            .then(|| ("lifecycle", serde_json::to_string(ev).unwrap_or_default()))
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
 }
@@ -1949,33 +1958,8 @@ async fn trajectory_stream(
     super::trajectory::check_id(&tid)?;
     let key = format!("{}/{}", t.id, tid);
     let rx = app.trajectories.log().subscribe();
-    let stream = futures_util::stream::unfold((rx, key, app), |(mut rx, key, app)| async move {
-        loop {
-            if app.draining.load(Ordering::Relaxed) {
-                return None;
-            }
-            let Ok(next) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await else {
-                continue;
-            };
-            match next {
-                Ok(e) if e.trajectory == key => {
-                    let data = super::trajectory::entry_view(&e).to_string();
-                    return Some((
-                        Ok(SseEvent::default().event("record").data(data)),
-                        (rx, key, app),
-                    ));
-                }
-                Ok(_) => continue,
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                    let data = json!({"lagged": n}).to_string();
-                    return Some((
-                        Ok(SseEvent::default().event("lagged").data(data)),
-                        (rx, key, app),
-                    ));
-                }
-                Err(_) => return None,
-            }
-        }
+    let stream = broadcast_sse(app, rx, move |e: &Arc<crate::trajlog::Entry>| {
+        (e.trajectory == key).then(|| ("record", super::trajectory::entry_view(e).to_string()))
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }

@@ -204,7 +204,13 @@ pub struct VmRuntime {
 /// Detects the accelerator: `DSEC_VM_ACCEL` when set; otherwise KVM only when `/dev/kvm`
 /// opens and the CPU advertises hardware virtualisation (a PVM-backed `/dev/kvm`, as on the
 /// development machines, cannot boot an ordinary guest kernel), else TCG.
+/// Detected once per process (`/readyz` asks on every probe).
 pub fn detect_accel() -> Accel {
+    static ACCEL: std::sync::OnceLock<Accel> = std::sync::OnceLock::new();
+    *ACCEL.get_or_init(probe_accel)
+}
+
+fn probe_accel() -> Accel {
     match std::env::var(ACCEL_ENV).as_deref() {
         Ok("kvm") => return Accel::Kvm,
         Ok("tcg") => return Accel::Tcg,
@@ -304,17 +310,6 @@ impl VmRuntime {
         self.run_base.join(id)
     }
 
-    /// Ids with a run directory (live or leftover VMs).
-    pub fn run_dirs(&self) -> Vec<String> {
-        fs::read_dir(&self.run_base)
-            .map(|d| {
-                d.flatten()
-                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
     fn initrd(&self, kind: VmKind) -> Result<PathBuf, VmError> {
         let agent_digest = file_digest(&self.agent)?;
         let modules = match kind {
@@ -369,6 +364,17 @@ impl VmRuntime {
         Ok(out)
     }
 
+    /// The snapshot for `key` if this process has it loaded already (the hot path of every
+    /// create: no file system walk).
+    pub fn loaded(&self, key: &SnapshotKey) -> Option<Arc<Snapshot>> {
+        let s = Arc::clone(lock(&self.snapshots).get(key)?);
+        // In use: keep it (and what it needs) out of reach of the cache GC.
+        for p in [&s.dir, &s.root_image, &s.initrd] {
+            touch(p);
+        }
+        Some(s)
+    }
+
     /// The snapshot for `key`, booting and saving it first if there is none yet (seconds under
     /// TCG; once per key and host).
     pub fn snapshot(
@@ -376,12 +382,8 @@ impl VmRuntime {
         key: &SnapshotKey,
         root: &TemplateRoot,
     ) -> Result<Arc<Snapshot>, VmError> {
-        if let Some(s) = lock(&self.snapshots).get(key) {
-            // In use: keep it (and what it needs) out of reach of the cache GC.
-            for p in [&s.dir, &s.root_image, &s.initrd] {
-                touch(p);
-            }
-            return Ok(Arc::clone(s));
+        if let Some(s) = self.loaded(key) {
+            return Ok(s);
         }
         let _building = lock(&self.build);
         if let Some(s) = lock(&self.snapshots).get(key) {
@@ -564,23 +566,17 @@ impl VmRuntime {
         id: &str,
         snap: &Arc<Snapshot>,
         attach: impl FnOnce(i32) -> Result<(), VmError>,
-    ) -> Result<(VmProc, AgentConn), VmError> {
+    ) -> Result<(PidFd, AgentConn), VmError> {
         let run_dir = self.run_dir(id);
         let _ = fs::remove_dir_all(&run_dir);
         fs::create_dir_all(&run_dir).map_err(VmError::io("create the VM run dir"))?;
-        let t0 = Instant::now();
+        let deadline = Instant::now() + RESTORE_TIMEOUT;
         let args = self.args(snap, &run_dir, false);
-        let pid = self.spawn(&args, &run_dir.join("qemu.log"))?;
-        fs::write(run_dir.join("qemu.pid"), pid.pid().to_string())
+        let qemu = self.spawn(&args, &run_dir.join("qemu.log"))?;
+        fs::write(run_dir.join("qemu.pid"), qemu.pid().to_string())
             .map_err(VmError::io("record the qemu pid"))?;
-        let vm = VmProc {
-            pid,
-            run_dir: run_dir.clone(),
-            spawned_us: 0,
-        };
-        let deadline = t0 + RESTORE_TIMEOUT;
         let restored = (|| -> Result<AgentConn, VmError> {
-            attach(vm.pid())?;
+            attach(qemu.pid())?;
             let mut qmp = Qmp::connect(&run_dir.join(QMP_SOCK), deadline)?;
             // Connect the agent's port before the device state loads: the guest then finds the
             // host end connected, as it was when the snapshot was taken, and its agent goes on
@@ -596,16 +592,10 @@ impl VmRuntime {
             Ok(AgentConn::adopted(sock.into()))
         })();
         match restored {
-            Ok(agent) => Ok((
-                VmProc {
-                    spawned_us: t0.elapsed().as_micros() as u64,
-                    ..vm
-                },
-                agent,
-            )),
+            Ok(agent) => Ok((qemu, agent)),
             Err(e) => {
                 let qlog = fs::read_to_string(run_dir.join("qemu.log")).unwrap_or_default();
-                vm.kill();
+                kill(&qemu);
                 let _ = fs::remove_dir_all(&run_dir);
                 Err(match e {
                     VmError::Qmp(m) => VmError::Qmp(format!("{m}; qemu: {}", tail(&qlog, 800))),
@@ -613,29 +603,6 @@ impl VmRuntime {
                 })
             }
         }
-    }
-
-    /// Kills the QEMU of a VM this process has no handle for (a leftover of an earlier node
-    /// process) — only if its command line names that VM's run directory — and removes the
-    /// run directory.
-    pub fn cleanup_leftover(&self, id: &str) -> bool {
-        let run_dir = self.run_dir(id);
-        if let Some(pid) = fs::read_to_string(run_dir.join("qemu.pid"))
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok())
-        {
-            let ours = fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).contains(&*run_dir.to_string_lossy()))
-                .unwrap_or(false);
-            if ours {
-                if let Ok(fd) = PidFd::open(pid) {
-                    let _ = fd.signal(9);
-                    let _ = fd.wait_exit(Duration::from_secs(5));
-                }
-            }
-        }
-        let _ = fs::remove_dir_all(&run_dir);
-        !run_dir.exists()
     }
 }
 
@@ -666,41 +633,10 @@ pub fn identify(
     Ok(())
 }
 
-/// One running QEMU process.
-#[derive(Debug)]
-pub struct VmProc {
-    pid: PidFd,
-    run_dir: PathBuf,
-    /// Microseconds from spawning QEMU to the guest running again.
-    pub spawned_us: u64,
-}
-
-impl VmProc {
-    /// Host pid of QEMU.
-    pub fn pid(&self) -> i32 {
-        self.pid.pid()
-    }
-
-    /// Whether QEMU still runs.
-    pub fn is_alive(&self) -> bool {
-        self.pid.is_alive()
-    }
-
-    /// Kills QEMU and waits for it.
-    pub fn kill(&self) {
-        let _ = self.pid.signal(9);
-        let _ = self.pid.wait_exit(Duration::from_secs(5));
-    }
-
-    /// The run directory.
-    pub fn run_dir(&self) -> &Path {
-        &self.run_dir
-    }
-
-    /// The pidfd of QEMU.
-    pub fn into_pidfd(self) -> PidFd {
-        self.pid
-    }
+/// Kills a QEMU process and waits for it.
+pub fn kill(qemu: &PidFd) {
+    let _ = qemu.signal(9);
+    let _ = qemu.wait_exit(Duration::from_secs(5));
 }
 
 /// The unprivileged user QEMU runs as once started: `nobody`, when the host has it.
