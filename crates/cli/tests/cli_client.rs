@@ -4,11 +4,13 @@
 //! Needs root (namespaces, cgroups, mounts); CI runs as root.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
+
+mod common;
 
 struct Daemon {
     child: Child,
@@ -16,14 +18,6 @@ struct Daemon {
     key: String,
     data: PathBuf,
     run: PathBuf,
-}
-
-/// A fresh pair of short state dirs (unix socket paths are length-limited).
-fn dirs(tag: &str) -> (PathBuf, PathBuf) {
-    let base = PathBuf::from(format!("/tmp/dcl-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).expect("create test dir");
-    (base.join("d"), base.join("r"))
 }
 
 /// What one `dsec` invocation did.
@@ -86,42 +80,12 @@ fn dsec_at(url: &str, key: Option<&str>, args: &[&str], stdin: &[u8]) -> Out {
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
-        cmd.arg("--data-dir")
-            .arg(data)
-            .arg("--run-dir")
-            .arg(run)
-            .args([
-                "server",
-                "--listen",
-                "127.0.0.1:0",
-                "--drain-seconds",
-                "10",
-                "--pool-max",
-                "0",
-            ])
-            .env("DSEC_SPAWNER_SHELLS", "2")
-            .stdout(Stdio::piped())
-            .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            });
-        let mut child = cmd.spawn().expect("spawn dsec server");
-        let out = child.stdout.take().expect("stdout");
-        let mut url = None;
-        for line in BufReader::new(out).lines() {
-            let line = line.expect("read stdout");
-            if let Some(u) = line.strip_prefix("dsec server listening on ") {
-                url = Some(u.to_owned());
-                break;
-            }
-        }
-        let url = url.expect("the server printed its address");
-        let key = std::fs::read_to_string(data.join("admin.key"))
-            .expect("admin.key")
-            .trim()
-            .to_owned();
+        let common::Started { child, url, key } = common::start_server(
+            data,
+            run,
+            &[],
+            &["--drain-seconds", "10", "--pool-max", "0"],
+        );
         Self {
             child,
             url,
@@ -213,7 +177,7 @@ impl Drop for Daemon {
 
 #[test]
 fn sandbox_lifecycle_output_and_exit_codes() {
-    let (data, run) = dirs("life");
+    let (data, run) = common::dirs("dcl", "life");
     let d = Daemon::start(&data, &run);
 
     let id = d
@@ -434,7 +398,7 @@ fn sandbox_lifecycle_output_and_exit_codes() {
 
 #[test]
 fn failures_name_their_fix_and_exit_with_documented_codes() {
-    let (data, run) = dirs("err");
+    let (data, run) = common::dirs("dcl", "err");
     let d = Daemon::start(&data, &run);
 
     let bad = dsec_at(&d.url, Some("not-a-key"), &["sandbox", "list"], b"");

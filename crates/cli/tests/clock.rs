@@ -3,11 +3,12 @@
 //! in its own test binary (cargo runs test binaries one at a time) and restores the clock from
 //! the monotonic time it measured. Needs root; CI runs as root.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
+
+mod common;
 
 fn set_wall_clock(t: SystemTime) {
     let d = t.duration_since(UNIX_EPOCH).expect("after the epoch");
@@ -34,32 +35,13 @@ impl Drop for Restore {
 
 #[test]
 fn f09_wall_clock_jumps_do_not_move_ttl_or_lease_expiry() {
-    let base = std::path::PathBuf::from(format!("/tmp/dclk-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).expect("dir");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
-        .arg("--data-dir")
-        .arg(base.join("d"))
-        .arg("--run-dir")
-        .arg(base.join("r"))
-        .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
-        .env("DSEC_SPAWNER_SHELLS", "2")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dsec server");
-    let url = BufReader::new(child.stdout.take().expect("stdout"))
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| {
-            l.strip_prefix("dsec server listening on ")
-                .map(str::to_owned)
-        })
-        .expect("address");
-    let key = std::fs::read_to_string(base.join("d/admin.key"))
-        .expect("key")
-        .trim()
-        .to_owned();
+    let (data, run) = common::dirs("dclk", "f09");
+    let common::Started {
+        mut child,
+        url,
+        key,
+    } = common::start_server(&data, &run, &[], &["--pool-max", "0"]);
+    let base = data.parent().expect("base dir").to_owned();
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .build()

@@ -4,12 +4,13 @@
 //!
 //! Needs root (namespaces, cgroups, mounts); CI runs as root.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+
+mod common;
 
 struct Daemon {
     child: Child,
@@ -21,43 +22,15 @@ struct Daemon {
 
 impl Daemon {
     fn start(tag: &str, args: &[&str]) -> Self {
-        let base = PathBuf::from(format!("/tmp/dsr-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
-        std::fs::create_dir_all(&base).expect("create test dir");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
-            .arg("--data-dir")
-            .arg(base.join("d"))
-            .arg("--run-dir")
-            .arg(base.join("r"))
-            .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
-            .args(args)
-            .env("DSEC_SPAWNER_SHELLS", "2")
-            .stdout(Stdio::piped())
-            .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
-            .spawn()
-            .expect("spawn dsec server");
-        let out = child.stdout.take().expect("stdout");
-        let mut url = None;
-        for line in BufReader::new(out).lines() {
-            let line = line.expect("read stdout");
-            if let Some(u) = line.strip_prefix("dsec server listening on ") {
-                url = Some(u.to_owned());
-                break;
-            }
-        }
-        let key = std::fs::read_to_string(base.join("d/admin.key"))
-            .expect("admin.key")
-            .trim()
-            .to_owned();
+        let (data, run) = common::dirs("dsr", tag);
+        let mut all = vec!["--pool-max", "0"];
+        all.extend_from_slice(args);
+        let common::Started { child, url, key } = common::start_server(&data, &run, &[], &all);
         Self {
             child,
-            url: url.expect("the server printed its address"),
+            url,
             key,
-            base,
+            base: data.parent().expect("base dir").to_owned(),
             agent: ureq::Agent::config_builder()
                 .http_status_as_error(false)
                 .timeout_global(Some(Duration::from_secs(120)))

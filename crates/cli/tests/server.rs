@@ -7,10 +7,12 @@
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+mod common;
 
 struct Daemon {
     child: Child,
@@ -29,52 +31,15 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
-/// A fresh pair of short state dirs (unix socket paths are length-limited).
-fn dirs(tag: &str) -> (PathBuf, PathBuf) {
-    let base = PathBuf::from(format!("/tmp/dst-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).expect("create test dir");
-    (base.join("d"), base.join("r"))
-}
-
 impl Daemon {
     fn start(data: &Path, run: &Path, env: &[(&str, &str)]) -> Self {
         Self::start_with(data, run, env, &["--pool-max", "0"])
     }
 
     fn start_with(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]) -> Self {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
-        cmd.arg("--data-dir")
-            .arg(data)
-            .arg("--run-dir")
-            .arg(run)
-            .args(["server", "--listen", "127.0.0.1:0", "--drain-seconds", "10"])
-            .args(args)
-            .env("DSEC_SPAWNER_SHELLS", "2")
-            .stdout(Stdio::piped())
-            .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            });
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn dsec server");
-        let out = child.stdout.take().expect("stdout");
-        let mut url = None;
-        for line in BufReader::new(out).lines() {
-            let line = line.expect("read stdout");
-            if let Some(u) = line.strip_prefix("dsec server listening on ") {
-                url = Some(u.to_owned());
-                break;
-            }
-        }
-        let url = url.expect("the server printed its address");
-        let key = std::fs::read_to_string(data.join("admin.key"))
-            .expect("admin.key")
-            .trim()
-            .to_owned();
+        let mut all = vec!["--drain-seconds", "10"];
+        all.extend_from_slice(args);
+        let common::Started { child, url, key } = common::start_server(data, run, env, &all);
         Self {
             child,
             url,
@@ -277,7 +242,7 @@ fn f01_kill9_at_each_create_step_then_retry_with_the_same_key() {
         "create:after_ready",
         "create:before_answer",
     ] {
-        let (data, run) = dirs("f01");
+        let (data, run) = common::dirs("dst", "f01");
         let mut d = Daemon::start(&data, &run, &[("DSEC_FAILPOINT", point)]);
         let key = format!("f01-{point}");
         let (s, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), Some(&key));
@@ -312,7 +277,7 @@ fn f01_kill9_at_each_create_step_then_retry_with_the_same_key() {
 
 #[test]
 fn f02_kill9_six_times_with_50_sandboxes() {
-    let (data, run) = dirs("f02");
+    let (data, run) = common::dirs("dst", "f02");
     let mut d = Daemon::start(&data, &run, &[]);
     let (s, v) = d.req(
         "POST",
@@ -361,7 +326,7 @@ fn f02_kill9_six_times_with_50_sandboxes() {
 
 #[test]
 fn f03_killed_supervisor_is_reaped_and_recorded() {
-    let (data, run) = dirs("f03");
+    let (data, run) = common::dirs("dst", "f03");
     let d = Daemon::start(&data, &run, &[]);
     let id = d.create(None)["id"].as_str().expect("id").to_owned();
     let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None, None);
@@ -393,7 +358,7 @@ fn f03_killed_supervisor_is_reaped_and_recorded() {
 
 #[test]
 fn f04_sigterm_drains() {
-    let (data, run) = dirs("f04");
+    let (data, run) = common::dirs("dst", "f04");
     let mut d = Daemon::start(&data, &run, &[]);
     let id = d.create(None)["id"].as_str().expect("id").to_owned();
     let url = format!("{}/v1/sandboxes/{id}/exec", d.url);
@@ -440,7 +405,7 @@ fn f04_sigterm_drains() {
 
 #[test]
 fn f05_full_state_disk_is_resource_exhausted() {
-    let (data, run) = dirs("f05");
+    let (data, run) = common::dirs("dst", "f05");
     std::fs::create_dir_all(&data).expect("data dir");
     let st = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=8m", "dsec-f05"])
@@ -487,7 +452,7 @@ fn f05_full_state_disk_is_resource_exhausted() {
 
 #[test]
 fn f13_retry_storm_with_one_key_has_one_effect() {
-    let (data, run) = dirs("f13");
+    let (data, run) = common::dirs("dst", "f13");
     let d = Daemon::start(&data, &run, &[]);
     let ids: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..16)
@@ -516,7 +481,7 @@ fn f13_retry_storm_with_one_key_has_one_effect() {
 
 #[test]
 fn f15_destroy_during_create_wins() {
-    let (data, run) = dirs("f15");
+    let (data, run) = common::dirs("dst", "f15");
     let d = Daemon::start(
         &data,
         &run,
@@ -552,7 +517,7 @@ fn f15_destroy_during_create_wins() {
 
 #[test]
 fn ttl_and_lease_expire_on_the_node() {
-    let (data, run) = dirs("ttl");
+    let (data, run) = common::dirs("dst", "ttl");
     let d = Daemon::start(&data, &run, &[]);
     let a = d
         .req("POST", "/v1/sandboxes", Some(json!({"ttl_ms": 1500})), None)
@@ -602,7 +567,7 @@ fn ttl_and_lease_expire_on_the_node() {
 
 #[test]
 fn tenants_are_isolated_and_quotas_hold() {
-    let (data, run) = dirs("ten");
+    let (data, run) = common::dirs("dst", "ten");
     let d = Daemon::start(&data, &run, &[]);
     let (s, t) = d.req(
         "POST",
@@ -692,7 +657,7 @@ fn tenants_are_isolated_and_quotas_hold() {
 
 #[test]
 fn bad_requests_get_typed_errors() {
-    let (data, run) = dirs("bad");
+    let (data, run) = common::dirs("dst", "bad");
     let d = Daemon::start(&data, &run, &[]);
     type Case<'a> = (&'a str, &'a str, Option<Vec<u8>>, u16, &'a str);
     let cases: Vec<Case> = vec![
@@ -820,7 +785,7 @@ fn bad_requests_get_typed_errors() {
 
 #[test]
 fn pool_serves_creates_refills_and_survives_a_restart() {
-    let (data, run) = dirs("pool");
+    let (data, run) = common::dirs("dst", "pool");
     let args = ["--pool-min", "2", "--pool-max", "8"];
     let mut d = Daemon::start_with(&data, &run, &[], &args);
     let pool = |d: &Daemon| d.req("GET", "/v1/pools/host", None, None).1;
@@ -877,7 +842,7 @@ fn pool_serves_creates_refills_and_survives_a_restart() {
 /// not `not_found` or 405), and it is a valid OpenAPI 3.1 skeleton.
 #[test]
 fn openapi_document_matches_the_router() {
-    let (data, run) = dirs("oapi");
+    let (data, run) = common::dirs("dst", "oapi");
     let d = Daemon::start(&data, &run, &[]);
     let (s, doc) = d.req("GET", "/openapi.json", None, None);
     assert_eq!(s, 200);
@@ -928,7 +893,7 @@ fn openapi_document_matches_the_router() {
 /// delete it while in use, delete it after.
 #[test]
 fn templates_import_use_and_delete() {
-    let (data, run) = dirs("tpl");
+    let (data, run) = common::dirs("dst", "tpl");
     let d = Daemon::start(&data, &run, &[]);
     let src = data.parent().expect("base").join("rootfs");
     std::fs::create_dir_all(src.join("etc")).expect("rootfs");
@@ -1001,7 +966,7 @@ fn templates_import_use_and_delete() {
 /// mount table and the sandbox cgroups where they were.
 #[test]
 fn leak_counters_return_to_baseline() {
-    let (data, run) = dirs("leak");
+    let (data, run) = common::dirs("dst", "leak");
     let d = Daemon::start(&data, &run, &[]);
     let fds = || {
         std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
@@ -1069,7 +1034,7 @@ fn leak_counters_return_to_baseline() {
 /// The lifecycle event stream and long-polls on the version counter.
 #[test]
 fn events_stream_and_long_poll() {
-    let (data, run) = dirs("evt");
+    let (data, run) = common::dirs("dst", "evt");
     let d = Daemon::start(&data, &run, &[]);
     let url = format!("{}/v1/events", d.url);
     let key = d.key.clone();
@@ -1141,7 +1106,7 @@ fn events_stream_and_long_poll() {
 /// the node-wide limit answers `resource_exhausted`.
 #[test]
 fn orphans_are_reaped_and_the_node_limit_holds() {
-    let (data, run) = dirs("orph");
+    let (data, run) = common::dirs("dst", "orph");
     let mut d = Daemon::start_with(
         &data,
         &run,
@@ -1189,7 +1154,7 @@ fn orphans_are_reaped_and_the_node_limit_holds() {
 /// record with the reason, and leaves nothing behind.
 #[test]
 fn f14_whole_host_crash_closes_stale_records() {
-    let (data, run) = dirs("f14");
+    let (data, run) = common::dirs("dst", "f14");
     let mut d = Daemon::start(&data, &run, &[]);
     let mut ids = Vec::new();
     for _ in 0..3 {

@@ -3,12 +3,13 @@
 //! reported as `unknown_outcome`. Needs root; CI runs as root.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+
+mod common;
 
 struct Daemon {
     child: Child,
@@ -25,44 +26,15 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
-fn dirs(tag: &str) -> (PathBuf, PathBuf) {
-    let base = PathBuf::from(format!("/tmp/dtr-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    std::fs::create_dir_all(&base).expect("test dir");
-    (base.join("d"), base.join("r"))
-}
-
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {
         Self::start_with(data, run, &[])
     }
 
     fn start_with(data: &Path, run: &Path, args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
-            .arg("--data-dir")
-            .arg(data)
-            .arg("--run-dir")
-            .arg(run)
-            .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
-            .args(args)
-            .env("DSEC_SPAWNER_SHELLS", "2")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn dsec server");
-        let out = child.stdout.take().expect("stdout");
-        let url = BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| {
-                l.strip_prefix("dsec server listening on ")
-                    .map(str::to_owned)
-            })
-            .expect("the server printed its address");
-        let key = std::fs::read_to_string(data.join("admin.key"))
-            .expect("admin.key")
-            .trim()
-            .to_owned();
+        let mut all = vec!["--pool-max", "0"];
+        all.extend_from_slice(args);
+        let common::Started { child, url, key } = common::start_server(data, run, &[], &all);
         Self {
             child,
             url,
@@ -184,7 +156,7 @@ fn step_body(step: u64, marker: &str) -> Value {
 
 #[test]
 fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
-    let (data, run) = dirs("l04");
+    let (data, run) = common::dirs("dtr", "l04");
     let mut d = Daemon::start(&data, &run);
     let id = create(&d);
     let mut first = Vec::new();
@@ -262,7 +234,7 @@ fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
 
 #[test]
 fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
-    let (data, run) = dirs("l03");
+    let (data, run) = common::dirs("dtr", "l03");
     let mut d = Daemon::start(&data, &run);
     let id = create(&d);
     let total: u64 = 40;
@@ -407,7 +379,7 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
 /// A finished trajectory is compacted out of the log; the others stay, and replay still works.
 #[test]
 fn finished_trajectories_are_compacted_and_the_rest_replays() {
-    let (data, run) = dirs("cmp");
+    let (data, run) = common::dirs("dtr", "cmp");
     let args = [
         "--log-segment-bytes",
         "4096",
