@@ -14,11 +14,14 @@ command -v gcc >/dev/null || need+=(gcc)
 command -v tar >/dev/null || need+=(tar)
 [ -x /usr/bin/python3 ] || need+=(python3)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
-# VM substrates: QEMU (TCG where /dev/kvm cannot run a guest), mke2fs for root images,
-# unshare/mount for building them in a private mount namespace.
+# VM substrates: QEMU (TCG where /dev/kvm cannot run a guest), mke2fs/debugfs for root
+# images, unshare/mount for building them in a private mount namespace, lz4 to cross-check
+# the kernel decompressor.
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v mke2fs >/dev/null || need+=(e2fsprogs)
 command -v unshare >/dev/null || need+=(util-linux)
+command -v mount >/dev/null || need+=(mount)
+command -v lz4 >/dev/null || need+=(lz4)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
