@@ -36,6 +36,45 @@ pub struct BenchArgs {
     pub out: Option<std::path::PathBuf>,
 }
 
+/// Adds what every bench report says about the machine and the build: kernel, CPUs, commit.
+pub(crate) fn with_machine(mut doc: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = doc.as_object_mut() {
+        o.insert(
+            "kernel".into(),
+            std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .into(),
+        );
+        o.insert(
+            "cpus".into(),
+            std::thread::available_parallelism()
+                .map_or(0, |n| n.get())
+                .into(),
+        );
+        o.insert(
+            "commit".into(),
+            Command::new("git")
+                .args(["rev-parse", "--short", "HEAD"])
+                .output()
+                .ok()
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+                .into(),
+        );
+    }
+    doc
+}
+
+/// Prints a bench report (with [`with_machine`]'s fields) and writes it to `--out`.
+pub(crate) fn emit(args: &BenchArgs, doc: serde_json::Value) -> anyhow::Result<ExitCode> {
+    let text = serde_json::to_string_pretty(&with_machine(doc))?;
+    println!("{text}");
+    if let Some(p) = &args.out {
+        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 #[derive(Debug, Serialize)]
 pub(crate) struct Dist {
     pub(crate) count: usize,
@@ -371,19 +410,11 @@ pub fn run(
     });
     let out = serde_json::json!({
         "benchmark": "container",
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+
         "cgroup_favordynmods": rt.favordynmods(),
         "results": res,
         "ratios": ratios,
         "notes": notes,
     });
-    let text = serde_json::to_string_pretty(&out)?;
-    println!("{text}");
-    if let Some(p) = &args.out {
-        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
-    }
-    Ok(ExitCode::SUCCESS)
+    emit(args, out)
 }

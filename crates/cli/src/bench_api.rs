@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use crate::bench::{dist, us, BenchArgs};
+use crate::bench::{dist, emit, us, BenchArgs};
 
 /// A `dsec server` child on fresh state dirs (benches of the daemon share it).
 pub(crate) struct Daemon {
@@ -515,18 +515,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     });
     let doc = json!({
         "bench": "api",
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
-        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
+
         "iterations": n,
         "results": Value::Object(out),
         "summary": ratios,
     });
-    let text = serde_json::to_string_pretty(&doc)?;
-    println!("{text}");
-    if let Some(p) = &args.out {
-        std::fs::write(p, &text)?;
-    }
-    Ok(ExitCode::SUCCESS)
+    emit(args, doc)
 }

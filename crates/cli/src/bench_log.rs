@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,7 @@ use dsec_node::trajlog::{Config, Record, RecordKind, TrajLog};
 use rusqlite::{params, TransactionBehavior};
 use serde_json::{json, Value};
 
-use crate::bench::{dist, us, BenchArgs};
+use crate::bench::{dist, emit, us, BenchArgs};
 
 /// The longest one append configuration runs.
 const RUN_LIMIT: Duration = Duration::from_secs(4);
@@ -553,10 +553,7 @@ pub fn run(args: &BenchArgs, data_dir: &Path) -> anyhow::Result<ExitCode> {
     });
     let out = json!({
         "benchmark": "log",
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+
         "dir": dir,
         "filesystem": fstype,
         "device": source,
@@ -576,10 +573,5 @@ pub fn run(args: &BenchArgs, data_dir: &Path) -> anyhow::Result<ExitCode> {
                 step_lookup = 100 step() calls",
         },
     });
-    let text = serde_json::to_string_pretty(&out)?;
-    println!("{text}");
-    if let Some(p) = &args.out {
-        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
-    }
-    Ok(ExitCode::SUCCESS)
+    emit(args, out)
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
 
-use crate::bench::{dist, us, BenchArgs};
+use crate::bench::{dist, emit, us, BenchArgs};
 use crate::bench_api::{start_daemon, Client};
 
 /// Target: create from snapshot, p50.
@@ -818,11 +818,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     });
     let doc = json!({
         "bench": "vm",
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "mem_total_mib": mib(meminfo("MemTotal")),
-        "commit": Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
         "vm_cache": cache.display().to_string(),
         "vm": if ready.is_null() { ready_before["vm"].clone() } else { ready["vm"].clone() },
         "other_qemu_processes_on_host": {"at_start": host_qemus_before, "at_end": count_qemus()},
@@ -830,13 +826,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "results": r,
         "summary": summary,
     });
-    let text = serde_json::to_string_pretty(&doc)?;
-    println!("{text}");
-    if let Some(p) = &args.out {
-        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
-    }
+    let code = emit(args, doc)?;
     result?;
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 /// QEMU processes on the host (other users' VMs compete for the same CPUs).
