@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -251,6 +251,44 @@ fn l01_child_appender() {
     });
 }
 
+/// One acknowledged append a child reported: (trajectory, step, lsn).
+type Ack = (String, u64, Lsn);
+
+/// Runs test `name` of this binary as a child (its log in `dir`, passed in `dir_var`, round
+/// `round` in `round_var`) and collects the `ACK <lsn> <trajectory> <step> END` lines it
+/// prints, until it dies.
+fn spawn_acking_child(
+    exe: &Path,
+    name: &str,
+    dir: &Path,
+    dir_var: &str,
+    round_var: &str,
+    round: u64,
+) -> (Child, std::thread::JoinHandle<Vec<Ack>>) {
+    let mut child = Command::new(exe)
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(dir_var, dir)
+        .env(round_var, round.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let reader = std::thread::spawn(move || {
+        let mut acks = Vec::new();
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let f: Vec<&str> = line.split(' ').collect();
+            if let ["ACK", lsn, traj, step, "END"] = f[..] {
+                let lsn = Lsn(lsn.parse().expect("lsn"));
+                acks.push((traj.to_owned(), step.parse::<u64>().expect("step"), lsn));
+            }
+        }
+        acks
+    });
+    (child, reader)
+}
+
 /// L-01: SIGKILL the appending child at random moments; after each kill the recovered log is a
 /// contiguous lsn prefix holding every acknowledged record byte-for-byte, and each trajectory's
 /// steps are contiguous from 0 (an appender only moves on after an ack).
@@ -267,32 +305,8 @@ fn l01_crash_points_keep_a_prefix_with_every_acked_record() {
     let mut in_log = 0u64;
     while (in_log < TARGET || rounds < 5) && rounds < 200 {
         rounds += 1;
-        let mut child = Command::new(&exe)
-            .args([
-                "--exact",
-                "l01_child_appender",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(L01_DIR, &dir)
-            .env(L01_ROUND, rounds.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn child");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let reader = std::thread::spawn(move || {
-            let mut acks = Vec::new();
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let f: Vec<&str> = line.split(' ').collect();
-                if let ["ACK", lsn, traj, step, "END"] = f[..] {
-                    let lsn = Lsn(lsn.parse().expect("lsn"));
-                    acks.push((traj.to_owned(), step.parse::<u64>().expect("step"), lsn));
-                }
-            }
-            acks
-        });
+        let (mut child, reader) =
+            spawn_acking_child(&exe, "l01_child_appender", &dir, L01_DIR, L01_ROUND, rounds);
         // Kill somewhere between start-up (recovery included) and well into the appends.
         std::thread::sleep(Duration::from_millis(30 + rng.below(400)));
         child.kill().expect("SIGKILL child");
@@ -1360,34 +1374,10 @@ fn c01_crash_during_compaction_loses_no_surviving_record() {
     let mut rng = Rng::seeded();
     let mut max_acked = Lsn(0);
     let mut compacted_seen = 0;
-    let mut all_acks: Vec<(String, u64, Lsn)> = Vec::new();
+    let mut all_acks: Vec<Ack> = Vec::new();
     for round in 1..=12u64 {
-        let mut child = Command::new(&exe)
-            .args([
-                "--exact",
-                "c01_child_compactor",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(C01_DIR, &dir)
-            .env(C01_ROUND, round.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn child");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let reader = std::thread::spawn(move || {
-            let mut acks = Vec::new();
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let f: Vec<&str> = line.split(' ').collect();
-                if let ["ACK", lsn, traj, step, "END"] = f[..] {
-                    let lsn = Lsn(lsn.parse().expect("lsn"));
-                    acks.push((traj.to_owned(), step.parse::<u64>().expect("step"), lsn));
-                }
-            }
-            acks
-        });
+        let (mut child, reader) =
+            spawn_acking_child(&exe, "c01_child_compactor", &dir, C01_DIR, C01_ROUND, round);
         std::thread::sleep(Duration::from_millis(50 + rng.below(400)));
         assert!(
             child.try_wait().expect("try_wait").is_none(),
