@@ -798,16 +798,8 @@ impl App {
         let made = tokio::task::spawn_blocking(move || {
             failpoint("create:launching");
             let mut made = rt.create_with_id(&id, &spec);
-            if let (true, Ok((sb, _))) = (pooled && spec.substrate.is_vm(), &mut made) {
-                // A restored QEMU starts with an empty translation cache (TCG): its first
-                // command costs ~100 ms more than the next. A pooled VM pays that here, off
-                // the acquire path; the command leaves nothing behind (/tmp is not touched).
-                let _ = sb.exec(
-                    &rt,
-                    &dsec_api::exec::ExecRequest::argv(["/bin/true"]),
-                    &[],
-                    |_, _| {},
-                );
+            if let (true, Ok((sb, _))) = (pooled, &mut made) {
+                sb.warm_up(&rt);
             }
             made
         })
