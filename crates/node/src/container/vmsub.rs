@@ -19,6 +19,7 @@ use dsec_sys::ipc::PidFd;
 use super::{ContainerRuntime, Phases, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State, Substrate};
+use crate::template::unpack::{is_opaque, is_whiteout};
 use crate::vm::{self, Snapshot, SnapshotKey, TemplateRoot, VmError, VmKind, VmRuntime};
 
 /// Memory the QEMU process may use beyond guest RAM (its heap, the TCG translation cache).
@@ -70,11 +71,10 @@ fn mask_fingerprint(mask: &std::path::Path) -> String {
         for e in entries {
             let Ok(m) = e.metadata() else { continue };
             let name = format!("{rel}/{}", e.file_name().to_string_lossy());
-            let whiteout = !m.is_dir() && !m.is_file() && m.rdev() == 0;
-            if depth == 0 && whiteout {
+            if depth == 0 && is_whiteout(&m) {
                 continue;
             }
-            let opaque = std::fs::read_dir(e.path()).is_ok() && xattr_opaque(&e.path());
+            let opaque = m.is_dir() && is_opaque(&e.path());
             out.push(format!("{name} {:o} {}", m.mode(), u8::from(opaque)));
             if m.is_dir() {
                 walk(&e.path(), &name, depth + 1, out);
@@ -84,13 +84,6 @@ fn mask_fingerprint(mask: &std::path::Path) -> String {
     let mut out = Vec::new();
     walk(mask, "", 0, &mut out);
     crate::vm::image::image_key(&out.iter().map(String::as_str).collect::<Vec<_>>())
-}
-
-fn xattr_opaque(p: &std::path::Path) -> bool {
-    let mut buf = [0u8; 8];
-    rustix::fs::getxattr(p, "trusted.overlay.opaque", &mut buf)
-        .map(|n| &buf[..n] == b"y")
-        .unwrap_or(false)
 }
 
 impl ContainerRuntime {

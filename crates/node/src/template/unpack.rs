@@ -335,6 +335,18 @@ pub(crate) fn set_opaque(path: &Path) -> Result<(), TemplateError> {
     .map_err(|e| TemplateError::io("set opaque xattr", path, e.into()))
 }
 
+/// Whether `meta` is an overlayfs whiteout (a character device 0/0).
+pub(crate) fn is_whiteout(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    meta.file_type().is_char_device() && meta.rdev() == 0
+}
+
+/// Whether the directory `path` is marked opaque for overlayfs.
+pub(crate) fn is_opaque(path: &Path) -> bool {
+    let mut value = [0u8; 8];
+    matches!(rustix::fs::lgetxattr(path, OPAQUE_XATTR, &mut value[..]), Ok(1) if value[0] == b'y')
+}
+
 /// The opaque marker read by overlays mounted with `userxattr` (inside a user namespace).
 pub(crate) const USER_OPAQUE_XATTR: &str = "user.overlay.opaque";
 

@@ -23,12 +23,14 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::fs;
 use std::io::{self, BufWriter, Read, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
+
+use crate::template::unpack::{is_opaque, is_whiteout};
 
 /// Errors of guest image preparation.
 #[derive(Debug, thiserror::Error)]
@@ -1317,8 +1319,6 @@ const ROOT_INODE_SIZE: u64 = 256;
 const ROOT_SLACK: u64 = 256 << 20;
 /// Inodes added to the estimated count, besides 20%.
 const ROOT_SLACK_INODES: u64 = 10_000;
-/// Name of the xattr marking an overlayfs directory opaque.
-const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 /// Prefix of overlayfs's private xattrs, which never belong in an image.
 const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
 
@@ -1732,17 +1732,6 @@ fn data_ranges_bytes(path: &Path, len: u64) -> Option<u64> {
         pos = end;
     }
     Some(total)
-}
-
-/// Whether `meta` is an overlayfs whiteout (a character device 0/0).
-fn is_whiteout(meta: &fs::Metadata) -> bool {
-    meta.file_type().is_char_device() && meta.rdev() == 0
-}
-
-/// Whether the directory `path` is marked opaque for overlayfs.
-fn is_opaque(path: &Path) -> bool {
-    let mut value = [0u8; 8];
-    matches!(rustix::fs::lgetxattr(path, OPAQUE_XATTR, &mut value[..]), Ok(1) if value[0] == b'y')
 }
 
 /// Creates the fix-up layer at `root`: the directories `dirs` (relative path → directory to
@@ -2706,7 +2695,12 @@ kernel/fs/overlayfs/overlay.ko:
     }
 
     fn opaque(path: &Path) -> anyhow::Result<()> {
-        rustix::fs::lsetxattr(path, OPAQUE_XATTR, b"y", rustix::fs::XattrFlags::empty())?;
+        rustix::fs::lsetxattr(
+            path,
+            crate::template::unpack::OPAQUE_XATTR,
+            b"y",
+            rustix::fs::XattrFlags::empty(),
+        )?;
         Ok(())
     }
 
