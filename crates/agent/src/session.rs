@@ -1,6 +1,8 @@
 //! Persistent sessions: a shell (`/bin/bash`, else `/bin/sh`) or a Python driver reading inputs on
 //! stdin. Each run is followed by a unique end marker printed on stdout (with the exit status)
-//! and on stderr; the run's output is everything before the markers.
+//! and on stderr; the run's output is everything before the markers. A Python session whose
+//! globals define `_dsec_idle` has it called after each run's markers, for work that should not
+//! delay the answer (the function substrate's zygote forks its next child there).
 //!
 //! A pump thread per session forwards output chunks through a bounded channel; a run drains
 //! stale chunks, writes its input and reads until both markers (or the session dies, or the
@@ -63,6 +65,12 @@ while True:
     sys.__stdout__.flush()
     sys.__stderr__.write(m + "\n")
     sys.__stderr__.flush()
+    idle = g.get("_dsec_idle")
+    if idle is not None:
+        try:
+            idle()
+        except BaseException:
+            pass
 "#;
 
 /// Errors of session requests.

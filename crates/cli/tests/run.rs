@@ -137,6 +137,13 @@ fn python_verdicts_and_isolation() {
     );
     assert_eq!(r["stdout"], "False False False\n", "{r}");
 
+    // The zygote and the driver are not dumpable: a call cannot open their memory (a write
+    // there would run in every later call).
+    let r = d.py(
+        "import os\nz = os.getppid()\ndriver = int(open('/proc/%d/stat' % z).read().rsplit(')', 1)[1].split()[1])\nfor p in (z, driver):\n    try:\n        open('/proc/%d/mem' % p, 'r+b')\n        print('open')\n    except PermissionError:\n        print('denied')",
+    );
+    assert_eq!(r["stdout"], "denied\ndenied\n", "{r}");
+
     // Files in and out.
     let r = d.run(json!({
         "code": "print(open('in/a.txt').read()); open('out.txt', 'w').write('done')",
@@ -147,12 +154,20 @@ fn python_verdicts_and_isolation() {
     assert_eq!(r["run_result"]["stdout"], "hello\n", "{r}");
     assert_eq!(r["files"]["out.txt"], "ZG9uZQ==", "{r}");
 
-    // A call that kills its zygote gets an answer, and the next call works.
+    // A call that kills its zygote (its parent) gets its own answer; the driver then has no
+    // zygote to fork from, refuses its next call and is replaced, and the call goes elsewhere.
+    let r = d.py("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('ran')");
+    assert_eq!(r["stdout"], "ran\n", "{r}");
+    for _ in 0..6 {
+        let r = d.py("print('next')");
+        assert_eq!(r["stdout"], "next\n", "{r}");
+    }
+    // A call that kills the driver (the session process) answers `agent_unavailable`.
     let key = d.key.clone();
     let (s, v) = d.post(
         "/v1/run",
         Some(&key),
-        &json!({"code": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "language": "python"}),
+        &json!({"code": "import os, signal\nz = os.getppid()\nst = open('/proc/%d/stat' % z).read()\nos.kill(int(st.rsplit(')', 1)[1].split()[1]), signal.SIGKILL)", "language": "python"}),
     );
     assert_eq!(
         (s, v["code"].as_str()),

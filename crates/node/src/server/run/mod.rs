@@ -10,7 +10,8 @@
 //! Sandboxes of the runner belong to the internal `run` tenant; they are counted against the
 //! node's `--max-sandboxes` like any other.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -413,7 +414,10 @@ struct Zygote {
 /// One template's zygotes.
 #[derive(Debug)]
 struct ZygotePool {
-    idle: Mutex<Vec<Zygote>>,
+    /// Set once the background start of the template's other zygotes began.
+    filling: AtomicBool,
+    /// Least recently used first: its next child has had the longest to get ready.
+    idle: Mutex<VecDeque<Zygote>>,
     slots: Arc<tokio::sync::Semaphore>,
 }
 
@@ -461,7 +465,8 @@ impl Runner {
         let mut m = self.zygotes.lock().unwrap_or_else(|p| p.into_inner());
         Arc::clone(m.entry(template.to_owned()).or_insert_with(|| {
             Arc::new(ZygotePool {
-                idle: Mutex::new(Vec::new()),
+                filling: AtomicBool::new(false),
+                idle: Mutex::new(VecDeque::new()),
                 slots: Arc::new(tokio::sync::Semaphore::new(self.cfg.zygotes.max(1))),
             })
         }))
@@ -583,7 +588,11 @@ async fn recycle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
         Err(err) => Err(err),
     };
     match again {
-        Ok(z) => pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(z),
+        Ok(z) => pool
+            .idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(z),
         Err(err) => {
             log::warn(
                 "zygote replacement failed",
@@ -596,7 +605,18 @@ async fn recycle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
 
 /// The zygote's answer line.
 #[derive(Debug, Deserialize)]
-struct ZygoteAnswer {
+#[serde(untagged)]
+enum ZygoteAnswer {
+    /// The zygote is tainted and ran nothing (`{"refused": true}`).
+    Refused {
+        refused: bool,
+    },
+    Ran(Ran),
+}
+
+/// A call's result.
+#[derive(Debug, Deserialize)]
+struct Ran {
     verdict: Verdict,
     rc: Option<i32>,
     out: String,
@@ -604,7 +624,6 @@ struct ZygoteAnswer {
     t: f64,
     kb: u64,
     files: BTreeMap<String, String>,
-    taint: bool,
 }
 
 fn lossy_b64(s: &str) -> String {
@@ -613,17 +632,40 @@ fn lossy_b64(s: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Starts zygotes in the background until the template has its `zygotes`: calls rotate over
+/// them (least recently used first), so each one's next child is forked and warm before its
+/// next call even at concurrency 1.
+fn fill_zygotes(app: &Arc<App>, template: &str, pool: &Arc<ZygotePool>) {
+    if pool.filling.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (app, pool, template) = (Arc::clone(app), Arc::clone(pool), template.to_owned());
+    tokio::spawn(async move {
+        for _ in 1..app.runner.cfg.zygotes {
+            let Ok(permit) = Arc::clone(&pool.slots).try_acquire_owned() else {
+                break;
+            };
+            match new_zygote(&app, &template).await {
+                Ok(z) => pool
+                    .idle
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back(z),
+                Err(err) => {
+                    log::warn(
+                        "zygote start failed",
+                        &[("template", &template), ("error", &err.detail)],
+                    );
+                    break;
+                }
+            }
+            drop(permit);
+        }
+    });
+}
+
 async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
     let pool = app.runner.zygote_pool(&spec.template);
-    let permit = Arc::clone(&pool.slots)
-        .acquire_owned()
-        .await
-        .map_err(|_| ApiError::internal("runner closed"))?;
-    let idle = pool.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-    let z = match idle {
-        Some(z) => z,
-        None => new_zygote(app, &spec.template).await?,
-    };
     let files: BTreeMap<&str, String> = spec
         .files
         .iter()
@@ -639,77 +681,112 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
         "cpu": (timeout.ceil() as u64).max(1),
         "mem": spec.memory_bytes.unwrap_or(0),
         "cap": spec.output_limit,
+        // Warm the zygote's next child only while the node has idle zygotes (spare CPU).
+        "warm": pool.slots.available_permits() > 1,
     })
     .to_string();
     let literal = serde_json::to_string(&req).unwrap_or_default();
-    let input = format!("_dsec_call({literal})");
     let budget = spec.run_timeout + Duration::from_secs(10);
-    let ev = agent_call(
-        app,
-        &z.entry,
-        AgentReq::SessionRun {
-            session: z.session,
-            input,
-            timeout_ms: Some(budget.as_millis() as u64),
-        },
-        Vec::new(),
-        Some(budget + Duration::from_secs(5)),
-    )
-    .await;
-    let answer = match &ev {
-        Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => {
-            let line = String::from_utf8_lossy(&r.stdout.data);
-            serde_json::from_str::<ZygoteAnswer>(line.trim()).ok()
-        }
-        _ => None,
-    };
-    let healthy = answer.as_ref().is_some_and(|a| !a.taint);
-    if healthy {
-        pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(z);
-        drop(permit);
-    } else {
-        // The slot stays taken until the replacement is ready.
-        let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
-        tokio::spawn(async move {
-            recycle_zygote(app2, pool2, z).await;
+    // A zygote whose sweep found a pre-existing file changed refuses its next call: it is
+    // replaced and the call goes to another one (the last try to a new one).
+    for attempt in 0..3 {
+        let permit = Arc::clone(&pool.slots)
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::internal("runner closed"))?;
+        let idle = match attempt {
+            2 => None,
+            _ => pool
+                .idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front(),
+        };
+        let z = match idle {
+            Some(z) => z,
+            None => {
+                let z = new_zygote(app, &spec.template).await?;
+                fill_zygotes(app, &spec.template, &pool);
+                z
+            }
+        };
+        let ev = agent_call(
+            app,
+            &z.entry,
+            AgentReq::SessionRun {
+                session: z.session,
+                input: format!("_dsec_call({literal})"),
+                timeout_ms: Some(budget.as_millis() as u64),
+            },
+            Vec::new(),
+            Some(budget + Duration::from_secs(5)),
+        )
+        .await;
+        let answer = match &ev {
+            Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => {
+                let line = String::from_utf8_lossy(&r.stdout.data);
+                serde_json::from_str::<ZygoteAnswer>(line.trim()).ok()
+            }
+            _ => None,
+        };
+        if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
+            pool.idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_back(z);
             drop(permit);
+        } else {
+            // The slot stays taken until the replacement is ready.
+            let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
+            tokio::spawn(async move {
+                recycle_zygote(app2, pool2, z).await;
+                drop(permit);
+            });
+        }
+        let a = match answer {
+            Some(ZygoteAnswer::Ran(a)) => a,
+            Some(ZygoteAnswer::Refused { refused: true }) => continue,
+            _ => {
+                let why = match ev {
+                    Ok(Event::ExecDone(r)) => format!(
+                        "the zygote ended the call abnormally ({:?}): {}",
+                        r.status,
+                        String::from_utf8_lossy(&r.stderr.data)
+                            .chars()
+                            .take(500)
+                            .collect::<String>()
+                    ),
+                    Ok(other) => format!("unexpected {other:?}"),
+                    Err(e) => e.detail,
+                };
+                return Err(ApiError::new(ErrorCode::AgentUnavailable, why));
+            }
+        };
+        let run = PhaseResult {
+            status: a.verdict,
+            exit_code: a.rc,
+            stdout: lossy_b64(&a.out),
+            stderr: lossy_b64(&a.err),
+            execution_time: a.t,
+            memory_kb: a.kb,
+        };
+        return Ok(RunOutcome {
+            status: if run.status == Verdict::Finished {
+                "Success"
+            } else {
+                "Failed"
+            },
+            compile_result: None,
+            run_result: Some(run),
+            files: a.files,
+            substrate: Substrate::Function,
+            server_us: 0,
         });
     }
-    let Some(a) = answer else {
-        let why = match ev {
-            Ok(Event::ExecDone(r)) => format!(
-                "the zygote ended the call abnormally ({:?}): {}",
-                r.status,
-                String::from_utf8_lossy(&r.stderr.data)
-                    .chars()
-                    .take(500)
-                    .collect::<String>()
-            ),
-            Ok(other) => format!("unexpected {other:?}"),
-            Err(e) => e.detail,
-        };
-        return Err(ApiError::new(ErrorCode::AgentUnavailable, why));
-    };
-    let run = PhaseResult {
-        status: a.verdict,
-        exit_code: a.rc,
-        stdout: lossy_b64(&a.out),
-        stderr: lossy_b64(&a.err),
-        execution_time: a.t,
-        memory_kb: a.kb,
-    };
-    Ok(RunOutcome {
-        status: if run.status == Verdict::Finished {
-            "Success"
-        } else {
-            "Failed"
-        },
-        compile_result: None,
-        run_result: Some(run),
-        files: a.files,
-        substrate: Substrate::Function,
-        server_us: 0,
-    })
+    Err(ApiError::new(
+        ErrorCode::AgentUnavailable,
+        "three zygotes in a row refused the call",
+    ))
 }
 
 fn phase_of(r: &ExecResult, memory: Option<u64>) -> PhaseResult {
