@@ -187,6 +187,36 @@ impl StdinFeed {
         }
     }
 
+    /// Writes `data` straight into `pipe` (a non-blocking duplicate of the pump's stdin) when
+    /// nothing is queued ahead of it, queueing what the pipe does not take. True when bytes
+    /// were queued (the caller then wakes the pump). Saves the pump a wake-up per input.
+    pub fn push_direct(&self, data: &[u8], pipe: &File) -> Result<bool, ExecError> {
+        let mut s = lock(&self.state);
+        if s.closed || s.eof {
+            return Err(ExecError::StdinClosed);
+        }
+        let mut rest = data;
+        if s.buf.is_empty() {
+            let mut w = pipe;
+            while !rest.is_empty() {
+                match w.write(rest) {
+                    Ok(n) => rest = &rest[n..],
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    // Full (the pump writes the rest) or broken (the pump finds out).
+                    Err(_) => break,
+                }
+            }
+        }
+        if rest.is_empty() {
+            return Ok(false);
+        }
+        if s.buf.len() + rest.len() > MAX_STDIN_QUEUE {
+            return Err(ExecError::StdinFull);
+        }
+        s.buf.extend(rest);
+        Ok(true)
+    }
+
     /// Queues bytes (and maybe end-of-file); the caller wakes the pump.
     pub fn push(&self, data: &[u8], eof: bool) -> Result<(), ExecError> {
         let mut s = lock(&self.state);
@@ -271,6 +301,14 @@ pub struct Running {
     stdin: Option<ChildStdin>,
     stdout: Option<File>,
     stderr: Option<File>,
+}
+
+impl Running {
+    /// A duplicate of the child's stdin pipe (non-blocking), for [`StdinFeed::push_direct`].
+    pub fn stdin_pipe(&self) -> Option<File> {
+        let fd = self.stdin.as_ref()?.as_fd().try_clone_to_owned().ok()?;
+        Some(File::from(fd))
+    }
 }
 
 /// Spawns `cmd` through the reaper.

@@ -41,6 +41,7 @@ while True:
     req = json.loads(line)
     m = req["marker"]
     rc = 0
+    tail = ""
     try:
         tree = ast.parse(req["code"], "<input>", "exec")
         last = None
@@ -50,7 +51,12 @@ while True:
         if last is not None:
             v = eval(compile(last, "<input>", "eval"), g)
             if v is not None:
-                print(repr(v))
+                # The value leaves with the end marker, in one write, when nothing else of the
+                # run is buffered ahead of it.
+                if sys.stdout is sys.__stdout__:
+                    tail = repr(v) + "\n"
+                else:
+                    print(repr(v))
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
@@ -61,7 +67,7 @@ while True:
             f.flush()
         except Exception:
             pass
-    sys.__stdout__.write("%s%d%s\n" % (m, rc, m))
+    sys.__stdout__.write("%s%s%d%s\n" % (tail, m, rc, m))
     sys.__stdout__.flush()
     sys.__stderr__.write(m + "\n")
     sys.__stderr__.flush()
@@ -115,6 +121,8 @@ struct Session {
     kind: SessionKind,
     pid: i32,
     feed: Arc<StdinFeed>,
+    /// The interpreter's stdin, written directly when nothing is queued.
+    pipe: Option<std::fs::File>,
     slot: Arc<ExitSlot>,
     rx: Receiver<Chunk>,
     runs: u64,
@@ -166,6 +174,7 @@ impl Sessions {
         let mut running = exec::start(reaper, &mut cmd, program).map_err(SessionError::Start)?;
         let pid = running.pid;
         let slot = Arc::clone(&running.slot);
+        let pipe = running.stdin_pipe();
         let feed = Arc::new(StdinFeed::new(Vec::new(), false));
         let (tx, rx) = mpsc::sync_channel::<Chunk>(64);
         let pump_feed = Arc::clone(&feed);
@@ -196,6 +205,7 @@ impl Sessions {
             kind,
             pid,
             feed,
+            pipe,
             slot,
             rx,
             runs: 0,
@@ -252,12 +262,19 @@ impl Sessions {
             }
         };
         let started = Instant::now();
-        if s.feed.push(text.as_bytes(), false).is_err() {
-            drop(s);
-            lock(&self.map).remove(&id);
-            return Err(SessionError::NotFound(id));
+        let queued = match &s.pipe {
+            Some(pipe) => s.feed.push_direct(text.as_bytes(), pipe),
+            None => s.feed.push(text.as_bytes(), false).map(|()| true),
+        };
+        match queued {
+            Ok(true) => s.slot.wake(),
+            Ok(false) => {}
+            Err(_) => {
+                drop(s);
+                lock(&self.map).remove(&id);
+                return Err(SessionError::NotFound(id));
+            }
         }
-        s.slot.wake();
         let deadline = timeout_ms.map(|ms| started + Duration::from_millis(ms));
         let mut out = Scan::new(&marker, true);
         let mut err = Scan::new(&marker, false);

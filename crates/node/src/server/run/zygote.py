@@ -418,8 +418,7 @@ def _dsec_call(raw):
         _dsec_idle()
         sp = st["spare"]
     if st["tainted"]:
-        sys.__stdout__.write('{"refused": true}\n')
-        return
+        return _DsecLine('{"refused": true}')
     if sp is None:
         raise OSError("the zygote forked no child for the call")
     req = json.loads(raw)
@@ -462,7 +461,15 @@ def _dsec_call(raw):
     # next call is read.
     res = {"verdict": verdict, "rc": rc, "out": out, "err": err, "t": el, "kb": kb,
            "files": files}
-    sys.__stdout__.write(json.dumps(res) + "\n")
+    return _DsecLine(json.dumps(res))
+
+
+class _DsecLine(str):
+    """The answer line, the value of the call's expression: the session driver writes it with
+    its end marker in one write."""
+
+    def __repr__(self):
+        return str(self)
 
 
 _DSEC_STATE = {"sweep": False, "base": {}, "spare": None, "tainted": False, "zygote": 0,
