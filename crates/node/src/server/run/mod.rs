@@ -483,12 +483,12 @@ async fn agent_call(
 ) -> ApiResult<Event> {
     let _ = app;
     let mut guard = e.lock().await;
-    // On this worker thread (its other tasks move to another): a call is a few hundred
-    // microseconds, and a hand-off to the blocking pool and back costs two thread switches.
-    tokio::task::block_in_place(move || match guard.as_mut() {
+    tokio::task::spawn_blocking(move || match guard.as_mut() {
         Some(sb) => Ok(sb.agent().call(&req, &body, timeout, |_, _| {})?.0),
         None => Err(ApiError::no_sandbox("")),
     })
+    .await
+    .map_err(|err| ApiError::internal(err.to_string()))?
 }
 
 async fn sandbox_exec(
