@@ -76,3 +76,69 @@ def test_module_level_run_code(server, client: dsec.Client, monkeypatch: pytest.
     assert dsec.run_code("print(6 * 7)")["run_result"]["stdout"] == "42\n"
     items = dsec.run_codes([{"code": f"print({i})", "language": "python"} for i in range(3)], concurrency=2)
     assert [it["result"]["run_result"]["stdout"] for it in items] == ["0\n", "1\n", "2\n"]
+
+
+def _python_rootfs() -> bytes:
+    """A root filesystem with the host's Python (interpreter, standard library, the shared
+    libraries they link) and one file in /root that is there before any call."""
+    import io
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    lib = "/usr/lib/python3.%d" % sys.version_info[1]
+    exe = os.path.realpath("/usr/bin/python3")
+    sos = [exe]
+    files = []
+    for top, dirs, names in os.walk(lib):
+        dirs[:] = [d for d in dirs if d not in ("test", "idlelib", "tkinter", "turtledemo", "site-packages", "dist-packages")]
+        for n in names:
+            p = os.path.join(top, n)
+            files.append(p)
+            if n.endswith(".so"):
+                sos.append(p)
+    deps = set()
+    out = subprocess.run(["ldd", *sos], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        path = next((w for w in line.split() if w.startswith("/")), None)
+        if path and not path.endswith(":"):
+            deps.add(path)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for d in ("usr", "usr/bin", "usr/lib", "lib", "lib64", "lib/x86_64-linux-gnu", "tmp", "root", "home", "proc", "dev", "etc"):
+            info = tarfile.TarInfo(d)
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o1777 if d == "tmp" else 0o755
+            tf.addfile(info)
+        tf.add(exe, arcname="usr/bin/python3", recursive=False)
+        for p in files:
+            tf.add(p, arcname=p.lstrip("/"), recursive=False)
+        for p in sorted(deps):
+            tf.add(os.path.realpath(p), arcname=p.lstrip("/"), recursive=False)
+        data = b"original\n"
+        info = tarfile.TarInfo("root/keep")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_function_sandbox_tainted_by_a_call_is_replaced(client: dsec.Client) -> None:
+    """A call that changes a file that was there before the zygote started (only a reset undoes
+    that) taints its sandbox: the sandbox refuses its next call, the node replaces it and runs
+    the call on another. No later call sees the change."""
+    import uuid
+
+    name = f"py-{uuid.uuid4().hex[:8]}"
+    client.upload_template(name, _python_rootfs())
+    probe = "import os\nprint(os.lstat('/root/keep').st_mtime_ns, open('/root/keep').read().strip())"
+    first = client.run_code(probe, template=name)
+    assert first["status"] == "Success", first
+    assert first["run_result"]["stdout"].endswith(" original\n"), first
+    r = client.run_code("open('/root/keep', 'w').write('changed')", template=name)
+    assert r["status"] == "Success", r
+    # More calls than the template has zygote sandboxes: every one of them serves one.
+    for _ in range(10):
+        again = client.run_code(probe, template=name)
+        assert again["status"] == "Success", again
+        assert again["run_result"]["stdout"] == first["run_result"]["stdout"], again

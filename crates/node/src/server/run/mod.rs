@@ -421,6 +421,24 @@ struct ZygotePool {
     slots: Arc<tokio::sync::Semaphore>,
 }
 
+impl ZygotePool {
+    /// Returns a ready zygote to the back of the queue.
+    fn put(&self, z: Zygote) {
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(z);
+    }
+
+    /// The least recently used ready zygote.
+    fn take(&self) -> Option<Zygote> {
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+    }
+}
+
 /// The runner's live state (one per node).
 #[derive(Debug)]
 pub struct Runner {
@@ -588,11 +606,7 @@ async fn recycle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
         Err(err) => Err(err),
     };
     match again {
-        Ok(z) => pool
-            .idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(z),
+        Ok(z) => pool.put(z),
         Err(err) => {
             log::warn(
                 "zygote replacement failed",
@@ -646,11 +660,7 @@ fn fill_zygotes(app: &Arc<App>, template: &str, pool: &Arc<ZygotePool>) {
                 break;
             };
             match new_zygote(&app, &template).await {
-                Ok(z) => pool
-                    .idle
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_back(z),
+                Ok(z) => pool.put(z),
                 Err(err) => {
                     log::warn(
                         "zygote start failed",
@@ -696,11 +706,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             .map_err(|_| ApiError::internal("runner closed"))?;
         let idle = match attempt {
             2 => None,
-            _ => pool
-                .idle
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop_front(),
+            _ => pool.take(),
         };
         let z = match idle {
             Some(z) => z,
@@ -730,10 +736,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             _ => None,
         };
         if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
-            pool.idle
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push_back(z);
+            pool.put(z);
             drop(permit);
         } else {
             // The slot stays taken until the replacement is ready.

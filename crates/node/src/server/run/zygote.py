@@ -33,12 +33,12 @@ def _dsec_init(preload, sweep):
     st["base"] = _dsec_snap()
     # Not dumpable: user code runs as the same uid, and /proc/<pid>/mem, fd and environ of the
     # driver and the zygote would otherwise be open to it (a write into the zygote's memory
-    # would run in every later call). The zygote and its children inherit this.
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
-    except Exception:
-        pass
+    # would run in every later call). The zygote and its children inherit this. Without it
+    # (no ctypes in the template's Python) the substrate does not start.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
