@@ -137,6 +137,23 @@ fn python_verdicts_and_isolation() {
     );
     assert_eq!(r["stdout"], "False False False\n", "{r}");
 
+    // A call that forges its own "done" report early and keeps running ends there: the driver
+    // kills the child whatever it reported, and the next call finds nothing of it.
+    let t = std::time::Instant::now();
+    let r = d.py(
+        "import os, time\nfor fd in range(3, 64):\n    try:\n        if os.readlink('/proc/self/fd/%d' % fd).startswith('pipe:'):\n            os.write(fd, b'done 0 1 -\\n')\n    except OSError:\n        pass\ntime.sleep(30)\nopen('/tmp/late', 'w').write('x')",
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "{r}");
+    assert_eq!(r["status"], "Finished", "{r}");
+    // The next calls visit every zygote sandbox: in each, only the agent, the driver, the
+    // zygote and the call itself are alive.
+    for _ in 0..6 {
+        let r = d.py(
+            "import os\ndef live(p):\n    try:\n        return open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[0] != 'Z'\n    except OSError:\n        return False\nprint(len([p for p in os.listdir('/proc') if p.isdigit() and live(p)]))",
+        );
+        assert_eq!(r["stdout"], "4\n", "{r}");
+    }
+
     // The zygote and the driver are not dumpable: a call cannot open their memory (a write
     // there would run in every later call).
     let r = d.py(
