@@ -7,9 +7,10 @@
 #   children on the driver's request, over a socketpair. Its pages are shared with its children,
 #   not with the driver: a fork write-protects every page of the forking process, and the
 #   driver's own work after a fork would otherwise pay a copy-on-write fault on each page it
-#   touches (measured: ~0.6 ms of the driver's ~0.07 ms per call).
-# - The child of the next call (the "spare"): forked between calls, it opens nothing of its
-#   own, makes its pages private by running a dummy call, and blocks on its go pipe. A call
+#   touches (measured: a driver step of ~0.07 ms took ~0.6 ms while a child was alive).
+# - The child of the next call (the "spare"): forked between calls, it does the part of a call
+#   that needs no request, makes its pages private by running a dummy call (when the node asks
+#   for it), and blocks on its go pipe. A call
 #   writes the request into the spare's request file and wakes it; the spare reports
 #   "done rc maxrss" on its done pipe when the user code returns, so the answer does not wait
 #   for the exit's teardown. The driver then SIGKILLs it (a forged early "done" ends only the
