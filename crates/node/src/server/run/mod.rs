@@ -501,12 +501,13 @@ async fn agent_call(
 ) -> ApiResult<Event> {
     let _ = app;
     let mut guard = e.lock().await;
-    tokio::task::spawn_blocking(move || match guard.as_mut() {
+    // On this worker thread (tokio moves its other tasks to another one): a hand-off to the
+    // blocking pool and back is a thread wake-up each way. Measured with the calls of `dsec
+    // bench run` paced 5 ms apart, node side p50 1.24–1.63 ms against 1.57–1.73 ms.
+    tokio::task::block_in_place(move || match guard.as_mut() {
         Some(sb) => Ok(sb.agent().call(&req, &body, timeout, |_, _| {})?.0),
         None => Err(ApiError::no_sandbox("")),
     })
-    .await
-    .map_err(|err| ApiError::internal(err.to_string()))?
 }
 
 async fn sandbox_exec(
