@@ -1,6 +1,6 @@
-//! The protocol connection: a reader loop decoding request frames and dispatching each request to
-//! its own worker thread (bounded), one mutex-guarded writer so frames never interleave, and the
-//! handlers for every [`Request`].
+//! The protocol connection: a reader loop decoding request frames, one mutex-guarded writer so
+//! frames never interleave, and the handlers for every [`Request`]. A request that may block is
+//! served by the thread that read it, while an idle worker takes over the reading (bounded).
 
 use std::collections::HashMap;
 use std::io::{self, Write};
@@ -128,6 +128,9 @@ pub struct Agent {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// The reading half of the connection, passed from thread to thread.
+type Reader = Box<dyn io::Read + Send>;
+
 /// Worker threads for requests that may block (exec, files, sessions). A request runs on an
 /// idle worker when there is one (no thread creation on the exec path), else on a new one;
 /// workers idle for longer than [`WORKER_IDLE`] exit, so an idle sandbox keeps none.
@@ -246,7 +249,7 @@ impl Agent {
 
     /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
     /// error; then kills everything it started.
-    pub fn serve(self: &Arc<Self>, reader: impl io::Read) {
+    pub fn serve(self: &Arc<Self>, reader: impl io::Read + Send + 'static) {
         self.serve_connection(reader);
         let _ = self.kill_all(Duration::from_secs(2));
     }
@@ -255,7 +258,7 @@ impl Agent {
     /// error. Everything started keeps running: a VM guest's agent serves the next host
     /// connection with the same processes, sessions and handles (the node re-attaches after a
     /// restart).
-    pub fn serve_connection(self: &Arc<Self>, mut reader: impl io::Read) {
+    pub fn serve_connection(self: &Arc<Self>, reader: impl io::Read + Send + 'static) {
         self.out.send(
             0,
             &Event::Hello {
@@ -264,6 +267,17 @@ impl Agent {
             },
             &[],
         );
+        let (done, ended) = std::sync::mpsc::channel();
+        self.read_requests(Box::new(reader), done);
+        // The reading may have moved to a worker thread; the connection ends when the thread
+        // reading it sees the end of the stream.
+        let _ = ended.recv();
+    }
+
+    /// Reads and dispatches requests until the end of the stream, or until a request that may
+    /// block: then an idle worker takes over the reading and this thread serves the request
+    /// (leader and followers: no thread wakes up between a request's frame and its handler).
+    fn read_requests(self: &Arc<Self>, mut reader: Reader, mut done: std::sync::mpsc::Sender<()>) {
         loop {
             let raw = match frame::read_frame(&mut reader) {
                 Ok(Some(f)) => f,
@@ -274,8 +288,11 @@ impl Agent {
                 }
             };
             let header = raw.header.clone();
-            match raw.into_request() {
-                Ok((env, body)) => self.dispatch(env.id, env.req, body),
+            let (id, req, body) = match raw.into_request() {
+                Ok((env, body)) => match self.admit(env.id, env.req, body) {
+                    Some(r) => r,
+                    None => continue,
+                },
                 Err(e @ (FrameError::BadHeader(_) | FrameError::UnexpectedKind(_))) => {
                     let id = serde_json::from_slice::<serde_json::Value>(&header)
                         .ok()
@@ -284,28 +301,55 @@ impl Agent {
                         Some(id) => self.out.error(id, ErrorCode::InvalidRequest, &e),
                         None => eprintln!("dsec-agent: ignoring request without id: {e}"),
                     }
+                    continue;
                 }
                 Err(e) => {
                     eprintln!("dsec-agent: dropping connection: {e}");
                     break;
                 }
+            };
+            let role = Arc::new(Mutex::new(Some((reader, done))));
+            let me = Arc::clone(self);
+            let theirs = Arc::clone(&role);
+            let job: Job = Box::new(move || {
+                if let Some((reader, done)) = lock(&theirs).take() {
+                    me.read_requests(reader, done);
+                }
+            });
+            match self.workers.run(job) {
+                Ok(()) => {
+                    self.handle(id, req, body);
+                    self.inflight.fetch_sub(1, Ordering::SeqCst);
+                    return;
+                }
+                Err(e) => {
+                    // No thread for the reading: it stays here, and this request is refused.
+                    self.inflight.fetch_sub(1, Ordering::SeqCst);
+                    self.out.error(id, ErrorCode::ResourceExhausted, &e);
+                    match lock(&role).take() {
+                        Some((r, d)) => (reader, done) = (r, d),
+                        None => return,
+                    }
+                }
             }
         }
+        let _ = done.send(());
     }
 
-    fn dispatch(self: &Arc<Self>, id: u64, req: Request, body: Vec<u8>) {
+    /// Answers quick, non-blocking requests on the reading thread (a thread hand-off would cost
+    /// more than the work) and refuses what exceeds [`MAX_INFLIGHT`]; returns the requests that
+    /// need a thread of their own, counted in flight.
+    fn admit(&self, id: u64, req: Request, body: Vec<u8>) -> Option<(u64, Request, Vec<u8>)> {
         if matches!(req, Request::Ping) {
             self.out.send(id, &Event::Pong, &[]);
-            return;
+            return None;
         }
-        // Quick, non-blocking requests are answered on the reader thread: a thread per request
-        // would cost more than the work.
         if matches!(
             req,
             Request::Configure { .. } | Request::ReopenRoot | Request::Identify { .. }
         ) {
             self.handle(id, req, body);
-            return;
+            return None;
         }
         if self.inflight.fetch_add(1, Ordering::SeqCst) >= MAX_INFLIGHT {
             self.inflight.fetch_sub(1, Ordering::SeqCst);
@@ -314,17 +358,9 @@ impl Agent {
                 ErrorCode::ResourceExhausted,
                 &msg(format!("more than {MAX_INFLIGHT} requests in flight")),
             );
-            return;
+            return None;
         }
-        let me = Arc::clone(self);
-        let job: Job = Box::new(move || {
-            me.handle(id, req, body);
-            me.inflight.fetch_sub(1, Ordering::SeqCst);
-        });
-        if let Err(e) = self.workers.run(job) {
-            self.inflight.fetch_sub(1, Ordering::SeqCst);
-            self.out.error(id, ErrorCode::ResourceExhausted, &e);
-        }
+        Some((id, req, body))
     }
 
     fn handle(&self, id: u64, req: Request, body: Vec<u8>) {
