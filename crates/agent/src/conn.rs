@@ -4,8 +4,9 @@
 
 use std::collections::HashMap;
 use std::io::{self, Write};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -128,12 +129,40 @@ pub struct Agent {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// The reading half of the connection, passed from thread to thread.
-type Reader = Box<dyn io::Read + Send>;
+/// The reading half of a connection: a stream with a descriptor to poll.
+pub trait Wire: io::Read + AsFd + Send {}
+impl<T: io::Read + AsFd + Send> Wire for T {}
 
-/// Worker threads for requests that may block (exec, files, sessions). A request runs on an
-/// idle worker when there is one (no thread creation on the exec path), else on a new one;
-/// workers idle for longer than [`WORKER_IDLE`] exit, so an idle sandbox keeps none.
+/// The reading half of a connection, passed from thread to thread.
+pub type Reader = Box<dyn Wire>;
+
+/// Gives the reader of the next connection when one ends (a VM guest waits for its host to
+/// come back: its processes, sessions and handles stay), or `None`: the agent then kills
+/// everything it started and its service ends.
+pub type NextConnection = Box<dyn Fn() -> Option<Reader> + Send + Sync>;
+
+/// The agent's service across connections.
+struct Connection {
+    next: NextConnection,
+    /// Set (under the work queue's lock) when the service ended.
+    ended: AtomicBool,
+    /// The reading, handed back to the main thread by a worker that read nothing for
+    /// [`HAND_BACK`] (so an idle agent keeps the main thread and no worker).
+    to_main: Mutex<Option<Reader>>,
+}
+
+/// How long a worker reads nothing before it hands the reading back to the main thread.
+const HAND_BACK: Duration = Duration::from_secs(1);
+
+thread_local! {
+    /// Set by a worker that handed the reading back: it exits after the job.
+    static HANDED_BACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Threads that take over the reading of the connection when the thread reading it serves a
+/// request that may block: an idle one when there is one (no thread creation on the exec
+/// path), else a new one. Workers idle for longer than [`WORKER_IDLE`] exit; the main thread
+/// follows for the agent's life, so an idle sandbox keeps one thread reading.
 #[derive(Default)]
 struct Workers {
     queue: Mutex<WorkQueue>,
@@ -144,6 +173,8 @@ struct Workers {
 struct WorkQueue {
     jobs: std::collections::VecDeque<Job>,
     idle: usize,
+    /// The main thread waits for work (the reading can be handed back to it).
+    main_waiting: bool,
 }
 
 /// How long a worker waits for the next request before it exits.
@@ -176,6 +207,54 @@ impl Workers {
         }
     }
 
+    /// Runs jobs on the calling thread (the main thread: it never exits for idleness) until the
+    /// service ends (`None`) or a worker hands the reading back (`Some`).
+    fn follow(&self, conn: &Connection) -> Option<Reader> {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if conn.ended.load(Ordering::SeqCst) {
+                        return None;
+                    }
+                    if let Some(r) = lock(&conn.to_main).take() {
+                        return Some(r);
+                    }
+                    if let Some(j) = q.jobs.pop_front() {
+                        break j;
+                    }
+                    q.idle += 1;
+                    q.main_waiting = true;
+                    q = match self.ready.wait(q) {
+                        Ok(g) => g,
+                        Err(poisoned) => poisoned.into_inner(),
+                    };
+                    q.main_waiting = false;
+                    q.idle -= 1;
+                }
+            };
+            job();
+        }
+    }
+
+    /// Gives the reading back to the main thread when it waits for work; else returns it.
+    fn hand_back(&self, conn: &Connection, reader: Reader) -> Option<Reader> {
+        let q = lock(&self.queue);
+        if !q.main_waiting {
+            return Some(reader);
+        }
+        *lock(&conn.to_main) = Some(reader);
+        self.ready.notify_all();
+        None
+    }
+
+    /// Sets `ended` and wakes every follower.
+    fn end(&self, ended: &AtomicBool) {
+        let _q = lock(&self.queue);
+        ended.store(true, Ordering::SeqCst);
+        self.ready.notify_all();
+    }
+
     fn work(&self) {
         loop {
             let job = {
@@ -199,6 +278,9 @@ impl Workers {
             match job {
                 Some(j) => j(),
                 None => return,
+            }
+            if HANDED_BACK.with(|h| h.replace(false)) {
+                return; // nothing left for this worker: the main thread reads
             }
         }
     }
@@ -247,18 +329,24 @@ impl Agent {
         }
     }
 
-    /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
-    /// error; then kills everything it started.
-    pub fn serve(self: &Arc<Self>, reader: impl io::Read + Send + 'static) {
-        self.serve_connection(reader);
-        let _ = self.kill_all(Duration::from_secs(2));
+    /// Serves requests read from `reader`, and from each next connection `next` gives when a
+    /// stream ends (each greeted with `Hello`). When `next` gives none, kills everything it
+    /// started and returns. The calling thread reads first and later serves as a follower.
+    pub fn serve(self: &Arc<Self>, reader: Reader, next: NextConnection) {
+        let conn = Arc::new(Connection {
+            next,
+            ended: AtomicBool::new(false),
+            to_main: Mutex::new(None),
+        });
+        self.hello();
+        let mut reader = Some(reader);
+        while let Some(r) = reader {
+            self.read_requests(r, Arc::clone(&conn), true);
+            reader = self.workers.follow(&conn);
+        }
     }
 
-    /// Sends `Hello` and serves requests read from `reader` until end of stream or a framing
-    /// error. Everything started keeps running: a VM guest's agent serves the next host
-    /// connection with the same processes, sessions and handles (the node re-attaches after a
-    /// restart).
-    pub fn serve_connection(self: &Arc<Self>, reader: impl io::Read + Send + 'static) {
+    fn hello(&self) {
         self.out.send(
             0,
             &Event::Hello {
@@ -267,24 +355,42 @@ impl Agent {
             },
             &[],
         );
-        let (done, ended) = std::sync::mpsc::channel();
-        self.read_requests(Box::new(reader), done);
-        // The reading may have moved to a worker thread; the connection ends when the thread
-        // reading it sees the end of the stream.
-        let _ = ended.recv();
     }
 
-    /// Reads and dispatches requests until the end of the stream, or until a request that may
-    /// block: then an idle worker takes over the reading and this thread serves the request
-    /// (leader and followers: no thread wakes up between a request's frame and its handler).
-    fn read_requests(self: &Arc<Self>, mut reader: Reader, mut done: std::sync::mpsc::Sender<()>) {
+    /// Reads and dispatches requests, or until a request that may block: then an idle worker
+    /// takes over the reading and this thread serves the request (leader and followers: no
+    /// thread wakes up between a request's frame and its handler). At the end of a stream the
+    /// reading thread asks for the next connection, or ends the agent's service.
+    fn read_requests(self: &Arc<Self>, mut reader: Reader, conn: Arc<Connection>, main: bool) {
         loop {
+            if !main && !self.readable_soon(&reader) {
+                match self.workers.hand_back(&conn, reader) {
+                    Some(r) => reader = r,
+                    None => {
+                        HANDED_BACK.with(|h| h.set(true));
+                        return;
+                    }
+                }
+                continue;
+            }
             let raw = match frame::read_frame(&mut reader) {
                 Ok(Some(f)) => f,
-                Ok(None) => break,
+                Ok(None) => match self.next_connection(&conn) {
+                    Some(r) => {
+                        reader = r;
+                        continue;
+                    }
+                    None => return,
+                },
                 Err(e) => {
                     eprintln!("dsec-agent: dropping connection: {e}");
-                    break;
+                    match self.next_connection(&conn) {
+                        Some(r) => {
+                            reader = r;
+                            continue;
+                        }
+                        None => return,
+                    }
                 }
             };
             let header = raw.header.clone();
@@ -305,15 +411,20 @@ impl Agent {
                 }
                 Err(e) => {
                     eprintln!("dsec-agent: dropping connection: {e}");
-                    break;
+                    match self.next_connection(&conn) {
+                        Some(r) => {
+                            reader = r;
+                            continue;
+                        }
+                        None => return,
+                    }
                 }
             };
-            let role = Arc::new(Mutex::new(Some((reader, done))));
-            let me = Arc::clone(self);
-            let theirs = Arc::clone(&role);
+            let role = Arc::new(Mutex::new(Some(reader)));
+            let (me, theirs, conn2) = (Arc::clone(self), Arc::clone(&role), Arc::clone(&conn));
             let job: Job = Box::new(move || {
-                if let Some((reader, done)) = lock(&theirs).take() {
-                    me.read_requests(reader, done);
+                if let Some(reader) = lock(&theirs).take() {
+                    me.read_requests(reader, conn2, false);
                 }
             });
             match self.workers.run(job) {
@@ -327,13 +438,31 @@ impl Agent {
                     self.inflight.fetch_sub(1, Ordering::SeqCst);
                     self.out.error(id, ErrorCode::ResourceExhausted, &e);
                     match lock(&role).take() {
-                        Some((r, d)) => (reader, done) = (r, d),
+                        Some(r) => reader = r,
                         None => return,
                     }
                 }
             }
         }
-        let _ = done.send(());
+    }
+
+    /// Whether a request arrives within [`HAND_BACK`] (a poll error counts as yes: the read
+    /// that follows reports it).
+    fn readable_soon(&self, reader: &Reader) -> bool {
+        proc::poll(&[(reader.as_fd(), proc::Interest::Read)], Some(HAND_BACK))
+            .map_or(true, |r| r.into_iter().any(|b| b))
+    }
+
+    /// The reader of the next connection (greeted), or `None` after everything started was
+    /// killed and the followers were released.
+    fn next_connection(&self, conn: &Connection) -> Option<Reader> {
+        if let Some(r) = (conn.next)() {
+            self.hello();
+            return Some(r);
+        }
+        let _ = self.kill_all(Duration::from_secs(2));
+        self.workers.end(&conn.ended);
+        None
     }
 
     /// Answers quick, non-blocking requests on the reading thread (a thread hand-off would cost

@@ -60,6 +60,6 @@ fn run() -> anyhow::Result<()> {
         reaper,
         None,
     ));
-    agent.serve(reader);
+    agent.serve(Box::new(reader), Box::new(|| None));
     Ok(())
 }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use dsec_sys::guest::{self, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_RDONLY, MS_REMOUNT};
 
-use crate::conn::Agent;
+use crate::conn::{Agent, Reader};
 use crate::files::Root;
 use crate::reaper::Reaper;
 
@@ -185,15 +185,27 @@ pub fn run() -> anyhow::Result<()> {
     // One agent for the guest's life: when the host end goes away (the node restarted) the
     // guest's processes, sessions and handles stay, and the next connection is greeted with a
     // new `Hello` that the node resynchronises on (frames cut by the disconnect are lost).
-    loop {
-        wait_for_host(&port);
-        let reader = port.try_clone().context("clone port")?;
-        agent.serve_connection(PortReader(reader));
-    }
+    wait_for_host(&port);
+    let reader = port.try_clone().context("clone port")?;
+    agent.serve(
+        Box::new(PortReader(reader)),
+        Box::new(move || {
+            wait_for_host(&port);
+            let reader = port.try_clone().ok()?;
+            Some(Box::new(PortReader(reader)) as Reader)
+        }),
+    );
+    anyhow::bail!("the agent port could not be reopened")
 }
 
 /// Reads the port; a read error (the host went away mid-read) ends the connection like EOF.
 struct PortReader(File);
+
+impl std::os::fd::AsFd for PortReader {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
 
 impl Read for PortReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
