@@ -8,6 +8,7 @@ import base64
 import pytest
 
 import dsec
+from _util import rootfs_tar
 
 
 def test_run_code_verdicts(client: dsec.Client) -> None:
@@ -81,46 +82,21 @@ def test_module_level_run_code(server, client: dsec.Client, monkeypatch: pytest.
 def _python_rootfs() -> bytes:
     """A root filesystem with the host's Python (interpreter, standard library, the shared
     libraries they link) and one file in /root that is there before any call."""
-    import io
     import os
-    import subprocess
     import sys
-    import tarfile
 
     lib = "/usr/lib/python3.%d" % sys.version_info[1]
-    exe = os.path.realpath("/usr/bin/python3")
-    sos = [exe]
-    files = []
+    files, sos = [], []
     for top, dirs, names in os.walk(lib):
         dirs[:] = [d for d in dirs if d not in ("test", "idlelib", "tkinter", "turtledemo", "site-packages", "dist-packages")]
         for n in names:
-            p = os.path.join(top, n)
-            files.append(p)
-            if n.endswith(".so"):
-                sos.append(p)
-    deps = set()
-    out = subprocess.run(["ldd", *sos], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        path = next((w for w in line.split() if w.startswith("/")), None)
-        if path and not path.endswith(":"):
-            deps.add(path)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for d in ("usr", "usr/bin", "usr/lib", "lib", "lib64", "lib/x86_64-linux-gnu", "tmp", "root", "home", "proc", "dev", "etc"):
-            info = tarfile.TarInfo(d)
-            info.type = tarfile.DIRTYPE
-            info.mode = 0o1777 if d == "tmp" else 0o755
-            tf.addfile(info)
-        tf.add(exe, arcname="usr/bin/python3", recursive=False)
-        for p in files:
-            tf.add(p, arcname=p.lstrip("/"), recursive=False)
-        for p in sorted(deps):
-            tf.add(os.path.realpath(p), arcname=p.lstrip("/"), recursive=False)
-        data = b"original\n"
-        info = tarfile.TarInfo("root/keep")
-        info.size = len(data)
-        tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+            (sos if n.endswith(".so") else files).append(os.path.join(top, n))
+    return rootfs_tar(
+        ("usr", "usr/bin", "usr/lib", "lib", "lib64", "lib/x86_64-linux-gnu", "tmp", "root", "home", "proc", "dev", "etc"),
+        files,
+        ["/usr/bin/python3", *sos],
+        {"root/keep": b"original\n"},
+    )
 
 
 def test_function_sandbox_tainted_by_a_call_is_replaced(client: dsec.Client) -> None:

@@ -2,41 +2,22 @@
 
 from __future__ import annotations
 
-import io
-import os
-import subprocess
-import tarfile
 import uuid
 
 import pytest
 
 import dsec
+from _util import rootfs_tar
 
 
 def _tiny_rootfs() -> bytes:
     """A root filesystem tarball with the host's dash and the libraries it links."""
-    sh = os.path.realpath("/bin/sh")
-    libs = []
-    for line in subprocess.run(["ldd", sh], capture_output=True, text=True, check=True).stdout.splitlines():
-        parts = line.split()
-        path = next((p for p in parts if p.startswith("/")), None)
-        if path:
-            libs.append(path)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for d in ("bin", "etc", "tmp", "lib", "lib64", "lib/x86_64-linux-gnu", "proc", "dev"):
-            info = tarfile.TarInfo(d)
-            info.type = tarfile.DIRTYPE
-            info.mode = 0o1777 if d == "tmp" else 0o755
-            tf.addfile(info)
-        tf.add(sh, arcname="bin/sh")
-        for lib in libs:
-            tf.add(os.path.realpath(lib), arcname=lib.lstrip("/"))
-        data = b"tiny-rootfs\n"
-        info = tarfile.TarInfo("etc/marker")
-        info.size = len(data)
-        tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return rootfs_tar(
+        ("bin", "etc", "tmp", "lib", "lib64", "lib/x86_64-linux-gnu", "proc", "dev"),
+        (),
+        ("/bin/sh",),
+        {"etc/marker": b"tiny-rootfs\n"},
+    )
 
 
 def test_import_rootfs_template_and_run(client: dsec.Client) -> None:
