@@ -114,7 +114,7 @@ struct BgProc {
 
 /// Shared agent state.
 pub struct Agent {
-    out: Out,
+    out: Arc<Out>,
     root: RwLock<Arc<Root>>,
     root_path: PathBuf,
     reaper: Arc<Reaper>,
@@ -314,9 +314,9 @@ impl Agent {
         guest: Option<crate::vm::Guest>,
     ) -> Agent {
         Agent {
-            out: Out {
+            out: Arc::new(Out {
                 w: Mutex::new(sock),
-            },
+            }),
             guest,
             root: RwLock::new(Arc::new(root)),
             root_path,
@@ -557,9 +557,10 @@ impl Agent {
                     );
                     return;
                 }
-                match self.sessions.run(session, &input, timeout_ms) {
-                    Ok(r) => out.send(id, &Event::ExecDone(r), &[]),
-                    Err(e) => out.error(id, e.code(), &e),
+                let to = Arc::clone(&self.out);
+                let reply = Box::new(move |r| to.send(id, &Event::ExecDone(r), &[]));
+                if let Err(e) = self.sessions.run(session, &input, timeout_ms, reply) {
+                    out.error(id, e.code(), &e);
                 }
             }
             Request::SessionClose { session } => match self.sessions.close(session) {

@@ -12,8 +12,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
 use std::process::Command;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_api::agent::SessionKind;
@@ -112,9 +111,68 @@ impl SessionError {
     }
 }
 
-enum Chunk {
-    Out(Stream, Vec<u8>),
-    Exited,
+/// Sends a run's result (to the node).
+pub type Reply = Box<dyn FnOnce(ExecResult) + Send>;
+
+/// The run in progress: the pump thread scans the interpreter's output for its markers and,
+/// when both are in, answers it itself (no thread wakes up between the marker and the answer).
+struct ActiveRun {
+    out: Scan,
+    err: Scan,
+    started: Instant,
+    reply: Reply,
+}
+
+impl ActiveRun {
+    fn push(&mut self, stream: Stream, b: &[u8]) {
+        match stream {
+            Stream::Stdout => self.out.push(b),
+            Stream::Stderr => self.err.push(b),
+        }
+    }
+
+    fn complete(&self) -> bool {
+        self.out.done && self.err.done
+    }
+
+    /// The result so far: exit status from the marker (if it came), output captured.
+    fn result(self) -> (ExecResult, Reply) {
+        let wall_us = self.started.elapsed().as_micros().min(u64::MAX as u128) as u64;
+        let exit_code = self.out.rc;
+        let res = ExecResult {
+            status: status_of(exit_code, None),
+            exit_code,
+            signal: None,
+            wall_us,
+            cpu_us: 0,
+            peak_rss_kb: 0,
+            stdout: self.out.cap.finish(),
+            stderr: self.err.cap.finish(),
+        };
+        (res, self.reply)
+    }
+}
+
+fn status_of(exit_code: Option<i32>, signal: Option<i32>) -> ExecStatus {
+    match (exit_code, signal) {
+        (Some(0), _) => ExecStatus::Ok,
+        (Some(_), _) => ExecStatus::NonzeroExit,
+        (None, _) => ExecStatus::Killed,
+    }
+}
+
+/// What the pump thread and the run's thread share.
+#[derive(Default)]
+struct Shared {
+    state: Mutex<SharedState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct SharedState {
+    active: Option<ActiveRun>,
+    /// The pump ended (the interpreter exited and its output is drained).
+    ended: bool,
 }
 
 struct Session {
@@ -124,7 +182,7 @@ struct Session {
     /// The interpreter's stdin, written directly when nothing is queued.
     pipe: Option<std::fs::File>,
     slot: Arc<ExitSlot>,
-    rx: Receiver<Chunk>,
+    shared: Arc<Shared>,
     runs: u64,
 }
 
@@ -176,8 +234,9 @@ impl Sessions {
         let slot = Arc::clone(&running.slot);
         let pipe = running.stdin_pipe();
         let feed = Arc::new(StdinFeed::new(Vec::new(), false));
-        let (tx, rx) = mpsc::sync_channel::<Chunk>(64);
+        let shared = Arc::new(Shared::default());
         let pump_feed = Arc::clone(&feed);
+        let pump_shared = Arc::clone(&shared);
         let spawned = std::thread::Builder::new()
             .name(format!("session-{pid}"))
             .spawn(move || {
@@ -186,11 +245,26 @@ impl Sessions {
                     cap: 0,
                     kill_after: None,
                 };
-                let tx2: SyncSender<Chunk> = tx.clone();
-                running.pump(&pump_feed, &limits, &mut |s, b| {
-                    let _ = tx2.send(Chunk::Out(s, b.to_vec()));
+                let sh = &pump_shared;
+                running.pump(&pump_feed, &limits, &mut |stream, b| {
+                    let mut st = lock(&sh.state);
+                    // Output while no run is active (background jobs) is dropped.
+                    let Some(run) = st.active.as_mut() else {
+                        return;
+                    };
+                    run.push(stream, b);
+                    if run.complete() {
+                        let run = st.active.take();
+                        drop(st);
+                        if let Some(run) = run {
+                            let (res, reply) = run.result();
+                            reply(res);
+                        }
+                        sh.changed.notify_all();
+                    }
                 });
-                let _ = tx.send(Chunk::Exited);
+                lock(&sh.state).ended = true;
+                sh.changed.notify_all();
             });
         if let Err(e) = spawned {
             let _ = proc::killpg(pid, SIGKILL);
@@ -207,7 +281,7 @@ impl Sessions {
             feed,
             pipe,
             slot,
-            rx,
+            shared,
             runs: 0,
         };
         lock(&self.map).insert(id, Arc::new(Mutex::new(session)));
@@ -227,13 +301,16 @@ impl Sessions {
         lock(&self.map).clear();
     }
 
-    /// Runs one input.
+    /// Runs one input; its result goes to `reply` (from the session's pump thread when the end
+    /// markers arrive, else from this thread on a timeout or when the interpreter exits). An
+    /// error means the run did not start and `reply` is not called.
     pub fn run(
         &self,
         id: u64,
         input: &str,
         timeout_ms: Option<u64>,
-    ) -> Result<ExecResult, SessionError> {
+        reply: Reply,
+    ) -> Result<(), SessionError> {
         if input.len() > MAX_INPUT {
             return Err(SessionError::InputTooLarge);
         }
@@ -242,12 +319,11 @@ impl Sessions {
             .cloned()
             .ok_or(SessionError::NotFound(id))?;
         let mut s = lock(&session);
-        if s.slot.get().is_some() {
+        if s.slot.get().is_some() || lock(&s.shared.state).ended {
             drop(s);
             lock(&self.map).remove(&id);
             return Err(SessionError::NotFound(id));
         }
-        while s.rx.try_recv().is_ok() {} // stale output of background jobs
         s.runs += 1;
         let nonce = RandomState::new().hash_one((id, s.runs, Instant::now()));
         let marker = format!("__DSEC_{id}_{}_{nonce:016x}__", s.runs);
@@ -262,6 +338,12 @@ impl Sessions {
             }
         };
         let started = Instant::now();
+        lock(&s.shared.state).active = Some(ActiveRun {
+            out: Scan::new(&marker, true),
+            err: Scan::new(&marker, false),
+            started,
+            reply,
+        });
         let queued = match &s.pipe {
             Some(pipe) => s.feed.push_direct(text.as_bytes(), pipe),
             None => s.feed.push(text.as_bytes(), false).map(|()| true),
@@ -270,57 +352,51 @@ impl Sessions {
             Ok(true) => s.slot.wake(),
             Ok(false) => {}
             Err(_) => {
+                let run = lock(&s.shared.state).active.take();
                 drop(s);
                 lock(&self.map).remove(&id);
-                return Err(SessionError::NotFound(id));
+                return match run {
+                    Some(_) => Err(SessionError::NotFound(id)),
+                    None => Ok(()), // already answered (cannot happen before the input)
+                };
             }
         }
+        // Watch the run: the pump answers it, unless the deadline passes or the session ends.
         let deadline = timeout_ms.map(|ms| started + Duration::from_millis(ms));
-        let mut out = Scan::new(&marker, true);
-        let mut err = Scan::new(&marker, false);
-        let mut exited = false;
-        let mut timed_out = false;
-        while !(out.done && err.done) {
+        let shared = Arc::clone(&s.shared);
+        let mut st = lock(&shared.state);
+        let (run, timed_out) = loop {
+            if st.active.is_none() {
+                return Ok(());
+            }
+            if st.ended {
+                break (st.active.take(), false);
+            }
             let wait = deadline.map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now())
             });
-            match s.rx.recv_timeout(wait) {
-                Ok(Chunk::Out(Stream::Stdout, b)) => out.push(&b),
-                Ok(Chunk::Out(Stream::Stderr, b)) => err.push(&b),
-                Ok(Chunk::Exited) | Err(RecvTimeoutError::Disconnected) => {
-                    exited = true;
-                    break;
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        timed_out = true;
-                        break;
-                    }
-                }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break (st.active.take(), true);
             }
-        }
-        let wall_us = started.elapsed().as_micros().min(u64::MAX as u128) as u64;
-        let mut res = ExecResult {
-            status: ExecStatus::Ok,
-            exit_code: out.rc,
-            signal: None,
-            wall_us,
-            cpu_us: 0,
-            peak_rss_kb: 0,
-            stdout: out.cap.finish(),
-            stderr: err.cap.finish(),
+            st = match shared.changed.wait_timeout(st, wait) {
+                Ok((g, _)) => g,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
         };
-        if timed_out || exited {
-            let _ = proc::killpg(s.pid, SIGKILL);
-            let exit = s.slot.wait(Duration::from_secs(5));
-            drop(s);
-            lock(&self.map).remove(&id);
-            if timed_out {
-                res.status = ExecStatus::Timeout;
-                res.exit_code = None;
-                res.signal = Some(SIGKILL);
-                return Ok(res);
-            }
+        drop(st);
+        let Some(run) = run else {
+            return Ok(());
+        };
+        let (mut res, reply) = run.result();
+        let _ = proc::killpg(s.pid, SIGKILL);
+        let exit = s.slot.wait(Duration::from_secs(5));
+        drop(s);
+        lock(&self.map).remove(&id);
+        if timed_out {
+            res.status = ExecStatus::Timeout;
+            res.exit_code = None;
+            res.signal = Some(SIGKILL);
+        } else {
             match exit.map(|e| e.status) {
                 Some(WaitStatus::Exited(c)) => res.exit_code = Some(c),
                 Some(WaitStatus::Signaled(sig)) => {
@@ -329,13 +405,10 @@ impl Sessions {
                 }
                 None => {}
             }
+            res.status = status_of(res.exit_code, res.signal);
         }
-        res.status = match (res.exit_code, res.signal) {
-            (Some(0), _) => ExecStatus::Ok,
-            (Some(_), _) => ExecStatus::NonzeroExit,
-            (None, _) => ExecStatus::Killed,
-        };
-        Ok(res)
+        reply(res);
+        Ok(())
     }
 }
 
