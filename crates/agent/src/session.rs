@@ -4,9 +4,11 @@
 //! globals define `_dsec_idle` has it called after each run's markers, for work that should not
 //! delay the answer (the function substrate's zygote forks its next child there).
 //!
-//! A pump thread per session forwards output chunks through a bounded channel; a run drains
-//! stale chunks, writes its input and reads until both markers (or the session dies, or the
-//! timeout passes, which kills the session).
+//! A pump thread per session reads the interpreter's output. A run registers itself with the
+//! pump and writes its input; the pump scans the output for both markers and answers the run
+//! itself. The run's thread only watches: the timeout passing kills the session, and so does the
+//! interpreter's exit; either way that thread answers. Output while no run is active
+//! (background jobs) is dropped.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
