@@ -127,7 +127,9 @@ pub struct Agent {
     guest: Option<crate::vm::Guest>,
 }
 
-type Job = Box<dyn FnOnce() + Send>;
+/// A worker's job: reading the connection. Returns true when the worker has nothing left to do
+/// (it handed the reading back to the main thread) and should exit at once.
+type Job = Box<dyn FnOnce() -> bool + Send>;
 
 /// The reading half of a connection: a stream with a descriptor to poll.
 pub trait Wire: io::Read + AsFd + Send {}
@@ -151,13 +153,18 @@ struct Connection {
     to_main: Mutex<Option<Reader>>,
 }
 
+/// What the reading thread does with a frame.
+enum Step {
+    /// Serve this request on this thread (the reading passes on).
+    Serve((u64, Request, Vec<u8>)),
+    /// Answered already; read on.
+    Done,
+    /// The stream ended.
+    End,
+}
+
 /// How long a worker reads nothing before it hands the reading back to the main thread.
 const HAND_BACK: Duration = Duration::from_secs(1);
-
-thread_local! {
-    /// Set by a worker that handed the reading back: it exits after the job.
-    static HANDED_BACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
 
 /// Threads that take over the reading of the connection when the thread reading it serves a
 /// request that may block: an idle one when there is one (no thread creation on the exec
@@ -276,11 +283,13 @@ impl Workers {
                 }
             };
             match job {
-                Some(j) => j(),
+                // Handed the reading back: the main thread reads again.
+                Some(j) => {
+                    if j() {
+                        return;
+                    }
+                }
                 None => return,
-            }
-            if HANDED_BACK.with(|h| h.replace(false)) {
-                return; // nothing left for this worker: the main thread reads
             }
         }
     }
@@ -360,78 +369,52 @@ impl Agent {
     /// Reads and dispatches requests, or until a request that may block: then an idle worker
     /// takes over the reading and this thread serves the request (leader and followers: no
     /// thread wakes up between a request's frame and its handler). At the end of a stream the
-    /// reading thread asks for the next connection, or ends the agent's service.
-    fn read_requests(self: &Arc<Self>, mut reader: Reader, conn: Arc<Connection>, main: bool) {
+    /// reading thread asks for the next connection, or ends the agent's service. True when a
+    /// worker (`main` false) handed the reading back to the main thread.
+    fn read_requests(
+        self: &Arc<Self>,
+        mut reader: Reader,
+        conn: Arc<Connection>,
+        main: bool,
+    ) -> bool {
         loop {
             if !main && !self.readable_soon(&reader) {
                 match self.workers.hand_back(&conn, reader) {
                     Some(r) => reader = r,
-                    None => {
-                        HANDED_BACK.with(|h| h.set(true));
-                        return;
-                    }
+                    None => return true,
                 }
                 continue;
             }
-            let raw = match frame::read_frame(&mut reader) {
-                Ok(Some(f)) => f,
-                Ok(None) => match self.next_connection(&conn) {
+            let request = match frame::read_frame(&mut reader) {
+                Ok(Some(raw)) => self.decode(raw),
+                Ok(None) => Step::End,
+                Err(e) => {
+                    eprintln!("dsec-agent: dropping connection: {e}");
+                    Step::End
+                }
+            };
+            let (id, req, body) = match request {
+                Step::Serve(r) => r,
+                Step::Done => continue,
+                Step::End => match self.next_connection(&conn) {
                     Some(r) => {
                         reader = r;
                         continue;
                     }
-                    None => return,
+                    None => return false,
                 },
-                Err(e) => {
-                    eprintln!("dsec-agent: dropping connection: {e}");
-                    match self.next_connection(&conn) {
-                        Some(r) => {
-                            reader = r;
-                            continue;
-                        }
-                        None => return,
-                    }
-                }
-            };
-            let header = raw.header.clone();
-            let (id, req, body) = match raw.into_request() {
-                Ok((env, body)) => match self.admit(env.id, env.req, body) {
-                    Some(r) => r,
-                    None => continue,
-                },
-                Err(e @ (FrameError::BadHeader(_) | FrameError::UnexpectedKind(_))) => {
-                    let id = serde_json::from_slice::<serde_json::Value>(&header)
-                        .ok()
-                        .and_then(|v| v.get("id").and_then(serde_json::Value::as_u64));
-                    match id {
-                        Some(id) => self.out.error(id, ErrorCode::InvalidRequest, &e),
-                        None => eprintln!("dsec-agent: ignoring request without id: {e}"),
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    eprintln!("dsec-agent: dropping connection: {e}");
-                    match self.next_connection(&conn) {
-                        Some(r) => {
-                            reader = r;
-                            continue;
-                        }
-                        None => return,
-                    }
-                }
             };
             let role = Arc::new(Mutex::new(Some(reader)));
             let (me, theirs, conn2) = (Arc::clone(self), Arc::clone(&role), Arc::clone(&conn));
-            let job: Job = Box::new(move || {
-                if let Some(reader) = lock(&theirs).take() {
-                    me.read_requests(reader, conn2, false);
-                }
+            let job: Job = Box::new(move || match lock(&theirs).take() {
+                Some(reader) => me.read_requests(reader, conn2, false),
+                None => false,
             });
             match self.workers.run(job) {
                 Ok(()) => {
                     self.handle(id, req, body);
                     self.inflight.fetch_sub(1, Ordering::SeqCst);
-                    return;
+                    return false;
                 }
                 Err(e) => {
                     // No thread for the reading: it stays here, and this request is refused.
@@ -439,9 +422,35 @@ impl Agent {
                     self.out.error(id, ErrorCode::ResourceExhausted, &e);
                     match lock(&role).take() {
                         Some(r) => reader = r,
-                        None => return,
+                        None => return false,
                     }
                 }
+            }
+        }
+    }
+
+    /// Decodes a request frame: answers what needs no thread of its own (and bad headers), or
+    /// gives the request to serve; a framing error ends the connection.
+    fn decode(&self, raw: frame::RawFrame) -> Step {
+        let header = raw.header.clone();
+        match raw.into_request() {
+            Ok((env, body)) => match self.admit(env.id, env.req, body) {
+                Some(r) => Step::Serve(r),
+                None => Step::Done,
+            },
+            Err(e @ (FrameError::BadHeader(_) | FrameError::UnexpectedKind(_))) => {
+                let id = serde_json::from_slice::<serde_json::Value>(&header)
+                    .ok()
+                    .and_then(|v| v.get("id").and_then(serde_json::Value::as_u64));
+                match id {
+                    Some(id) => self.out.error(id, ErrorCode::InvalidRequest, &e),
+                    None => eprintln!("dsec-agent: ignoring request without id: {e}"),
+                }
+                Step::Done
+            }
+            Err(e) => {
+                eprintln!("dsec-agent: dropping connection: {e}");
+                Step::End
             }
         }
     }

@@ -142,7 +142,7 @@ impl ActiveRun {
         let wall_us = self.started.elapsed().as_micros().min(u64::MAX as u128) as u64;
         let exit_code = self.out.rc;
         let res = ExecResult {
-            status: status_of(exit_code, None),
+            status: status_of(exit_code),
             exit_code,
             signal: None,
             wall_us,
@@ -155,11 +155,12 @@ impl ActiveRun {
     }
 }
 
-fn status_of(exit_code: Option<i32>, signal: Option<i32>) -> ExecStatus {
-    match (exit_code, signal) {
-        (Some(0), _) => ExecStatus::Ok,
-        (Some(_), _) => ExecStatus::NonzeroExit,
-        (None, _) => ExecStatus::Killed,
+/// A run's status from its exit code (none: killed by a signal).
+fn status_of(exit_code: Option<i32>) -> ExecStatus {
+    match exit_code {
+        Some(0) => ExecStatus::Ok,
+        Some(_) => ExecStatus::NonzeroExit,
+        None => ExecStatus::Killed,
     }
 }
 
@@ -354,13 +355,10 @@ impl Sessions {
             Ok(true) => s.slot.wake(),
             Ok(false) => {}
             Err(_) => {
-                let run = lock(&s.shared.state).active.take();
+                lock(&s.shared.state).active = None;
                 drop(s);
                 lock(&self.map).remove(&id);
-                return match run {
-                    Some(_) => Err(SessionError::NotFound(id)),
-                    None => Ok(()), // already answered (cannot happen before the input)
-                };
+                return Err(SessionError::NotFound(id));
             }
         }
         // Watch the run: the pump answers it, unless the deadline passes or the session ends.
@@ -407,7 +405,7 @@ impl Sessions {
                 }
                 None => {}
             }
-            res.status = status_of(res.exit_code, res.signal);
+            res.status = status_of(res.exit_code);
         }
         reply(res);
         Ok(())

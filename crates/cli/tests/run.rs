@@ -92,6 +92,9 @@ impl Drop for Daemon {
     }
 }
 
+/// Python that lists the live (not zombie) processes of the sandbox in `procs`.
+const LIVE_PROCESSES: &str = "import os\ndef live(p):\n    try:\n        return open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[0] != 'Z'\n    except OSError:\n        return False\nprocs = [p for p in os.listdir('/proc') if p.isdigit() and live(p)]\n";
+
 #[test]
 fn python_verdicts_and_isolation() {
     let d = Daemon::start("verdicts", &[]);
@@ -148,9 +151,7 @@ fn python_verdicts_and_isolation() {
     // The next calls visit every zygote sandbox: in each, only the agent, the driver, the
     // zygote and the call itself are alive.
     for _ in 0..6 {
-        let r = d.py(
-            "import os\ndef live(p):\n    try:\n        return open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[0] != 'Z'\n    except OSError:\n        return False\nprint(len([p for p in os.listdir('/proc') if p.isdigit() and live(p)]))",
-        );
+        let r = d.py(&format!("{LIVE_PROCESSES}print(len(procs))"));
         assert_eq!(r["stdout"], "4\n", "{r}");
     }
 
@@ -364,7 +365,7 @@ fn abuse_through_run_code_is_contained() {
         );
         // The next call is clean and correct: no process, file or output of the abuser left.
         let (s, next) = run_code(
-            "import os\ndef live(p):\n    try:\n        return open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[0] != 'Z'\n    except OSError:\n        return False\nprocs = [p for p in os.listdir('/proc') if p.isdigit() and live(p)]\nprint(len(procs) <= 4, os.path.exists('/tmp/fill'))",
+            &format!("{LIVE_PROCESSES}print(len(procs) <= 4, os.path.exists('/tmp/fill'))"),
             5.0,
         );
         assert_eq!(s, 200, "{id}: {next}");

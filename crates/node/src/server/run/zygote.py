@@ -23,6 +23,8 @@
 # answers by replacing the sandbox.
 import os, sys, json, time, signal, resource, base64, shutil, traceback, builtins, select, socket
 
+# The driver's descriptors of a spare, in the order the zygote sends them (see _dsec_fork).
+_DSEC_FDS = ("q", "in", "out", "err", "go", "done", "pfd")
 _DSEC_WRITABLE = ("/tmp", "/var/tmp", "/root", "/home", "/workspace", "/dev/shm")
 _DSEC_WARM = {"code": "x = [i * 2 for i in range(10)]\nprint(sum(x), 'warm')\n", "stdin": "",
               "files": {}, "mem": 0, "cpu": 1, "cap": 1024}
@@ -332,9 +334,9 @@ def _dsec_dead(sp):
 
 
 def _dsec_close(sp):
-    for fd in sp["fds"]:
+    for name in _DSEC_FDS:
         try:
-            os.close(fd)
+            os.close(sp[name])
         except OSError:
             pass
 
@@ -365,13 +367,11 @@ def _dsec_idle():
         return
     msg, fds = _dsec_ask((b"f" if st["warm"] else b"c") + args)
     words = msg.split()
-    if len(fds) != 7 or len(words) != 2:
+    if len(fds) != len(_DSEC_FDS) or len(words) != 2:
         for fd in fds:
             os.close(fd)
         return
-    st["spare"] = {"pid": int(words[0]), "d": words[1].decode(), "fds": fds,
-                   "q": fds[0], "out": fds[2], "err": fds[3], "go": fds[4], "done": fds[5],
-                   "pfd": fds[6]}
+    st["spare"] = dict(zip(_DSEC_FDS, fds), pid=int(words[0]), d=words[1].decode())
 
 
 def _dsec_read(fd, cap):
