@@ -1,4 +1,4 @@
-//! The reaper: one thread that reaps every child (`wait4(-1, WNOHANG)` driven by SIGCHLD) and
+//! The reaper: one thread, started by the first spawn, that reaps every child (`wait4(-1, WNOHANG)` driven by SIGCHLD) and
 //! hands `(status, rusage)` to whoever registered that pid. Unregistered pids (orphaned
 //! grandchildren re-parented to us) are just reaped.
 //!
@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::io::{PipeReader, PipeWriter, Write};
 use std::os::fd::AsFd;
 use std::process::{Child, Command};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use dsec_sys::proc::{self, Rusage, WaitStatus};
@@ -90,6 +90,11 @@ pub struct Reaper {
     gate: RwLock<()>,
     registry: Mutex<HashMap<i32, Arc<ExitSlot>>>,
     pgids: Mutex<HashSet<i32>>,
+    /// The reaper thread, started by the first spawn (or the error that kept it from starting).
+    /// An agent that has never spawned has nothing to reap, and thousands of idle sandboxes
+    /// each save a thread (kernel stack, task, stack pages).
+    thread: OnceLock<Result<(), String>>,
+    me: Weak<Reaper>,
 }
 
 /// A spawned, registered child.
@@ -105,14 +110,29 @@ pub struct Spawned {
 }
 
 impl Reaper {
-    /// Starts the reaper thread. SIGCHLD must already be blocked in every thread.
-    pub fn start() -> std::io::Result<Arc<Reaper>> {
-        let reaper = Arc::new(Reaper::default());
-        let r = Arc::clone(&reaper);
-        std::thread::Builder::new()
-            .name("reaper".into())
-            .spawn(move || r.run())?;
-        Ok(reaper)
+    /// The registry; its thread starts with the first [`Reaper::spawn`]. SIGCHLD must already
+    /// be blocked in every thread (a child that exits before the thread runs stays a zombie,
+    /// its SIGCHLD pending, until the thread's first pass).
+    pub fn new() -> Arc<Reaper> {
+        Arc::new_cyclic(|me| Reaper {
+            me: me.clone(),
+            ..Reaper::default()
+        })
+    }
+
+    /// Starts the reaper thread once.
+    fn ensure_thread(&self) -> std::io::Result<()> {
+        let started = self.thread.get_or_init(|| {
+            let r = self.me.upgrade().ok_or("reaper dropped")?;
+            std::thread::Builder::new()
+                .name("reaper".into())
+                .spawn(move || r.run())
+                .map(drop)
+                .map_err(|e| e.to_string())
+        });
+        started
+            .clone()
+            .map_err(|e| std::io::Error::other(format!("start reaper thread: {e}")))
     }
 
     fn run(&self) {
@@ -151,6 +171,7 @@ impl Reaper {
 
     /// Spawns `cmd` (which must use `process_group(0)`) and registers its pid and process group.
     pub fn spawn(&self, cmd: &mut Command) -> std::io::Result<Spawned> {
+        self.ensure_thread()?;
         let (rd, wr) = std::io::pipe()?;
         proc::set_nonblocking(rd.as_fd()).map_err(std::io::Error::other)?;
         proc::set_nonblocking(wr.as_fd()).map_err(std::io::Error::other)?;

@@ -168,7 +168,7 @@ fn raw(f: &File) -> i32 {
 /// Boots the guest and serves host connections forever.
 pub fn run() -> anyhow::Result<()> {
     let guest = Arc::new(boot().context("guest boot")?);
-    let reaper = Reaper::start().context("start reaper thread")?;
+    let reaper = Reaper::new();
     let port = open_port().context("open the agent port")?;
     let writer = port.try_clone().context("clone port")?;
     let root = Root::open(Path::new("/")).context("open root")?;

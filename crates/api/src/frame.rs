@@ -183,6 +183,9 @@ fn parse_prefix(p: &[u8; PREFIX_LEN]) -> Result<(FrameKind, usize, usize), Frame
     Ok((kind, hlen, blen))
 }
 
+/// Buffer capacity a [`FrameDecoder`] keeps once it has returned everything it held.
+const KEEP_CAPACITY: usize = 64 << 10;
+
 /// Incremental decoder for byte streams that arrive in arbitrary pieces.
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
@@ -221,6 +224,11 @@ impl FrameDecoder {
         let header = self.buf[PREFIX_LEN..PREFIX_LEN + hlen].to_vec();
         let body = self.buf[PREFIX_LEN + hlen..total].to_vec();
         self.buf.drain(..total);
+        if self.buf.is_empty() && self.buf.capacity() > KEEP_CAPACITY {
+            // One large frame must not pin its size for the connection's lifetime: a node
+            // holds thousands of connections, and any agent can send a frame of the maximum.
+            self.buf = Vec::new();
+        }
         Ok(Some(RawFrame { kind, header, body }))
     }
 }
@@ -282,6 +290,29 @@ mod tests {
         assert_eq!(env.req, req);
         assert_eq!(body, b"stdin");
         assert_eq!(dec.buffered(), 0);
+    }
+
+    #[test]
+    fn a_large_frame_does_not_pin_its_buffer() {
+        let req = Request::Exec(ExecRequest::argv(["/bin/true"]));
+        let big = encode_request(1, &req, &vec![7u8; 1 << 20]).expect("encode");
+        let small = encode_request(2, &req, b"x").expect("encode");
+        let mut dec = FrameDecoder::new();
+        dec.push(&big);
+        assert_eq!(
+            dec.next_frame().expect("decode").expect("frame").body.len(),
+            1 << 20
+        );
+        assert!(
+            dec.buf.capacity() <= KEEP_CAPACITY,
+            "{}",
+            dec.buf.capacity()
+        );
+        // A partly consumed buffer is kept as it is (the rest of a frame follows).
+        dec.push(&small);
+        dec.push(&big[..100]);
+        assert_eq!(dec.next_frame().expect("decode").expect("frame").body, b"x");
+        assert_eq!(dec.buffered(), 100);
     }
 
     #[test]

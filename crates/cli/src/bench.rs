@@ -126,6 +126,40 @@ fn meminfo() -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// Bytes held by each slab cache (`/proc/slabinfo`: active objects × object size).
+fn slabinfo() -> BTreeMap<String, u64> {
+    let Ok(s) = std::fs::read_to_string("/proc/slabinfo") else {
+        return BTreeMap::new();
+    };
+    s.lines()
+        .skip(2)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let active: u64 = f.get(1)?.parse().ok()?;
+            let size: u64 = f.get(3)?.parse().ok()?;
+            Some((f.first()?.to_string(), active * size))
+        })
+        .collect()
+}
+
+/// The `n` slab caches that grew most between two [`slabinfo`] reads, per `count` objects.
+fn slab_growth(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+    count: usize,
+    n: usize,
+) -> BTreeMap<String, i64> {
+    let mut d: Vec<(String, i64)> = after
+        .iter()
+        .map(|(k, &a)| {
+            let b = before.get(k).copied().unwrap_or(0);
+            (k.clone(), (a as i64 - b as i64) / count.max(1) as i64)
+        })
+        .collect();
+    d.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
+    d.into_iter().take(n).collect()
+}
+
 fn host_used_bytes() -> u64 {
     let Ok(m) = std::fs::read_to_string("/proc/meminfo") else {
         return 0;
@@ -337,6 +371,7 @@ pub fn run(
     if args.idle > 0 {
         let before = host_used_bytes();
         let mi_before = meminfo();
+        let slab_before = slabinfo();
         let mut held = Vec::with_capacity(args.idle);
         let t = Instant::now();
         for _ in 0..args.idle {
@@ -353,6 +388,7 @@ pub fn run(
         let after = host_used_bytes();
         let mi_after = meminfo();
         let count = held.len();
+        let slab_top = slab_growth(&slab_before, &slabinfo(), count, 16);
         // Where the memory went, per sandbox (kernel slabs, page tables, stacks, tmpfs, user).
         let breakdown: BTreeMap<&str, i64> = [
             "AnonPages",
@@ -393,6 +429,7 @@ pub fn run(
                 "answering_ping": alive,
                 "host_memory_per_sandbox_bytes": per,
                 "per_sandbox_breakdown_bytes": breakdown,
+                "per_sandbox_slab_top_bytes": slab_top,
                 "create_all_ms": create_all_ms,
                 "destroy_all_ms": t.elapsed().as_millis() as u64,
             }),

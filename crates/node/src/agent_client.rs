@@ -57,6 +57,9 @@ const DEADLINE_SLACK: Duration = Duration::from_secs(5);
 /// Most bytes [`AgentConn::reattach`] reads before the greeting.
 pub const RESYNC_MAX: usize = 64 << 20;
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
+/// Bytes one read takes from the socket, into a buffer on the caller's stack: a node holds
+/// thousands of connections, and a buffer per connection would be that many dirty pages.
+const READ_CHUNK: usize = 32 << 10;
 
 /// A connection to one agent.
 #[derive(Debug)]
@@ -64,7 +67,6 @@ pub struct AgentConn {
     stream: UnixStream,
     decoder: FrameDecoder,
     next_id: u64,
-    buf: Vec<u8>,
     greeted: bool,
 }
 
@@ -75,7 +77,6 @@ impl AgentConn {
             stream: UnixStream::from(fd),
             decoder: FrameDecoder::new(),
             next_id: 1,
-            buf: vec![0u8; 64 << 10],
             greeted: false,
         }
     }
@@ -132,8 +133,9 @@ impl AgentConn {
                     "no greeting from the agent after a reconnect".into(),
                 ));
             }
-            let n = c.read_some(deadline)?;
-            pending.extend_from_slice(&c.buf[..n]);
+            let mut chunk = [0u8; READ_CHUNK];
+            let n = c.read_some(deadline, &mut chunk)?;
+            pending.extend_from_slice(&chunk[..n]);
         }
     }
 
@@ -143,15 +145,15 @@ impl AgentConn {
                 let (env, body) = raw.into_event().map_err(AgentError::Protocol)?;
                 return Ok((env.id, env.ev, body));
             }
-            let n = self.read_some(deadline)?;
-            let Self { decoder, buf, .. } = self;
-            decoder.push(&buf[..n]);
+            let mut chunk = [0u8; READ_CHUNK];
+            let n = self.read_some(deadline, &mut chunk)?;
+            self.decoder.push(&chunk[..n]);
         }
     }
 
-    /// Reads what the agent sent into `self.buf` (waiting until `deadline`); returns how many
+    /// Reads what the agent sent into `buf` (waiting until `deadline`); returns how many
     /// bytes (0 after an interrupted read). End of stream is `Disconnected`.
-    fn read_some(&mut self, deadline: Instant) -> Result<usize, AgentError> {
+    fn read_some(&mut self, deadline: Instant, buf: &mut [u8]) -> Result<usize, AgentError> {
         let now = Instant::now();
         if now >= deadline {
             return Err(AgentError::Timeout(Duration::ZERO));
@@ -159,7 +161,7 @@ impl AgentConn {
         self.stream
             .set_read_timeout(Some(deadline - now))
             .map_err(AgentError::Disconnected)?;
-        match self.stream.read(&mut self.buf) {
+        match self.stream.read(buf) {
             Ok(0) => Err(AgentError::Disconnected(io::Error::from(
                 io::ErrorKind::UnexpectedEof,
             ))),

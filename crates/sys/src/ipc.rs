@@ -128,6 +128,43 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize,
     Ok((n, fds))
 }
 
+/// Receives one message of at most `max` bytes into a buffer of exactly its size (plus any
+/// descriptors). The length is peeked first (`MSG_PEEK | MSG_TRUNC` returns a seqpacket or
+/// datagram message's real length), so a long-lived process never keeps — or zeroes — a
+/// `max`-sized buffer: thousands of idle supervisors each save that many dirty heap pages.
+/// A message longer than `max` is consumed and answered with `InvalidData`. End of stream is
+/// an empty message, as with [`recv_with_fds`].
+pub fn recv_msg(sock: BorrowedFd<'_>, max: usize) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let len = loop {
+        // SAFETY: a zero-length peek writes nothing; the kernel only reports the length.
+        let rc = unsafe {
+            libc::recv(
+                sock.as_raw_fd(),
+                std::ptr::null_mut(),
+                0,
+                libc::MSG_PEEK | libc::MSG_TRUNC,
+            )
+        };
+        if rc >= 0 {
+            break rc as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut buf = vec![0u8; len.min(max)];
+    let (n, fds) = recv_with_fds(sock, &mut buf)?;
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("message of {len} bytes exceeds {max}"),
+        ));
+    }
+    buf.truncate(n);
+    Ok((buf, fds))
+}
+
 /// A process file descriptor: signals go to exactly the process it was opened for.
 #[derive(Debug)]
 pub struct PidFd {

@@ -330,9 +330,8 @@ fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: OwnedFd) -> i3
         return discard(pre);
     }
     drop(node_end);
-    let mut buf = vec![0u8; MAX_MSG];
-    let got = match ipc::recv_with_fds(requests.as_fd(), &mut buf) {
-        Ok((n, mut fds)) if n > 0 => serde_json::from_slice::<SpawnRequest>(&buf[..n])
+    let got = match ipc::recv_msg(requests.as_fd(), MAX_MSG) {
+        Ok((buf, mut fds)) if !buf.is_empty() => serde_json::from_slice::<SpawnRequest>(&buf)
             .ok()
             .zip(fds.pop()),
         _ => None,
@@ -342,7 +341,7 @@ fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: OwnedFd) -> i3
         Some((req, reply)) => {
             ipc::set_process_name("dsec-sup");
             let _ = ipc::set_idle_priority(0, false);
-            // Every thread of the agent (it started its reaper while idle).
+            // Every thread of the agent.
             let init = pre.init.pidfd.pid();
             let tasks = std::fs::read_dir(format!("/proc/{init}/task"))
                 .into_iter()
@@ -680,7 +679,6 @@ fn serve(
     let mut dying: Vec<PidFd> = Vec::new();
     // Request ids the supervisor uses on the agent socket: far from the node's own counter.
     let mut agent_req_id: u64 = CONFIGURE_ID;
-    let mut buf = vec![0u8; MAX_MSG];
     let mut old_roots: Vec<OwnedFd> = old_placeholder.into_iter().collect();
     let mut release_at = (!old_roots.is_empty()).then(|| Instant::now() + RELEASE_DELAY);
     loop {
@@ -735,17 +733,17 @@ fn serve(
                 }
                 Ready::Control => {
                     let Some(c) = &control else { continue };
-                    let n = match ipc::recv_with_fds(c.as_fd(), &mut buf) {
-                        Ok((n, _)) => n,
-                        Err(_) => 0,
+                    let buf = match ipc::recv_msg(c.as_fd(), MAX_MSG) {
+                        Ok((buf, _)) => buf,
+                        Err(_) => Vec::new(),
                     };
-                    if n == 0 {
+                    if buf.is_empty() {
                         // Node closed the control socket (restart or crash): keep the sandbox,
                         // wait for a reconnect on sup.sock.
                         control = None;
                         break;
                     }
-                    match serde_json::from_slice::<ControlMsg>(&buf[..n]) {
+                    match serde_json::from_slice::<ControlMsg>(&buf) {
                         // In place only when the agent really left nothing else running
                         // (a compromised agent could lie about KillAll).
                         // In place: every process of the sandbox but the agent is killed here,
@@ -929,10 +927,9 @@ fn send_agent_request(agent: &OwnedFd, id: u64, req: &dsec_api::agent::Request) 
 
 fn wait_for_destroy(control: Option<OwnedFd>, cgroup: Cgroup, run_dir: &Path) -> i32 {
     if let Some(c) = &control {
-        let mut buf = vec![0u8; MAX_MSG];
         // Bounded: the node destroys promptly; if it does not, clean up anyway.
         if let Ok(true) = ipc::poll_readable(c.as_fd(), Duration::from_secs(30)) {
-            let _ = ipc::recv_with_fds(c.as_fd(), &mut buf);
+            let _ = ipc::recv_msg(c.as_fd(), MAX_MSG);
         }
     }
     destroy(control, cgroup, run_dir)
