@@ -900,6 +900,33 @@ fn binary_is_static() {
         );
         assert_ne!(p_type, 3, "PT_INTERP present: binary is dynamically linked");
     }
+    // Position-dependent (ET_EXEC), so that no start-up relocation writes a private copy of
+    // its read-only data in each of thousands of agents (scripts/link-static.sh).
+    assert_eq!(
+        u16_at(0x10),
+        2,
+        "e_type: the agent must be ET_EXEC, not a PIE"
+    );
+}
+
+#[test]
+fn the_reaper_thread_starts_with_the_first_spawn() {
+    let a = Agent::start();
+    let threads = || {
+        std::fs::read_dir(format!("/proc/{}/task", a.child.id()))
+            .expect("task dir")
+            .count()
+    };
+    assert_eq!(a.call(Request::Ping), Event::Pong);
+    assert_eq!(
+        threads(),
+        1,
+        "an agent that has spawned nothing runs one thread"
+    );
+    assert_eq!(a.sh("exit 0").status, ExecStatus::Ok);
+    // The exec was reaped, so the reaper runs; and it keeps reaping later children.
+    assert!(threads() >= 2, "no reaper thread after a spawn");
+    assert_eq!(a.sh("exit 3").exit_code, Some(3));
 }
 
 #[test]

@@ -406,3 +406,29 @@ pub fn trim_heap() {
     // SAFETY: malloc_trim walks the allocator's own free lists; no pointers are passed.
     unsafe { libc::malloc_trim(0) };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn recv_msg_sizes_its_buffer_to_the_message() {
+        let (a, b) = seqpacket_pair().expect("pair");
+        let (p, _q) = pipe_cloexec().expect("pipe");
+        send_with_fds(a.as_fd(), b"hello", &[p.as_fd()]).expect("send");
+        let (msg, fds) = recv_msg(b.as_fd(), 64).expect("recv");
+        assert_eq!(msg, b"hello");
+        assert_eq!(msg.capacity(), 5, "the buffer is the message's size");
+        assert_eq!(fds.len(), 1, "descriptors come with the message");
+        // Too long: consumed (the next message is intact) and refused.
+        send_with_fds(a.as_fd(), &[7u8; 100], &[]).expect("send");
+        send_with_fds(a.as_fd(), b"next", &[]).expect("send");
+        let e = recv_msg(b.as_fd(), 64).expect_err("oversized");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(recv_msg(b.as_fd(), 64).expect("recv").0, b"next");
+        // End of stream is an empty message.
+        drop(a);
+        assert!(recv_msg(b.as_fd(), 64).expect("eof").0.is_empty());
+    }
+}
