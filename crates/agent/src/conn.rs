@@ -417,13 +417,18 @@ impl Agent {
                     return false;
                 }
                 Err(e) => {
-                    // No thread for the reading: it stays here, and this request is refused.
+                    // No thread for the reading (the sandbox's pids or memory are used up, e.g.
+                    // by a fork bomb that is still being swept): the request is served here all
+                    // the same, and the reading goes on after it. Refusing it would fail a
+                    // caller for what another process in the sandbox did.
+                    eprintln!("dsec-agent: no worker thread ({e}); serving inline");
+                    let Some(r) = lock(&role).take() else {
+                        self.inflight.fetch_sub(1, Ordering::SeqCst);
+                        return false;
+                    };
+                    self.handle(id, req, body);
                     self.inflight.fetch_sub(1, Ordering::SeqCst);
-                    self.out.error(id, ErrorCode::ResourceExhausted, &e);
-                    match lock(&role).take() {
-                        Some(r) => reader = r,
-                        None => return false,
-                    }
+                    reader = r;
                 }
             }
         }

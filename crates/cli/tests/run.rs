@@ -44,7 +44,19 @@ impl Daemon {
         if let Some(k) = key {
             b = b.header("X-API-Key", k);
         }
-        let mut r = b.send(body.to_string()).expect("http");
+        let mut r = match b.send(body.to_string()) {
+            Ok(r) => r,
+            // A pooled keep-alive connection the server closed after its last answer (it
+            // may after answering without reading a body, e.g. a 401): once more, on a new one.
+            Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                let mut b = self.agent.post(format!("{}{path}", self.url));
+                if let Some(k) = key {
+                    b = b.header("X-API-Key", k);
+                }
+                b.send(body.to_string()).expect("http")
+            }
+            Err(e) => panic!("http: {e:?}"),
+        };
         let status = r.status().as_u16();
         let v = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
             .unwrap_or(Value::Null);
