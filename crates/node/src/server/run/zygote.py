@@ -437,7 +437,10 @@ def _dsec_call(raw):
     except OSError:
         pass
     if not sp.get("reaped"):
-        signal.pidfd_send_signal(sp["pfd"], signal.SIGKILL)
+        try:
+            signal.pidfd_send_signal(sp["pfd"], signal.SIGKILL)
+        except OSError:
+            pass  # it already exited after its report: nothing left to end
     cap = req["cap"]
     out, out_over = _dsec_read(sp["out"], cap)
     err, err_over = _dsec_read(sp["err"], cap)
