@@ -1,11 +1,12 @@
 //! `dsec-agent`: PID 1 inside every dsec sandbox.
 //!
 //! The protocol socket is fd 3. Start-up: block SIGCHLD (before any thread exists, so every
-//! thread inherits the mask), become a child subreaper, send `Hello`,
-//! then serve requests until end of stream, kill everything started, exit 0.
+//! thread inherits the mask), become a child subreaper, send `Hello`, then serve requests until
+//! end of stream, kill everything started, exit 0.
 //!
 //! Threads: the main thread reads frames; each request runs on its own worker thread (bounded);
-//! the reaper thread (started by the first spawn) reaps every child; each background process and session has a pump thread.
+//! the reaper thread (started by the first spawn) reaps every child; each background process
+//! and session has a pump thread.
 //! See `conn.rs` for dispatch, `exec.rs` for running commands, `files.rs`/`tar.rs` for confined
 //! file access and `session.rs` for persistent shells.
 #![forbid(unsafe_code)]

@@ -1,5 +1,5 @@
-//! The reaper: one thread, started by the first spawn, that reaps every child (`wait4(-1, WNOHANG)` driven by SIGCHLD) and
-//! hands `(status, rusage)` to whoever registered that pid. Unregistered pids (orphaned
+//! The reaper: one thread, started by the first spawn, that reaps every child (`wait4(-1,
+//! WNOHANG)` driven by SIGCHLD) and hands `(status, rusage)` to whoever registered that pid. Unregistered pids (orphaned
 //! grandchildren re-parented to us) are just reaped.
 //!
 //! Spawning goes through [`Reaper::spawn`], which holds the read side of a gate across `fork`,
@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::io::{PipeReader, PipeWriter, Write};
 use std::os::fd::AsFd;
 use std::process::{Child, Command};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use dsec_sys::proc::{self, Rusage, WaitStatus};
@@ -90,10 +90,10 @@ pub struct Reaper {
     gate: RwLock<()>,
     registry: Mutex<HashMap<i32, Arc<ExitSlot>>>,
     pgids: Mutex<HashSet<i32>>,
-    /// The reaper thread, started by the first spawn (or the error that kept it from starting).
-    /// An agent that has never spawned has nothing to reap, and thousands of idle sandboxes
-    /// each save a thread (kernel stack, task, stack pages).
-    thread: OnceLock<Result<(), String>>,
+    /// Whether the reaper thread runs. It is started by the first spawn (and again by the next
+    /// one if starting it failed): an agent that has never spawned has nothing to reap, and
+    /// thousands of idle sandboxes each save a thread (kernel stack, task, stack pages).
+    started: Mutex<bool>,
     me: Weak<Reaper>,
 }
 
@@ -120,19 +120,21 @@ impl Reaper {
         })
     }
 
-    /// Starts the reaper thread once.
+    /// Starts the reaper thread unless it runs.
     fn ensure_thread(&self) -> std::io::Result<()> {
-        let started = self.thread.get_or_init(|| {
-            let r = self.me.upgrade().ok_or("reaper dropped")?;
+        let mut started = lock(&self.started);
+        if !*started {
+            let r = self
+                .me
+                .upgrade()
+                .ok_or_else(|| std::io::Error::other("reaper dropped"))?;
             std::thread::Builder::new()
                 .name("reaper".into())
                 .spawn(move || r.run())
-                .map(drop)
-                .map_err(|e| e.to_string())
-        });
-        started
-            .clone()
-            .map_err(|e| std::io::Error::other(format!("start reaper thread: {e}")))
+                .map_err(|e| std::io::Error::other(format!("start reaper thread: {e}")))?;
+            *started = true;
+        }
+        Ok(())
     }
 
     fn run(&self) {

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::process::{Command, ExitCode, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dsec_api::exec::{ExecRequest, ExecStatus};
@@ -176,7 +176,7 @@ fn host_used_bytes() -> u64 {
 }
 
 /// Runs `argv` `n` times, each after `settle` of quiet (zero: back to back).
-fn run_peer(argv: &[&str], n: usize, settle: std::time::Duration) -> Option<Dist> {
+fn run_peer(argv: &[&str], n: usize, settle: Duration) -> Option<Dist> {
     let mut v = Vec::with_capacity(n);
     for _ in 0..n {
         std::thread::sleep(settle);
@@ -228,7 +228,7 @@ pub fn run(
         // Measure each create from a quiet node: the spawner refills its pre-built shells and
         // the kernel tears the previous sandbox's namespaces down in the background; the
         // back-to-back figure below includes that work.
-        std::thread::sleep(std::time::Duration::from_millis(args.settle_ms));
+        std::thread::sleep(Duration::from_millis(args.settle_ms));
         let t = Instant::now();
         let (mut sb, phases) = rt.create(&spec)?;
         create.push(us(t));
@@ -281,9 +281,9 @@ pub fn run(
         "/proc",
         "/bin/true",
     ];
-    let settle = std::time::Duration::from_millis(args.settle_ms);
+    let settle = Duration::from_millis(args.settle_ms);
     for (key, pause) in [
-        ("peer_bwrap_true", std::time::Duration::ZERO),
+        ("peer_bwrap_true", Duration::ZERO),
         ("peer_bwrap_true_settled", settle),
     ] {
         match run_peer(&bwrap_argv, n, pause) {
@@ -313,11 +313,7 @@ pub fn run(
         v.push(us(t));
     }
     res.insert("python3_pass_inside", dist(v));
-    if let Some(d) = run_peer(
-        &["/usr/bin/python3", "-c", "pass"],
-        py_n,
-        std::time::Duration::ZERO,
-    ) {
+    if let Some(d) = run_peer(&["/usr/bin/python3", "-c", "pass"], py_n, Duration::ZERO) {
         res.insert("python3_pass_outside", d);
     }
 
@@ -395,7 +391,7 @@ pub fn run(
             }
         }
         let create_all_ms = t.elapsed().as_millis() as u64;
-        std::thread::sleep(std::time::Duration::from_millis(500));
+        std::thread::sleep(Duration::from_millis(500));
         let after = host_used_bytes();
         let mi_after = meminfo();
         let count = held.len();

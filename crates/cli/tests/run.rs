@@ -40,20 +40,19 @@ impl Daemon {
     }
 
     fn post(&self, path: &str, key: Option<&str>, body: &Value) -> (u16, Value) {
-        let mut b = self.agent.post(format!("{}{path}", self.url));
-        if let Some(k) = key {
-            b = b.header("X-API-Key", k);
-        }
-        let mut r = match b.send(body.to_string()) {
+        let send = || {
+            let mut b = self.agent.post(format!("{}{path}", self.url));
+            if let Some(k) = key {
+                b = b.header("X-API-Key", k);
+            }
+            b.send(body.to_string())
+        };
+        let mut r = match send() {
             Ok(r) => r,
             // A pooled keep-alive connection the server closed after its last answer (it
             // may after answering without reading a body, e.g. a 401): once more, on a new one.
             Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                let mut b = self.agent.post(format!("{}{path}", self.url));
-                if let Some(k) = key {
-                    b = b.header("X-API-Key", k);
-                }
-                b.send(body.to_string()).expect("http")
+                send().expect("http")
             }
             Err(e) => panic!("http: {e:?}"),
         };

@@ -244,12 +244,11 @@ fn wait_reply(sock: &OwnedFd) -> Result<Reply, String> {
     if !ipc::poll_readable(sock.as_fd(), CREATE_DEADLINE).map_err(|e| e.to_string())? {
         return Err("no answer from the supervisor".into());
     }
-    let mut buf = vec![0u8; MAX_MSG];
-    let (n, fds) = ipc::recv_with_fds(sock.as_fd(), &mut buf).map_err(|e| e.to_string())?;
-    if n == 0 {
+    let (buf, fds) = ipc::recv_msg(sock.as_fd(), MAX_MSG).map_err(|e| e.to_string())?;
+    if buf.is_empty() {
         return Err("the supervisor closed the reply socket".into());
     }
-    let msg = serde_json::from_slice::<SupervisorMsg>(&buf[..n]).map_err(|e| e.to_string())?;
+    let msg = serde_json::from_slice::<SupervisorMsg>(&buf).map_err(|e| e.to_string())?;
     Ok((msg, fds))
 }
 

@@ -522,19 +522,18 @@ impl Sandbox {
             .ok_or_else(|| sup_err("no supervisor (a VM sandbox)".into()))?;
         ipc::send_with_fds(control.as_fd(), &bytes, &[]).map_err(|e| sup_err(e.to_string()))?;
         let deadline = Instant::now() + timeout;
-        let mut buf = vec![0u8; MAX_MSG];
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if !ipc::poll_readable(control.as_fd(), left).map_err(|e| sup_err(e.to_string()))? {
                 return Err(sup_err(format!("no answer within {timeout:?}")));
             }
-            let (n, fds) = ipc::recv_with_fds(control.as_fd(), &mut buf)
-                .map_err(|e| sup_err(e.to_string()))?;
-            if n == 0 {
+            let (buf, fds) =
+                ipc::recv_msg(control.as_fd(), MAX_MSG).map_err(|e| sup_err(e.to_string()))?;
+            if buf.is_empty() {
                 return Err(sup_err("control socket closed".into()));
             }
             let reply: SupervisorMsg =
-                serde_json::from_slice(&buf[..n]).map_err(|e| sup_err(e.to_string()))?;
+                serde_json::from_slice(&buf).map_err(|e| sup_err(e.to_string()))?;
             match reply {
                 SupervisorMsg::Exited { .. } => continue, // the old init's exit during a reset
                 SupervisorMsg::Error { message } => return Err(sup_err(message)),
