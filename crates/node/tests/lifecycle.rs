@@ -152,6 +152,57 @@ fn lifecycle_reset_gives_a_fresh_writable_layer_userns() {
     LeakSnapshot::assert_back_to(&base, SETTLE);
 }
 
+/// Resets spaced like a reuse loop pivot onto the spare root the supervisor built meanwhile:
+/// each one still starts from an empty writable layer (the spare is never visible to the
+/// sandbox, and nothing of one episode reaches the spare of the next), the sandbox's mount table
+/// stays the same size, and nothing is left after the destroy.
+#[test]
+fn lifecycle_spaced_resets_start_from_a_fresh_layer_each_time() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let mut sb = create(small_limits());
+    sb.mark_acquired().expect("acquire");
+    let mounts = |sb: &mut common::SbGuard| {
+        let r = sb.sh("wc -l < /proc/self/mountinfo", 5000);
+        assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+        stdout(&r).trim().parse::<u32>().expect("a count")
+    };
+    let first = mounts(&mut sb);
+    for round in 0..4 {
+        let r = sb.sh(
+            &format!(
+                "ls -A /tmp /workspace /dev/shm; echo {round} > /tmp/m; echo {round} > /dev/shm/m; \
+                 echo {round} > /workspace/m; setsid sleep 740{round} </dev/null >/dev/null 2>&1 &"
+            ),
+            5000,
+        );
+        assert_eq!(
+            (r.status, stdout(&r).as_str()),
+            (ExecStatus::Ok, "/dev/shm:\n\n/tmp:\n\n/workspace:\n"),
+            "round {round}: state of an earlier episode is visible: {r:?}"
+        );
+        // Longer than the supervisor waits before it builds the spare.
+        std::thread::sleep(Duration::from_millis(150));
+        sb.reset()
+            .unwrap_or_else(|e| panic!("reset {round}: {e:?}"));
+        sb.mark_acquired().expect("acquire again");
+        assert!(
+            common::wait_until(SETTLE, || live_with_cmdline(&format!("sleep 740{round}"))
+                .is_empty()),
+            "round {round}: a process survives the reset"
+        );
+        assert_eq!(
+            mounts(&mut sb),
+            first,
+            "round {round}: the mount table grew"
+        );
+    }
+    let r = sb.sh("ls -A /tmp /workspace /dev/shm", 5000);
+    assert_eq!(stdout(&r), "/dev/shm:\n\n/tmp:\n\n/workspace:\n", "{r:?}");
+    sb.destroy().expect("destroy");
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
 /// HOME (`/root`) is a scratch dir and must be usable in user-namespace mode too.
 #[test]
 fn lifecycle_userns_scratch_dirs_are_writable() {

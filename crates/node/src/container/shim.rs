@@ -184,6 +184,10 @@ fn run_spawner() -> io::Result<()> {
 /// How long after a reset or an activation the old root is released.
 const RELEASE_DELAY: Duration = Duration::from_millis(20);
 
+/// How long after an in-place reset the root of the next one is built: after the old root is
+/// released, so that neither competes with the sandbox's first commands on its fresh root.
+const SPARE_DELAY: Duration = Duration::from_millis(30);
+
 /// How long after a shell was taken its replacement is built.
 const REFILL_DELAY: Duration = Duration::from_millis(15);
 
@@ -580,8 +584,8 @@ fn supervise(
             // Pivot the running shell onto the template's root and give it its identity.
             let spec = container_spec(ctx, &cfg, &init.agent_host);
             let pivoted = match likely_tree.take().filter(|t| t.matches(&spec.rootfs)) {
-                Some(tree) => launch::enter_root_tree(tree, init.pidfd.pid()),
-                None => launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state),
+                Some(tree) => launch::enter_root_tree(tree, &init.pidfd, &mut reset_state),
+                None => launch::reset_in_place(&spec, &init.pidfd, &mut reset_state),
             };
             pivoted
                 .and_then(|old| {
@@ -681,6 +685,10 @@ fn serve(
     let mut agent_req_id: u64 = CONFIGURE_ID;
     let mut old_roots: Vec<OwnedFd> = old_placeholder.into_iter().collect();
     let mut release_at = (!old_roots.is_empty()).then(|| Instant::now() + RELEASE_DELAY);
+    // The root of the next in-place reset, built while the sandbox runs once it has been reset
+    // (a sandbox that is reset once is in a reuse loop): the reset then only pivots.
+    let mut spare: Option<launch::RootTree> = None;
+    let mut spare_at: Option<Instant> = None;
     loop {
         // Reap inits killed by a reset.
         while ipc::try_reap().is_some() {}
@@ -698,12 +706,20 @@ fn serve(
             old_roots.clear();
             release_at = None;
         }
+        if spare_at.is_some_and(|t| Instant::now() >= t) {
+            spare_at = None;
+            if spare.is_none() {
+                let spec = container_spec(ctx, cfg, &init.agent_host);
+                // A failure here only means the next reset builds its root itself.
+                spare = launch::build_root_tree(&spec.rootfs, &mut reset_state, WARM_PATHS).ok();
+            }
+        }
         let mut wait = if dying.is_empty() {
             None
         } else {
             Some(Duration::from_millis(50))
         };
-        if let Some(t) = release_at {
+        for t in [release_at, spare_at].into_iter().flatten() {
             let left = t.saturating_duration_since(Instant::now());
             wait = Some(wait.map_or(left, |w| w.min(left)));
         }
@@ -755,31 +771,41 @@ fn serve(
                                 && kill_all_but_init(&cgroup, init.pidfd.pid()) =>
                         {
                             let spec = container_spec(ctx, cfg, &init.agent_host);
-                            match launch::reset_in_place(&spec, init.pidfd.pid(), &mut reset_state)
-                            {
+                            let pivoted = match spare.take().filter(|t| t.matches(&spec.rootfs)) {
+                                Some(tree) => {
+                                    launch::enter_root_tree(tree, &init.pidfd, &mut reset_state)
+                                }
+                                None => {
+                                    launch::reset_in_place(&spec, &init.pidfd, &mut reset_state)
+                                }
+                            };
+                            match pivoted {
                                 Ok(old_root) => {
-                                    // Tell the agent first (the node is waiting on us, so it is
-                                    // not writing to the agent socket now), then the node.
+                                    // Answer the node first, so that it wakes while the agent
+                                    // reopens its root; it only reads the agent socket until
+                                    // the answer, so the supervisor's request cannot
+                                    // interleave with one of the node's.
                                     agent_req_id += 1;
-                                    let msg = if send_agent_request(
+                                    let done = SupervisorMsg::ResetDone {
+                                        init_pid: init.pidfd.pid(),
+                                        await_id: agent_req_id,
+                                    };
+                                    let _ = send(c.as_fd(), &done, &[]);
+                                    if !send_agent_request(
                                         &init.agent_host,
                                         agent_req_id,
                                         &dsec_api::agent::Request::ReopenRoot,
                                     ) {
-                                        SupervisorMsg::ResetDone {
-                                            init_pid: init.pidfd.pid(),
-                                            await_id: agent_req_id,
-                                        }
-                                    } else {
-                                        SupervisorMsg::Error {
-                                            message: "agent socket unwritable after reset".into(),
-                                        }
-                                    };
-                                    let _ = send(c.as_fd(), &msg, &[]);
+                                        // An agent that cannot be written to is broken: end
+                                        // it, so that the node's wait ends too (its socket
+                                        // closes) and the sandbox is relaunched or destroyed.
+                                        let _ = init.pidfd.signal(9);
+                                    }
                                     // The old writable layer is freed later, off the path of
                                     // the answer and of the sandbox's next commands.
                                     old_roots.push(old_root);
                                     release_at.get_or_insert(Instant::now() + RELEASE_DELAY);
+                                    spare_at.get_or_insert(Instant::now() + SPARE_DELAY);
                                 }
                                 Err(e) => {
                                     let message = error_chain(&e);

@@ -4,7 +4,9 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use crate::ipc::PidFd;
 
 use super::{
     build_dev, ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind,
@@ -21,6 +23,8 @@ use super::{
 #[derive(Debug, Default)]
 pub struct ResetState {
     prepared: bool,
+    /// The caller's own mount namespace, to return to after entering a sandbox's.
+    own_ns: Option<OwnedFd>,
 }
 
 impl ResetState {
@@ -32,6 +36,16 @@ impl ResetState {
         }
         Ok(())
     }
+
+    /// The caller's mount namespace, opened once.
+    fn own_ns(&mut self) -> Result<BorrowedFd<'_>, LaunchError> {
+        let fd = match self.own_ns.take() {
+            Some(fd) => fd,
+            None => open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?,
+        };
+        let fd: &OwnedFd = self.own_ns.insert(fd);
+        Ok(fd.as_fd())
+    }
 }
 
 fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
@@ -42,8 +56,9 @@ fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn setns_mnt(fd: &OwnedFd, step: &'static str) -> Result<(), StepError> {
-    // SAFETY: fd is a mount namespace fd; the caller is single-threaded (checked by the caller).
+fn setns_mnt(fd: BorrowedFd<'_>, step: &'static str) -> Result<(), StepError> {
+    // SAFETY: fd is a mount namespace fd or a pidfd (whose mount namespace is entered); the
+    // caller is single-threaded (checked by the caller).
     ck(
         unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNS) },
         step,
@@ -180,25 +195,26 @@ pub fn build_root_tree(
     })
 }
 
-/// Moves `tree` into the mount namespace of `init_pid` and pivots every process of that
+/// Moves `tree` into the mount namespace of the process `init` and pivots every process of that
 /// namespace onto it (`pivot_root` moves the root and working directory of each process that was
 /// at the old root, so a running agent keeps running, now on the new root). `/proc` and
 /// `/dev/pts` are moved from the old root; the rest of `/dev`, with an empty `/dev/shm`, comes
 /// with the tree. Returns an `O_PATH` descriptor of the old root: dropping it frees
 /// the old writable layer, so the caller can do that after answering. The caller must be
 /// single-threaded.
-pub fn enter_root_tree(tree: RootTree, init_pid: i32) -> Result<OwnedFd, LaunchError> {
+pub fn enter_root_tree(
+    tree: RootTree,
+    init: &PidFd,
+    state: &mut ResetState,
+) -> Result<OwnedFd, LaunchError> {
     ensure_single_threaded()?;
     // The new root is mounted inside the old one, on /tmp (a writable scratch directory of a
     // read-only root, or creatable in a writable one); not beneath /dev/pts, which moves into it.
     let (dev_src, mountpoint) = (DevSource::Built { pts: c"/dev/pts" }, "/tmp");
     let p = prepare_parts(&tree.rootfs, "", &[], &[], false, Some(mountpoint))?;
-    let own_ns = open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?;
-    let sandbox_ns = open_path(
-        &cstr(format!("/proc/{init_pid}/ns/mnt"), "pid")?,
-        libc::O_RDONLY,
-    )?;
-    setns_mnt(&sandbox_ns, "setns_sandbox")?;
+    let own_ns = state.own_ns()?;
+    // A pidfd names the init itself: no /proc path to open, no pid to be reused.
+    setns_mnt(init.as_fd(), "setns_sandbox")?;
     let inside = (|| -> Result<OwnedFd, StepError> {
         let mp = cstr(mountpoint, "mountpoint").map_err(|_| StepError {
             step: "mountpoint",
@@ -222,7 +238,7 @@ pub fn enter_root_tree(tree: RootTree, init_pid: i32) -> Result<OwnedFd, LaunchE
         Ok(old_root)
     })();
     // Back to our own namespace whatever happened.
-    let back = setns_mnt(&own_ns, "setns_back");
+    let back = setns_mnt(own_ns, "setns_back");
     // SAFETY: valid path.
     unsafe { libc::chdir(c"/".as_ptr()) };
     back?;
@@ -235,7 +251,7 @@ pub fn enter_root_tree(tree: RootTree, init_pid: i32) -> Result<OwnedFd, LaunchE
 /// of the sandbox first.
 pub fn reset_in_place(
     spec: &ContainerSpec<'_>,
-    init_pid: i32,
+    init: &PidFd,
     state: &mut ResetState,
 ) -> Result<OwnedFd, LaunchError> {
     if spec.ns.user.is_some() {
@@ -244,7 +260,7 @@ pub fn reset_in_place(
         });
     }
     let tree = build_root_tree(&spec.rootfs, state, &[])?;
-    enter_root_tree(tree, init_pid)
+    enter_root_tree(tree, init, state)
 }
 
 /// Sets the hostname of the UTS namespace of `pid` (the supervisor enters it for the call).
