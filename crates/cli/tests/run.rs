@@ -207,6 +207,91 @@ fn python_verdicts_and_isolation() {
     assert_eq!(r["stdout"], "after\n", "{r}");
 }
 
+/// CPU weight (v2 `cpu.weight`, v1 `cpu.shares`) of the cgroup of the host process `pid`.
+fn cpu_weight_of(pid: i64) -> String {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    for line in cgroups.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let file = match ctrl {
+            "" => format!("/sys/fs/cgroup{path}/cpu.weight"),
+            c if c.split(',').any(|c| c == "cpu") => {
+                format!("/sys/fs/cgroup/{c}{path}/cpu.shares")
+            }
+            _ => continue,
+        };
+        if let Ok(v) = std::fs::read_to_string(&file) {
+            return v.trim().to_owned();
+        }
+    }
+    panic!("no cpu weight for {pid}: {cgroups}")
+}
+
+/// Between calls a zygote's sandbox runs at the background CPU weight (its sweep, fork and
+/// warm-up yield to calls elsewhere); during a call at its own.
+#[test]
+fn zygotes_yield_the_cpu_between_calls() {
+    let d = Daemon::start("weight", &["--run-zygotes", "2"]);
+    for _ in 0..4 {
+        assert_eq!(d.py("print(1)")["stdout"], "1\n");
+    }
+    let weights = || -> Vec<String> {
+        let url = format!("{}/v1/sandboxes?tenant=tn-run&limit=100", d.url);
+        let mut r = d
+            .agent
+            .get(&url)
+            .header("X-API-Key", &d.key)
+            .call()
+            .expect("list");
+        let listed: Value =
+            serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+        let mut w = vec![];
+        for sb in listed["items"].as_array().into_iter().flatten() {
+            let id = sb["id"].as_str().expect("id");
+            let mut r = d
+                .agent
+                .get(format!("{}/v1/sandboxes/{id}", d.url))
+                .header("X-API-Key", &d.key)
+                .call()
+                .expect("get");
+            let v: Value =
+                serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+            w.push(cpu_weight_of(v["init_pid"].as_i64().expect("init pid")));
+        }
+        w.sort();
+        w
+    };
+    // v2 weight 1, v1 shares 10 (weight 1 * 1024 / 100).
+    let background = |w: &str| w == "1" || w == "10";
+    // The second zygote starts in the background, at the full weight until it is ready.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut idle = weights();
+    while !(idle.len() == 2 && idle.iter().all(|w| background(w)))
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(100));
+        idle = weights();
+    }
+    assert_eq!(idle.len(), 2, "{idle:?}");
+    assert!(idle.iter().all(|w| background(w)), "idle zygotes: {idle:?}");
+    std::thread::scope(|s| {
+        let call = s.spawn(|| d.py("import time\ntime.sleep(2)\nprint('slept')"));
+        std::thread::sleep(Duration::from_millis(800));
+        let during = weights();
+        assert_eq!(
+            during.iter().filter(|w| !background(w)).count(),
+            1,
+            "exactly the zygote serving the call has its full weight: {during:?}"
+        );
+        assert_eq!(call.join().expect("call")["stdout"], "slept\n");
+    });
+    let after = weights();
+    assert!(
+        after.iter().all(|w| background(w)),
+        "after the call: {after:?}"
+    );
+}
+
 #[test]
 fn compiled_languages_and_bad_requests() {
     let d = Daemon::start("compiled", &[]);
