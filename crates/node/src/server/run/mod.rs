@@ -19,7 +19,6 @@ use base64::Engine as _;
 use dsec_api::agent::{Event, Request as AgentReq, SessionKind};
 use dsec_api::exec::{Command, ExecRequest, ExecResult, ExecStatus};
 use dsec_api::ErrorCode;
-use dsec_sys::cgroup::{Cgroup, CgroupLimits};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -410,30 +409,6 @@ impl RunBody {
 struct Zygote {
     entry: Arc<Entry>,
     session: u64,
-    /// The sandbox's cgroup: its CPU weight is [`BACKGROUND_WEIGHT`] between calls and the
-    /// sandbox's own during one (see [`Zygote::set_busy`]).
-    cgroup: Option<Cgroup>,
-    weight: u64,
-}
-
-/// CPU weight of a zygote between calls. What it does then (the sweep of the last call, the fork
-/// and warm-up of the next child) is background work: at this weight it takes the CPU only
-/// where no call needs it, so a call on another zygote does not wait behind it. Its own next
-/// call restores the full weight first, so nothing of it starves.
-const BACKGROUND_WEIGHT: u64 = 1;
-
-impl Zygote {
-    /// Gives the zygote's sandbox its full CPU weight (a call starts) or the background weight
-    /// (the call was answered). A failed write only costs latency.
-    fn set_busy(&self, busy: bool) {
-        if let Some(cg) = &self.cgroup {
-            let weight = if busy { self.weight } else { BACKGROUND_WEIGHT };
-            let _ = cg.set_limits(&CgroupLimits {
-                cpu_weight: Some(weight),
-                ..CgroupLimits::default()
-            });
-        }
-    }
 }
 
 /// One template's zygotes.
@@ -603,20 +578,7 @@ async fn start_zygote(app: &Arc<App>, e: Arc<Entry>) -> ApiResult<Zygote> {
     )
     .await?;
     match ev {
-        Event::ExecDone(r) if r.exit_code == Some(0) => {
-            let weight = match e.lock().await.as_ref() {
-                Some(sb) => sb.spec().limits.cpu_weight,
-                None => return Err(ApiError::no_sandbox(&e.id)),
-            };
-            let z = Zygote {
-                cgroup: app.rt.cgroups().open(&e.id),
-                entry: e,
-                session,
-                weight,
-            };
-            z.set_busy(false);
-            Ok(z)
-        }
+        Event::ExecDone(r) if r.exit_code == Some(0) => Ok(Zygote { entry: e, session }),
         Event::ExecDone(r) => Err(ApiError::internal(format!(
             "the zygote did not start: {}",
             String::from_utf8_lossy(&r.stderr.data)
@@ -755,7 +717,6 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
                 z
             }
         };
-        z.set_busy(true);
         let ev = agent_call(
             app,
             &z.entry,
@@ -776,7 +737,6 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             _ => None,
         };
         if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
-            z.set_busy(false);
             pool.put(z);
             drop(permit);
         } else {
