@@ -796,28 +796,6 @@ fn try_mount(
     ck(rc, step)
 }
 
-/// Where the new root's `/dev` comes from.
-#[derive(Clone, Copy)]
-enum DevSource<'a> {
-    /// Build it now ([`build_dev`]) with a fresh devpts instance.
-    Fresh,
-    /// The new root already carries its `/dev` ([`build_dev`], done when the tree was built);
-    /// the sandbox's devpts instance, mounted here, moves into it.
-    Built {
-        /// The devpts mount to move.
-        pts: &'a CStr,
-    },
-}
-
-/// Where the new root's `/proc` comes from.
-#[derive(Clone, Copy)]
-enum ProcSource<'a> {
-    /// A fresh procfs (the caller is in the sandbox's pid namespace).
-    Fresh,
-    /// Move this existing mount (with its masks) into the new root.
-    Move(&'a CStr),
-}
-
 /// Builds the sandbox's `/dev` (but for devpts) without a filesystem of its own: the nodes,
 /// links and mount points are created in `<stage>/dev`, a directory of the sandbox's tmpfs
 /// (beside the overlay's upper and work directories, so not reachable through the overlay),
@@ -906,106 +884,81 @@ fn build_dev(p: &Prepared) -> Result<(), StepError> {
 /// Populates the new root (`/dev`, `/proc` with masks, scratch dirs, read-only root) and pivots
 /// the caller's mount namespace onto it. `pivot_root` moves the root and cwd of every process of
 /// the namespace that was at the old root, which is what makes an in-place reset possible.
-fn populate_and_pivot(
-    p: &Prepared,
-    proc_src: ProcSource<'_>,
-    dev_src: DevSource<'_>,
-    root_ready: bool,
-) -> Result<(), StepError> {
+fn populate_and_pivot(p: &Prepared) -> Result<(), StepError> {
     let nul = c"";
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
-    match dev_src {
-        DevSource::Built { pts } => {
-            // The devpts instance has nothing open: every process but the agent is gone.
-            try_mount("move_pts", pts, &p.pts, None, libc::MS_MOVE, None)?;
-        }
-        DevSource::Fresh => {
-            ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
-            build_dev(p)?;
-            try_mount(
-                "devpts",
-                c"devpts",
-                &p.pts,
-                Some(c"devpts"),
-                libc::MS_NOSUID | libc::MS_NOEXEC,
-                Some(c"newinstance,ptmxmode=0666,mode=0620"),
-            )?;
-        }
-    }
+    ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+    build_dev(p)?;
+    try_mount(
+        "devpts",
+        c"devpts",
+        &p.pts,
+        Some(c"devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(c"newinstance,ptmxmode=0666,mode=0620"),
+    )?;
 
     // /proc for the sandbox's pid namespace, with the OCI masked and read-only paths.
     ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
-    match proc_src {
-        ProcSource::Move(old) => {
-            // The existing /proc already carries its masks; move the whole subtree.
-            try_mount("move_proc", old, &p.proc_, None, libc::MS_MOVE, None)?;
+    try_mount(
+        "proc",
+        c"proc",
+        &p.proc_,
+        Some(c"proc"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
+    )?;
+    // Masks come from outside the sandbox's tmpfs: /proc moves across resets, and a bind
+    // from the tmpfs would keep the first writable layer alive with it.
+    let devnull = &p.dev_nodes[0].host;
+    let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOEXEC;
+    for m in &p.masked {
+        match path_kind(m) {
+            Some(libc::S_IFDIR) => match &p.empty_dir {
+                Some(empty) => {
+                    try_mount("mask_dir", empty, m, None, libc::MS_BIND, None)?;
+                    try_mount("mask_dir_ro", nul, m, None, ro | nosuid_nodev, None)?;
+                }
+                None => try_mount(
+                    "mask_dir",
+                    c"tmpfs",
+                    m,
+                    Some(c"tmpfs"),
+                    libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
+                    Some(c"size=0,nr_inodes=1"),
+                )?,
+            },
+            Some(_) => {
+                try_mount("mask_file", devnull, m, None, libc::MS_BIND, None)?;
+                // In a user namespace also nodev, as it always was there.
+                let nodev = if p.userns { libc::MS_NODEV } else { 0 };
+                try_mount(
+                    "mask_remount",
+                    nul,
+                    m,
+                    None,
+                    ro | libc::MS_NOSUID | nodev,
+                    None,
+                )?;
+            }
+            None => {}
         }
-        ProcSource::Fresh => {
+    }
+    for r in &p.readonly {
+        if path_kind(r).is_some() {
+            try_mount("ro_bind", r, r, None, libc::MS_BIND | libc::MS_REC, None)?;
             try_mount(
-                "proc",
-                c"proc",
-                &p.proc_,
-                Some(c"proc"),
-                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                "ro_remount",
+                nul,
+                r,
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
                 None,
             )?;
-            // Masks come from outside the sandbox's tmpfs: /proc moves across resets, and a bind
-            // from the tmpfs would keep the first writable layer alive with it.
-            let devnull = &p.dev_nodes[0].host;
-            let ro = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOEXEC;
-            for m in &p.masked {
-                match path_kind(m) {
-                    Some(libc::S_IFDIR) => match &p.empty_dir {
-                        Some(empty) => {
-                            try_mount("mask_dir", empty, m, None, libc::MS_BIND, None)?;
-                            try_mount("mask_dir_ro", nul, m, None, ro | nosuid_nodev, None)?;
-                        }
-                        None => try_mount(
-                            "mask_dir",
-                            c"tmpfs",
-                            m,
-                            Some(c"tmpfs"),
-                            libc::MS_RDONLY | nosuid_nodev | libc::MS_NOEXEC,
-                            Some(c"size=0,nr_inodes=1"),
-                        )?,
-                    },
-                    Some(_) => {
-                        try_mount("mask_file", devnull, m, None, libc::MS_BIND, None)?;
-                        // In a user namespace also nodev, as it always was there.
-                        let nodev = if p.userns { libc::MS_NODEV } else { 0 };
-                        try_mount(
-                            "mask_remount",
-                            nul,
-                            m,
-                            None,
-                            ro | libc::MS_NOSUID | nodev,
-                            None,
-                        )?;
-                    }
-                    None => {}
-                }
-            }
-            for r in &p.readonly {
-                if path_kind(r).is_some() {
-                    try_mount("ro_bind", r, r, None, libc::MS_BIND | libc::MS_REC, None)?;
-                    try_mount(
-                        "ro_remount",
-                        nul,
-                        r,
-                        None,
-                        libc::MS_BIND
-                            | libc::MS_REMOUNT
-                            | libc::MS_RDONLY
-                            | nosuid_nodev
-                            | libc::MS_NOEXEC,
-                        None,
-                    )?;
-                }
-            }
         }
     }
 
-    if !p.writable_root && !root_ready {
+    if !p.writable_root {
         for (s, src) in p.scratch.iter().zip(&p.scratch_src) {
             if p.userns {
                 // Inside a user namespace the template's directories belong to unmapped host
@@ -1045,9 +998,15 @@ fn populate_and_pivot(
         )?;
     }
 
+    pivot_onto(&p.root)
+}
+
+/// Makes `root` (a mount point) the root of the caller's mount namespace and of every process
+/// whose root or cwd was the old root, then detaches the old root.
+fn pivot_onto(root: &CStr) -> Result<(), StepError> {
     // pivot_root(".", ".") stacks the old root on top of the new one; detach it.
     // SAFETY: valid path.
-    ck(unsafe { libc::chdir(p.root.as_ptr()) }, "chdir_root")?;
+    ck(unsafe { libc::chdir(root.as_ptr()) }, "chdir_root")?;
     ck(
         // SAFETY: valid NUL-terminated strings.
         unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int },
@@ -1175,7 +1134,7 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
     // SAFETY: as above; `opened` is not used again.
     unsafe { libc::close(opened) };
 
-    if let Err(e) = populate_and_pivot(p, ProcSource::Fresh, DevSource::Fresh, false) {
+    if let Err(e) = populate_and_pivot(p) {
         fail_step(&err, e);
     }
 

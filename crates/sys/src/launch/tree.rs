@@ -9,9 +9,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use crate::ipc::PidFd;
 
 use super::{
-    build_dev, ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind,
-    populate_and_pivot, prepare_parts, try_mount, ContainerSpec, DevSource, LaunchError,
-    ProcSource, RootfsSpec, StepError, NONE,
+    build_dev, ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind, pivot_onto,
+    prepare_parts, try_mount, ContainerSpec, LaunchError, RootfsSpec, StepError, NONE,
 };
 
 /// State a supervisor keeps for in-place resets.
@@ -195,6 +194,9 @@ pub fn build_root_tree(
     })
 }
 
+/// Where [`enter_root_tree`] mounts the new root inside the old one.
+const NEW_ROOT: &CStr = c"/tmp";
+
 /// Moves `tree` into the mount namespace of the process `init` and pivots every process of that
 /// namespace onto it (`pivot_root` moves the root and working directory of each process that was
 /// at the old root, so a running agent keeps running, now on the new root). `/proc` and
@@ -208,19 +210,14 @@ pub fn enter_root_tree(
     state: &mut ResetState,
 ) -> Result<OwnedFd, LaunchError> {
     ensure_single_threaded()?;
-    // The new root is mounted inside the old one, on /tmp (a writable scratch directory of a
-    // read-only root, or creatable in a writable one); not beneath /dev/pts, which moves into it.
-    let (dev_src, mountpoint) = (DevSource::Built { pts: c"/dev/pts" }, "/tmp");
-    let p = prepare_parts(&tree.rootfs, "", &[], &[], false, Some(mountpoint))?;
     let own_ns = state.own_ns()?;
     // A pidfd names the init itself: no /proc path to open, no pid to be reused.
     setns_mnt(init.as_fd(), "setns_sandbox")?;
     let inside = (|| -> Result<OwnedFd, StepError> {
-        let mp = cstr(mountpoint, "mountpoint").map_err(|_| StepError {
-            step: "mountpoint",
-            errno: 0,
-        })?;
-        ck(mkdir(&mp, 0o700), "mkdir_mountpoint")?;
+        // The new root is mounted inside the old one, on /tmp (a writable scratch directory of
+        // a read-only root, or creatable in a writable one); not beneath /dev/pts, which moves
+        // into it. The tree has its /proc and /dev/pts directories (`build_root_tree`).
+        ck(mkdir(NEW_ROOT, 0o700), "mkdir_mountpoint")?;
         // SAFETY: `tree.fd` is a detached mount; the target path is valid.
         let rc = unsafe {
             libc::syscall(
@@ -228,13 +225,31 @@ pub fn enter_root_tree(
                 tree.fd.as_raw_fd(),
                 c"".as_ptr(),
                 libc::AT_FDCWD,
-                mp.as_ptr(),
+                NEW_ROOT.as_ptr(),
                 libc::MOVE_MOUNT_F_EMPTY_PATH as libc::c_uint,
             )
         } as libc::c_int;
         ck(rc, "move_mount")?;
         let old_root = open_path(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
-        populate_and_pivot(&p, ProcSource::Move(c"/proc"), dev_src, true)?;
+        // The devpts instance has nothing open: every process but the agent is gone. /proc
+        // already carries its masks: the whole subtree moves.
+        try_mount(
+            "move_pts",
+            c"/dev/pts",
+            c"/tmp/dev/pts",
+            None,
+            libc::MS_MOVE,
+            None,
+        )?;
+        try_mount(
+            "move_proc",
+            c"/proc",
+            c"/tmp/proc",
+            None,
+            libc::MS_MOVE,
+            None,
+        )?;
+        pivot_onto(NEW_ROOT)?;
         Ok(old_root)
     })();
     // Back to our own namespace whatever happened.
