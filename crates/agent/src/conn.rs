@@ -740,7 +740,7 @@ impl Agent {
             return;
         }
         let started = exec::build_command(req, &self.root())
-            .and_then(|(mut cmd, program)| exec::start(&self.reaper, &mut cmd, &program));
+            .and_then(|(cmd, program)| exec::start(&self.reaper, &cmd, &program));
         let mut running = match started {
             Ok(r) => r,
             Err(e) => return self.out.error(id, e.code(), &e),

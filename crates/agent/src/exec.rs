@@ -1,4 +1,4 @@
-//! Running commands: building the `Command` (argv/shell, env, confined cwd, CPU rlimit, own
+//! Running commands: building the [`Spawn`] (argv/shell, env, confined cwd, CPU rlimit, own
 //! process group), the per-process pump (stdin feed, capped head+tail capture, streaming, wall
 //! timeout, output flood kill) and the mapping of an exit to an [`ExecResult`].
 //!
@@ -9,10 +9,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, ErrorKind, PipeReader, Read, Write};
-use std::os::fd::OwnedFd;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::process::CommandExt;
-use std::process::{ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 use std::sync::{Arc, Mutex};
@@ -21,6 +18,7 @@ use std::time::{Duration, Instant};
 use dsec_api::exec::{Captured, ExecRequest, ExecResult, ExecStatus, Stream, OUTPUT_KILL_FACTOR};
 use dsec_api::ErrorCode;
 use dsec_sys::proc::{self, ChildSetup, Interest, WaitStatus};
+use dsec_sys::spawn::Spawn;
 
 use crate::files::{FileError, Root};
 use crate::reaper::{lock, ExitSlot, Reaper, Spawned};
@@ -234,16 +232,16 @@ impl StdinFeed {
 
 /// Builds the command for `req`: program, env (agent env + request env, minus agent-internal
 /// variables), confined cwd, CPU limit, piped stdio, own process group.
-pub fn build_command(req: &ExecRequest, root: &Root) -> Result<(Command, String), ExecError> {
+pub fn build_command(req: &ExecRequest, root: &Root) -> Result<(Spawn, String), ExecError> {
     req.validate().map_err(ExecError::Invalid)?;
     let (mut cmd, program) = match &req.command {
         dsec_api::exec::Command::Argv(argv) => {
-            let mut c = Command::new(&argv[0]);
+            let mut c = Spawn::new(&argv[0]);
             c.args(&argv[1..]);
             (c, argv[0].clone())
         }
         dsec_api::exec::Command::Shell(s) => {
-            let mut c = Command::new("/bin/sh");
+            let mut c = Spawn::new("/bin/sh");
             c.arg("-c").arg(s);
             (c, "/bin/sh".to_owned())
         }
@@ -260,7 +258,7 @@ pub fn build_command(req: &ExecRequest, root: &Root) -> Result<(Command, String)
 
 /// Common child set-up for execs, background processes and sessions.
 pub fn prepare(
-    cmd: &mut Command,
+    cmd: &mut Spawn,
     env: &std::collections::BTreeMap<String, String>,
     cwd: Option<&str>,
     cpu_limit_ms: Option<u64>,
@@ -270,13 +268,8 @@ pub fn prepare(
     if let Some(base) = BASE_ENV.read().ok().and_then(|g| g.clone()) {
         cmd.env_clear().envs(base);
     }
-    cmd.env_remove(ROOT_ENV)
-        .envs(env)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let setup = ChildSetup {
+    cmd.env_remove(ROOT_ENV).envs(env);
+    cmd.setup(ChildSetup {
         cwd: Some(dir),
         cpu_limit_secs: cpu_limit_ms.map(|ms| ms.div_ceil(1000)),
         nofile: command_nofile(),
@@ -284,8 +277,7 @@ pub fn prepare(
             0 => None,
             n => Some(n),
         },
-    };
-    proc::configure_child(cmd, setup);
+    });
     Ok(())
 }
 
@@ -298,7 +290,7 @@ pub struct Running {
     /// Exit delivery.
     pub slot: Arc<ExitSlot>,
     wake: PipeReader,
-    stdin: Option<ChildStdin>,
+    stdin: Option<File>,
     stdout: Option<File>,
     stderr: Option<File>,
 }
@@ -312,21 +304,19 @@ impl Running {
 }
 
 /// Spawns `cmd` through the reaper.
-pub fn start(reaper: &Reaper, cmd: &mut Command, program: &str) -> Result<Running, ExecError> {
+pub fn start(reaper: &Reaper, cmd: &Spawn, program: &str) -> Result<Running, ExecError> {
     let spawn_err = |source| ExecError::Spawn {
         program: program.to_owned(),
         source,
     };
     let Spawned {
-        mut child,
+        child,
         slot,
         wake,
         started,
     } = reaper.spawn(cmd).map_err(spawn_err)?;
-    let pid = child.id() as i32;
-    let stdin = child.stdin.take();
-    let stdout = child.stdout.take().map(|p| File::from(OwnedFd::from(p)));
-    let stderr = child.stderr.take().map(|p| File::from(OwnedFd::from(p)));
+    let pid = child.pid;
+    let (stdin, stdout, stderr) = (Some(child.stdin), Some(child.stdout), Some(child.stderr));
     for fd in [
         stdin.as_ref().map(|s| s.as_fd()),
         stdout.as_ref().map(|s| s.as_fd()),
@@ -584,8 +574,8 @@ pub fn run(
     reaper: &Reaper,
     sink: &mut dyn FnMut(Stream, &[u8]),
 ) -> Result<ExecResult, ExecError> {
-    let (mut cmd, program) = build_command(req, root)?;
-    let mut running = start(reaper, &mut cmd, &program)?;
+    let (cmd, program) = build_command(req, root)?;
+    let mut running = start(reaper, &cmd, &program)?;
     drop(cmd);
     let feed = StdinFeed::new(stdin, true);
     let limits = limits_for(req, running.started);

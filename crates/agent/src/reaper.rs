@@ -2,19 +2,19 @@
 //! WNOHANG)` driven by SIGCHLD) and hands `(status, rusage)` to whoever registered that pid. Unregistered pids (orphaned
 //! grandchildren re-parented to us) are just reaped.
 //!
-//! Spawning goes through [`Reaper::spawn`], which holds the read side of a gate across `fork`,
-//! exec and registration while the reaper holds the write side around `wait4`. So an exit is
-//! never reaped before its pid is registered, and std's own `waitpid` on a failed exec never
-//! races with the reaper (it would panic on `ECHILD`).
+//! Spawning goes through [`Reaper::spawn`], which holds the read side of a gate across the
+//! clone, exec and registration while the reaper holds the write side around `wait4`. So an
+//! exit is never reaped before its pid is registered, and [`Spawn::spawn`]'s own `waitpid` on a
+//! failed exec never races with the reaper.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{PipeReader, PipeWriter, Write};
 use std::os::fd::AsFd;
-use std::process::{Child, Command};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use dsec_sys::proc::{self, Rusage, WaitStatus};
+use dsec_sys::spawn::{self, Spawn};
 
 /// Most process groups remembered for `KillAll` before pruning dead ones.
 const MAX_PGIDS: usize = 4096;
@@ -99,8 +99,8 @@ pub struct Reaper {
 
 /// A spawned, registered child.
 pub struct Spawned {
-    /// The std handle (never waited on: the reaper owns reaping). Holds the pipes.
-    pub child: Child,
+    /// Pid and pipes (never waited on here: the reaper owns reaping).
+    pub child: spawn::Spawned,
     /// Exit delivery.
     pub slot: Arc<ExitSlot>,
     /// Read end of the wake pipe (non-blocking).
@@ -171,8 +171,8 @@ impl Reaper {
         }
     }
 
-    /// Spawns `cmd` (which must use `process_group(0)`) and registers its pid and process group.
-    pub fn spawn(&self, cmd: &mut Command) -> std::io::Result<Spawned> {
+    /// Spawns `cmd` (in a process group of its own) and registers its pid and process group.
+    pub fn spawn(&self, cmd: &Spawn) -> std::io::Result<Spawned> {
         self.ensure_thread()?;
         let (rd, wr) = std::io::pipe()?;
         proc::set_nonblocking(rd.as_fd()).map_err(std::io::Error::other)?;
@@ -185,7 +185,7 @@ impl Reaper {
         let gate = self.gate.read().unwrap_or_else(|p| p.into_inner());
         let started = Instant::now();
         let child = cmd.spawn()?;
-        let pid = child.id() as i32;
+        let pid = child.pid;
         lock(&self.registry).insert(pid, Arc::clone(&slot));
         drop(gate);
         self.remember_pgid(pid);

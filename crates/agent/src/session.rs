@@ -13,7 +13,6 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
-use std::process::Command;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +20,7 @@ use dsec_api::agent::SessionKind;
 use dsec_api::exec::{ExecResult, ExecStatus, Stream, DEFAULT_OUTPUT_LIMIT};
 use dsec_api::ErrorCode;
 use dsec_sys::proc::{self, WaitStatus};
+use dsec_sys::spawn::Spawn;
 
 use crate::exec::{self, Capture, ExecError, PumpLimits, StdinFeed, SIGKILL};
 use crate::files::Root;
@@ -218,21 +218,21 @@ impl Sessions {
         let (mut cmd, program) = match kind {
             SessionKind::Shell => {
                 if std::path::Path::new("/bin/bash").exists() {
-                    let mut c = Command::new("/bin/bash");
+                    let mut c = Spawn::new("/bin/bash");
                     c.args(["--noprofile", "--norc"]);
                     (c, "/bin/bash")
                 } else {
-                    (Command::new("/bin/sh"), "/bin/sh")
+                    (Spawn::new("/bin/sh"), "/bin/sh")
                 }
             }
             SessionKind::Python => {
-                let mut c = Command::new("/usr/bin/python3");
+                let mut c = Spawn::new("/usr/bin/python3");
                 c.args(["-u", "-c", PY_DRIVER]);
                 (c, "/usr/bin/python3")
             }
         };
         exec::prepare(&mut cmd, env, cwd, None, root).map_err(SessionError::Start)?;
-        let mut running = exec::start(reaper, &mut cmd, program).map_err(SessionError::Start)?;
+        let mut running = exec::start(reaper, &cmd, program).map_err(SessionError::Start)?;
         let pid = running.pid;
         let slot = Arc::clone(&running.slot);
         let pipe = running.stdin_pipe();

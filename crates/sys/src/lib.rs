@@ -15,3 +15,4 @@ pub mod ipc;
 pub mod launch;
 pub mod proc;
 pub mod seccomp;
+pub mod spawn;

@@ -1,5 +1,6 @@
 //! Process control for `dsec-agent`: subreaping, SIGCHLD handling, `wait4` with rusage, signals,
-//! child set-up hooks for [`std::process::Command`] (cwd by fd, CPU rlimit, fd 3 hand-over),
+//! the child set-up of [`crate::spawn::Spawn`] (cwd by fd, rlimits), fd 3 hand-over for
+//! [`std::process::Command`],
 //! non-blocking pipes and `poll`.
 //!
 //! Everything here is a thin, safe wrapper; the agent never calls `libc` directly.
@@ -253,7 +254,7 @@ fn raw_kill(pid: i32, signal: i32) -> Result<bool, ProcError> {
     })
 }
 
-/// What a child does between fork and exec (only async-signal-safe work).
+/// What a child does before its exec ([`crate::spawn::Spawn::setup`]).
 #[derive(Debug, Default)]
 pub struct ChildSetup {
     /// `fchdir` to this directory (opened with `O_CLOEXEC`; closed by exec).
@@ -264,84 +265,6 @@ pub struct ChildSetup {
     pub nofile: Option<u64>,
     /// RLIMIT_FSIZE (soft and hard) for the command.
     pub fsize: Option<u64>,
-}
-
-/// Installs a `pre_exec` hook on `cmd` that applies `setup` in the child.
-pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
-    let cwd = setup.cwd;
-    let cpu = setup.cpu_limit_secs;
-    let nofile = setup.nofile;
-    let fsize = setup.fsize;
-    let hook = move || -> io::Result<()> {
-        // Commands are the OOM killer's first choice in their sandbox, before the agent (which
-        // is also exempted outright where the supervisor holds CAP_SYS_RESOURCE). Raising a
-        // score needs no privilege.
-        // SAFETY: open/write/close are async-signal-safe; the path is a static C string.
-        unsafe {
-            let fd = libc::open(
-                c"/proc/self/oom_score_adj".as_ptr(),
-                libc::O_WRONLY | libc::O_CLOEXEC,
-            );
-            if fd >= 0 {
-                libc::write(fd, b"1000".as_ptr().cast(), 4);
-                libc::close(fd);
-            }
-        }
-        if let Some(n) = fsize {
-            let lim = libc::rlimit {
-                rlim_cur: n as libc::rlim_t,
-                rlim_max: n as libc::rlim_t,
-            };
-            // SAFETY: setrlimit is async-signal-safe; `lim` is a valid rlimit on the stack.
-            if unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &lim) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        if let Some(n) = nofile {
-            let lim = libc::rlimit {
-                rlim_cur: n as libc::rlim_t,
-                rlim_max: n as libc::rlim_t,
-            };
-            // SAFETY: setrlimit is async-signal-safe; `lim` is a valid rlimit on the stack.
-            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        // The agent blocks SIGCHLD in all its threads; a command must start with an empty mask
-        // (otherwise `sleep 1 & wait` in a shell never returns).
-        // SAFETY: sigemptyset/sigprocmask are async-signal-safe; the set lives on the stack.
-        unsafe {
-            let mut empty: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut empty);
-            if libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        if let Some(fd) = &cwd {
-            // SAFETY: fchdir is async-signal-safe and `fd` is an open directory fd owned by the
-            // closure, which lives until exec.
-            if unsafe { libc::fchdir(fd.as_raw_fd()) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        if let Some(secs) = cpu {
-            let lim = libc::rlimit {
-                rlim_cur: secs as libc::rlim_t,
-                rlim_max: secs.saturating_add(1) as libc::rlim_t,
-            };
-            // SAFETY: setrlimit is async-signal-safe; `lim` is a valid rlimit on the stack.
-            if unsafe { libc::setrlimit(libc::RLIMIT_CPU, &lim) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        Ok(())
-    };
-    // SAFETY: the hook only calls async-signal-safe functions (sigprocmask, setrlimit, fchdir)
-    // and does not allocate, so it is sound to run between fork and exec in a multi-threaded
-    // parent.
-    unsafe {
-        cmd.pre_exec(hook);
-    }
 }
 
 /// Makes `fd` the child's fd 3 (without `FD_CLOEXEC`). Used to hand the protocol socket to
