@@ -116,6 +116,8 @@ struct BgProc {
 pub struct Agent {
     out: Arc<Out>,
     root: RwLock<Arc<Root>>,
+    /// Set by `ReopenRoot`: the root is reopened at its next use (see [`Agent::root`]).
+    root_stale: AtomicBool,
     root_path: PathBuf,
     reaper: Arc<Reaper>,
     procs: Mutex<HashMap<u64, Arc<BgProc>>>,
@@ -306,8 +308,23 @@ fn msg(s: impl Into<String>) -> ReqError {
 }
 
 impl Agent {
-    /// The current sandbox root (replaced by `ReopenRoot` after a reset).
+    /// The current sandbox root. After a `ReopenRoot` it is reopened here, at its first use:
+    /// the supervisor sends `ReopenRoot` before it pivots the sandbox onto its fresh root (so
+    /// that this agent's answer overlaps the pivot) and answers the node only after the pivot,
+    /// and the node sends nothing that uses the root before that answer.
     fn root(&self) -> Arc<Root> {
+        if self.root_stale.load(Ordering::Acquire) {
+            match Root::open(&self.root_path) {
+                Ok(r) => {
+                    if let Ok(mut g) = self.root.write() {
+                        *g = Arc::new(r);
+                    }
+                    self.root_stale.store(false, Ordering::Release);
+                }
+                // Still stale: the next use tries again.
+                Err(e) => eprintln!("dsec-agent: reopen the root: {e}"),
+            }
+        }
         match self.root.read() {
             Ok(g) => Arc::clone(&g),
             Err(poisoned) => Arc::clone(&poisoned.into_inner()),
@@ -328,6 +345,7 @@ impl Agent {
             }),
             guest,
             root: RwLock::new(Arc::new(root)),
+            root_stale: AtomicBool::new(false),
             root_path,
             reaper,
             procs: Mutex::new(HashMap::new()),
@@ -645,6 +663,7 @@ impl Agent {
                         if let Ok(mut g) = self.root.write() {
                             *g = Arc::new(r);
                         }
+                        self.root_stale.store(false, Ordering::Release);
                         ok()
                     }
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
@@ -677,19 +696,21 @@ impl Agent {
                 },
             },
             Request::ReopenRoot => {
-                // A reset: the supervisor killed every other process of the sandbox before
-                // swapping the root, so their handles and sessions go too.
+                // A reset: the supervisor killed every other process of the sandbox, so their
+                // handles and sessions go too; the root is reopened at its next use.
                 lock(&self.procs).clear();
                 self.sessions.clear();
-                match Root::open(&self.root_path) {
-                    Ok(r) => {
-                        if let Ok(mut g) = self.root.write() {
-                            *g = Arc::new(r);
-                        }
-                        ok()
+                // Let go of the old root now: held until the next use it would keep the old
+                // writable layer (and all it stores) alive while the sandbox sits idle. /proc
+                // stands in (its mount moves into the fresh root, so it pins nothing of the
+                // old one) until the next use reopens the root.
+                if let Ok(placeholder) = Root::open(std::path::Path::new("/proc")) {
+                    if let Ok(mut g) = self.root.write() {
+                        *g = Arc::new(placeholder);
                     }
-                    Err(e) => out.error(id, ErrorCode::Internal, &e),
                 }
+                self.root_stale.store(true, Ordering::Release);
+                ok()
             }
         }
     }

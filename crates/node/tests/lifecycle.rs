@@ -16,7 +16,7 @@ use common::{create, create_spec, small_limits, stderr, stdout, LeakSnapshot};
 use dsec_api::agent::{Event, Request, SessionKind};
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::container::{ContainerRuntime, RuntimeConfig};
-use dsec_node::sandbox::SandboxSpec;
+use dsec_node::sandbox::{Limits, SandboxSpec};
 use sha2::{Digest, Sha256};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -199,6 +199,47 @@ fn lifecycle_spaced_resets_start_from_a_fresh_layer_each_time() {
     }
     let r = sb.sh("ls -A /tmp /workspace /dev/shm", 5000);
     assert_eq!(stdout(&r), "/dev/shm:\n\n/tmp:\n\n/workspace:\n", "{r:?}");
+    sb.destroy().expect("destroy");
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
+/// A reset frees the old writable layer while the sandbox sits idle after it (nothing, the
+/// agent included, keeps the old root alive until the next command).
+#[test]
+fn lifecycle_a_reset_frees_the_old_layer_before_the_next_command() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let mut sb = create(Limits {
+        memory_max: 256 << 20,
+        disk_bytes: 128 << 20,
+        ..small_limits()
+    });
+    sb.mark_acquired().expect("acquire");
+    let r = sb.sh("head -c 48000000 /dev/zero > /tmp/big && echo ok", 20_000);
+    assert_eq!(stdout(&r), "ok\n", "{r:?}");
+    let rt = common::rt();
+    let usage = |id: &str| {
+        rt.cgroups()
+            .open(id)
+            .expect("cgroup")
+            .stats()
+            .expect("stats")
+            .memory_current
+    };
+    let before = usage(sb.id());
+    assert!(
+        before > 40_000_000,
+        "the file is charged to the sandbox: {before}"
+    );
+    sb.reset().expect("reset");
+    let id = sb.id().to_owned();
+    assert!(
+        common::wait_until(Duration::from_secs(5), || usage(&id) < before - 30_000_000),
+        "the old layer is still charged after the reset: {} of {before}",
+        usage(&id)
+    );
+    let r = sb.sh("test -e /tmp/big && echo present || echo absent", 5000);
+    assert_eq!(stdout(&r), "absent\n", "{r:?}");
     sb.destroy().expect("destroy");
     LeakSnapshot::assert_back_to(&base, SETTLE);
 }

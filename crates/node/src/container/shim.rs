@@ -770,6 +770,21 @@ fn serve(
                             if cfg.userns.is_none()
                                 && kill_all_but_init(&cgroup, init.pidfd.pid()) =>
                         {
+                            // The agent's `ReopenRoot` goes out before the pivot, so that
+                            // its answer overlaps the pivot: it drops its handles and
+                            // sessions (their processes are gone) and reopens the root at its
+                            // next use, which comes after the node's answer, after the pivot.
+                            // The node is waiting on us, so it writes nothing to the agent
+                            // socket meanwhile. An agent that cannot be written to is broken:
+                            // end it, so that the node's wait ends on its closed socket.
+                            agent_req_id += 1;
+                            if !send_agent_request(
+                                &init.agent_host,
+                                agent_req_id,
+                                &dsec_api::agent::Request::ReopenRoot,
+                            ) {
+                                let _ = init.pidfd.signal(9);
+                            }
                             let spec = container_spec(ctx, cfg, &init.agent_host);
                             let pivoted = match spare.take().filter(|t| t.matches(&spec.rootfs)) {
                                 Some(tree) => {
@@ -781,26 +796,11 @@ fn serve(
                             };
                             match pivoted {
                                 Ok(old_root) => {
-                                    // Answer the node first, so that it wakes while the agent
-                                    // reopens its root; it only reads the agent socket until
-                                    // the answer, so the supervisor's request cannot
-                                    // interleave with one of the node's.
-                                    agent_req_id += 1;
                                     let done = SupervisorMsg::ResetDone {
                                         init_pid: init.pidfd.pid(),
                                         await_id: agent_req_id,
                                     };
                                     let _ = send(c.as_fd(), &done, &[]);
-                                    if !send_agent_request(
-                                        &init.agent_host,
-                                        agent_req_id,
-                                        &dsec_api::agent::Request::ReopenRoot,
-                                    ) {
-                                        // An agent that cannot be written to is broken: end
-                                        // it, so that the node's wait ends too (its socket
-                                        // closes) and the sandbox is relaunched or destroyed.
-                                        let _ = init.pidfd.signal(9);
-                                    }
                                     // The old writable layer is freed later, off the path of
                                     // the answer and of the sandbox's next commands.
                                     old_roots.push(old_root);
