@@ -184,8 +184,8 @@ struct Prepared {
     tmpfs_opts: CString,
     upper: CString,
     work: CString,
+    /// Where the overlay is mounted: the new root.
     root: CString,
-    overlay_target: CString,
     overlay_opts: CString,
     dev: CString,
     dev_src: CString,
@@ -227,14 +227,13 @@ fn cstr(s: impl Into<Vec<u8>>, what: &'static str) -> Result<CString, LaunchErro
     CString::new(s).map_err(|_| LaunchError::InvalidArgument { what })
 }
 
-fn prepare(spec: &ContainerSpec<'_>, root_at: Option<&str>) -> Result<Prepared, LaunchError> {
+fn prepare(spec: &ContainerSpec<'_>) -> Result<Prepared, LaunchError> {
     prepare_parts(
         &spec.rootfs,
         &spec.ns.hostname,
         &spec.argv,
         &spec.env,
         spec.ns.user.is_some(),
-        root_at,
     )
 }
 
@@ -244,7 +243,6 @@ fn prepare_parts(
     argv: &[String],
     env: &[(String, String)],
     userns: bool,
-    root_at: Option<&str>,
 ) -> Result<Prepared, LaunchError> {
     for l in &r.lowerdirs {
         if l.contains(':') || l.contains(',') {
@@ -252,8 +250,7 @@ fn prepare_parts(
         }
     }
     let stage = r.stage.trim_end_matches('/').to_string();
-    let overlay_target = format!("{stage}/root");
-    let root = root_at.map_or_else(|| overlay_target.clone(), str::to_string);
+    let root = format!("{stage}/root");
     let dev = format!("{root}/dev");
     let dev_src = format!("{stage}/dev");
     let proc_ = format!("{root}/proc");
@@ -334,7 +331,6 @@ fn prepare_parts(
             "overlay",
         )?,
         root: cstr(root.as_str(), "stage")?,
-        overlay_target: cstr(overlay_target, "stage")?,
         dev: cstr(dev.as_str(), "dev")?,
         dev_src_dirs: [
             cstr(format!("{dev_src}/pts"), "dev")?,
@@ -642,7 +638,7 @@ fn shell_main(res: &ShellResources<'_>, sync: OwnedFd, err: OwnedFd) -> ! {
         env: params.env,
         seccomp: res.seccomp,
     };
-    let Ok(prep) = prepare(&spec, None) else {
+    let Ok(prep) = prepare(&spec) else {
         fail(&err, "prepare")
     };
     child_main(&prep, &spec, sync, err)
@@ -1092,7 +1088,7 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         nosuid_nodev,
         Some(&p.tmpfs_opts),
     );
-    for d in [&p.upper, &p.work, &p.overlay_target] {
+    for d in [&p.upper, &p.work, &p.root] {
         check(mkdir(d, 0o755), &err, "mkdir_stage");
     }
     if p.placeholder {
@@ -1102,8 +1098,8 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
         mount(
             &err,
             "placeholder",
-            &p.overlay_target,
-            &p.overlay_target,
+            &p.root,
+            &p.root,
             None,
             libc::MS_BIND,
             None,
@@ -1113,7 +1109,7 @@ fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, err: OwnedF
             &err,
             "overlay",
             c"overlay",
-            &p.overlay_target,
+            &p.root,
             Some(c"overlay"),
             nosuid_nodev,
             Some(&p.overlay_opts),

@@ -121,18 +121,12 @@ impl Spawn {
         self
     }
 
-    /// The program.
-    pub fn program(&self) -> &OsStr {
-        &self.program
-    }
-
     /// Starts the command. Returns when it has exec'd; an exec that failed (no such program,
     /// not executable) or a set-up step that failed is the error, with the child already reaped.
     /// The caller must keep any other reaper of its children from waiting for this one until
     /// this returns (the agent's reaper holds a gate).
     pub fn spawn(&self) -> io::Result<Spawned> {
-        let invalid = || io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command");
-        let cstring = |b: &[u8]| CString::new(b).map_err(|_| invalid());
+        let cstring = |b: &[u8]| CString::new(b).map_err(|_| nul_in_command());
         if self.program.is_empty() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -246,10 +240,9 @@ impl Spawn {
 
 /// The paths an exec of `program` tries, in order (`execvp`'s search, done before the clone).
 fn candidates(program: &OsStr, path: Option<&OsStr>) -> io::Result<Vec<CString>> {
-    let invalid = || io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command");
     if program.as_bytes().contains(&b'/') {
         return Ok(vec![
-            CString::new(program.as_bytes()).map_err(|_| invalid())?
+            CString::new(program.as_bytes()).map_err(|_| nul_in_command())?
         ]);
     }
     let path = path.map_or(DEFAULT_PATH.as_bytes(), OsStrExt::as_bytes);
@@ -262,9 +255,13 @@ fn candidates(program: &OsStr, path: Option<&OsStr>) -> io::Result<Vec<CString>>
         };
         p.push(b'/');
         p.extend_from_slice(program.as_bytes());
-        out.push(CString::new(p).map_err(|_| invalid())?);
+        out.push(CString::new(p).map_err(|_| nul_in_command())?);
     }
     Ok(out)
+}
+
+fn nul_in_command() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command")
 }
 
 fn null_terminated(v: &[CString]) -> Vec<*const libc::c_char> {

@@ -118,7 +118,7 @@ pub fn build_root_tree(
         stage: own_stage,
         ..rootfs.clone()
     };
-    let p = prepare_parts(&staged, "", &[], &[], false, None)?;
+    let p = prepare_parts(&staged, "", &[], &[], false)?;
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
     try_mount(
         "tmpfs",
@@ -129,13 +129,13 @@ pub fn build_root_tree(
         Some(&p.tmpfs_opts),
     )?;
     let built = (|| -> Result<OwnedFd, StepError> {
-        for d in [&p.upper, &p.work, &p.overlay_target] {
+        for d in [&p.upper, &p.work, &p.root] {
             ck(mkdir(d, 0o755), "mkdir_stage")?;
         }
         try_mount(
             "overlay",
             c"overlay",
-            &p.overlay_target,
+            &p.root,
             Some(c"overlay"),
             nosuid_nodev,
             Some(&p.overlay_opts),
@@ -154,14 +154,14 @@ pub fn build_root_tree(
             try_mount(
                 "ro_root",
                 c"",
-                &p.overlay_target,
+                &p.root,
                 None,
                 libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
                 None,
             )?;
         }
         for w in warm {
-            if let Ok(c) = CString::new(format!("{}{w}", p.overlay_target.to_string_lossy())) {
+            if let Ok(c) = CString::new(format!("{}{w}", p.root.to_string_lossy())) {
                 let _ = path_kind(&c);
             }
         }
@@ -171,7 +171,7 @@ pub fn build_root_tree(
             libc::syscall(
                 libc::SYS_open_tree,
                 libc::AT_FDCWD,
-                p.overlay_target.as_ptr(),
+                p.root.as_ptr(),
                 (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as u32)
                     as libc::c_uint,
             )
@@ -184,7 +184,7 @@ pub fn build_root_tree(
     // overlay (and through it the tmpfs upper) alive.
     // SAFETY: valid paths.
     unsafe {
-        libc::umount2(p.overlay_target.as_ptr(), libc::MNT_DETACH);
+        libc::umount2(p.root.as_ptr(), libc::MNT_DETACH);
         libc::umount2(p.stage.as_ptr(), libc::MNT_DETACH);
     }
     let _ = std::fs::remove_dir(&staged.stage);
