@@ -537,6 +537,28 @@ impl CgroupManager {
         })
     }
 
+    /// The number of OOM kills a cgroup has recorded: one read of one file (v1
+    /// `memory.oom_control`, v2 `memory.events`), where [`Cgroup::stats`] reads five. Called
+    /// after every command, so it neither checks the other hierarchies nor keeps a file open
+    /// (an open seq_file holds a page of node memory per sandbox).
+    pub fn oom_kills(&self, name: &str) -> Result<u64, CgroupError> {
+        validate_name(name)?;
+        let (file, parse): (PathBuf, fn(&str) -> Option<u64>) = match &self.layout {
+            CgroupLayout::V1 { memory, .. } => (
+                memory.join(&self.base).join(name).join("memory.oom_control"),
+                |t| parse_oom_control(t).map(|o| o.oom_kill),
+            ),
+            CgroupLayout::V2 { root } => (
+                root.join(&self.base).join(name).join("memory.events"),
+                |t| parse_memory_events(t).map(|e| e.oom_kill),
+            ),
+        };
+        parse(&read_file(&file)?).ok_or(CgroupError::Parse {
+            file,
+            what: "an oom_kill line",
+        })
+    }
+
     /// Renames a cgroup (every hierarchy's directory), keeping its members and limits. Used to
     /// give a pre-created cgroup its sandbox's name.
     pub fn rename(&self, cgroup: Cgroup, new_name: &str) -> Result<Cgroup, CgroupError> {

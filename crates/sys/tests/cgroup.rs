@@ -298,6 +298,8 @@ fn memory_max_is_enforced_by_oom_kill() -> TestResult {
     assert!(!status.success(), "memory hog survived: {status}");
     let stats = cg.stats()?;
     assert!(stats.oom_kills >= 1, "{stats:?}");
+    // The one-file read that follows every command agrees with the full stats.
+    assert_eq!(mgr.oom_kills(name)?, stats.oom_kills);
     if let Some(peak) = stats.memory_peak {
         assert!(peak <= limit, "{stats:?}");
     }
@@ -664,6 +666,9 @@ fn v2_fake_root_stats_from_fixtures() -> TestResult {
     assert_eq!(stats.memory_current, 1 << 20);
     assert_eq!(stats.memory_peak, Some(4 << 20));
     assert_eq!(stats.oom_kills, 2);
+    assert_eq!(mgr.oom_kills("sbx")?, 2);
+    assert!(mgr.oom_kills("other").is_err());
+    assert!(mgr.oom_kills("../sbx").is_err());
     assert_eq!(stats.cpu_usage_ns, Some(1_500_000));
     assert_eq!(stats.pids_current, 3);
     assert_eq!(cg.pids()?, vec![10, 11, 12]);

@@ -22,12 +22,7 @@ impl Sandbox {
             .map_err(|source| RuntimeError::Agent { id, source })?;
         // The cgroup's OOM counter tells whether the kernel killed something for memory during
         // this command, whichever process of the tree it picked.
-        if let Some(kills) = rt
-            .cgroups()
-            .open(&self.id)
-            .and_then(|c| c.stats().ok())
-            .map(|s| s.oom_kills)
-        {
+        if let Ok(kills) = rt.cgroups().oom_kills(&self.id) {
             if kills > self.oom_kills {
                 self.oom_kills = kills;
                 if result.status != ExecStatus::Ok {
