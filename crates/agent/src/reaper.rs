@@ -173,7 +173,6 @@ impl Reaper {
 
     /// Spawns `cmd` (in a process group of its own) and registers its pid and process group.
     pub fn spawn(&self, cmd: &Spawn) -> std::io::Result<Spawned> {
-        self.ensure_thread()?;
         let (rd, wr) = std::io::pipe()?;
         proc::set_nonblocking(rd.as_fd()).map_err(std::io::Error::other)?;
         proc::set_nonblocking(wr.as_fd()).map_err(std::io::Error::other)?;
@@ -189,6 +188,15 @@ impl Reaper {
         lock(&self.registry).insert(pid, Arc::clone(&slot));
         drop(gate);
         self.remember_pgid(pid);
+        // The first spawn starts the reaper thread now, while the child execs on the other
+        // CPU, rather than before it. A child that exits first stays a zombie, its SIGCHLD
+        // pending, until the thread's first pass. Without a thread nothing would report the
+        // child's exit: it is killed (and reaped by a later spawn's thread).
+        if let Err(e) = self.ensure_thread() {
+            let _ = proc::killpg(pid, crate::exec::SIGKILL);
+            lock(&self.registry).remove(&pid);
+            return Err(e);
+        }
         Ok(Spawned {
             child,
             slot,
@@ -215,3 +223,4 @@ impl Reaper {
         lock(&self.pgids).retain(|&g| proc::killpg(g, 0).unwrap_or(false));
     }
 }
+
