@@ -223,4 +223,3 @@ impl Reaper {
         lock(&self.pgids).retain(|&g| proc::killpg(g, 0).unwrap_or(false));
     }
 }
-

@@ -545,7 +545,10 @@ impl CgroupManager {
         validate_name(name)?;
         let (file, parse): (PathBuf, fn(&str) -> Option<u64>) = match &self.layout {
             CgroupLayout::V1 { memory, .. } => (
-                memory.join(&self.base).join(name).join("memory.oom_control"),
+                memory
+                    .join(&self.base)
+                    .join(name)
+                    .join("memory.oom_control"),
                 |t| parse_oom_control(t).map(|o| o.oom_kill),
             ),
             CgroupLayout::V2 { root } => (
