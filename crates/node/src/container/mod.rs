@@ -342,6 +342,7 @@ fn start_spawner(
             serde_json::to_string(likely).map_err(|e| RuntimeError::Invalid(e.to_string()))?,
         )
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("GLIBC_TUNABLES", SPAWNER_MALLOC_TUNABLES)
         .stdin(std::process::Stdio::null());
     if let Some(n) = std::env::var_os("DSEC_SPAWNER_SHELLS") {
         cmd.env("DSEC_SPAWNER_SHELLS", n);
@@ -355,6 +356,15 @@ fn start_spawner(
         child: Mutex::new(child),
     })
 }
+
+/// The spawner's (and so every supervisor's) malloc runs without glibc's per-thread cache. A
+/// supervisor lives as long as its sandbox, forked from the spawner: each heap page it writes
+/// after the fork becomes its own copy, and the cache kept freed chunks apart, scattered over
+/// pages that `malloc_trim` could then not give back. Without it a supervisor holds 55 KiB of
+/// private memory instead of 78 (`smaps`, 1,000 idle sandboxes); its allocations are few and
+/// off every hot path. Sandboxed processes never see the variable (their environment is built
+/// from scratch).
+pub const SPAWNER_MALLOC_TUNABLES: &str = "glibc.malloc.tcache_count=0";
 
 fn spawner_reader(link: &SpawnerLink) {
     let mut buf = vec![0u8; MAX_MSG];
