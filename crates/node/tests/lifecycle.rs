@@ -552,11 +552,13 @@ fn lifecycle_supervisors_run_without_the_malloc_cache_and_sandboxes_do_not_inher
     let sup = environ(sb.supervisor_pid());
     assert!(sup.contains(&tunable), "{sup:?}");
     let agent = environ(sb.init_pid());
-    assert!(!agent.iter().any(|v| v.starts_with("GLIBC_TUNABLES")), "{agent:?}");
+    assert!(
+        !agent.iter().any(|v| v.starts_with("GLIBC_TUNABLES")),
+        "{agent:?}"
+    );
     let r = sb.sh("env", 10_000);
     assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
     assert!(!stdout(&r).contains("GLIBC_TUNABLES"), "{}", stdout(&r));
     sb.destroy().expect("destroy");
     LeakSnapshot::assert_back_to(&base, SETTLE);
 }
-
