@@ -543,23 +543,7 @@ impl CgroupManager {
     /// (an open seq_file holds a page of node memory per sandbox).
     pub fn oom_kills(&self, name: &str) -> Result<u64, CgroupError> {
         validate_name(name)?;
-        let (file, parse): (PathBuf, fn(&str) -> Option<u64>) = match &self.layout {
-            CgroupLayout::V1 { memory, .. } => (
-                memory
-                    .join(&self.base)
-                    .join(name)
-                    .join("memory.oom_control"),
-                |t| parse_oom_control(t).map(|o| o.oom_kill),
-            ),
-            CgroupLayout::V2 { root } => (
-                root.join(&self.base).join(name).join("memory.events"),
-                |t| parse_memory_events(t).map(|e| e.oom_kill),
-            ),
-        };
-        parse(&read_file(&file)?).ok_or(CgroupError::Parse {
-            file,
-            what: "an oom_kill line",
-        })
+        read_oom_kills(&self.dirs_for(Some(name)))
     }
 
     /// Renames a cgroup (every hierarchy's directory), keeping its members and limits. Used to
@@ -976,11 +960,7 @@ impl Cgroup {
                 pids,
                 ..
             } => {
-                let oom_file = memory.join("memory.oom_control");
-                let oom = parse_oom_control(&read_file(&oom_file)?).ok_or(CgroupError::Parse {
-                    file: oom_file,
-                    what: "an oom_kill line",
-                })?;
+                let oom_kills = read_oom_kills(&self.dirs)?;
                 let cpu_usage_ns = match cpuacct {
                     Some(dir) => Some(read_u64(&dir.join("cpuacct.usage"))?),
                     None => None,
@@ -988,18 +968,13 @@ impl Cgroup {
                 Ok(CgroupStats {
                     memory_current: read_u64(&memory.join("memory.usage_in_bytes"))?,
                     memory_peak: Some(read_u64(&memory.join("memory.max_usage_in_bytes"))?),
-                    oom_kills: oom.oom_kill,
+                    oom_kills,
                     cpu_usage_ns,
                     pids_current: read_u64(&pids.join("pids.current"))?,
                 })
             }
             CgroupLayout::V2 { root: dir } => {
-                let events_file = dir.join("memory.events");
-                let events =
-                    parse_memory_events(&read_file(&events_file)?).ok_or(CgroupError::Parse {
-                        file: events_file,
-                        what: "an oom_kill line",
-                    })?;
+                let oom_kills = read_oom_kills(&self.dirs)?;
                 let memory_peak = match read_u64(&dir.join("memory.peak")) {
                     Ok(v) => Some(v),
                     Err(CgroupError::Read { source, .. })
@@ -1013,7 +988,7 @@ impl Cgroup {
                 Ok(CgroupStats {
                     memory_current: read_u64(&dir.join("memory.current"))?,
                     memory_peak,
-                    oom_kills: events.oom_kill,
+                    oom_kills,
                     cpu_usage_ns: cpu.usage_usec.map(|us| us.saturating_mul(1000)),
                     pids_current: read_u64(&dir.join("pids.current"))?,
                 })
@@ -1151,6 +1126,26 @@ fn read_file(file: &Path) -> Result<String, CgroupError> {
     fs::read_to_string(file).map_err(|source| CgroupError::Read {
         file: file.to_owned(),
         source,
+    })
+}
+
+/// The OOM-kill counter of the cgroup at `dirs`: v1 `memory.oom_control`, v2 `memory.events`.
+fn read_oom_kills(dirs: &CgroupLayout) -> Result<u64, CgroupError> {
+    let (file, kills) = match dirs {
+        CgroupLayout::V1 { memory, .. } => {
+            let file = memory.join("memory.oom_control");
+            let kills = parse_oom_control(&read_file(&file)?).map(|o| o.oom_kill);
+            (file, kills)
+        }
+        CgroupLayout::V2 { root } => {
+            let file = root.join("memory.events");
+            let kills = parse_memory_events(&read_file(&file)?).map(|e| e.oom_kill);
+            (file, kills)
+        }
+    };
+    kills.ok_or(CgroupError::Parse {
+        file,
+        what: "an oom_kill line",
     })
 }
 
