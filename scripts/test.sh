@@ -22,6 +22,9 @@ command -v mke2fs >/dev/null || need+=(e2fsprogs)
 command -v unshare >/dev/null || need+=(util-linux)
 command -v mount >/dev/null || need+=(mount)
 command -v lz4 >/dev/null || need+=(lz4)
+# The guest kernel's modules are xz- (or zstd-) compressed; neither tool is in a minimal Debian.
+command -v xz >/dev/null || need+=(xz-utils)
+command -v zstd >/dev/null || need+=(zstd)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
