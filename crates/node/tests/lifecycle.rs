@@ -203,6 +203,52 @@ fn lifecycle_spaced_resets_start_from_a_fresh_layer_each_time() {
     LeakSnapshot::assert_back_to(&base, SETTLE);
 }
 
+/// System V shared memory, message queues and semaphores, and POSIX message queues, live in
+/// the sandbox's IPC namespace, which an in-place reset keeps: the reset removes them, so one
+/// episode's IPC objects never reach the next (whether the reset builds its root on the request
+/// path or pivots onto the spare).
+#[test]
+fn lifecycle_a_reset_removes_the_ipc_objects_of_the_episode_before() {
+    let _serial = serial();
+    let base = LeakSnapshot::take();
+    let mut sb = create(small_limits());
+    sb.mark_acquired().expect("acquire");
+    const MAKE: &str = "ipcmk -M 4096 >/dev/null && ipcmk -M 8192 >/dev/null && \
+        ipcmk -Q >/dev/null && ipcmk -S 3 >/dev/null && python3 -c '
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+assert libc.mq_open(b\"/episode\", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
+'";
+    const COUNT: &str =
+        "echo $(tail -n +2 /proc/sysvipc/shm | wc -l) $(tail -n +2 /proc/sysvipc/msg | wc -l) \
+        $(tail -n +2 /proc/sysvipc/sem | wc -l) $(python3 -c '
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+print(1 if libc.mq_open(b\"/episode\", os.O_RDWR, 0, None) >= 0 else 0)
+')";
+    for (round, pause) in [(0, 0), (1, 150), (2, 150)] {
+        let r = sb.sh(MAKE, 10_000);
+        assert_eq!(r.status, ExecStatus::Ok, "round {round}: {r:?}");
+        let r = sb.sh(COUNT, 10_000);
+        assert_eq!(stdout(&r), "2 1 1 1\n", "round {round}: made: {r:?}");
+        // Longer than the supervisor waits before it builds the spare root, after the first.
+        std::thread::sleep(Duration::from_millis(pause));
+        sb.reset()
+            .unwrap_or_else(|e| panic!("reset {round}: {e:?}"));
+        sb.mark_acquired().expect("acquire again");
+        let r = sb.sh(COUNT, 10_000);
+        assert_eq!(
+            stdout(&r),
+            "0 0 0 0\n",
+            "round {round}: IPC objects of the episode before are visible: {r:?}"
+        );
+    }
+    sb.destroy().expect("destroy");
+    LeakSnapshot::assert_back_to(&base, SETTLE);
+}
+
 /// A reset frees the old writable layer while the sandbox sits idle after it (nothing, the
 /// agent included, keeps the old root alive until the next command).
 #[test]

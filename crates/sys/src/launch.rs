@@ -19,8 +19,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::seccomp::Filter;
 
+mod ipc_ns;
 mod tree;
 
+pub use ipc_ns::{IpcCleared, IpcNamespace};
 pub use tree::{
     build_root_tree, enter_private_mount_ns, enter_root_tree, reset_in_place, set_hostname_of,
     ResetState, RootTree,

@@ -274,7 +274,11 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, String> {
             .map_err(|e| error_chain(&e))?;
         protect_from_oom(launched.pid);
         let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
-        Ok(Init { pidfd, agent_host })
+        Ok(Init {
+            pidfd,
+            agent_host,
+            ipc: None,
+        })
     })();
     match built {
         Ok(init) => {
@@ -405,6 +409,23 @@ fn send(sock: BorrowedFd<'_>, msg: &SupervisorMsg, fds: &[BorrowedFd<'_>]) -> io
 struct Init {
     pidfd: PidFd,
     agent_host: OwnedFd,
+    /// The init's IPC namespace, opened at its first in-place reset.
+    ipc: Option<launch::IpcNamespace>,
+}
+
+/// Empties the IPC namespace of `init` (System V objects, POSIX message queues) for an
+/// in-place reset: they outlive the processes that made them. False when that failed: the
+/// caller then relaunches the init in fresh namespaces instead.
+fn clear_ipc(init: &mut Init, state: &mut launch::ResetState) -> bool {
+    if init.ipc.is_none() {
+        match launch::IpcNamespace::open(&init.pidfd, state) {
+            Ok(ns) => init.ipc = Some(ns),
+            Err(_) => return false,
+        }
+    }
+    init.ipc
+        .as_ref()
+        .is_some_and(|ns| ns.clear(&init.pidfd, state).is_ok())
 }
 
 fn cgroup_limits(cfg: &LaunchConfig) -> CgroupLimits {
@@ -483,7 +504,11 @@ fn launch_init(ctx: &SpawnerCtx, cfg: &LaunchConfig, cgroup: &Cgroup) -> Result<
     drop(agent_child);
     protect_from_oom(launched.pid);
     let pidfd = PidFd::open(launched.pid).map_err(|e| format!("pidfd_open: {e}"))?;
-    Ok(Init { pidfd, agent_host })
+    Ok(Init {
+        pidfd,
+        agent_host,
+        ipc: None,
+    })
 }
 
 /// Open-files limit of the agent itself.
@@ -768,7 +793,8 @@ fn serve(
                         // a relaunch.
                         Ok(ControlMsg::Reset)
                             if cfg.userns.is_none()
-                                && kill_all_but_init(&cgroup, init.pidfd.pid()) =>
+                                && kill_all_but_init(&cgroup, init.pidfd.pid())
+                                && clear_ipc(init, &mut reset_state) =>
                         {
                             // The agent's `ReopenRoot` goes out before the pivot, so that
                             // its answer overlaps the pivot: it drops its handles and

@@ -24,6 +24,8 @@ pub struct ResetState {
     prepared: bool,
     /// The caller's own mount namespace, to return to after entering a sandbox's.
     own_ns: Option<OwnedFd>,
+    /// The caller's own IPC namespace, likewise.
+    own_ipc: Option<OwnedFd>,
 }
 
 impl ResetState {
@@ -43,6 +45,16 @@ impl ResetState {
             None => open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?,
         };
         let fd: &OwnedFd = self.own_ns.insert(fd);
+        Ok(fd.as_fd())
+    }
+
+    /// The caller's IPC namespace, opened once.
+    pub(super) fn own_ipc_ns(&mut self) -> Result<BorrowedFd<'_>, StepError> {
+        let fd = match self.own_ipc.take() {
+            Some(fd) => fd,
+            None => open_path(c"/proc/self/ns/ipc", libc::O_RDONLY)?,
+        };
+        let fd: &OwnedFd = self.own_ipc.insert(fd);
         Ok(fd.as_fd())
     }
 }

@@ -1,0 +1,238 @@
+//! Emptying a sandbox's IPC namespace between episodes.
+//!
+//! An in-place reset keeps the sandbox's namespaces, and System V shared memory segments,
+//! message queues and semaphore sets, like POSIX message queues, live in the IPC namespace, not
+//! in a process: without this they would carry one episode's data into the next.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use crate::ipc::PidFd;
+
+use super::{ck, ensure_single_threaded, LaunchError, ResetState, StepError};
+
+// <linux/ipc.h>, <linux/shm.h>, <linux/msg.h>, <linux/sem.h>.
+const IPC_RMID: libc::c_int = 0;
+const MSG_STAT: libc::c_int = 11;
+const MSG_INFO: libc::c_int = 12;
+const SHM_STAT: libc::c_int = 13;
+const SHM_INFO: libc::c_int = 14;
+const SEM_STAT: libc::c_int = 18;
+const SEM_INFO: libc::c_int = 19;
+
+/// Room for any of `shmid64_ds`, `msqid64_ds`, `semid64_ds`, `shm_info`, `msginfo`, `seminfo`
+/// (all at most 120 bytes on x86_64).
+type IpcBuf = [u64; 32];
+
+/// What [`IpcNamespace::clear`] removed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct IpcCleared {
+    /// System V shared memory segments.
+    pub shm: u32,
+    /// System V message queues.
+    pub msg: u32,
+    /// System V semaphore sets.
+    pub sem: u32,
+    /// POSIX message queues.
+    pub mqueue: u32,
+}
+
+impl IpcCleared {
+    /// Whether nothing was there.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// The IPC namespace of one sandbox init, as its supervisor holds it.
+#[derive(Debug)]
+pub struct IpcNamespace {
+    /// A detached mount of the namespace's `mqueue` filesystem (its queues are its files), so
+    /// that a reset finds them with one `fstat` and no mount in any tree.
+    mqueue: OwnedFd,
+}
+
+impl IpcNamespace {
+    /// Opens the IPC namespace of `init` (entered for the call; the caller must be
+    /// single-threaded).
+    pub fn open(init: &PidFd, state: &mut ResetState) -> Result<Self, LaunchError> {
+        in_ipc_ns(init, state, || {
+            // SAFETY: valid NUL-terminated name; the fd returned is fresh and owned by us.
+            let fc = unsafe {
+                libc::syscall(
+                    libc::SYS_fsopen,
+                    c"mqueue".as_ptr(),
+                    libc::FSOPEN_CLOEXEC as libc::c_uint,
+                )
+            } as libc::c_int;
+            ck(fc, "fsopen_mqueue")?;
+            // SAFETY: fsopen succeeded; the fd is fresh.
+            let fc = unsafe { OwnedFd::from_raw_fd(fc) };
+            // SAFETY: a filesystem context fd; no key, value or aux.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_fsconfig,
+                    fc.as_raw_fd(),
+                    libc::FSCONFIG_CMD_CREATE as libc::c_uint,
+                    std::ptr::null::<libc::c_char>(),
+                    std::ptr::null::<libc::c_void>(),
+                    0 as libc::c_int,
+                )
+            } as libc::c_int;
+            ck(rc, "fsconfig_mqueue")?;
+            // SAFETY: a created filesystem context; the mount fd returned is fresh.
+            let mnt = unsafe {
+                libc::syscall(
+                    libc::SYS_fsmount,
+                    fc.as_raw_fd(),
+                    libc::FSMOUNT_CLOEXEC as libc::c_uint,
+                    (libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC)
+                        as libc::c_uint,
+                )
+            } as libc::c_int;
+            ck(mnt, "fsmount_mqueue")?;
+            // SAFETY: fsmount succeeded; the fd is fresh.
+            let mqueue = unsafe { OwnedFd::from_raw_fd(mnt) };
+            Ok(Self { mqueue })
+        })
+    }
+
+    /// Removes every System V object and POSIX message queue of the namespace. Call it once
+    /// every process of the sandbox but its init is gone (nothing can then create new ones: the
+    /// init creates none). Checking an empty namespace costs three `*ctl` calls and one `fstat`.
+    pub fn clear(&self, init: &PidFd, state: &mut ResetState) -> Result<IpcCleared, LaunchError> {
+        let mut cleared = in_ipc_ns(init, state, || {
+            Ok(IpcCleared {
+                shm: remove_all(libc::SYS_shmctl, SHM_INFO, SHM_STAT, |b| info_int(b, 0))?,
+                msg: remove_all(libc::SYS_msgctl, MSG_INFO, MSG_STAT, |b| info_int(b, 0))?,
+                // `seminfo.semusz`, the eighth int, holds the number of sets for SEM_INFO.
+                sem: remove_all(libc::SYS_semctl, SEM_INFO, SEM_STAT, |b| info_int(b, 7))?,
+                mqueue: 0,
+            })
+        })?;
+        cleared.mqueue = clear_mqueues(self.mqueue.as_fd())?;
+        Ok(cleared)
+    }
+}
+
+/// Runs `f` inside the IPC namespace of `init`, then returns to the caller's own.
+fn in_ipc_ns<T>(
+    init: &PidFd,
+    state: &mut ResetState,
+    f: impl FnOnce() -> Result<T, StepError>,
+) -> Result<T, LaunchError> {
+    ensure_single_threaded()?;
+    let own = state.own_ipc_ns()?;
+    // SAFETY: a pidfd, whose IPC namespace is entered; the caller is single-threaded (checked).
+    let rc = unsafe { libc::setns(init.as_fd().as_raw_fd(), libc::CLONE_NEWIPC) };
+    ck(rc, "setns_ipc")?;
+    let out = f();
+    // SAFETY: our own IPC namespace fd.
+    let rc = unsafe { libc::setns(own.as_raw_fd(), libc::CLONE_NEWIPC) };
+    ck(rc, "setns_ipc_back")?;
+    Ok(out?)
+}
+
+fn info_int(buf: &IpcBuf, index: usize) -> i64 {
+    // The info structures begin with C ints, two to a u64 (little endian).
+    let word = buf[index / 2];
+    let half = if index.is_multiple_of(2) {
+        word
+    } else {
+        word >> 32
+    };
+    i64::from(half as u32 as i32)
+}
+
+/// Removes every object of one System V kind: the `*_INFO` call gives the highest index in use
+/// and the count, `*_STAT` turns each index into an id, `IPC_RMID` removes it (a shared memory
+/// segment still attached by a dying process goes when it detaches).
+fn remove_all(
+    sys: libc::c_long,
+    info_cmd: libc::c_int,
+    stat_cmd: libc::c_int,
+    in_use: impl Fn(&IpcBuf) -> i64,
+) -> Result<u32, StepError> {
+    let call = |id: libc::c_int, cmd: libc::c_int, buf: *mut IpcBuf| -> libc::c_long {
+        // SAFETY: shmctl(id, cmd, buf) / msgctl(id, cmd, buf) / semctl(id, 0, cmd, buf): `buf`
+        // is null (IPC_RMID) or points to a zeroed buffer larger than any structure the kernel
+        // writes for these commands.
+        unsafe {
+            if sys == libc::SYS_semctl {
+                libc::syscall(sys, id, 0 as libc::c_int, cmd, buf)
+            } else {
+                libc::syscall(sys, id, cmd, buf)
+            }
+        }
+    };
+    let mut buf: IpcBuf = [0; 32];
+    let max_index = call(0, info_cmd, &mut buf);
+    ck(max_index as libc::c_int, "ipc_info")?;
+    if in_use(&buf) <= 0 {
+        return Ok(0);
+    }
+    let mut removed = 0;
+    for index in 0..=max_index as libc::c_int {
+        let mut stat: IpcBuf = [0; 32];
+        let id = call(index, stat_cmd, &mut stat);
+        if id < 0 {
+            continue; // a free slot
+        }
+        if call(id as libc::c_int, IPC_RMID, std::ptr::null_mut()) == 0 {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// Unlinks every queue of an `mqueue` mount. The directory's size grows by a fixed amount per
+/// queue, so an empty one is told by one `fstat`.
+fn clear_mqueues(mnt: BorrowedFd<'_>) -> Result<u32, StepError> {
+    // SAFETY: `stat` is plain data; all zeroes is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid out-buffer; fstat on an fd we own.
+    let rc = unsafe { libc::fstat(mnt.as_raw_fd(), &mut st) };
+    ck(rc, "fstat_mqueue")?;
+    if st.st_size == 0 {
+        return Ok(0);
+    }
+    // SAFETY: openat on our mount fd; the returned fd is handed to fdopendir, which owns it.
+    let dfd = unsafe {
+        libc::openat(
+            mnt.as_raw_fd(),
+            c".".as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    ck(dfd, "open_mqueue")?;
+    // SAFETY: dfd is a fresh directory fd; on success the DIR owns it.
+    let dir = unsafe { libc::fdopendir(dfd) };
+    if dir.is_null() {
+        let e = StepError::last("fdopendir_mqueue");
+        // SAFETY: fdopendir failed, so the fd is still ours to close.
+        unsafe { libc::close(dfd) };
+        return Err(e);
+    }
+    let mut names: Vec<std::ffi::CString> = Vec::new();
+    loop {
+        // SAFETY: `dir` is a valid DIR until closedir below.
+        let ent = unsafe { libc::readdir(dir) };
+        if ent.is_null() {
+            break;
+        }
+        // SAFETY: readdir returned a valid entry whose name is NUL-terminated.
+        let name = unsafe { std::ffi::CStr::from_ptr((*ent).d_name.as_ptr()) };
+        if name.to_bytes() != b"." && name.to_bytes() != b".." {
+            names.push(name.to_owned());
+        }
+    }
+    // SAFETY: `dir` came from fdopendir and is closed once.
+    unsafe { libc::closedir(dir) };
+    let mut removed = 0;
+    for name in names {
+        // SAFETY: valid NUL-terminated name relative to our mount fd.
+        if unsafe { libc::unlinkat(mnt.as_raw_fd(), name.as_ptr(), 0) } == 0 {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
