@@ -22,7 +22,7 @@ use crate::seccomp::Filter;
 mod ipc_ns;
 mod tree;
 
-pub use ipc_ns::{IpcCleared, IpcNamespace};
+pub use ipc_ns::IpcNamespace;
 pub use tree::{
     build_root_tree, enter_private_mount_ns, enter_root_tree, reset_in_place, set_hostname_of,
     ResetState, RootTree,

@@ -417,15 +417,14 @@ struct Init {
 /// in-place reset: they outlive the processes that made them. False when that failed: the
 /// caller then relaunches the init in fresh namespaces instead.
 fn clear_ipc(init: &mut Init, state: &mut launch::ResetState) -> bool {
-    if init.ipc.is_none() {
-        match launch::IpcNamespace::open(&init.pidfd, state) {
-            Ok(ns) => init.ipc = Some(ns),
+    let ns = match &mut init.ipc {
+        Some(ns) => ns,
+        None => match launch::IpcNamespace::open(&init.pidfd, state) {
+            Ok(ns) => init.ipc.insert(ns),
             Err(_) => return false,
-        }
-    }
-    init.ipc
-        .as_ref()
-        .is_some_and(|ns| ns.clear(&init.pidfd, state).is_ok())
+        },
+    };
+    ns.clear(&init.pidfd, state).is_ok()
 }
 
 fn cgroup_limits(cfg: &LaunchConfig) -> CgroupLimits {

@@ -6,6 +6,9 @@
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
+use std::ffi::OsStr;
+
+use crate::fs::{self, FsError};
 use crate::ipc::PidFd;
 
 use super::{ck, ensure_single_threaded, LaunchError, ResetState, StepError};
@@ -22,26 +25,6 @@ const SEM_INFO: libc::c_int = 19;
 /// Room for any of `shmid64_ds`, `msqid64_ds`, `semid64_ds`, `shm_info`, `msginfo`, `seminfo`
 /// (all at most 120 bytes on x86_64).
 type IpcBuf = [u64; 32];
-
-/// What [`IpcNamespace::clear`] removed.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct IpcCleared {
-    /// System V shared memory segments.
-    pub shm: u32,
-    /// System V message queues.
-    pub msg: u32,
-    /// System V semaphore sets.
-    pub sem: u32,
-    /// POSIX message queues.
-    pub mqueue: u32,
-}
-
-impl IpcCleared {
-    /// Whether nothing was there.
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-}
 
 /// The IPC namespace of one sandbox init, as its supervisor holds it.
 #[derive(Debug)]
@@ -99,18 +82,14 @@ impl IpcNamespace {
     /// Removes every System V object and POSIX message queue of the namespace. Call it once
     /// every process of the sandbox but its init is gone (nothing can then create new ones: the
     /// init creates none). Checking an empty namespace costs three `*ctl` calls and one `fstat`.
-    pub fn clear(&self, init: &PidFd, state: &mut ResetState) -> Result<IpcCleared, LaunchError> {
-        let mut cleared = in_ipc_ns(init, state, || {
-            Ok(IpcCleared {
-                shm: remove_all(libc::SYS_shmctl, SHM_INFO, SHM_STAT, |b| info_int(b, 0))?,
-                msg: remove_all(libc::SYS_msgctl, MSG_INFO, MSG_STAT, |b| info_int(b, 0))?,
-                // `seminfo.semusz`, the eighth int, holds the number of sets for SEM_INFO.
-                sem: remove_all(libc::SYS_semctl, SEM_INFO, SEM_STAT, |b| info_int(b, 7))?,
-                mqueue: 0,
-            })
+    pub fn clear(&self, init: &PidFd, state: &mut ResetState) -> Result<(), LaunchError> {
+        in_ipc_ns(init, state, || {
+            remove_all(libc::SYS_shmctl, SHM_INFO, SHM_STAT, |b| info_int(b, 0))?;
+            remove_all(libc::SYS_msgctl, MSG_INFO, MSG_STAT, |b| info_int(b, 0))?;
+            // `seminfo.semusz`, the eighth int, holds the number of sets for SEM_INFO.
+            remove_all(libc::SYS_semctl, SEM_INFO, SEM_STAT, |b| info_int(b, 7))
         })?;
-        cleared.mqueue = clear_mqueues(self.mqueue.as_fd())?;
-        Ok(cleared)
+        Ok(clear_mqueues(self.mqueue.as_fd())?)
     }
 }
 
@@ -151,7 +130,7 @@ fn remove_all(
     info_cmd: libc::c_int,
     stat_cmd: libc::c_int,
     in_use: impl Fn(&IpcBuf) -> i64,
-) -> Result<u32, StepError> {
+) -> Result<(), StepError> {
     let call = |id: libc::c_int, cmd: libc::c_int, buf: *mut IpcBuf| -> libc::c_long {
         // SAFETY: shmctl(id, cmd, buf) / msgctl(id, cmd, buf) / semctl(id, 0, cmd, buf): `buf`
         // is null (IPC_RMID) or points to a zeroed buffer larger than any structure the kernel
@@ -168,71 +147,40 @@ fn remove_all(
     let max_index = call(0, info_cmd, &mut buf);
     ck(max_index as libc::c_int, "ipc_info")?;
     if in_use(&buf) <= 0 {
-        return Ok(0);
+        return Ok(());
     }
-    let mut removed = 0;
     for index in 0..=max_index as libc::c_int {
         let mut stat: IpcBuf = [0; 32];
         let id = call(index, stat_cmd, &mut stat);
         if id < 0 {
             continue; // a free slot
         }
-        if call(id as libc::c_int, IPC_RMID, std::ptr::null_mut()) == 0 {
-            removed += 1;
-        }
+        // Fails only for an object already gone.
+        call(id as libc::c_int, IPC_RMID, std::ptr::null_mut());
     }
-    Ok(removed)
+    Ok(())
 }
 
-/// Unlinks every queue of an `mqueue` mount. The directory's size grows by a fixed amount per
-/// queue, so an empty one is told by one `fstat`.
-fn clear_mqueues(mnt: BorrowedFd<'_>) -> Result<u32, StepError> {
-    // SAFETY: `stat` is plain data; all zeroes is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is a valid out-buffer; fstat on an fd we own.
-    let rc = unsafe { libc::fstat(mnt.as_raw_fd(), &mut st) };
-    ck(rc, "fstat_mqueue")?;
-    if st.st_size == 0 {
-        return Ok(0);
-    }
-    // SAFETY: openat on our mount fd; the returned fd is handed to fdopendir, which owns it.
-    let dfd = unsafe {
-        libc::openat(
-            mnt.as_raw_fd(),
-            c".".as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
+/// Unlinks every queue of an `mqueue` mount (its queues are its files).
+fn clear_mqueues(mnt: BorrowedFd<'_>) -> Result<(), StepError> {
+    let failed = |step| {
+        move |e: FsError| StepError {
+            step,
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+        }
     };
-    ck(dfd, "open_mqueue")?;
-    // SAFETY: dfd is a fresh directory fd; on success the DIR owns it.
-    let dir = unsafe { libc::fdopendir(dfd) };
-    if dir.is_null() {
-        let e = StepError::last("fdopendir_mqueue");
-        // SAFETY: fdopendir failed, so the fd is still ours to close.
-        unsafe { libc::close(dfd) };
-        return Err(e);
+    // The directory's size grows by a fixed amount per queue: an empty one is told by one fstat.
+    let root = fs::fstatat_nofollow(mnt, OsStr::new("")).map_err(failed("stat_mqueue"))?;
+    if root.size == 0 {
+        return Ok(());
     }
-    let mut names: Vec<std::ffi::CString> = Vec::new();
     loop {
-        // SAFETY: `dir` is a valid DIR until closedir below.
-        let ent = unsafe { libc::readdir(dir) };
-        if ent.is_null() {
-            break;
+        let (queues, more) = fs::read_dir(mnt, 1024).map_err(failed("list_mqueue"))?;
+        for q in &queues {
+            fs::unlinkat(mnt, &q.name, false).map_err(failed("unlink_mqueue"))?;
         }
-        // SAFETY: readdir returned a valid entry whose name is NUL-terminated.
-        let name = unsafe { std::ffi::CStr::from_ptr((*ent).d_name.as_ptr()) };
-        if name.to_bytes() != b"." && name.to_bytes() != b".." {
-            names.push(name.to_owned());
+        if !more {
+            return Ok(());
         }
     }
-    // SAFETY: `dir` came from fdopendir and is closed once.
-    unsafe { libc::closedir(dir) };
-    let mut removed = 0;
-    for name in names {
-        // SAFETY: valid NUL-terminated name relative to our mount fd.
-        if unsafe { libc::unlinkat(mnt.as_raw_fd(), name.as_ptr(), 0) } == 0 {
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }

@@ -39,24 +39,27 @@ impl ResetState {
     }
 
     /// The caller's mount namespace, opened once.
-    fn own_ns(&mut self) -> Result<BorrowedFd<'_>, LaunchError> {
-        let fd = match self.own_ns.take() {
-            Some(fd) => fd,
-            None => open_path(c"/proc/self/ns/mnt", libc::O_RDONLY)?,
-        };
-        let fd: &OwnedFd = self.own_ns.insert(fd);
-        Ok(fd.as_fd())
+    fn own_ns(&mut self) -> Result<BorrowedFd<'_>, StepError> {
+        opened_once(&mut self.own_ns, c"/proc/self/ns/mnt")
     }
 
     /// The caller's IPC namespace, opened once.
     pub(super) fn own_ipc_ns(&mut self) -> Result<BorrowedFd<'_>, StepError> {
-        let fd = match self.own_ipc.take() {
-            Some(fd) => fd,
-            None => open_path(c"/proc/self/ns/ipc", libc::O_RDONLY)?,
-        };
-        let fd: &OwnedFd = self.own_ipc.insert(fd);
-        Ok(fd.as_fd())
+        opened_once(&mut self.own_ipc, c"/proc/self/ns/ipc")
     }
+}
+
+/// The fd in `slot`, opening `path` read-only into it the first time.
+fn opened_once<'a>(
+    slot: &'a mut Option<OwnedFd>,
+    path: &CStr,
+) -> Result<BorrowedFd<'a>, StepError> {
+    let fd = match slot.take() {
+        Some(fd) => fd,
+        None => open_path(path, libc::O_RDONLY)?,
+    };
+    let fd: &'a OwnedFd = slot.insert(fd);
+    Ok(fd.as_fd())
 }
 
 fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
