@@ -20,6 +20,8 @@ command -v tar >/dev/null || need+=(tar)
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v mke2fs >/dev/null || need+=(e2fsprogs)
 command -v unshare >/dev/null || need+=(util-linux)
+# ipcmk (util-linux) makes the IPC objects an in-place reset must remove.
+command -v ipcmk >/dev/null || need+=(util-linux)
 command -v mount >/dev/null || need+=(mount)
 command -v lz4 >/dev/null || need+=(lz4)
 # The guest kernel's modules are xz- (or zstd-) compressed; neither tool is in a minimal Debian.
