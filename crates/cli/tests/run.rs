@@ -106,6 +106,10 @@ impl Drop for Daemon {
 /// Python that lists the live (not zombie) processes of the sandbox in `procs`.
 const LIVE_PROCESSES: &str = "import os\ndef live(p):\n    try:\n        return open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[0] != 'Z'\n    except OSError:\n        return False\nprocs = [p for p in os.listdir('/proc') if p.isdigit() and live(p)]\n";
 
+/// Python that prints how many System V segments, queues and semaphore sets and whether the
+/// POSIX queue `/call` exist, then makes one of each.
+const IPC_OBJECTS: &str = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]\nn = lambda k: len(open('/proc/sysvipc/' + k).readlines()) - 1\nseen = [n('shm'), n('msg'), n('sem'), int(libc.mq_open(b'/call', os.O_RDWR, 0, None) >= 0)]\nassert libc.shmget(0, 4096, 0o1600) >= 0\nassert libc.msgget(0, 0o1600) >= 0\nassert libc.semget(0, 2, 0o1600) >= 0\nassert libc.mq_open(b'/call', os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()\nprint(*seen)";
+
 #[test]
 fn python_verdicts_and_isolation() {
     let d = Daemon::start("verdicts", &[]);
@@ -150,6 +154,17 @@ fn python_verdicts_and_isolation() {
         "import os\nprint(os.path.exists('/tmp/leak'), 'LEAK' in globals(), any(open(f'/proc/{p}/cmdline','rb').read().startswith(b'sleep') for p in os.listdir('/proc') if p.isdigit()))",
     );
     assert_eq!(r["stdout"], "False False False\n", "{r}");
+
+    // Call 1 leaves System V objects and a POSIX queue in the sandbox's IPC namespace, which
+    // calls share; the next call finds none. Each call first counts what it finds, then makes
+    // its own: over more calls than there are zygote sandboxes, every sandbox is revisited.
+    for i in 0..8 {
+        let r = d.py(IPC_OBJECTS);
+        assert_eq!(
+            r["stdout"], "0 0 0 0\n",
+            "call {i} found the IPC objects of a call before: {r}"
+        );
+    }
 
     // A call that forges its own "done" report early and keeps running ends there: the driver
     // kills the child whatever it reported, and the next call finds nothing of it.

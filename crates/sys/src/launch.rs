@@ -191,13 +191,15 @@ struct Prepared {
     overlay_opts: CString,
     dev: CString,
     dev_src: CString,
-    dev_src_dirs: [CString; 2],
+    dev_src_dirs: [CString; 3],
     proc_: CString,
     masked: Vec<CString>,
     readonly: Vec<CString>,
     empty_dir: Option<CString>,
     dev_nodes: Vec<DevNode>,
     pts: CString,
+    /// `<root>/dev/mqueue`: the sandbox's IPC namespace's POSIX message queues, as files.
+    mqueue: CString,
     shm: CString,
     shm_src: CString,
     dev_links: Vec<(CString, CString)>,
@@ -337,6 +339,7 @@ fn prepare_parts(
         dev_src_dirs: [
             cstr(format!("{dev_src}/pts"), "dev")?,
             cstr(format!("{dev_src}/shm"), "dev")?,
+            cstr(format!("{dev_src}/mqueue"), "dev")?,
         ],
         dev_src: cstr(dev_src, "dev")?,
         empty_dir: r
@@ -355,6 +358,7 @@ fn prepare_parts(
         proc_: cstr(proc_, "proc")?,
         dev_nodes,
         pts: cstr(format!("{dev}/pts"), "dev")?,
+        mqueue: cstr(format!("{dev}/mqueue"), "dev")?,
         shm: cstr(format!("{dev}/shm"), "dev")?,
         shm_src: cstr(format!("{stage}/shm"), "dev")?,
         dev_links,
@@ -894,6 +898,17 @@ fn populate_and_pivot(p: &Prepared) -> Result<(), StepError> {
         Some(c"devpts"),
         libc::MS_NOSUID | libc::MS_NOEXEC,
         Some(c"newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    // The queues of the sandbox's own IPC namespace (the mount takes the mounter's): code in
+    // the sandbox can list and remove what it made, as the function substrate's driver does
+    // between calls. Like /dev/pts it moves across in-place resets.
+    try_mount(
+        "mqueue",
+        c"mqueue",
+        &p.mqueue,
+        Some(c"mqueue"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
     )?;
 
     // /proc for the sandbox's pid namespace, with the OCI masked and read-only paths.

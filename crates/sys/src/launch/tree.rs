@@ -214,8 +214,8 @@ const NEW_ROOT: &CStr = c"/tmp";
 
 /// Moves `tree` into the mount namespace of the process `init` and pivots every process of that
 /// namespace onto it (`pivot_root` moves the root and working directory of each process that was
-/// at the old root, so a running agent keeps running, now on the new root). `/proc` and
-/// `/dev/pts` are moved from the old root; the rest of `/dev`, with an empty `/dev/shm`, comes
+/// at the old root, so a running agent keeps running, now on the new root). `/proc`,
+/// `/dev/pts` and `/dev/mqueue` are moved from the old root; the rest of `/dev`, with an empty `/dev/shm`, comes
 /// with the tree. Returns an `O_PATH` descriptor of the old root: dropping it frees
 /// the old writable layer, so the caller can do that after answering. The caller must be
 /// single-threaded.
@@ -252,6 +252,14 @@ pub fn enter_root_tree(
             "move_pts",
             c"/dev/pts",
             c"/tmp/dev/pts",
+            None,
+            libc::MS_MOVE,
+            None,
+        )?;
+        try_mount(
+            "move_mqueue",
+            c"/dev/mqueue",
+            c"/tmp/dev/mqueue",
             None,
             libc::MS_MOVE,
             None,

@@ -16,7 +16,7 @@
 #   for the exit's teardown. The driver then SIGKILLs it (a forged early "done" ends only the
 #   caller's own run) and answers.
 #
-# The next idle sweeps every other process and new file, has the zygote reap the child, and only
+# The next idle sweeps every other process, new file and IPC object, has the zygote reap the child, and only
 # then asks for the next spare: no spare ever exists while user code runs, and no call starts
 # before the sweep of the previous one. A sweep that finds a pre-existing file changed taints the
 # driver: it asks for no spare and refuses its next call ({"refused": true}), which the node
@@ -42,6 +42,11 @@ def _dsec_init(preload, sweep):
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    # shmctl(id, IPC_RMID, NULL) / msgctl / semctl(id, 0, IPC_RMID): the sweep of the IPC
+    # namespace (see _dsec_clean_ipc).
+    st["ipc_rmid"] = (("shm", lambda i: libc.shmctl(i, 0, None)),
+                      ("msg", lambda i: libc.msgctl(i, 0, None)),
+                      ("sem", lambda i: libc.semctl(i, 0, 0)))
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -287,6 +292,8 @@ def _dsec_clean(dying):
             if live == 0:
                 break
             time.sleep(0.001)
+    if st["sweep"] and not _dsec_clean_ipc():
+        tainted = True
     for d, base in st["base"].items():
         if base is None:
             continue
@@ -313,6 +320,36 @@ def _dsec_clean(dying):
         if seen != len(base):
             tainted = True
     return tainted
+
+
+def _dsec_clean_ipc():
+    """Removes every System V object and POSIX message queue of the sandbox's IPC namespace,
+    which calls share and no process outside the sandbox does (nothing of the driver or the
+    zygote lives there); False when one is left. Call code runs as the driver's uid, so the
+    driver is the creator of each (IPC_SET changes the owner, never the creator)."""
+    ok = True
+    for kind, rmid in _DSEC_STATE["ipc_rmid"]:
+        try:
+            with open("/proc/sysvipc/" + kind, "rb") as f:
+                rows = f.read().split(b"\n")[1:]
+        except OSError:
+            return False
+        for row in rows:
+            words = row.split()
+            if len(words) > 1 and rmid(int(words[1])) != 0:
+                ok = False
+    try:
+        queues = os.listdir("/dev/mqueue")
+    except OSError:
+        return False
+    for q in queues:
+        try:
+            os.unlink("/dev/mqueue/" + q)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            ok = False
+    return ok
 
 
 def _dsec_ask(cmd):
@@ -342,8 +379,8 @@ def _dsec_close(sp):
 
 
 def _dsec_idle():
-    """Between calls: sweeps what the last call left (processes, files), has its child reaped,
-    then has the zygote fork the next spare."""
+    """Between calls: sweeps what the last call left (processes, files, IPC objects), has its
+    child reaped, then has the zygote fork the next spare."""
     st = _DSEC_STATE
     reap = []
     last = st.pop("last", None)
