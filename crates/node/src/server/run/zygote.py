@@ -42,11 +42,14 @@ def _dsec_init(preload, sweep):
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
-    # shmctl(id, IPC_RMID, NULL) / msgctl / semctl(id, 0, IPC_RMID): the sweep of the IPC
-    # namespace (see _dsec_clean_ipc).
-    st["ipc_rmid"] = (("shm", lambda i: libc.shmctl(i, 0, None)),
-                      ("msg", lambda i: libc.msgctl(i, 0, None)),
-                      ("sem", lambda i: libc.semctl(i, 0, 0)))
+    # The sweep of the IPC namespace (see _dsec_clean_ipc), per kind: a call that fills `buf`
+    # with the namespace's *_INFO (SHM_INFO 14, MSG_INFO 12, SEM_INFO 19), the index of the int
+    # there that counts the objects in use, and IPC_RMID (0) of one id.
+    buf = ctypes.create_string_buffer(256)
+    st["ipc"] = (("shm", lambda: libc.shmctl(0, 14, buf), 0, lambda i: libc.shmctl(i, 0, None)),
+                 ("msg", lambda: libc.msgctl(0, 12, buf), 0, lambda i: libc.msgctl(i, 0, None)),
+                 ("sem", lambda: libc.semctl(0, 0, 19, buf), 7, lambda i: libc.semctl(i, 0, 0)))
+    st["ipc_buf"] = buf
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -324,11 +327,17 @@ def _dsec_clean(dying):
 
 def _dsec_clean_ipc():
     """Removes every System V object and POSIX message queue of the sandbox's IPC namespace,
-    which calls share and no process outside the sandbox does (nothing of the driver or the
-    zygote lives there); False when one is left. Call code runs as the driver's uid, so the
+    which its calls share and no other sandbox does (the driver and the zygote make none);
+    False when one is left. Call code runs as the driver's uid, so the
     driver is the creator of each (IPC_SET changes the owner, never the creator)."""
     ok = True
-    for kind, rmid in _DSEC_STATE["ipc_rmid"]:
+    buf = _DSEC_STATE["ipc_buf"]
+    for kind, info, index, rmid in _DSEC_STATE["ipc"]:
+        # Three calls tell an empty namespace; only then are the ids listed.
+        if info() < 0:
+            return False
+        if int.from_bytes(buf.raw[4 * index:4 * index + 4], "little", signed=True) == 0:
+            continue
         try:
             with open("/proc/sysvipc/" + kind, "rb") as f:
                 rows = f.read().split(b"\n")[1:]
@@ -339,6 +348,9 @@ def _dsec_clean_ipc():
             if len(words) > 1 and rmid(int(words[1])) != 0:
                 ok = False
     try:
+        # The directory's size grows with each queue.
+        if os.stat("/dev/mqueue").st_size == 0:
+            return ok
         queues = os.listdir("/dev/mqueue")
     except OSError:
         return False
