@@ -215,8 +215,8 @@ const NEW_ROOT: &CStr = c"/tmp";
 /// Moves `tree` into the mount namespace of the process `init` and pivots every process of that
 /// namespace onto it (`pivot_root` moves the root and working directory of each process that was
 /// at the old root, so a running agent keeps running, now on the new root). `/proc`,
-/// `/dev/pts` and `/dev/mqueue` are moved from the old root; the rest of `/dev`, with an empty `/dev/shm`, comes
-/// with the tree. Returns an `O_PATH` descriptor of the old root: dropping it frees
+/// `/dev/pts` and `/dev/mqueue` are moved from the old root; the rest of `/dev`, with an empty
+/// `/dev/shm`, comes with the tree. Returns an `O_PATH` descriptor of the old root: dropping it frees
 /// the old writable layer, so the caller can do that after answering. The caller must be
 /// single-threaded.
 pub fn enter_root_tree(
@@ -248,30 +248,13 @@ pub fn enter_root_tree(
         let old_root = open_path(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
         // The devpts instance has nothing open: every process but the agent is gone. /proc
         // already carries its masks: the whole subtree moves.
-        try_mount(
-            "move_pts",
-            c"/dev/pts",
-            c"/tmp/dev/pts",
-            None,
-            libc::MS_MOVE,
-            None,
-        )?;
-        try_mount(
-            "move_mqueue",
-            c"/dev/mqueue",
-            c"/tmp/dev/mqueue",
-            None,
-            libc::MS_MOVE,
-            None,
-        )?;
-        try_mount(
-            "move_proc",
-            c"/proc",
-            c"/tmp/proc",
-            None,
-            libc::MS_MOVE,
-            None,
-        )?;
+        for (step, from, to) in [
+            ("move_pts", c"/dev/pts", c"/tmp/dev/pts"),
+            ("move_mqueue", c"/dev/mqueue", c"/tmp/dev/mqueue"),
+            ("move_proc", c"/proc", c"/tmp/proc"),
+        ] {
+            try_mount(step, from, to, None, libc::MS_MOVE, None)?;
+        }
         pivot_onto(NEW_ROOT)?;
         Ok(old_root)
     })();

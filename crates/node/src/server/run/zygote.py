@@ -16,11 +16,11 @@
 #   for the exit's teardown. The driver then SIGKILLs it (a forged early "done" ends only the
 #   caller's own run) and answers.
 #
-# The next idle sweeps every other process, new file and IPC object, has the zygote reap the child, and only
-# then asks for the next spare: no spare ever exists while user code runs, and no call starts
-# before the sweep of the previous one. A sweep that finds a pre-existing file changed taints the
-# driver: it asks for no spare and refuses its next call ({"refused": true}), which the node
-# answers by replacing the sandbox.
+# The next idle sweeps every other process, new file and IPC object, has the zygote reap the
+# child, and only then asks for the next spare: no spare ever exists while user code runs, and no
+# call starts before the sweep of the previous one. A sweep that finds a pre-existing file changed
+# (or an IPC object it cannot remove) taints the driver: it asks for no spare and refuses its next
+# call ({"refused": true}), which the node answers by replacing the sandbox.
 import os, sys, json, time, signal, resource, base64, shutil, traceback, builtins, select, socket
 
 # The driver's descriptors of a spare, in the order the zygote sends them (see _dsec_fork).
@@ -42,14 +42,18 @@ def _dsec_init(preload, sweep):
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
-    # The sweep of the IPC namespace (see _dsec_clean_ipc), per kind: a call that fills `buf`
-    # with the namespace's *_INFO (SHM_INFO 14, MSG_INFO 12, SEM_INFO 19), the index of the int
-    # there that counts the objects in use, and IPC_RMID (0) of one id.
+    # The sweep of the IPC namespace (see _dsec_clean_ipc), per kind: how many objects are in
+    # use (an int of the namespace's *_INFO: SHM_INFO 14, MSG_INFO 12, SEM_INFO 19; -1 on
+    # error) and IPC_RMID (0) of one id.
     buf = ctypes.create_string_buffer(256)
-    st["ipc"] = (("shm", lambda: libc.shmctl(0, 14, buf), 0, lambda i: libc.shmctl(i, 0, None)),
-                 ("msg", lambda: libc.msgctl(0, 12, buf), 0, lambda i: libc.msgctl(i, 0, None)),
-                 ("sem", lambda: libc.semctl(0, 0, 19, buf), 7, lambda i: libc.semctl(i, 0, 0)))
-    st["ipc_buf"] = buf
+
+    def used(rc, index):
+        return -1 if rc < 0 else int.from_bytes(buf.raw[4 * index:4 * index + 4], "little")
+
+    st["ipc"] = (
+        ("shm", lambda: used(libc.shmctl(0, 14, buf), 0), lambda i: libc.shmctl(i, 0, None)),
+        ("msg", lambda: used(libc.msgctl(0, 12, buf), 0), lambda i: libc.msgctl(i, 0, None)),
+        ("sem", lambda: used(libc.semctl(0, 0, 19, buf), 7), lambda i: libc.semctl(i, 0, 0)))
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -328,15 +332,15 @@ def _dsec_clean(dying):
 def _dsec_clean_ipc():
     """Removes every System V object and POSIX message queue of the sandbox's IPC namespace,
     which its calls share and no other sandbox does (the driver and the zygote make none);
-    False when one is left. Call code runs as the driver's uid, so the
-    driver is the creator of each (IPC_SET changes the owner, never the creator)."""
+    False when one is left. Call code runs as the driver's uid, so the driver is the creator
+    of each (IPC_SET changes the owner, never the creator)."""
     ok = True
-    buf = _DSEC_STATE["ipc_buf"]
-    for kind, info, index, rmid in _DSEC_STATE["ipc"]:
+    for kind, used, rmid in _DSEC_STATE["ipc"]:
         # Three calls tell an empty namespace; only then are the ids listed.
-        if info() < 0:
+        n = used()
+        if n < 0:
             return False
-        if int.from_bytes(buf.raw[4 * index:4 * index + 4], "little", signed=True) == 0:
+        if n == 0:
             continue
         try:
             with open("/proc/sysvipc/" + kind, "rb") as f:
@@ -395,14 +399,13 @@ def _dsec_idle():
     child reaped, then has the zygote fork the next spare."""
     st = _DSEC_STATE
     reap = []
-    if "last" in st:
+    last = st.pop("last", None)
+    if last is not None:
         # The answer is on its way through the agent and the node, on the same two cores: the
         # sweep and the next fork wait up to 2 ms for it, or until the next call's input is
         # here (the session's stdin; the node writes it only after this answer, so nothing of
         # it is buffered yet). The sweep still always runs before the next call.
         select.select([0], [], [], 0.002)
-    last = st.pop("last", None)
-    if last is not None:
         if _dsec_clean(None if last.get("reaped") else last["pid"]):
             st["tainted"] = True
         _dsec_close(last)
