@@ -38,45 +38,8 @@ impl IpcNamespace {
     /// Opens the IPC namespace of `init` (entered for the call; the caller must be
     /// single-threaded).
     pub fn open(init: &PidFd, state: &mut ResetState) -> Result<Self, LaunchError> {
-        in_ipc_ns(init, state, || {
-            // SAFETY: valid NUL-terminated name; the fd returned is fresh and owned by us.
-            let fc = unsafe {
-                libc::syscall(
-                    libc::SYS_fsopen,
-                    c"mqueue".as_ptr(),
-                    libc::FSOPEN_CLOEXEC as libc::c_uint,
-                )
-            } as libc::c_int;
-            ck(fc, "fsopen_mqueue")?;
-            // SAFETY: fsopen succeeded; the fd is fresh.
-            let fc = unsafe { OwnedFd::from_raw_fd(fc) };
-            // SAFETY: a filesystem context fd; no key, value or aux.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_fsconfig,
-                    fc.as_raw_fd(),
-                    libc::FSCONFIG_CMD_CREATE as libc::c_uint,
-                    std::ptr::null::<libc::c_char>(),
-                    std::ptr::null::<libc::c_void>(),
-                    0 as libc::c_int,
-                )
-            } as libc::c_int;
-            ck(rc, "fsconfig_mqueue")?;
-            // SAFETY: a created filesystem context; the mount fd returned is fresh.
-            let mnt = unsafe {
-                libc::syscall(
-                    libc::SYS_fsmount,
-                    fc.as_raw_fd(),
-                    libc::FSMOUNT_CLOEXEC as libc::c_uint,
-                    (libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC)
-                        as libc::c_uint,
-                )
-            } as libc::c_int;
-            ck(mnt, "fsmount_mqueue")?;
-            // SAFETY: fsmount succeeded; the fd is fresh.
-            let mqueue = unsafe { OwnedFd::from_raw_fd(mnt) };
-            Ok(Self { mqueue })
-        })
+        let mqueue = in_ipc_ns(init, state, detached_mqueue)?;
+        Ok(Self { mqueue })
     }
 
     /// Removes every System V object and POSIX message queue of the namespace. Call it once
@@ -91,6 +54,46 @@ impl IpcNamespace {
         })?;
         Ok(clear_mqueues(self.mqueue.as_fd())?)
     }
+}
+
+/// A detached mount (attached to no tree) of the caller's IPC namespace's `mqueue` filesystem.
+fn detached_mqueue() -> Result<OwnedFd, StepError> {
+    // SAFETY: valid NUL-terminated name; the fd returned is fresh and owned by us.
+    let fc = unsafe {
+        libc::syscall(
+            libc::SYS_fsopen,
+            c"mqueue".as_ptr(),
+            libc::FSOPEN_CLOEXEC as libc::c_uint,
+        )
+    } as libc::c_int;
+    ck(fc, "fsopen_mqueue")?;
+    // SAFETY: fsopen succeeded; the fd is fresh.
+    let fc = unsafe { OwnedFd::from_raw_fd(fc) };
+    // SAFETY: a filesystem context fd; no key, value or aux.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fc.as_raw_fd(),
+            libc::FSCONFIG_CMD_CREATE as libc::c_uint,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0 as libc::c_int,
+        )
+    } as libc::c_int;
+    ck(rc, "fsconfig_mqueue")?;
+    // SAFETY: a created filesystem context; the mount fd returned is fresh.
+    let mnt = unsafe {
+        libc::syscall(
+            libc::SYS_fsmount,
+            fc.as_raw_fd(),
+            libc::FSMOUNT_CLOEXEC as libc::c_uint,
+            (libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOEXEC)
+                as libc::c_uint,
+        )
+    } as libc::c_int;
+    ck(mnt, "fsmount_mqueue")?;
+    // SAFETY: fsmount succeeded; the fd is fresh.
+    Ok(unsafe { OwnedFd::from_raw_fd(mnt) })
 }
 
 /// Runs `f` inside the IPC namespace of `init`, then returns to the caller's own.
@@ -161,6 +164,15 @@ fn remove_all(
     Ok(())
 }
 
+/// The size `ipc/mqueue.c` gives an empty queue directory (`2 * DIRENT_SIZE`, for `.` and
+/// `..`); each queue adds `DIRENT_SIZE` (20) and its unlink takes it back.
+const EMPTY_MQUEUE_DIR_SIZE: u64 = 40;
+
+/// Whether an `mqueue` mount holds any queue, told by one `fstat` of its root.
+fn holds_queues(mnt: BorrowedFd<'_>) -> Result<bool, FsError> {
+    Ok(fs::fstatat_nofollow(mnt, OsStr::new(""))?.size > EMPTY_MQUEUE_DIR_SIZE)
+}
+
 /// Unlinks every queue of an `mqueue` mount (its queues are its files).
 fn clear_mqueues(mnt: BorrowedFd<'_>) -> Result<(), StepError> {
     let failed = |step| {
@@ -169,9 +181,7 @@ fn clear_mqueues(mnt: BorrowedFd<'_>) -> Result<(), StepError> {
             errno: e.raw_os_error().unwrap_or(libc::EIO),
         }
     };
-    // The directory's size grows by a fixed amount per queue: an empty one is told by one fstat.
-    let root = fs::fstatat_nofollow(mnt, OsStr::new("")).map_err(failed("stat_mqueue"))?;
-    if root.size == 0 {
+    if !holds_queues(mnt).map_err(failed("stat_mqueue"))? {
         return Ok(());
     }
     loop {
@@ -182,5 +192,49 @@ fn clear_mqueues(mnt: BorrowedFd<'_>) -> Result<(), StepError> {
         if !more {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// In a thread of its own IPC namespace (needs root; the namespace dies with the thread):
+    /// an empty `mqueue` is told empty by its size, a queue is seen, and the clean-up removes it.
+    #[test]
+    fn an_empty_mqueue_is_told_by_its_size_and_a_queue_is_removed() {
+        std::thread::spawn(|| {
+            // SAFETY: unshare of this thread's IPC namespace only.
+            let rc = unsafe { libc::unshare(libc::CLONE_NEWIPC) };
+            assert_eq!(rc, 0, "unshare(CLONE_NEWIPC): {}", io_err());
+            let mnt = detached_mqueue().expect("detached mqueue");
+            assert!(!holds_queues(mnt.as_fd()).expect("stat"), "a new namespace");
+            // SAFETY: a NUL-terminated name; default attributes.
+            let q = unsafe {
+                libc::mq_open(
+                    c"/dsec-test".as_ptr(),
+                    libc::O_CREAT | libc::O_RDWR | libc::O_CLOEXEC,
+                    0o600 as libc::mode_t,
+                    std::ptr::null_mut::<libc::mq_attr>(),
+                )
+            };
+            assert!(q >= 0, "mq_open: {}", io_err());
+            assert!(holds_queues(mnt.as_fd()).expect("stat"), "one queue");
+            clear_mqueues(mnt.as_fd()).expect("clear");
+            assert!(
+                !holds_queues(mnt.as_fd()).expect("stat"),
+                "after the clean-up"
+            );
+            let (left, _) = fs::read_dir(mnt.as_fd(), 16).expect("list");
+            assert!(left.is_empty(), "left: {:?}", left.len());
+            // SAFETY: the descriptor mq_open returned.
+            unsafe { libc::mq_close(q) };
+        })
+        .join()
+        .expect("the test thread");
+    }
+
+    fn io_err() -> std::io::Error {
+        std::io::Error::last_os_error()
     }
 }
