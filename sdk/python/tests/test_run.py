@@ -34,6 +34,23 @@ def test_run_codes_batch_is_isolated(client: dsec.Client) -> None:
     assert [it["result"]["run_result"]["stdout"] for it in items] == [f"{i} False\n" for i in range(20)]
 
 
+def test_run_batch_answers_at_its_colon_path_too(server, client: dsec.Client) -> None:
+    """`POST /v1/run:batch` (the API-style name) is the same endpoint as `/v1/run/batch`,
+    with a key header or with the key in the path."""
+    import httpx
+
+    body = {"requests": [{"code": f"print({i} * 3)", "language": "python"} for i in range(3)], "concurrency": 2}
+    for path, headers in (
+        ("/v1/run:batch", {"X-API-Key": client.api_key}),
+        (f"/t/{client.api_key}/v1/run:batch", {}),
+    ):
+        r = httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        assert [it["result"]["run_result"]["stdout"] for it in r.json()["items"]] == ["0\n", "3\n", "6\n"]
+    r = httpx.post(server.url + "/v1/run:batch", json=body, timeout=60)
+    assert r.status_code == 401, r.text
+
+
 def test_sandbox_fusion_client_unchanged(server, client: dsec.Client) -> None:
     import sandbox_fusion as sf  # installed by scripts/test-python.sh; a missing install fails
     endpoint = f"{server.url}/t/{client.api_key}"

@@ -94,6 +94,7 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/events", get(events))
         .route("/v1/run", post(run_native))
         .route("/v1/run/batch", post(run_batch))
+        .route("/v1/run:batch", post(run_batch))
         .route("/v1/languages", get(languages))
         .route("/run_code", post(run_code))
         .route("/v1/ping", get(ping))
@@ -101,6 +102,7 @@ pub fn router(app: AppState) -> Router {
         .route("/t/{key}/v1/ping", get(ping))
         .route("/t/{key}/v1/run", post(run_native))
         .route("/t/{key}/v1/run/batch", post(run_batch))
+        .route("/t/{key}/v1/run:batch", post(run_batch))
         .route("/t/{key}/v1/languages", get(languages))
         .route("/v1/trajectories", get(list_trajectories))
         .route("/v1/trajectories/{tid}", get(get_trajectory))
@@ -173,7 +175,7 @@ async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -
 fn is_run_path(path: &str) -> bool {
     matches!(
         path,
-        "/run_code" | "/v1/ping" | "/v1/run" | "/v1/run/batch" | "/v1/languages"
+        "/run_code" | "/v1/ping" | "/v1/run" | "/v1/run/batch" | "/v1/run:batch" | "/v1/languages"
     )
 }
 

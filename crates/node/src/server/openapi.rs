@@ -329,7 +329,7 @@ pub const ROUTES: &[Route] = &[
     r(
         "post",
         "/v1/run/batch",
-        "Run many snippets ({\"requests\": [...], \"concurrency\"})",
+        "Run many snippets ({\"requests\": [...], \"concurrency\"}; also /v1/run:batch)",
         "json",
         "BatchResult",
     ),
