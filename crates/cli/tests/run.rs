@@ -62,6 +62,18 @@ impl Daemon {
         (status, v)
     }
 
+    /// A GET with the admin key: the answer's JSON.
+    fn get(&self, path: &str) -> Value {
+        let mut r = self
+            .agent
+            .get(format!("{}{path}", self.url))
+            .header("X-API-Key", &self.key)
+            .call()
+            .expect("http");
+        serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+            .unwrap_or(Value::Null)
+    }
+
     fn run(&self, body: Value) -> Value {
         let (s, v) = self.post("/v1/run", Some(&self.key.clone()), &body);
         assert_eq!(s, 200, "run: {v}");
@@ -206,18 +218,18 @@ fn python_verdicts_and_isolation() {
         let r = d.py("print('next')");
         assert_eq!(r["stdout"], "next\n", "{r}");
     }
-    // A call that kills the driver (the session process) answers `agent_unavailable`.
+    // A call that kills the driver (the session process) ended its own runtime: that is its
+    // result (`RuntimeError`, killed by SIGKILL), not a node error a client would retry.
     let key = d.key.clone();
     let (s, v) = d.post(
         "/v1/run",
         Some(&key),
         &json!({"code": "import os, signal\nz = os.getppid()\nst = open('/proc/%d/stat' % z).read()\nos.kill(int(st.rsplit(')', 1)[1].split()[1]), signal.SIGKILL)", "language": "python"}),
     );
-    assert_eq!(
-        (s, v["code"].as_str()),
-        (502, Some("agent_unavailable")),
-        "{v}"
-    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "Failed", "{v}");
+    assert_eq!(v["run_result"]["status"], "RuntimeError", "{v}");
+    assert_eq!(v["run_result"]["exit_code"], -9, "{v}");
     let r = d.py("print('after')");
     assert_eq!(r["stdout"], "after\n", "{r}");
 }
@@ -354,7 +366,9 @@ fn sandbox_fusion_shape_path_key_and_anonymous() {
 }
 
 /// The R-xx abuse cases through SandboxFusion's `/run_code`: each is contained in its call
-/// (a verdict, not a crash), and the next call still answers correctly.
+/// (the verdict its abuse earns, never a sandbox error), and the next call still answers
+/// correctly with nothing of the abuser left. R-12 (the host kills the supervisors of the
+/// zygotes) follows: calls then go to new zygotes, none fails.
 #[test]
 fn abuse_through_run_code_is_contained() {
     let d = Daemon::start("abuse", &[]);
@@ -366,32 +380,68 @@ fn abuse_through_run_code_is_contained() {
             &json!({"code": code, "language": "python", "run_timeout": timeout, "memory_limit_MB": 128}),
         )
     };
-    let cases = [
+    // (case, code, run timeout, the verdicts it may earn, what its stdout starts with).
+    let cases: [(&str, &str, f64, &[&str], &str); 22] = [
         // R-01 fork bomb: pids limit, ends by its deadline.
-        ("R-01", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", 2.0),
+        ("R-01 fork", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", 2.0, &["TimeLimitExceeded"], ""),
+        // R-01 thread bomb: each thread's stack counts against the call's memory.
+        ("R-01 threads", "import threading, time\nwhile True: threading.Thread(target=time.sleep, args=(100,)).start()", 2.0, &["MemoryLimitExceeded", "RuntimeError"], ""),
         // R-02 double-fork escapee that would outlive the call.
-        ("R-02", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(1000)\n    os._exit(0)\nprint('parent done')", 2.0),
-        // R-03 memory bomb.
-        ("R-03", "a = []\nwhile True: a.append(bytearray(1 << 20))", 5.0),
-        // R-04 disk fill of the writable layer.
-        ("R-04", "f = open('/tmp/fill', 'wb')\nwhile True: f.write(b'x' * (1 << 20))", 5.0),
-        // R-06 sleep forever / spin.
-        ("R-06", "import time\ntime.sleep(1000)", 1.0),
-        // R-08 output flood without newlines, invalid UTF-8.
-        ("R-08", "import sys\nwhile True: sys.stdout.buffer.write(b'\\xff' * 65536)", 5.0),
+        ("R-02", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(1000)\n    os._exit(0)\nprint('parent done')", 2.0, &["Finished"], "parent done"),
+        // R-03 memory bomb: malloc, tmpfs (/dev/shm), memfd.
+        ("R-03 malloc", "a = []\nwhile True: a.append(bytearray(1 << 20))", 5.0, &["MemoryLimitExceeded"], ""),
+        ("R-03 tmpfs", "f = open('/dev/shm/fill', 'wb', buffering=0)\nwhile True: f.write(b'x' * (1 << 20))", 5.0, &["RuntimeError"], ""),
+        ("R-03 memfd", "import os\nfd = os.memfd_create('m')\nwhile True: os.write(fd, b'x' * (1 << 20))", 5.0, &["RuntimeError"], ""),
+        // R-04 disk fill and inode exhaustion of the writable layer.
+        ("R-04 fill", "f = open('/tmp/fill', 'wb')\nwhile True: f.write(b'x' * (1 << 20))", 5.0, &["RuntimeError"], ""),
+        ("R-04 inodes", "i = 0\nwhile True:\n    open('/tmp/f%d' % i, 'w').close()\n    i += 1", 20.0, &["RuntimeError"], ""),
+        // R-05 a file beyond RLIMIT_FSIZE (sparse: only the limit stops it).
+        ("R-05", "f = open('/tmp/big', 'wb', buffering=0)\nf.seek(1 << 40)\nf.write(b'x')\nprint('wrote')", 2.0, &["RuntimeError"], ""),
+        // R-06 CPU spin, sleep forever, a read of stdin that has nothing.
+        ("R-06 spin", "while True: pass", 1.0, &["TimeLimitExceeded"], ""),
+        ("R-06 sleep", "import time\ntime.sleep(1000)", 1.0, &["TimeLimitExceeded"], ""),
+        ("R-06 stdin", "import sys\nprint(len(sys.stdin.read()))", 2.0, &["Finished"], "0"),
+        // R-07 fd, IPC and timer exhaustion, a huge argv.
+        ("R-07 fds", "import os\nfs = []\ntry:\n    while True: fs.append(os.open('/dev/null', os.O_RDONLY))\nexcept OSError as e: print('fds', e.errno)", 5.0, &["Finished"], "fds 24"),
+        ("R-07 ipc", "import ctypes\nlibc = ctypes.CDLL(None)\nn = 0\nwhile libc.semget(0, 1, 0o1600) >= 0: n += 1\nprint('sets', n > 0)", 10.0, &["Finished"], "sets True"),
+        ("R-07 timers", "import ctypes\nlibc = ctypes.CDLL(None)\nt = ctypes.create_string_buffer(8)\nn = 0\nwhile n < 200000 and libc.timer_create(1, None, t) == 0: n += 1\nprint('timers', n > 0)", 10.0, &["Finished", "MemoryLimitExceeded"], ""),
+        ("R-07 argv", "import os\ntry:\n    os.execv('/bin/true', ['x'] + ['a' * 100000] * 1000)\nexcept OSError as e: print('argv', e.errno)", 2.0, &["Finished"], "argv 7"),
+        // R-08 output flood without newlines, invalid UTF-8; a grandchild holding stdout.
+        ("R-08 flood", "import sys\nwhile True: sys.stdout.buffer.write(b'\\xff' * 65536)", 5.0, &["OutputLimitExceeded"], ""),
+        ("R-08 grandchild", "import os, sys, time\nprint('main done', flush=True)\nif os.fork() == 0:\n    while True:\n        sys.stdout.write('g')\n        sys.stdout.flush()\n        time.sleep(0.01)", 5.0, &["Finished"], "main done"),
         // R-09 zombie leak.
-        ("R-09", "import os\nfor _ in range(50):\n    if os.fork() == 0: os._exit(0)\nprint('ok')", 2.0),
+        ("R-09", "import os\nfor _ in range(50):\n    if os.fork() == 0: os._exit(0)\nprint('ok')", 2.0, &["Finished"], "ok"),
+        // R-10 signal the agent (the sandbox's init: ignored), the zygote (the call's parent),
+        // then every process the call can see: the last ends the call's own runtime, which
+        // is the call's result, not a node error.
+        ("R-10 agent", "import os, signal\nos.kill(1, signal.SIGKILL)\nprint('after')", 2.0, &["Finished"], "after"),
+        ("R-10 zygote", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('after')", 2.0, &["Finished"], "after"),
+        ("R-10 all", "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) != os.getpid():\n        try: os.kill(int(p), signal.SIGKILL)\n        except OSError: pass\nprint('after')", 2.0, &["RuntimeError"], ""),
     ];
-    for (id, code, timeout) in cases {
+    for (id, code, timeout, verdicts, stdout) in cases {
+        let t = std::time::Instant::now();
         let (s, v) = run_code(code, timeout);
         assert_eq!(s, 200, "{id}: {v}");
         assert!(
             matches!(v["status"].as_str(), Some("Success" | "Failed")),
             "{id}: a verdict, not a sandbox error: {v}"
         );
+        let verdict = v["run_result"]["verdict"].as_str().unwrap_or_default();
+        assert!(verdicts.contains(&verdict), "{id}: verdict {verdict}: {v}");
+        let out = v["run_result"]["stdout"].as_str().unwrap_or_default();
+        assert!(out.starts_with(stdout), "{id}: stdout {out:?}");
+        // Every case ends by its own deadline (the grandchild's pipe holds nothing up).
+        assert!(
+            t.elapsed() < Duration::from_secs_f64(timeout + 10.0),
+            "{id}: took {:?}",
+            t.elapsed()
+        );
         // The next call is clean and correct: no process, file or output of the abuser left.
         let (s, next) = run_code(
-            &format!("{LIVE_PROCESSES}print(len(procs) <= 4, os.path.exists('/tmp/fill'))"),
+            &format!(
+                "{LIVE_PROCESSES}print(len(procs) <= 4, sorted(set(os.listdir('/tmp')) & \
+                 {{'fill', 'big', 'f0'}}), os.listdir('/dev/shm'))"
+            ),
             5.0,
         );
         assert_eq!(s, 200, "{id}: {next}");
@@ -400,8 +450,36 @@ fn abuse_through_run_code_is_contained() {
             "{id}: the node still runs code: {next}"
         );
         assert_eq!(
-            next["run_result"]["stdout"], "True False\n",
+            next["run_result"]["stdout"], "True [] []\n",
             "{id}: nothing survived: {next}"
+        );
+    }
+    // R-12: kill -9 of every zygote's supervisor, from the host. The sandboxes are gone with
+    // them; the calls that meet a dead zygote go to another one or to a new one.
+    let listed = d.get("/v1/sandboxes?tenant=tn-run");
+    let sups: Vec<i32> = listed["items"]
+        .as_array()
+        .expect("the runner's sandboxes")
+        .iter()
+        .filter_map(|sb| {
+            let id = sb["id"].as_str()?;
+            d.get(&format!("/v1/sandboxes/{id}"))["supervisor_pid"]
+                .as_i64()
+                .map(|p| p as i32)
+        })
+        .collect();
+    assert!(!sups.is_empty(), "zygotes to kill: {listed}");
+    for pid in &sups {
+        let pid = rustix::process::Pid::from_raw(*pid).expect("a pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill -9");
+    }
+    for i in 0..8 {
+        let (s, v) = run_code(&format!("print({i} * 2)"), 5.0);
+        assert_eq!(s, 200, "R-12 call {i}: {v}");
+        assert_eq!(
+            v["run_result"]["stdout"],
+            format!("{}\n", i * 2),
+            "R-12 call {i}: {v}"
         );
     }
 }

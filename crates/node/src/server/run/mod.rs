@@ -747,6 +747,29 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
                 drop(permit);
             });
         }
+        if answer.is_none() {
+            match &ev {
+                Ok(Event::ExecDone(r)) => {
+                    if let Some(outcome) = runtime_killed_by_the_call(r) {
+                        return Ok(outcome);
+                    }
+                }
+                // The zygote's sandbox was gone (its supervisor killed from the host, say) or
+                // its agent's connection closed: the sandbox, and with it whatever the call
+                // reached, is gone, so the call goes to another zygote (the last try to a new
+                // one) instead of failing on a node fault.
+                Err(err)
+                    if attempt < 2
+                        && matches!(
+                            err.code,
+                            ErrorCode::SandboxNotFound | ErrorCode::AgentUnavailable
+                        ) =>
+                {
+                    continue;
+                }
+                _ => {}
+            }
+        }
         let a = match answer {
             Some(ZygoteAnswer::Ran(a)) => a,
             Some(ZygoteAnswer::Refused { refused: true }) => continue,
@@ -789,8 +812,44 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
     }
     Err(ApiError::new(
         ErrorCode::AgentUnavailable,
-        "three zygotes in a row refused the call",
+        "three zygotes in a row refused the call or were gone",
     ))
+}
+
+/// The outcome of a call during which the zygote's session (the driver) was killed by a
+/// signal. While a call runs, only its code can do that — it may signal every process of the
+/// sandbox it can see (they run as one uid), or fill the sandbox's memory until the OOM killer
+/// picks one — so it is the call's result (`RuntimeError`, or `MemoryLimitExceeded` for the
+/// OOM killer), not a node error: SandboxFusion's clients retry a `SandboxError`, which would
+/// run the same code again. The zygote is replaced either way. `None` when the session ended
+/// otherwise (a driver fault, a lost agent): that stays an error.
+fn runtime_killed_by_the_call(r: &ExecResult) -> Option<RunOutcome> {
+    let status = match r.status {
+        ExecStatus::Killed => Verdict::RuntimeError,
+        ExecStatus::Oom => Verdict::MemoryLimitExceeded,
+        _ => return None,
+    };
+    // SIGKILL when the agent reported none.
+    let signal = r.signal.unwrap_or(9);
+    let run = PhaseResult {
+        status,
+        exit_code: Some(-signal),
+        stdout: String::new(),
+        stderr: format!(
+            "the call ended the sandbox's Python runtime (its driver was killed by signal \
+             {signal}); the runtime has been replaced\n"
+        ),
+        execution_time: r.wall_us as f64 / 1e6,
+        memory_kb: r.peak_rss_kb,
+    };
+    Some(RunOutcome {
+        status: "Failed",
+        compile_result: None,
+        run_result: Some(run),
+        files: BTreeMap::new(),
+        substrate: Substrate::Function,
+        server_us: 0,
+    })
 }
 
 fn phase_of(r: &ExecResult, memory: Option<u64>) -> PhaseResult {
