@@ -154,9 +154,16 @@ struct ServerArgs {
     /// `anonymous` tenant (at most 8 runs in flight). Only on a loopback listener.
     #[arg(long)]
     anonymous_run: bool,
-    /// Most Python zygotes (function-substrate sandboxes) per template.
+    /// Python zygotes (function-substrate sandboxes) each template keeps warm.
     #[arg(long, default_value_t = 4)]
     run_zygotes: usize,
+    /// Most Python zygotes per template: beyond `--run-zygotes`, more start only while calls
+    /// wait behind long ones, and go again once unused for `--run-zygote-idle-secs`.
+    #[arg(long, default_value_t = 32)]
+    run_zygotes_max: usize,
+    /// Seconds a zygote beyond `--run-zygotes` stays idle before it is destroyed.
+    #[arg(long, default_value_t = 30)]
+    run_zygote_idle_secs: u64,
     /// Modules each Python zygote imports once (comma-separated; default: common stdlib).
     #[arg(long, value_delimiter = ',')]
     run_preload: Option<Vec<String>>,
@@ -500,6 +507,10 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
             dsec_node::server::run::RunConfig {
                 preload: args.run_preload.clone().unwrap_or(base.preload),
                 zygotes: args.run_zygotes.clamp(1, 256),
+                zygotes_max: args
+                    .run_zygotes_max
+                    .clamp(args.run_zygotes.clamp(1, 256), 1024),
+                retire_after: std::time::Duration::from_secs(args.run_zygote_idle_secs.max(1)),
                 anonymous: args.anonymous_run,
             }
         },

@@ -531,3 +531,68 @@ fn runs_in_flight_follow_the_tenant_quota() {
         "{v}"
     );
 }
+
+/// The live sandboxes of the runner's tenant (with only Python calls on the function
+/// substrate, its zygotes).
+fn zygote_count(d: &Daemon) -> usize {
+    d.get("/v1/sandboxes?tenant=tn-run&limit=1000")["items"]
+        .as_array()
+        .map_or(0, |a| {
+            a.iter()
+                .filter(|s| s["state"].as_str() != Some("destroyed"))
+                .count()
+        })
+}
+
+/// R-13 through the runner: calls that hold every warm zygote to their time limit do not
+/// hold up a short call behind them (more zygotes start, up to `--run-zygotes-max`), and the
+/// extra zygotes go again once idle.
+#[test]
+fn long_calls_do_not_hold_up_short_ones() {
+    let d = Daemon::start(
+        "elastic",
+        &[
+            "--run-zygotes",
+            "2",
+            "--run-zygotes-max",
+            "5",
+            "--run-zygote-idle-secs",
+            "2",
+        ],
+    );
+    assert_eq!(d.py("print(1)")["stdout"], "1\n");
+    let done = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|sc| {
+        // Four spinners: twice the warm zygotes, each to its 6 s time limit.
+        for i in 0..4 {
+            let done = &done;
+            let d = &d;
+            sc.spawn(move || {
+                let v = d.run(json!({"code": "while True: pass", "language": "python",
+                    "run_timeout": 6}));
+                assert_eq!(v["run_result"]["status"], "TimeLimitExceeded", "{v}");
+                done.lock().expect("order").push(format!("spinner {i}"));
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1500));
+        let v = d.py("print(1+1)");
+        assert_eq!(v["stdout"], "2\n", "{v}");
+        done.lock().expect("order").push("short".into());
+        // Every zygote the burst made is within the bound.
+        let n = zygote_count(&d);
+        assert!((3..=5).contains(&n), "{n} zygotes");
+    });
+    let order = done.into_inner().expect("order");
+    assert_eq!(
+        order.first().map(String::as_str),
+        Some("short"),
+        "{order:?}"
+    );
+    // Idle for their 2 s, the extra zygotes go; the warm two stay.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while zygote_count(&d) > 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(zygote_count(&d), 2);
+    assert_eq!(d.py("print(3)")["stdout"], "3\n");
+}

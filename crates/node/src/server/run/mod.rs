@@ -45,6 +45,11 @@ pub const FUNCTION_OUTPUT_MAX: u64 = 256 << 10;
 pub const MAX_BATCH: usize = 1000;
 /// Runs the anonymous tenant may have in flight at once.
 pub const ANONYMOUS_CONCURRENCY: usize = 8;
+/// How long a call waits for one of the warm zygotes before it may start one more (up to
+/// `zygotes_max`): long enough that short calls (~1–2 ms each) never grow the pool, short
+/// enough that calls stuck behind long ones (a snippet that spins to its time limit) do not
+/// wait for them.
+const ZYGOTE_GROW_AFTER: Duration = Duration::from_millis(25);
 /// Where the container substrate puts a run's files.
 const WORKDIR: &str = "/tmp/dsec-run";
 
@@ -53,8 +58,13 @@ const WORKDIR: &str = "/tmp/dsec-run";
 pub struct RunConfig {
     /// Modules the Python zygote imports once (failures ignored).
     pub preload: Vec<String>,
-    /// Most zygotes (function-substrate sandboxes) per template.
+    /// Zygotes (function-substrate sandboxes) each template keeps warm.
     pub zygotes: usize,
+    /// Most zygotes per template: more than `zygotes` start only while calls wait (long calls
+    /// hold the warm ones), and go again after `retire_after` unused.
+    pub zygotes_max: usize,
+    /// How long a zygote beyond the warm ones stays idle before it is destroyed.
+    pub retire_after: Duration,
     /// Serve the run endpoints without an API key (as the `anonymous` tenant).
     pub anonymous: bool,
 }
@@ -82,6 +92,8 @@ impl Default for RunConfig {
             .map(|s| (*s).to_owned())
             .collect(),
             zygotes: 4,
+            zygotes_max: 32,
+            retire_after: Duration::from_secs(30),
             anonymous: false,
         }
     }
@@ -409,6 +421,8 @@ impl RunBody {
 struct Zygote {
     entry: Arc<Entry>,
     session: u64,
+    /// When it last went back to the idle queue.
+    idle_since: Instant,
 }
 
 /// One template's zygotes.
@@ -418,16 +432,53 @@ struct ZygotePool {
     filling: AtomicBool,
     /// Least recently used first: its next child has had the longest to get ready.
     idle: Mutex<VecDeque<Zygote>>,
+    /// One per warm zygote (`zygotes`): a call holds one while it runs.
     slots: Arc<tokio::sync::Semaphore>,
+    /// One per zygote beyond the warm ones (`zygotes_max - zygotes`), taken only by a call
+    /// that waited `ZYGOTE_GROW_AFTER` for a slot. Every zygote is made by a call (or the
+    /// background start) holding a permit of either, and only when none is idle, so there are
+    /// never more zygotes than permits.
+    burst: Arc<tokio::sync::Semaphore>,
 }
 
 impl ZygotePool {
     /// Returns a ready zygote to the back of the queue.
-    fn put(&self, z: Zygote) {
+    fn put(&self, mut z: Zygote) {
+        z.idle_since = Instant::now();
         self.idle
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push_back(z);
+    }
+
+    /// A permit to run one call: a warm slot, or after `ZYGOTE_GROW_AFTER` whichever of a
+    /// warm slot and a burst one comes first.
+    async fn permit(&self) -> ApiResult<tokio::sync::OwnedSemaphorePermit> {
+        let closed = |_| ApiError::internal("runner closed");
+        let slot = Arc::clone(&self.slots).acquire_owned();
+        tokio::pin!(slot);
+        tokio::select! {
+            p = &mut slot => return p.map_err(closed),
+            () = tokio::time::sleep(ZYGOTE_GROW_AFTER) => {}
+        }
+        tokio::select! {
+            p = slot => p.map_err(closed),
+            p = Arc::clone(&self.burst).acquire_owned() => p.map_err(closed),
+        }
+    }
+
+    /// Idle zygotes beyond the `keep` most recently used, unused for `after`.
+    fn retire(&self, keep: usize, after: Duration) -> Vec<Zygote> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::new();
+        while idle.len() > keep
+            && idle
+                .front()
+                .is_some_and(|z| z.idle_since.elapsed() >= after)
+        {
+            out.extend(idle.pop_front());
+        }
+        out
     }
 
     /// The least recently used ready zygote.
@@ -486,6 +537,9 @@ impl Runner {
                 filling: AtomicBool::new(false),
                 idle: Mutex::new(VecDeque::new()),
                 slots: Arc::new(tokio::sync::Semaphore::new(self.cfg.zygotes.max(1))),
+                burst: Arc::new(tokio::sync::Semaphore::new(
+                    self.cfg.zygotes_max.saturating_sub(self.cfg.zygotes.max(1)),
+                )),
             })
         }))
     }
@@ -578,7 +632,11 @@ async fn start_zygote(app: &Arc<App>, e: Arc<Entry>) -> ApiResult<Zygote> {
     )
     .await?;
     match ev {
-        Event::ExecDone(r) if r.exit_code == Some(0) => Ok(Zygote { entry: e, session }),
+        Event::ExecDone(r) if r.exit_code == Some(0) => Ok(Zygote {
+            entry: e,
+            session,
+            idle_since: Instant::now(),
+        }),
         Event::ExecDone(r) => Err(ApiError::internal(format!(
             "the zygote did not start: {}",
             String::from_utf8_lossy(&r.stderr.data)
@@ -654,6 +712,17 @@ fn fill_zygotes(app: &Arc<App>, template: &str, pool: &Arc<ZygotePool>) {
     if pool.filling.swap(true, Ordering::AcqRel) {
         return;
     }
+    // Zygotes started for a burst of long calls go again once unused for a while.
+    let (app2, pool2) = (Arc::clone(app), Arc::clone(pool));
+    tokio::spawn(async move {
+        loop {
+            let cfg = &app2.runner.cfg;
+            tokio::time::sleep(cfg.retire_after / 4).await;
+            for z in pool2.retire(cfg.zygotes, cfg.retire_after) {
+                let _ = app2.destroy(&z.entry).await;
+            }
+        }
+    });
     let (app, pool, template) = (Arc::clone(app), Arc::clone(pool), template.to_owned());
     tokio::spawn(async move {
         for _ in 1..app.runner.cfg.zygotes {
@@ -701,10 +770,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
     // A zygote whose sweep found a pre-existing file changed refuses its next call: it is
     // replaced and the call goes to another one (the last try to a new one).
     for attempt in 0..3 {
-        let permit = Arc::clone(&pool.slots)
-            .acquire_owned()
-            .await
-            .map_err(|_| ApiError::internal("runner closed"))?;
+        let permit = pool.permit().await?;
         let idle = match attempt {
             2 => None,
             _ => pool.take(),
