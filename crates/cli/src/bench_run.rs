@@ -5,7 +5,9 @@
 //! substrate (a fresh `/usr/bin/python3` in a pooled sandbox), and `python3 -c` on the host
 //! (the peer: no sandbox, no HTTP). Each at concurrency 1, 16 and 64 with p50/p99 through
 //! HTTP, the node's own time (`server_us`) and calls/s; the function substrate once more at
-//! concurrency 1 with calls paced 5 ms apart; then a C++ compile-and-run.
+//! concurrency 1 with calls paced 5 ms apart, and paced beside 20 calls that spin or fork
+//! to their time limit (R-13: short calls are not held up behind long ones); then a C++
+//! compile-and-run.
 
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +38,23 @@ impl Client {
             bail!("run: {status} {v}");
         }
         Ok(v)
+    }
+
+    /// The runner's live sandboxes (zygotes and pooled containers), with the admin key.
+    fn sandboxes(&self) -> usize {
+        self.agent
+            .get(format!(
+                "{}/v1/sandboxes?tenant=tn-run&limit=1000",
+                self.url
+            ))
+            .header("X-API-Key", &self.key)
+            .call()
+            .ok()
+            .and_then(|mut r| {
+                serde_json::from_slice::<Value>(&r.body_mut().read_to_vec().ok()?).ok()
+            })
+            .and_then(|v| v["items"].as_array().map(Vec::len))
+            .unwrap_or(0)
     }
 }
 
@@ -87,6 +106,50 @@ fn load(
         "calls_per_s": n as f64 / wall.as_secs_f64(),
         "errors": errors.load(Ordering::Relaxed),
     })
+}
+
+/// Abusive calls in flight at once beside the measured ones (R-13: 20 abusers at once).
+const ABUSERS: usize = 20;
+
+/// `n` calls of `call`, paced 20 ms apart, while `ABUSERS` workers run `abuse` (to its 2 s time
+/// limit) over and over: their latency, node time and errors, and how many sandboxes the
+/// runner held at the end.
+fn beside(c: &Client, call: &Value, abuse: &str, n: usize) -> anyhow::Result<Value> {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let abuse = json!({"code": abuse, "language": "python", "run_timeout": 2});
+    let mut lat = vec![];
+    let mut server = vec![];
+    let mut errors = 0u64;
+    let mut zygotes = 0;
+    std::thread::scope(|s| {
+        for _ in 0..ABUSERS {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = c.run(&abuse);
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        for _ in 0..n.max(20) {
+            let t = Instant::now();
+            match c.run(call) {
+                Ok(v) => {
+                    lat.push(us(t));
+                    server.push(v["server_us"].as_u64().unwrap_or(0));
+                }
+                Err(_) => errors += 1,
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        zygotes = c.sandboxes();
+        stop.store(true, Ordering::Relaxed);
+    });
+    Ok(json!({
+        "latency": dist(lat),
+        "server": dist(server),
+        "errors": errors,
+        "runner_sandboxes": zygotes,
+    }))
 }
 
 /// Runs the runner benchmark.
@@ -167,6 +230,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "function_paced_5ms".into(),
         json!({"latency": dist(lat), "server": dist(server)}),
     );
+    // the same paced calls while 20 calls (five times the warm zygotes) spin, or fork
+    // without end, to their 2 s time limit over and over.
+    for (name, abuse) in [
+        ("function_beside_20_spinners", "while True: pass"),
+        (
+            "function_beside_20_fork_bombs",
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        ),
+    ] {
+        out.insert(name.into(), beside(&c, &function, abuse, n / 2)?);
+    }
     let cpp = json!({"language": "cpp",
         "code": "#include <iostream>\nint main(){ long s = 0; for (int i = 0; i < 1000; i++) s += i; std::cout << s << std::endl; }"});
     let mut compile = vec![];
@@ -201,6 +275,22 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             / p50("function", "1", "latency").max(0.001),
         "function_calls_per_s_at_64": out["function"]["64"]["calls_per_s"],
         "function_errors_at_64": out["function"]["64"]["errors"],
+        "beside_20_spinners_p50_ms": out["function_beside_20_spinners"]["latency"]["p50_us"]
+            .as_u64()
+            .unwrap_or(0) as f64
+            / 1000.0,
+        "beside_20_spinners_p99_ms": out["function_beside_20_spinners"]["latency"]["p99_us"]
+            .as_u64()
+            .unwrap_or(0) as f64
+            / 1000.0,
+        "beside_20_fork_bombs_p50_ms": out["function_beside_20_fork_bombs"]["latency"]["p50_us"]
+            .as_u64()
+            .unwrap_or(0) as f64
+            / 1000.0,
+        "beside_20_fork_bombs_p99_ms": out["function_beside_20_fork_bombs"]["latency"]["p99_us"]
+            .as_u64()
+            .unwrap_or(0) as f64
+            / 1000.0,
     });
     let doc = json!({
         "bench": "run",

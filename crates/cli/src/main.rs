@@ -164,6 +164,10 @@ struct ServerArgs {
     /// Seconds a zygote beyond `--run-zygotes` stays idle before it is destroyed.
     #[arg(long, default_value_t = 30)]
     run_zygote_idle_secs: u64,
+    /// pids.max of each Python zygote sandbox: a call may have what the agent, driver and
+    /// zygote leave (58 processes and threads at 64). Bounds what a fork bomb costs other calls.
+    #[arg(long, default_value_t = 64)]
+    run_pids_max: u64,
     /// Modules each Python zygote imports once (comma-separated; default: common stdlib).
     #[arg(long, value_delimiter = ',')]
     run_preload: Option<Vec<String>>,
@@ -511,6 +515,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
                     .run_zygotes_max
                     .clamp(args.run_zygotes.clamp(1, 256), 1024),
                 retire_after: std::time::Duration::from_secs(args.run_zygote_idle_secs.max(1)),
+                pids_max: args.run_pids_max.clamp(16, 1 << 20),
                 anonymous: args.anonymous_run,
             }
         },

@@ -596,3 +596,23 @@ fn long_calls_do_not_hold_up_short_ones() {
     assert_eq!(zygote_count(&d), 2);
     assert_eq!(d.py("print(3)")["stdout"], "3\n");
 }
+
+/// A call's processes and threads are bounded by the zygote sandbox's `pids.max`
+/// (`--run-pids-max`): a fork bomb stops there, is told `TimeLimitExceeded`, and the next
+/// call runs.
+#[test]
+fn a_call_forks_only_up_to_the_zygote_bound() {
+    let d = Daemon::start("pids", &["--run-pids-max", "32"]);
+    let v = d.run(json!({"language": "python", "run_timeout": 5, "code":
+        "import os, time\nkids = []\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    kids.append(pid)\nprint(len(kids))"}));
+    let forked: u64 = v["run_result"]["stdout"]
+        .as_str()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a count: {v}"));
+    // 32 less the agent, the driver, the zygote and the call itself.
+    assert!((16..32).contains(&forked), "{forked} children: {v}");
+    let v = d.run(json!({"language": "python", "run_timeout": 1, "code":
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"}));
+    assert_eq!(v["run_result"]["status"], "TimeLimitExceeded", "{v}");
+    assert_eq!(d.py("print(1+1)")["stdout"], "2\n");
+}

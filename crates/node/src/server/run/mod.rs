@@ -11,7 +11,7 @@
 //! node's `--max-sandboxes` like any other.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,7 @@ use super::app::{App, CreateRequest, Entry};
 use super::error::{ApiError, ApiResult};
 use super::log;
 use super::store::Tenant;
+use crate::sandbox::Limits;
 
 const ZYGOTE: &str = include_str!("zygote.py");
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
@@ -45,10 +46,9 @@ pub const FUNCTION_OUTPUT_MAX: u64 = 256 << 10;
 pub const MAX_BATCH: usize = 1000;
 /// Runs the anonymous tenant may have in flight at once.
 pub const ANONYMOUS_CONCURRENCY: usize = 8;
-/// How long a call waits for one of the warm zygotes before it may start one more (up to
-/// `zygotes_max`): long enough that short calls (~1–2 ms each) never grow the pool, short
-/// enough that calls stuck behind long ones (a snippet that spins to its time limit) do not
-/// wait for them.
+/// A call that has held its zygote this long is a long one (a short call takes ~1–2 ms, a
+/// few more under load); a call waiting behind long ones checks this often whether it may
+/// start (or take) one more zygote, up to `zygotes_max`.
 const ZYGOTE_GROW_AFTER: Duration = Duration::from_millis(25);
 /// Where the container substrate puts a run's files.
 const WORKDIR: &str = "/tmp/dsec-run";
@@ -65,6 +65,13 @@ pub struct RunConfig {
     pub zygotes_max: usize,
     /// How long a zygote beyond the warm ones stays idle before it is destroyed.
     pub retire_after: Duration,
+    /// `pids.max` of each zygote sandbox: the agent, driver and zygote take 6 tasks, the call
+    /// (its processes and threads) the rest. Lower than a sandbox's default (256) because a
+    /// fork bomb's cost to other tenants grows with it: every fork, failed ones included (the
+    /// pids controller refuses a fork only after its address space is copied), and every exit
+    /// takes the write lock of each shared file it maps (the interpreter, libc), the same
+    /// files every Python process of the node maps.
+    pub pids_max: u64,
     /// Serve the run endpoints without an API key (as the `anonymous` tenant).
     pub anonymous: bool,
 }
@@ -94,6 +101,7 @@ impl Default for RunConfig {
             zygotes: 4,
             zygotes_max: 32,
             retire_after: Duration::from_secs(30),
+            pids_max: 64,
             anonymous: false,
         }
     }
@@ -435,10 +443,32 @@ struct ZygotePool {
     /// One per warm zygote (`zygotes`): a call holds one while it runs.
     slots: Arc<tokio::sync::Semaphore>,
     /// One per zygote beyond the warm ones (`zygotes_max - zygotes`), taken only by a call
-    /// that waited `ZYGOTE_GROW_AFTER` for a slot. Every zygote is made by a call (or the
+    /// that waits behind long ones (see `permit`). Every zygote is made by a call (or the
     /// background start) holding a permit of either, and only when none is idle, so there are
     /// never more zygotes than permits.
     burst: Arc<tokio::sync::Semaphore>,
+    /// The burst permits there are.
+    burst_max: usize,
+    /// When each call holding a permit got it, by call number.
+    running: Mutex<HashMap<u64, Instant>>,
+    next_call: AtomicU64,
+}
+
+/// A call's hold on a zygote of the pool: a warm or burst permit, and its entry in `running`.
+struct CallPermit {
+    pool: Arc<ZygotePool>,
+    id: u64,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for CallPermit {
+    fn drop(&mut self) {
+        self.pool
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
 }
 
 impl ZygotePool {
@@ -451,20 +481,56 @@ impl ZygotePool {
             .push_back(z);
     }
 
-    /// A permit to run one call: a warm slot, or after `ZYGOTE_GROW_AFTER` whichever of a
-    /// warm slot and a burst one comes first.
-    async fn permit(&self) -> ApiResult<tokio::sync::OwnedSemaphorePermit> {
-        let closed = |_| ApiError::internal("runner closed");
-        let slot = Arc::clone(&self.slots).acquire_owned();
-        tokio::pin!(slot);
-        tokio::select! {
-            p = &mut slot => return p.map_err(closed),
-            () = tokio::time::sleep(ZYGOTE_GROW_AFTER) => {}
+    /// A permit to run one call: a warm slot, or, while calls that have run longer than
+    /// `ZYGOTE_GROW_AFTER` outnumber the burst permits in use, a burst one (checked at once and
+    /// every `ZYGOTE_GROW_AFTER` of waiting). Short calls never count as long, so they queue for the
+    /// warm zygotes; each long one lets one waiting call past it.
+    async fn permit(self: &Arc<Self>) -> ApiResult<CallPermit> {
+        let now = Arc::clone(&self.slots)
+            .try_acquire_owned()
+            .ok()
+            .or_else(|| self.try_burst());
+        let permit = match now {
+            Some(p) => p,
+            None => {
+                let slot = Arc::clone(&self.slots).acquire_owned();
+                tokio::pin!(slot);
+                loop {
+                    tokio::select! {
+                        p = &mut slot => break p.map_err(|_| ApiError::internal("runner closed"))?,
+                        () = tokio::time::sleep(ZYGOTE_GROW_AFTER) => {}
+                    }
+                    if let Some(p) = self.try_burst() {
+                        break p;
+                    }
+                }
+            }
+        };
+        let id = self.next_call.fetch_add(1, Ordering::Relaxed);
+        self.running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, Instant::now());
+        Ok(CallPermit {
+            pool: Arc::clone(self),
+            id,
+            _permit: permit,
+        })
+    }
+
+    /// A burst permit, if calls running longer than `ZYGOTE_GROW_AFTER` outnumber the burst
+    /// permits in use.
+    fn try_burst(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let long = running
+            .values()
+            .filter(|t| t.elapsed() >= ZYGOTE_GROW_AFTER)
+            .count();
+        let in_use = self.burst_max - self.burst.available_permits();
+        if long <= in_use {
+            return None;
         }
-        tokio::select! {
-            p = slot => p.map_err(closed),
-            p = Arc::clone(&self.burst).acquire_owned() => p.map_err(closed),
-        }
+        Arc::clone(&self.burst).try_acquire_owned().ok()
     }
 
     /// Idle zygotes beyond the `keep` most recently used, unused for `after`.
@@ -533,13 +599,15 @@ impl Runner {
     fn zygote_pool(&self, template: &str) -> Arc<ZygotePool> {
         let mut m = self.zygotes.lock().unwrap_or_else(|p| p.into_inner());
         Arc::clone(m.entry(template.to_owned()).or_insert_with(|| {
+            let burst = self.cfg.zygotes_max.saturating_sub(self.cfg.zygotes.max(1));
             Arc::new(ZygotePool {
                 filling: AtomicBool::new(false),
                 idle: Mutex::new(VecDeque::new()),
                 slots: Arc::new(tokio::sync::Semaphore::new(self.cfg.zygotes.max(1))),
-                burst: Arc::new(tokio::sync::Semaphore::new(
-                    self.cfg.zygotes_max.saturating_sub(self.cfg.zygotes.max(1)),
-                )),
+                burst: Arc::new(tokio::sync::Semaphore::new(burst)),
+                burst_max: burst,
+                running: Mutex::new(HashMap::new()),
+                next_call: AtomicU64::new(0),
             })
         }))
     }
@@ -584,6 +652,14 @@ async fn sandbox_exec(
 
 /// A sandbox of the runner's tenant (from the template's pool when it has one).
 async fn runner_sandbox(app: &Arc<App>, template: &str) -> ApiResult<Arc<Entry>> {
+    runner_sandbox_with(app, template, Limits::default()).await
+}
+
+async fn runner_sandbox_with(
+    app: &Arc<App>,
+    template: &str,
+    limits: Limits,
+) -> ApiResult<Arc<Entry>> {
     let mut labels = BTreeMap::new();
     labels.insert("dsec.run".to_owned(), "1".to_owned());
     let rec = app
@@ -592,6 +668,7 @@ async fn runner_sandbox(app: &Arc<App>, template: &str) -> ApiResult<Arc<Entry>>
             CreateRequest {
                 template: template.to_owned(),
                 labels,
+                limits,
                 ..CreateRequest::default()
             },
         )
@@ -646,7 +723,15 @@ async fn start_zygote(app: &Arc<App>, e: Arc<Entry>) -> ApiResult<Zygote> {
 }
 
 async fn new_zygote(app: &Arc<App>, template: &str) -> ApiResult<Zygote> {
-    let e = runner_sandbox(app, template).await?;
+    let e = runner_sandbox_with(
+        app,
+        template,
+        Limits {
+            pids_max: app.runner.cfg.pids_max,
+            ..Limits::default()
+        },
+    )
+    .await?;
     match start_zygote(app, Arc::clone(&e)).await {
         Ok(z) => Ok(z),
         Err(err) => {
