@@ -544,9 +544,41 @@ fn zygote_count(d: &Daemon) -> usize {
         })
 }
 
+/// The CPU weight of each of the runner's sandboxes: `cpu.weight` (cgroup v2), or
+/// `cpu.shares` (v1) told back as the weight it was set from.
+fn zygote_cpu_weights(d: &Daemon) -> Vec<u64> {
+    use dsec_sys::cgroup::{weight_to_shares, CgroupManager};
+    let read = |dir: &std::path::Path, file: &str| -> Option<u64> {
+        std::fs::read_to_string(dir.join(file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let cgroups = CgroupManager::detect("dsec").expect("cgroups");
+    d.get("/v1/sandboxes?tenant=tn-run&limit=1000")["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| cgroups.open(s["id"].as_str()?))
+        .filter_map(|cg| {
+            cg.dirs().iter().find_map(|dir| {
+                read(dir, "cpu.weight").or_else(|| {
+                    read(dir, "cpu.shares").map(|s| {
+                        [1, 100]
+                            .into_iter()
+                            .find(|w| weight_to_shares(*w) == s)
+                            .unwrap_or(s)
+                    })
+                })
+            })
+        })
+        .collect()
+}
+
 /// R-13 through the runner: calls that hold every warm zygote to their time limit do not
-/// hold up a short call behind them (more zygotes start, up to `--run-zygotes-max`), and the
-/// extra zygotes go again once idle.
+/// hold up a short call behind them (more zygotes start, up to `--run-zygotes-max`), they
+/// run at CPU weight 1 until they end, and the extra zygotes go again once idle.
 #[test]
 fn long_calls_do_not_hold_up_short_ones() {
     let d = Daemon::start(
@@ -581,7 +613,20 @@ fn long_calls_do_not_hold_up_short_ones() {
         // Every zygote the burst made is within the bound.
         let n = zygote_count(&d);
         assert!((3..=5).contains(&n), "{n} zygotes");
+        // The spinners' zygote sandboxes run at CPU weight 1 while their calls last.
+        let weights = zygote_cpu_weights(&d);
+        assert_eq!(
+            weights.iter().filter(|w| **w == 1).count(),
+            4,
+            "{weights:?}"
+        );
     });
+    // Ended, they have their weight back.
+    let weights = zygote_cpu_weights(&d);
+    assert!(
+        !weights.is_empty() && weights.iter().all(|w| *w == 100),
+        "{weights:?}"
+    );
     let order = done.into_inner().expect("order");
     assert_eq!(
         order.first().map(String::as_str),

@@ -613,6 +613,64 @@ impl Runner {
     }
 }
 
+/// `cpu.weight` of a zygote sandbox while its call has run longer than `ZYGOTE_GROW_AFTER`.
+const LONG_CALL_CPU_WEIGHT: u64 = 1;
+
+/// Lowers the CPU weight of a zygote sandbox whose call runs longer than `ZYGOTE_GROW_AFTER`
+/// to [`LONG_CALL_CPU_WEIGHT`], and puts it back when the call ends. Short calls (all but
+/// abusive or heavy ones) never pay the two cgroup writes; long ones — a snippet spinning to its
+/// time limit — yield the CPU to short calls in other zygotes, whose every hand-off would
+/// otherwise wait for a spinner's time slice.
+struct LongCall {
+    /// 0 running, 1 demoted, 2 ended.
+    state: Arc<Mutex<u8>>,
+    timer: tokio::task::JoinHandle<()>,
+    app: Arc<App>,
+    id: String,
+    weight: u64,
+}
+
+impl LongCall {
+    fn watch(app: &Arc<App>, e: &Arc<Entry>) -> Self {
+        let state = Arc::new(Mutex::new(0u8));
+        let (app2, id, st) = (Arc::clone(app), e.id.clone(), Arc::clone(&state));
+        let timer = tokio::spawn(async move {
+            tokio::time::sleep(ZYGOTE_GROW_AFTER).await;
+            let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
+            if *st == 0 && set_cpu_weight(&app2, &id, LONG_CALL_CPU_WEIGHT) {
+                *st = 1;
+            }
+        });
+        Self {
+            state,
+            timer,
+            app: Arc::clone(app),
+            id: e.id.clone(),
+            weight: e.record().spec.limits.cpu_weight,
+        }
+    }
+
+    fn end(self) {
+        self.timer.abort();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if *st == 1 {
+            set_cpu_weight(&self.app, &self.id, self.weight);
+        }
+        *st = 2;
+    }
+}
+
+/// Sets the `cpu.weight` of sandbox `id`'s cgroup; false when it is gone.
+fn set_cpu_weight(app: &App, id: &str, weight: u64) -> bool {
+    app.rt.cgroups().open(id).is_some_and(|cg| {
+        cg.set_limits(&dsec_sys::cgroup::CgroupLimits {
+            cpu_weight: Some(weight),
+            ..Default::default()
+        })
+        .is_ok()
+    })
+}
+
 /// Runs one agent request on a sandbox, holding it exclusively.
 async fn agent_call(
     app: &Arc<App>,
@@ -868,6 +926,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
                 z
             }
         };
+        let long = LongCall::watch(app, &z.entry);
         let ev = agent_call(
             app,
             &z.entry,
@@ -880,6 +939,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             Some(budget + Duration::from_secs(5)),
         )
         .await;
+        long.end();
         let answer = match &ev {
             Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => {
                 let line = String::from_utf8_lossy(&r.stdout.data);
