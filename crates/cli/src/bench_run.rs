@@ -260,43 +260,29 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "cpp_compile_and_run".into(),
         json!({"total": dist(total), "compile": dist(compile)}),
     );
-    let p50 =
-        |k: &str, c: &str, f: &str| out[k][c][f]["p50_us"].as_u64().unwrap_or(0) as f64 / 1000.0;
+    let out = Value::Object(out);
+    // A figure of `out` at `path`, from µs to ms.
+    let ms =
+        |path: &[&str]| path.iter().fold(&out, |v, k| &v[*k]).as_u64().unwrap_or(0) as f64 / 1000.0;
     let summary = json!({
-        "function_p50_ms_server": p50("function", "1", "server"),
-        "function_p50_ms_http": p50("function", "1", "latency"),
-        "function_paced_p50_ms_server": out["function_paced_5ms"]["server"]["p50_us"]
-            .as_u64()
-            .unwrap_or(0) as f64
-            / 1000.0,
-        "container_p50_ms_http": p50("container_fresh_interpreter", "1", "latency"),
-        "host_python3_c_p50_ms": p50("host_python3_c", "1", "latency"),
-        "speedup_vs_container_p50": p50("container_fresh_interpreter", "1", "latency")
-            / p50("function", "1", "latency").max(0.001),
+        "function_p50_ms_server": ms(&["function", "1", "server", "p50_us"]),
+        "function_p50_ms_http": ms(&["function", "1", "latency", "p50_us"]),
+        "function_paced_p50_ms_server": ms(&["function_paced_5ms", "server", "p50_us"]),
+        "container_p50_ms_http": ms(&["container_fresh_interpreter", "1", "latency", "p50_us"]),
+        "host_python3_c_p50_ms": ms(&["host_python3_c", "1", "latency", "p50_us"]),
+        "speedup_vs_container_p50": ms(&["container_fresh_interpreter", "1", "latency", "p50_us"])
+            / ms(&["function", "1", "latency", "p50_us"]).max(0.001),
         "function_calls_per_s_at_64": out["function"]["64"]["calls_per_s"],
         "function_errors_at_64": out["function"]["64"]["errors"],
-        "beside_20_spinners_p50_ms": out["function_beside_20_spinners"]["latency"]["p50_us"]
-            .as_u64()
-            .unwrap_or(0) as f64
-            / 1000.0,
-        "beside_20_spinners_p99_ms": out["function_beside_20_spinners"]["latency"]["p99_us"]
-            .as_u64()
-            .unwrap_or(0) as f64
-            / 1000.0,
-        "beside_20_fork_bombs_p50_ms": out["function_beside_20_fork_bombs"]["latency"]["p50_us"]
-            .as_u64()
-            .unwrap_or(0) as f64
-            / 1000.0,
-        "beside_20_fork_bombs_p99_ms": out["function_beside_20_fork_bombs"]["latency"]["p99_us"]
-            .as_u64()
-            .unwrap_or(0) as f64
-            / 1000.0,
+        "beside_20_spinners_p50_ms": ms(&["function_beside_20_spinners", "latency", "p50_us"]),
+        "beside_20_spinners_p99_ms": ms(&["function_beside_20_spinners", "latency", "p99_us"]),
+        "beside_20_fork_bombs_p50_ms": ms(&["function_beside_20_fork_bombs", "latency", "p50_us"]),
+        "beside_20_fork_bombs_p99_ms": ms(&["function_beside_20_fork_bombs", "latency", "p99_us"]),
     });
     let doc = json!({
         "bench": "run",
-
         "iterations": n,
-        "results": Value::Object(out),
+        "results": out,
         "summary": summary,
     });
     emit(args, doc)

@@ -47,9 +47,10 @@ pub const MAX_BATCH: usize = 1000;
 /// Runs the anonymous tenant may have in flight at once.
 pub const ANONYMOUS_CONCURRENCY: usize = 8;
 /// A call that has held its zygote this long is a long one (a short call takes ~1–2 ms, a
-/// few more under load); a call waiting behind long ones checks this often whether it may
-/// start (or take) one more zygote, up to `zygotes_max`.
-const ZYGOTE_GROW_AFTER: Duration = Duration::from_millis(25);
+/// few more under load): it lets a waiting call start (or take) one more zygote, up to
+/// `zygotes_max`, and its zygote sandbox runs at [`LONG_CALL_CPU_WEIGHT`] until it ends. A
+/// call waiting behind long ones checks this often whether it may pass.
+const LONG_CALL: Duration = Duration::from_millis(25);
 /// Where the container substrate puts a run's files.
 const WORKDIR: &str = "/tmp/dsec-run";
 
@@ -482,8 +483,8 @@ impl ZygotePool {
     }
 
     /// A permit to run one call: a warm slot, or, while calls that have run longer than
-    /// `ZYGOTE_GROW_AFTER` outnumber the burst permits in use, a burst one (checked at once and
-    /// every `ZYGOTE_GROW_AFTER` of waiting). Short calls never count as long, so they queue for the
+    /// `LONG_CALL` outnumber the burst permits in use, a burst one (checked at once and
+    /// every `LONG_CALL` of waiting). Short calls never count as long, so they queue for the
     /// warm zygotes; each long one lets one waiting call past it.
     async fn permit(self: &Arc<Self>) -> ApiResult<CallPermit> {
         let now = Arc::clone(&self.slots)
@@ -498,7 +499,7 @@ impl ZygotePool {
                 loop {
                     tokio::select! {
                         p = &mut slot => break p.map_err(|_| ApiError::internal("runner closed"))?,
-                        () = tokio::time::sleep(ZYGOTE_GROW_AFTER) => {}
+                        () = tokio::time::sleep(LONG_CALL) => {}
                     }
                     if let Some(p) = self.try_burst() {
                         break p;
@@ -518,13 +519,13 @@ impl ZygotePool {
         })
     }
 
-    /// A burst permit, if calls running longer than `ZYGOTE_GROW_AFTER` outnumber the burst
+    /// A burst permit, if calls running longer than `LONG_CALL` outnumber the burst
     /// permits in use.
     fn try_burst(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         let long = running
             .values()
-            .filter(|t| t.elapsed() >= ZYGOTE_GROW_AFTER)
+            .filter(|t| t.elapsed() >= LONG_CALL)
             .count();
         let in_use = self.burst_max - self.burst.available_permits();
         if long <= in_use {
@@ -613,10 +614,10 @@ impl Runner {
     }
 }
 
-/// `cpu.weight` of a zygote sandbox while its call has run longer than `ZYGOTE_GROW_AFTER`.
+/// `cpu.weight` of a zygote sandbox while its call has run longer than `LONG_CALL`.
 const LONG_CALL_CPU_WEIGHT: u64 = 1;
 
-/// Lowers the CPU weight of a zygote sandbox whose call runs longer than `ZYGOTE_GROW_AFTER`
+/// Lowers the CPU weight of a zygote sandbox whose call runs longer than `LONG_CALL`
 /// to [`LONG_CALL_CPU_WEIGHT`], and puts it back when the call ends. Short calls (all but
 /// abusive or heavy ones) never pay the two cgroup writes; long ones — a snippet spinning to its
 /// time limit — yield the CPU to short calls in other zygotes, whose every hand-off would
@@ -635,7 +636,7 @@ impl LongCall {
         let state = Arc::new(Mutex::new(0u8));
         let (app2, id, st) = (Arc::clone(app), e.id.clone(), Arc::clone(&state));
         let timer = tokio::spawn(async move {
-            tokio::time::sleep(ZYGOTE_GROW_AFTER).await;
+            tokio::time::sleep(LONG_CALL).await;
             let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
             if *st == 0 && set_cpu_weight(&app2, &id, LONG_CALL_CPU_WEIGHT) {
                 *st = 1;
