@@ -627,8 +627,7 @@ struct LongCall {
     state: Arc<Mutex<u8>>,
     timer: tokio::task::JoinHandle<()>,
     app: Arc<App>,
-    id: String,
-    weight: u64,
+    entry: Arc<Entry>,
 }
 
 impl LongCall {
@@ -646,8 +645,7 @@ impl LongCall {
             state,
             timer,
             app: Arc::clone(app),
-            id: e.id.clone(),
-            weight: e.record().spec.limits.cpu_weight,
+            entry: Arc::clone(e),
         }
     }
 
@@ -655,7 +653,8 @@ impl LongCall {
         self.timer.abort();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if *st == 1 {
-            set_cpu_weight(&self.app, &self.id, self.weight);
+            let weight = self.entry.record().spec.limits.cpu_weight;
+            set_cpu_weight(&self.app, &self.entry.id, weight);
         }
         *st = 2;
     }
