@@ -168,6 +168,10 @@ struct ServerArgs {
     /// zygote leave (58 processes and threads at 64). Bounds what a fork bomb costs other calls.
     #[arg(long, default_value_t = 64)]
     run_pids_max: u64,
+    /// Run Python zygote sandboxes in a user namespace, so that a call's process limit refuses
+    /// a fork before its address space is copied (`--run-userns false` to turn off).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    run_userns: bool,
     /// Modules each Python zygote imports once (comma-separated; default: common stdlib).
     #[arg(long, value_delimiter = ',')]
     run_preload: Option<Vec<String>>,
@@ -516,6 +520,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
                     .clamp(args.run_zygotes.clamp(1, 256), 1024),
                 retire_after: std::time::Duration::from_secs(args.run_zygote_idle_secs.max(1)),
                 pids_max: args.run_pids_max.clamp(16, 1 << 20),
+                userns: args.run_userns,
                 anonymous: args.anonymous_run,
             }
         },

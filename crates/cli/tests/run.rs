@@ -643,8 +643,8 @@ fn long_calls_do_not_hold_up_short_ones() {
 }
 
 /// A call's processes and threads are bounded by the zygote sandbox's `pids.max`
-/// (`--run-pids-max`): a fork bomb stops there, is told `TimeLimitExceeded`, and the next
-/// call runs.
+/// (`--run-pids-max`), and first by the same `RLIMIT_NPROC`, which the user namespace makes
+/// apply: a fork bomb stops there, is told `TimeLimitExceeded`, and the next call runs.
 #[test]
 fn a_call_forks_only_up_to_the_zygote_bound() {
     let d = Daemon::start("pids", &["--run-pids-max", "32"]);
@@ -659,5 +659,28 @@ fn a_call_forks_only_up_to_the_zygote_bound() {
     let v = d.run(json!({"language": "python", "run_timeout": 1, "code":
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"}));
     assert_eq!(v["run_result"]["status"], "TimeLimitExceeded", "{v}");
+    // In its user namespace the call's RLIMIT_NPROC refused every fork beyond the bound
+    // before the kernel copied the address space: none reached the pids controller.
+    assert_eq!(pids_refused(&d), 0);
+    let v = d.py("import resource\nprint(resource.getrlimit(resource.RLIMIT_NPROC), open('/proc/self/uid_map').read().split()[1] != '0')");
+    assert_eq!(v["stdout"], "(32, 32) True\n", "{v}");
     assert_eq!(d.py("print(1+1)")["stdout"], "2\n");
+}
+
+/// Forks the pids controller refused in the runner's sandboxes (`max` of `pids.events`).
+fn pids_refused(d: &Daemon) -> u64 {
+    let cgroups = dsec_sys::cgroup::CgroupManager::detect("dsec").expect("cgroups");
+    d.get("/v1/sandboxes?tenant=tn-run&limit=1000")["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| cgroups.open(s["id"].as_str()?))
+        .filter_map(|cg| {
+            cg.dirs().iter().find_map(|dir| {
+                let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
+                ev.lines()
+                    .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
+            })
+        })
+        .sum()
 }

@@ -220,6 +220,8 @@ pub struct CreateRequest {
     pub idem: Option<String>,
     /// Names of `env` entries whose values are secret.
     pub secret_env: Vec<String>,
+    /// Run in a user namespace (root inside mapped to an unprivileged host id).
+    pub userns: bool,
 }
 
 /// How a restart found the sandboxes of the previous node process.
@@ -412,7 +414,7 @@ impl std::fmt::Debug for App {
 }
 
 fn pool_key(req: &CreateRequest) -> Option<String> {
-    (req.limits == Limits::default() && !req.writable_root)
+    (req.limits == Limits::default() && !req.writable_root && !req.userns)
         .then(|| pool_name(&req.template, req.substrate))
 }
 
@@ -717,6 +719,7 @@ impl App {
                             limits: req.limits.clone(),
                             writable_root: req.writable_root,
                             substrate: req.substrate,
+                            userns: req.userns,
                             ..SandboxSpec::default()
                         },
                         substrate: req.substrate.name().into(),

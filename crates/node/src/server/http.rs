@@ -589,6 +589,7 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
         writable_root: b.writable_root,
         idem: None,
         secret_env,
+        userns: false,
     })
 }
 

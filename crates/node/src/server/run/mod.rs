@@ -73,6 +73,11 @@ pub struct RunConfig {
     /// takes the write lock of each shared file it maps (the interpreter, libc), the same
     /// files every Python process of the node maps.
     pub pids_max: u64,
+    /// Run zygote sandboxes in a user namespace (root inside is an unprivileged host uid), so
+    /// that `RLIMIT_NPROC` = `pids_max`, set in each call's child, applies: the kernel checks
+    /// it before copying the address space (the pids controller after), and not at all for
+    /// uid 0 of the initial user namespace.
+    pub userns: bool,
     /// Serve the run endpoints without an API key (as the `anonymous` tenant).
     pub anonymous: bool,
 }
@@ -103,6 +108,7 @@ impl Default for RunConfig {
             zygotes_max: 32,
             retire_after: Duration::from_secs(30),
             pids_max: 64,
+            userns: true,
             anonymous: false,
         }
     }
@@ -710,13 +716,14 @@ async fn sandbox_exec(
 
 /// A sandbox of the runner's tenant (from the template's pool when it has one).
 async fn runner_sandbox(app: &Arc<App>, template: &str) -> ApiResult<Arc<Entry>> {
-    runner_sandbox_with(app, template, Limits::default()).await
+    runner_sandbox_with(app, template, Limits::default(), false).await
 }
 
 async fn runner_sandbox_with(
     app: &Arc<App>,
     template: &str,
     limits: Limits,
+    userns: bool,
 ) -> ApiResult<Arc<Entry>> {
     let mut labels = BTreeMap::new();
     labels.insert("dsec.run".to_owned(), "1".to_owned());
@@ -727,6 +734,7 @@ async fn runner_sandbox_with(
                 template: template.to_owned(),
                 labels,
                 limits,
+                userns,
                 ..CreateRequest::default()
             },
         )
@@ -788,6 +796,7 @@ async fn new_zygote(app: &Arc<App>, template: &str) -> ApiResult<Zygote> {
             pids_max: app.runner.cfg.pids_max,
             ..Limits::default()
         },
+        app.runner.cfg.userns,
     )
     .await?;
     match start_zygote(app, Arc::clone(&e)).await {
@@ -904,6 +913,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
         "cpu": (timeout.ceil() as u64).max(1),
         "mem": spec.memory_bytes.unwrap_or(0),
         "cap": spec.output_limit,
+        "nproc": app.runner.cfg.pids_max,
         // Warm the zygote's next child only while the node has idle zygotes (spare CPU).
         "warm": pool.slots.available_permits() > 1,
     })
