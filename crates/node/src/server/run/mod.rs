@@ -655,14 +655,17 @@ impl LongCall {
         }
     }
 
-    fn end(self) {
+    /// Ends the watch; true when the call was a long one.
+    fn end(self) -> bool {
         self.timer.abort();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if *st == 1 {
+        let long = *st == 1;
+        if long {
             let weight = self.entry.record().spec.limits.cpu_weight;
             set_cpu_weight(&self.app, &self.entry.id, weight);
         }
         *st = 2;
+        long
     }
 }
 
@@ -810,6 +813,28 @@ async fn new_zygote(app: &Arc<App>, template: &str) -> ApiResult<Zygote> {
 
 /// Replaces a zygote that died or was tainted: the sandbox is reset (every process killed, a
 /// fresh writable layer) and a new session loaded; on failure it is destroyed.
+/// Returns a zygote to the idle queue once its driver has swept what the last call left and
+/// forked the next spare: the session runs one more (empty) input only after that. A zygote
+/// that does not answer within 30 s is replaced.
+async fn settle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
+    let ev = agent_call(
+        &app,
+        &z.entry,
+        AgentReq::SessionRun {
+            session: z.session,
+            input: "None".to_owned(),
+            timeout_ms: Some(30_000),
+        },
+        Vec::new(),
+        Some(Duration::from_secs(35)),
+    )
+    .await;
+    match ev {
+        Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => pool.put(z),
+        _ => recycle_zygote(app, pool, z).await,
+    }
+}
+
 async fn recycle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
     let e = z.entry;
     let again = match app.reset(&e).await {
@@ -949,7 +974,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             Some(budget + Duration::from_secs(5)),
         )
         .await;
-        long.end();
+        let was_long = long.end();
         let answer = match &ev {
             Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => {
                 let line = String::from_utf8_lossy(&r.stdout.data);
@@ -957,7 +982,16 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             }
             _ => None,
         };
-        if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
+        if matches!(answer, Some(ZygoteAnswer::Ran(_))) && was_long {
+            // What a long call leaves (a fork bomb's processes, say) is swept after its answer;
+            // the zygote goes back to the idle queue only once that is done, so that the next
+            // call does not wait for it.
+            let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
+            tokio::spawn(async move {
+                settle_zygote(app2, pool2, z).await;
+                drop(permit);
+            });
+        } else if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
             pool.put(z);
             drop(permit);
         } else {
