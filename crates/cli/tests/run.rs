@@ -22,7 +22,15 @@ struct Daemon {
 
 impl Daemon {
     fn start(tag: &str, args: &[&str]) -> Self {
+        Self::start_in(tag, args, 0o755)
+    }
+
+    /// A daemon whose state dirs are under a directory of `mode`.
+    fn start_in(tag: &str, args: &[&str], mode: u32) -> Self {
+        use std::os::unix::fs::PermissionsExt as _;
         let (data, run) = common::dirs("dsr", tag);
+        let base = data.parent().expect("base dir");
+        std::fs::set_permissions(base, std::fs::Permissions::from_mode(mode)).expect("chmod");
         let mut all = vec!["--pool-max", "0"];
         all.extend_from_slice(args);
         let common::Started { child, url, key } = common::start_server(&data, &run, &[], &all);
@@ -683,4 +691,17 @@ fn pids_refused(d: &Daemon) -> u64 {
             })
         })
         .sum()
+}
+
+/// Zygote sandboxes run in a user namespace; where the unprivileged host uid cannot reach the
+/// run dir (a 0700 parent), they are made without one and calls still run.
+#[test]
+fn zygotes_fall_back_without_a_user_namespace() {
+    let uid_map = "print(open('/proc/self/uid_map').read().split()[1])";
+    let d = Daemon::start("userns", &[]);
+    assert_eq!(d.py(uid_map)["stdout"], "100000\n");
+    drop(d);
+    let d = Daemon::start_in("nouserns", &[], 0o700);
+    assert_eq!(d.py(uid_map)["stdout"], "0\n");
+    assert_eq!(d.py("print(1+1)")["stdout"], "2\n");
 }

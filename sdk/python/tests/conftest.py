@@ -331,6 +331,9 @@ def new_server(tmp_root: Path, name: str) -> ServerProc:
     data_dir.mkdir()
     # unix socket paths are limited to 108 bytes: keep the run dir short
     run_dir = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
+    # mkdtemp makes it 0700: searchable by others, as /run/dsec is, so that sandboxes in a user
+    # namespace (the runner's zygotes) can be made in it.
+    run_dir.chmod(0o755)
     return ServerProc(binary, data_dir, run_dir, tmp_root / f"{name}-server.log")
 
 

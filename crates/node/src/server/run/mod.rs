@@ -576,6 +576,10 @@ pub struct Runner {
     containers: Mutex<HashMap<String, Vec<Arc<Entry>>>>,
     /// Toolchains found per template (probed once per template, in a sandbox of it).
     languages: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Vec<String>>>>>,
+    /// Set when a zygote sandbox could be made without a user namespace but not with one
+    /// (say, the run dir is not searchable by the unprivileged host uid): later ones go
+    /// without.
+    userns_failed: AtomicBool,
 }
 
 impl Runner {
@@ -590,6 +594,7 @@ impl Runner {
             zygotes: Mutex::new(HashMap::new()),
             containers: Mutex::new(HashMap::new()),
             languages: Mutex::new(HashMap::new()),
+            userns_failed: AtomicBool::new(false),
         }
     }
 
@@ -792,16 +797,26 @@ async fn start_zygote(app: &Arc<App>, e: Arc<Entry>) -> ApiResult<Zygote> {
 }
 
 async fn new_zygote(app: &Arc<App>, template: &str) -> ApiResult<Zygote> {
-    let e = runner_sandbox_with(
-        app,
-        template,
-        Limits {
-            pids_max: app.runner.cfg.pids_max,
-            ..Limits::default()
-        },
-        app.runner.cfg.userns,
-    )
-    .await?;
+    let limits = Limits {
+        pids_max: app.runner.cfg.pids_max,
+        ..Limits::default()
+    };
+    let runner = &app.runner;
+    let userns = runner.cfg.userns && !runner.userns_failed.load(Ordering::Relaxed);
+    let e = match runner_sandbox_with(app, template, limits.clone(), userns).await {
+        Err(err) if userns => {
+            let e = runner_sandbox_with(app, template, limits, false).await?;
+            if !runner.userns_failed.swap(true, Ordering::Relaxed) {
+                log::warn(
+                    "zygote sandboxes run without a user namespace: a call's process limit \
+                     is then checked only after its forks are copied",
+                    &[("error", &err.detail)],
+                );
+            }
+            e
+        }
+        other => other?,
+    };
     match start_zygote(app, Arc::clone(&e)).await {
         Ok(z) => Ok(z),
         Err(err) => {
