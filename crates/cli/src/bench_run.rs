@@ -120,7 +120,7 @@ fn beside(c: &Client, call: &Value, abuse: &str, n: usize) -> anyhow::Result<Val
     let mut lat = vec![];
     let mut server = vec![];
     let mut errors = 0u64;
-    let mut zygotes = 0;
+    let mut held = 0;
     std::thread::scope(|s| {
         for _ in 0..ABUSERS {
             s.spawn(|| {
@@ -141,14 +141,14 @@ fn beside(c: &Client, call: &Value, abuse: &str, n: usize) -> anyhow::Result<Val
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        zygotes = c.sandboxes();
+        held = c.sandboxes();
         stop.store(true, Ordering::Relaxed);
     });
     Ok(json!({
         "latency": dist(lat),
         "server": dist(server),
         "errors": errors,
-        "runner_sandboxes": zygotes,
+        "runner_sandboxes": held,
     }))
 }
 

@@ -542,20 +542,35 @@ fn runs_in_flight_follow_the_tenant_quota() {
 
 /// The live sandboxes of the runner's tenant (with only Python calls on the function
 /// substrate, its zygotes).
-fn zygote_count(d: &Daemon) -> usize {
-    d.get("/v1/sandboxes?tenant=tn-run&limit=1000")["items"]
+fn runner_sandboxes(d: &Daemon) -> Vec<Value> {
+    let listed = d.get("/v1/sandboxes?tenant=tn-run&limit=1000");
+    listed["items"]
         .as_array()
-        .map_or(0, |a| {
-            a.iter()
-                .filter(|s| s["state"].as_str() != Some("destroyed"))
-                .count()
-        })
+        .into_iter()
+        .flatten()
+        .filter(|s| s["state"].as_str() != Some("destroyed"))
+        .cloned()
+        .collect()
+}
+
+fn zygote_count(d: &Daemon) -> usize {
+    runner_sandboxes(d).len()
+}
+
+/// The cgroup directories of the runner's sandboxes (one per hierarchy each).
+fn runner_cgroup_dirs(d: &Daemon) -> Vec<Vec<std::path::PathBuf>> {
+    let cgroups = dsec_sys::cgroup::CgroupManager::detect("dsec").expect("cgroups");
+    runner_sandboxes(d)
+        .iter()
+        .filter_map(|s| cgroups.open(s["id"].as_str()?))
+        .map(|cg| cg.dirs())
+        .collect()
 }
 
 /// The CPU weight of each of the runner's sandboxes: `cpu.weight` (cgroup v2), or
 /// `cpu.shares` (v1) told back as the weight it was set from.
 fn zygote_cpu_weights(d: &Daemon) -> Vec<u64> {
-    use dsec_sys::cgroup::{weight_to_shares, CgroupManager};
+    use dsec_sys::cgroup::weight_to_shares;
     let read = |dir: &std::path::Path, file: &str| -> Option<u64> {
         std::fs::read_to_string(dir.join(file))
             .ok()?
@@ -563,14 +578,10 @@ fn zygote_cpu_weights(d: &Daemon) -> Vec<u64> {
             .parse()
             .ok()
     };
-    let cgroups = CgroupManager::detect("dsec").expect("cgroups");
-    d.get("/v1/sandboxes?tenant=tn-run&limit=1000")["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| cgroups.open(s["id"].as_str()?))
-        .filter_map(|cg| {
-            cg.dirs().iter().find_map(|dir| {
+    runner_cgroup_dirs(d)
+        .iter()
+        .filter_map(|dirs| {
+            dirs.iter().find_map(|dir| {
                 read(dir, "cpu.weight").or_else(|| {
                     read(dir, "cpu.shares").map(|s| {
                         [1, 100]
@@ -677,14 +688,10 @@ fn a_call_forks_only_up_to_the_zygote_bound() {
 
 /// Forks the pids controller refused in the runner's sandboxes (`max` of `pids.events`).
 fn pids_refused(d: &Daemon) -> u64 {
-    let cgroups = dsec_sys::cgroup::CgroupManager::detect("dsec").expect("cgroups");
-    d.get("/v1/sandboxes?tenant=tn-run&limit=1000")["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| cgroups.open(s["id"].as_str()?))
-        .filter_map(|cg| {
-            cg.dirs().iter().find_map(|dir| {
+    runner_cgroup_dirs(d)
+        .iter()
+        .filter_map(|dirs| {
+            dirs.iter().find_map(|dir| {
                 let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
                 ev.lines()
                     .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())

@@ -634,22 +634,29 @@ const LONG_CALL_CPU_WEIGHT: u64 = 1;
 /// time limit — yield the CPU to short calls in other zygotes, whose every hand-off would
 /// otherwise wait for a spinner's time slice.
 struct LongCall {
-    /// 0 running, 1 demoted, 2 ended.
-    state: Arc<Mutex<u8>>,
+    state: Arc<Mutex<Watch>>,
     timer: tokio::task::JoinHandle<()>,
     app: Arc<App>,
     entry: Arc<Entry>,
 }
 
+/// Where a [`LongCall`] is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Watch {
+    Running,
+    Demoted,
+    Ended,
+}
+
 impl LongCall {
     fn watch(app: &Arc<App>, e: &Arc<Entry>) -> Self {
-        let state = Arc::new(Mutex::new(0u8));
+        let state = Arc::new(Mutex::new(Watch::Running));
         let (app2, id, st) = (Arc::clone(app), e.id.clone(), Arc::clone(&state));
         let timer = tokio::spawn(async move {
             tokio::time::sleep(LONG_CALL).await;
             let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
-            if *st == 0 && set_cpu_weight(&app2, &id, LONG_CALL_CPU_WEIGHT) {
-                *st = 1;
+            if *st == Watch::Running && set_cpu_weight(&app2, &id, LONG_CALL_CPU_WEIGHT) {
+                *st = Watch::Demoted;
             }
         });
         Self {
@@ -664,12 +671,12 @@ impl LongCall {
     fn end(self) -> bool {
         self.timer.abort();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let long = *st == 1;
+        let long = *st == Watch::Demoted;
         if long {
             let weight = self.entry.record().spec.limits.cpu_weight;
             set_cpu_weight(&self.app, &self.entry.id, weight);
         }
-        *st = 2;
+        *st = Watch::Ended;
         long
     }
 }
@@ -826,8 +833,6 @@ async fn new_zygote(app: &Arc<App>, template: &str) -> ApiResult<Zygote> {
     }
 }
 
-/// Replaces a zygote that died or was tainted: the sandbox is reset (every process killed, a
-/// fresh writable layer) and a new session loaded; on failure it is destroyed.
 /// Returns a zygote to the idle queue once its driver has swept what the last call left and
 /// forked the next spare: the session runs one more (empty) input only after that. A zygote
 /// that does not answer within 30 s is replaced.
@@ -850,6 +855,8 @@ async fn settle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
     }
 }
 
+/// Replaces a zygote that died or was tainted: the sandbox is reset (every process killed, a
+/// fresh writable layer) and a new session loaded; on failure it is destroyed.
 async fn recycle_zygote(app: Arc<App>, pool: Arc<ZygotePool>, z: Zygote) {
     let e = z.entry;
     let again = match app.reset(&e).await {
@@ -997,18 +1004,20 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             }
             _ => None,
         };
-        if matches!(answer, Some(ZygoteAnswer::Ran(_))) && was_long {
-            // What a long call leaves (a fork bomb's processes, say) is swept after its answer;
-            // the zygote goes back to the idle queue only once that is done, so that the next
-            // call does not wait for it.
-            let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
-            tokio::spawn(async move {
-                settle_zygote(app2, pool2, z).await;
+        if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
+            if was_long {
+                // What a long call leaves (a fork bomb's processes, say) is swept after its
+                // answer; the zygote goes back to the idle queue only once that is done, so
+                // that the next call does not wait for it.
+                let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
+                tokio::spawn(async move {
+                    settle_zygote(app2, pool2, z).await;
+                    drop(permit);
+                });
+            } else {
+                pool.put(z);
                 drop(permit);
-            });
-        } else if matches!(answer, Some(ZygoteAnswer::Ran(_))) {
-            pool.put(z);
-            drop(permit);
+            }
         } else {
             // The slot stays taken until the replacement is ready.
             let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
