@@ -181,6 +181,11 @@ impl Reaper {
             cv: Condvar::new(),
             wake: Mutex::new(wr),
         });
+        // The first spawn starts the reaper thread before its child: started after it, the
+        // thread could not be made once the child had filled the sandbox's `pids.max` (a fork
+        // bomb as the first command), and that command would fail to spawn instead of ending
+        // by its deadline.
+        self.ensure_thread()?;
         let gate = self.gate.read().unwrap_or_else(|p| p.into_inner());
         let started = Instant::now();
         let child = cmd.spawn()?;
@@ -188,15 +193,6 @@ impl Reaper {
         lock(&self.registry).insert(pid, Arc::clone(&slot));
         drop(gate);
         self.remember_pgid(pid);
-        // The first spawn starts the reaper thread now, while the child execs on the other
-        // CPU, rather than before it. A child that exits first stays a zombie, its SIGCHLD
-        // pending, until the thread's first pass. Without a thread nothing would report the
-        // child's exit: it is killed (and reaped by a later spawn's thread).
-        if let Err(e) = self.ensure_thread() {
-            let _ = proc::killpg(pid, crate::exec::SIGKILL);
-            lock(&self.registry).remove(&pid);
-            return Err(e);
-        }
         Ok(Spawned {
             child,
             slot,
