@@ -662,8 +662,8 @@ fn long_calls_do_not_hold_up_short_ones() {
 }
 
 /// A call's processes and threads are bounded by the zygote sandbox's `pids.max`
-/// (`--run-pids-max`), and first by the same `RLIMIT_NPROC`, which the user namespace makes
-/// apply: a fork bomb stops there, is told `TimeLimitExceeded`, and the next call runs.
+/// (`--run-pids-max`), and first by `RLIMIT_NPROC` a few under it, which the user namespace
+/// makes apply: a fork bomb stops there, is told `TimeLimitExceeded`, and the next call runs.
 #[test]
 fn a_call_forks_only_up_to_the_zygote_bound() {
     let d = Daemon::start("pids", &["--run-pids-max", "32"]);
@@ -673,16 +673,19 @@ fn a_call_forks_only_up_to_the_zygote_bound() {
         .as_str()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or_else(|| panic!("a count: {v}"));
-    // 32 less the agent, the driver, the zygote and the call itself.
-    assert!((16..32).contains(&forked), "{forked} children: {v}");
+    // 28 (the rlimit) less the agent, the driver, the zygote and the call itself.
+    assert!((16..28).contains(&forked), "{forked} children: {v}");
     let v = d.run(json!({"language": "python", "run_timeout": 1, "code":
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"}));
     assert_eq!(v["run_result"]["status"], "TimeLimitExceeded", "{v}");
     // In its user namespace the call's RLIMIT_NPROC refused every fork beyond the bound
-    // before the kernel copied the address space: none reached the pids controller.
+    // before the kernel copied the address space: none reached the pids controller, not
+    // even while the bomb was killed and reaped (an exiting task leaves the rlimit count
+    // before its pids charge; the rlimit's headroom covers that window). Without the user
+    // namespace, thousands do in a second.
     assert_eq!(pids_refused(&d), 0);
     let v = d.py("import resource\nprint(resource.getrlimit(resource.RLIMIT_NPROC), open('/proc/self/uid_map').read().split()[1] != '0')");
-    assert_eq!(v["stdout"], "(32, 32) True\n", "{v}");
+    assert_eq!(v["stdout"], "(28, 28) True\n", "{v}");
     assert_eq!(d.py("print(1+1)")["stdout"], "2\n");
 }
 

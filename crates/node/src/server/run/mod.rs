@@ -74,12 +74,26 @@ pub struct RunConfig {
     /// files every Python process of the node maps.
     pub pids_max: u64,
     /// Run zygote sandboxes in a user namespace (root inside is an unprivileged host uid), so
-    /// that `RLIMIT_NPROC` = `pids_max`, set in each call's child, applies: the kernel checks
-    /// it before copying the address space (the pids controller after), and not at all for
-    /// uid 0 of the initial user namespace.
+    /// that `RLIMIT_NPROC` (see [`RunConfig::nproc`]), set in each call's child, applies: the
+    /// kernel checks it before copying the address space (the pids controller after), and not
+    /// at all for uid 0 of the initial user namespace.
     pub userns: bool,
     /// Serve the run endpoints without an API key (as the `anonymous` tenant).
     pub anonymous: bool,
+}
+
+/// How far a call's `RLIMIT_NPROC` sits under the zygote sandbox's `pids.max`. An exiting
+/// task leaves the rlimit count before its pids charge (`release_task` drops the one, then the
+/// other), so at equal limits a fork made while the bomb's tree is being killed and reaped
+/// passes the rlimit and is refused only by the pids controller, after the copy. A few tasks
+/// of headroom keep the rlimit the one that refuses.
+const NPROC_HEADROOM: u64 = 4;
+
+impl RunConfig {
+    /// `RLIMIT_NPROC` of a call's child: `pids_max` less [`NPROC_HEADROOM`] (at least 1).
+    pub fn nproc(&self) -> u64 {
+        self.pids_max.saturating_sub(NPROC_HEADROOM).max(1)
+    }
 }
 
 impl Default for RunConfig {
@@ -960,7 +974,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
         "cpu": (timeout.ceil() as u64).max(1),
         "mem": spec.memory_bytes.unwrap_or(0),
         "cap": spec.output_limit,
-        "nproc": app.runner.cfg.pids_max,
+        "nproc": app.runner.cfg.nproc(),
         // Warm the zygote's next child only while the node has idle zygotes (spare CPU).
         "warm": pool.slots.available_permits() > 1,
     })
