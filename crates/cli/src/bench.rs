@@ -270,6 +270,23 @@ pub fn run(
     }
     res.insert("cold_create_exec_true_back_to_back", dist(b2b));
 
+    // The same from a settled node with a user namespace (`"userns": true`): made by the
+    // spawner, never from a pre-built shell, and the host root bound for the namespace.
+    let userns = SandboxSpec {
+        userns: true,
+        ..SandboxSpec::default()
+    };
+    let mut cold_userns = vec![];
+    for _ in 0..n.min(100) {
+        std::thread::sleep(Duration::from_millis(args.settle_ms));
+        let t = Instant::now();
+        let (mut sb, _) = rt.create(&userns)?;
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        cold_userns.push(us(t));
+        sb.destroy(&rt)?;
+    }
+    res.insert("cold_create_exec_true_userns", dist(cold_userns));
+
     // Peer: bubblewrap with every namespace, in the same run, under both conditions: back to
     // back, and from a node as settled as the cold creates above (a process started on a
     // quiet node pays for waking idle CPUs, whoever starts it).
@@ -471,6 +488,8 @@ pub fn run(
         "cold_create_exec_true_vs_bwrap_back_to_back_p50":
             ratio("cold_create_exec_true", "peer_bwrap_true"),
         "python_inside_vs_outside_p50": ratio("python3_pass_inside", "python3_pass_outside"),
+        "userns_vs_bwrap_p50": ratio("cold_create_exec_true_userns", "peer_bwrap_true_settled"),
+        "userns_vs_default_p50": ratio("cold_create_exec_true_userns", "cold_create_exec_true"),
     });
     let out = serde_json::json!({
         "benchmark": "container",

@@ -307,6 +307,29 @@ fn cycles(c: &Client, threads: usize, per_thread: usize) -> anyhow::Result<Value
 }
 
 /// Runs the API benchmark.
+/// Forks the pids controller refused (after copying the address space) in these sandboxes'
+/// cgroups so far: the sum of their `pids.events` `max` counts.
+fn forks_refused_after_copy(ids: &[String]) -> u64 {
+    let Ok(cgroups) = dsec_sys::cgroup::CgroupManager::detect("dsec") else {
+        return 0;
+    };
+    ids.iter()
+        .filter_map(|id| cgroups.open(id))
+        .filter_map(|cg| {
+            cg.dirs().iter().find_map(|dir| {
+                let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
+                ev.lines()
+                    .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
+            })
+        })
+        .sum()
+}
+
+/// A victim latency of one of the "beside" results, in ms.
+fn ms(out: &serde_json::Map<String, Value>, key: &str, q: &str) -> f64 {
+    out[key]["beside"][q].as_u64().unwrap_or(0) as f64 / 1000.0
+}
+
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let d = start_daemon("api", &[])?;
     let c = Client::new(&d.url, &d.key, Duration::from_secs(120));
@@ -466,7 +489,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "/v1/sandboxes/batch-delete",
         Some(&json!({"labels": {"bench": "abuse"}})),
     )?;
-    c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
     out.insert(
         "exec_true_under_20_abusers".into(),
         json!({"calm": &calm, "abused": &abused, "abusers": abusers.len(),
@@ -474,6 +496,61 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
                "ratio_p50": abused.p50_us as f64 / calm.p50_us.max(1) as f64,
                "ratio_p99": abused.p99_us as f64 / calm.p99_us.max(1) as f64}),
     );
+
+    // G-23: the same victim beside 20 fork bombs, in sandboxes without and with a user
+    // namespace (where RLIMIT_NPROC refuses a fork before its address space is copied).
+    for (key, userns) in [
+        ("exec_true_beside_20_fork_bombs", false),
+        ("exec_true_beside_20_fork_bombs_userns", true),
+    ] {
+        let v = c.ok(
+            "POST",
+            "/v1/sandboxes/batch",
+            Some(
+                &json!({"count": 20, "spec": {"labels": {"bench": "bombs"}, "userns": userns,
+                         "limits": {"memory_max": 268435456, "pids_max": 64}}}),
+            ),
+        )?;
+        let bombs: Vec<String> = v["items"]
+            .as_array()
+            .context("items")?
+            .iter()
+            .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
+            .collect();
+        let mut start_errors = 0u32;
+        for id in &bombs {
+            let bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass";
+            if c.ok(
+                "POST",
+                &format!("/v1/sandboxes/{id}/processes"),
+                Some(&json!({"argv": ["/usr/bin/python3", "-c", bomb]})),
+            )
+            .is_err()
+            {
+                start_errors += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let refused_before = forks_refused_after_copy(&bombs);
+        let t = Instant::now();
+        let beside = dist(quiet(&c, &victim)?);
+        let refused_per_s =
+            (forks_refused_after_copy(&bombs) - refused_before) as f64 / t.elapsed().as_secs_f64();
+        c.ok(
+            "POST",
+            "/v1/sandboxes/batch-delete",
+            Some(&json!({"labels": {"bench": "bombs"}})),
+        )?;
+        out.insert(
+            key.into(),
+            json!({"calm": &calm, "beside": &beside, "bombs": bombs.len(),
+                   "bombs_that_failed_to_start": start_errors,
+                   "forks_refused_after_copy_per_s": refused_per_s,
+                   "ratio_p50": beside.p50_us as f64 / calm.p50_us.max(1) as f64,
+                   "ratio_p99": beside.p99_us as f64 / calm.p99_us.max(1) as f64}),
+        );
+    }
+    c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
 
     // 1,000 sandboxes: batch create, then batch delete.
     let count = 1000;
@@ -512,6 +589,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "acquire_pool_hit_p50_ms": out["acquire_pool_hit"]["p50_us"].as_u64().unwrap_or(0) as f64 / 1000.0,
         "exec_true_p50_ms": exec.p50_us as f64 / 1000.0,
         "execs_per_s_at_64": out["exec_throughput_64_sandboxes"]["execs_per_s"],
+        "beside_20_fork_bombs_p50_ms": ms(&out, "exec_true_beside_20_fork_bombs", "p50_us"),
+        "beside_20_fork_bombs_p99_ms": ms(&out, "exec_true_beside_20_fork_bombs", "p99_us"),
+        "beside_20_fork_bombs_userns_p50_ms": ms(&out, "exec_true_beside_20_fork_bombs_userns", "p50_us"),
+        "beside_20_fork_bombs_userns_p99_ms": ms(&out, "exec_true_beside_20_fork_bombs_userns", "p99_us"),
     });
     let doc = json!({
         "bench": "api",

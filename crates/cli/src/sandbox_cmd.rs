@@ -84,6 +84,10 @@ pub struct CreateArgs {
     /// Make the whole root writable (writes land in the private layer).
     #[arg(long)]
     writable_root: bool,
+    /// Map root inside to an unprivileged host uid (user namespace); RLIMIT_NPROC then
+    /// refuses forks beyond pids_max less 4 before they are copied.
+    #[arg(long)]
+    userns: bool,
     /// How many sandboxes to create (more than one uses the batch endpoint).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     count: u32,
@@ -302,6 +306,9 @@ fn create(c: &Client, a: &CreateArgs) -> Result<ExitCode, ClientError> {
     if a.writable_root {
         spec.insert("writable_root".into(), true.into());
     }
+    if a.userns {
+        spec.insert("userns".into(), true.into());
+    }
     let headers: Vec<(&str, &str)> = a
         .idempotency_key
         .as_deref()
@@ -441,6 +448,7 @@ fn show(v: &Value, json: bool) -> Result<ExitCode, ClientError> {
         "lease_expires_at",
         "env_keys",
         "writable_root",
+        "userns",
         "pooled",
         "version",
         "error",

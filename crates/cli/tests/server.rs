@@ -1203,3 +1203,79 @@ fn f14_whole_host_crash_closes_stale_records() {
     d.assert_converged("after a whole-host crash");
     d.finish();
 }
+
+/// G-23 through the API: a sandbox created with `"userns": true` runs as an unprivileged host
+/// uid with `RLIMIT_NPROC` = `pids_max` less 4, so a fork bomb's forks beyond it are refused
+/// before the kernel copies anything: none reaches the pids controller. The same bomb in a
+/// sandbox without the namespace is refused by `pids.max` only, after the copy, thousands of
+/// times a second.
+#[test]
+fn userns_sandboxes_refuse_forks_before_the_copy() {
+    let (data, run) = common::dirs("dst", "uns");
+    let d = Daemon::start(&data, &run, &[]);
+    let make = |userns: bool| -> String {
+        let (s, v) = d.req(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"userns": userns, "limits": {"pids_max": 32}})),
+            None,
+        );
+        assert_eq!(s, 201, "create: {v}");
+        assert_eq!(v["userns"], userns, "{v}");
+        v["id"].as_str().expect("id").to_owned()
+    };
+    let (with, without) = (make(true), make(false));
+    let probe =
+        "awk '/Max processes/ {print $3}' /proc/self/limits; awk '{print $2}' /proc/self/uid_map";
+    assert_eq!(d.exec_ok(&with, probe), "28\n100000\n");
+    // (Without the namespace the host's RLIMIT_NPROC is inherited; uid 0 is exempt from it.)
+    assert!(d.exec_ok(&without, probe).ends_with("\n0\n"));
+    let bomb =
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass";
+    let refused = |id: &str| -> u64 {
+        let cg = dsec_sys::cgroup::CgroupManager::detect("dsec")
+            .expect("cgroups")
+            .open(id)
+            .expect("the sandbox's cgroup");
+        cg.dirs()
+            .iter()
+            .find_map(|dir| {
+                let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
+                ev.lines()
+                    .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
+            })
+            .expect("pids.events")
+    };
+    for id in [&with, &without] {
+        let (s, v) = d.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"argv": ["/usr/bin/python3", "-c", bomb], "timeout_ms": 1000})),
+            None,
+        );
+        assert_eq!(s, 200, "exec: {v}");
+        assert_eq!(v["status"], "timeout", "{v}");
+        // The sandbox is usable again once the bomb is gone.
+        assert_eq!(d.exec_ok(id, "echo ok"), "ok\n");
+    }
+    assert_eq!(
+        refused(&with),
+        0,
+        "forks refused by pids.max in the userns sandbox"
+    );
+    assert!(refused(&without) > 100, "{}", refused(&without));
+    // Reset relaunches a userns sandbox (no in-place swap): still in its namespace after.
+    let (s, v) = d.req("POST", &format!("/v1/sandboxes/{with}/reset"), None, None);
+    assert_eq!(s, 200, "reset: {v}");
+    assert_eq!(d.exec_ok(&with, probe), "28\n100000\n");
+    // A VM guest has its own kernel: the option is refused there.
+    let (s, v) = d.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"userns": true, "substrate": "microvm"})),
+        None,
+    );
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["code"], "invalid_request", "{v}");
+    d.finish();
+}

@@ -49,7 +49,23 @@ impl Default for Limits {
     }
 }
 
+/// How far `RLIMIT_NPROC` sits under `pids_max` in a sandbox with a user namespace. An exiting
+/// task leaves the rlimit count before its pids charge (`release_task` drops the one, then the
+/// other), so at equal limits a fork made while a fork bomb is being killed and reaped passes
+/// the rlimit and is refused only by the pids controller, after its address space was copied.
+/// A few tasks of headroom keep the rlimit the one that refuses.
+pub const NPROC_HEADROOM: u64 = 4;
+
 impl Limits {
+    /// `RLIMIT_NPROC` of a sandbox with a user namespace: `pids_max` less
+    /// [`NPROC_HEADROOM`]. The kernel checks it at fork before copying the address space (the
+    /// pids controller after), but not for uid 0 of the initial user namespace, so it counts
+    /// only where root inside is an unprivileged host uid; there it is per user namespace, so
+    /// per sandbox.
+    pub fn nproc(&self) -> u64 {
+        self.pids_max.saturating_sub(NPROC_HEADROOM).max(1)
+    }
+
     /// Checks the bounds; returns a message naming the first one violated.
     pub fn validate(&self) -> Result<(), String> {
         if !(1..=10000).contains(&self.cpu_weight) {

@@ -45,6 +45,29 @@ def test_writable_root(client: dsec.Client) -> None:
     assert not os.path.exists("/usr/local/evil")
 
 
+def test_userns_bounds_forks_by_rlimit(client: dsec.Client) -> None:
+    with dsec.Sandbox.create(client, userns=True, limits={"pids_max": 32}) as sb:
+        assert sb.userns
+        r = sb.exec("awk '/Max processes/ {print $3}' /proc/self/limits; awk '{print $2}' /proc/self/uid_map")
+        assert r.text == "28\n100000\n", r
+        # A fork beyond the rlimit fails at once with EAGAIN; the sandbox stays usable.
+        r = sb.exec(
+            [
+                "/usr/bin/python3",
+                "-c",
+                "import os, signal, time\nkids = []\ntry:\n    while True:\n"
+                "        pid = os.fork()\n        if pid == 0:\n            time.sleep(30)\n"
+                "            os._exit(0)\n        kids.append(pid)\nexcept BlockingIOError:\n"
+                "    print(len(kids))\nfor k in kids:\n    os.kill(k, signal.SIGKILL)\n    os.waitpid(k, 0)",
+            ],
+            timeout_ms=10_000,
+        )
+        assert r.ok and 16 <= int(r.text) < 28, r
+        assert sb.exec("echo ok").text == "ok\n"
+    with dsec.Sandbox.create(client) as sb:
+        assert not sb.userns
+
+
 def test_path_escape(sandbox: dsec.Sandbox) -> None:
     for p in ("../../etc/passwd", "/../../etc/hostname"):
         with pytest.raises(dsec.PathEscape) as ei:

@@ -478,7 +478,15 @@ fn container_spec<'a>(
                 resource: libc_rlimit::NOFILE,
                 value: l.open_files_max.max(AGENT_NOFILE),
             },
-        ],
+        ]
+        .into_iter()
+        // In a user namespace the kernel applies RLIMIT_NPROC, before a fork copies anything;
+        // the agent and every command inherit it (uid 0 of the initial namespace is exempt).
+        .chain(cfg.userns.map(|_| Rlimit {
+            resource: libc_rlimit::NPROC,
+            value: l.nproc(),
+        }))
+        .collect(),
         agent_exe: &ctx.agent_exe,
         agent_sock,
         argv: vec!["dsec-agent".into()],
@@ -517,6 +525,7 @@ mod libc_rlimit {
     pub const CORE: u32 = 4;
     pub const FSIZE: u32 = 1;
     pub const NOFILE: u32 = 7;
+    pub const NPROC: u32 = 6;
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

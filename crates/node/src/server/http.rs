@@ -465,6 +465,7 @@ pub fn view(r: &SandboxRecord) -> Value {
         "labels": r.labels,
         "limits": r.spec.limits,
         "writable_root": r.spec.writable_root,
+        "userns": r.spec.userns,
         "env_keys": r.env.keys().collect::<Vec<_>>(),
         "created_at": rfc3339(r.created_at_ms),
         "expires_at": r.expires_at_ms.map(rfc3339),
@@ -520,6 +521,8 @@ struct CreateBody {
     lease_ms: Option<u64>,
     #[serde(default)]
     writable_root: bool,
+    #[serde(default)]
+    userns: bool,
 }
 
 fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
@@ -554,6 +557,11 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
         Some(_) => return Err(ApiError::invalid("limits must be an object")),
     };
     limits.validate().map_err(ApiError::invalid)?;
+    if b.userns && substrate.is_vm() {
+        return Err(ApiError::invalid(
+            "userns applies to the container substrate (a VM guest has its own kernel)",
+        ));
+    }
     let secret_env: Vec<String> = b.secret_env.keys().cloned().collect();
     let mut env = b.env;
     env.extend(b.secret_env);
@@ -589,7 +597,7 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
         writable_root: b.writable_root,
         idem: None,
         secret_env,
-        userns: false,
+        userns: b.userns,
     })
 }
 

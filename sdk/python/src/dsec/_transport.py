@@ -158,6 +158,7 @@ def create_spec(
     ttl_ms: Optional[int] = None,
     lease_ms: Optional[int] = None,
     writable_root: Optional[bool] = None,
+    userns: Optional[bool] = None,
     **extra: Any,
 ) -> Dict[str, Any]:
     """Build a sandbox create spec; ``None`` fields are left to the server's defaults."""
@@ -171,6 +172,7 @@ def create_spec(
             "ttl_ms": ttl_ms,
             "lease_ms": lease_ms,
             "writable_root": writable_root,
+            "userns": userns,
         }
     )
     spec.update(clean(extra))

@@ -291,6 +291,7 @@ class Client(_ClientBase):
         lease_ms: Optional[int] = None,
         substrate: Optional[str] = "container",
         writable_root: Optional[bool] = None,
+        userns: Optional[bool] = None,
         idempotency_key: Optional[str] = None,
         **extra: Any,
     ) -> "Sandbox":
@@ -306,6 +307,7 @@ class Client(_ClientBase):
             ttl_ms=ttl_ms,
             lease_ms=lease_ms,
             writable_root=writable_root,
+            userns=userns,
             **extra,
         )
         data = self.request_json(
@@ -719,6 +721,7 @@ class AsyncClient(_ClientBase):
         lease_ms: Optional[int] = None,
         substrate: Optional[str] = "container",
         writable_root: Optional[bool] = None,
+        userns: Optional[bool] = None,
         idempotency_key: Optional[str] = None,
         **extra: Any,
     ) -> "AsyncSandbox":
@@ -733,6 +736,7 @@ class AsyncClient(_ClientBase):
             ttl_ms=ttl_ms,
             lease_ms=lease_ms,
             writable_root=writable_root,
+            userns=userns,
             **extra,
         )
         data = await self.request_json(

@@ -121,6 +121,11 @@ class _SandboxData:
         return dict(self.data.get("limits") or {})
 
     @property
+    def userns(self) -> bool:
+        """Whether the sandbox runs in a user namespace (root inside is an unprivileged host uid)."""
+        return bool(self.data.get("userns"))
+
+    @property
     def env_keys(self) -> List[str]:
         return list(self.data.get("env_keys") or [])
 
@@ -178,6 +183,7 @@ class Sandbox(_SandboxData):
         lease_ms: Optional[int] = None,
         substrate: str = "container",
         writable_root: Optional[bool] = None,
+        userns: Optional[bool] = None,
         secret_env: Optional[Mapping[str, str]] = None,
         idempotency_key: Optional[str] = None,
         **extra: Any,
@@ -196,6 +202,9 @@ class Sandbox(_SandboxData):
             substrate: isolation substrate: ``container`` (default), ``microvm`` or ``vm`` (a QEMU
                 guest restored from its template's snapshot); every other call is the same.
             writable_root: make the whole root writable instead of only the scratch dirs.
+            userns: run in a user namespace: root inside is an unprivileged host uid, and
+                ``RLIMIT_NPROC`` refuses a fork bomb's forks before they cost the node anything
+                (created cold: never from a warm pool).
             secret_env: environment whose values are redacted from the trajectory log.
             idempotency_key: makes the create safe to repeat (same key → same sandbox).
         """
@@ -211,6 +220,7 @@ class Sandbox(_SandboxData):
                 lease_ms=lease_ms,
                 substrate=substrate,
                 writable_root=writable_root,
+                userns=userns,
                 idempotency_key=idempotency_key,
                 secret_env=dict(secret_env) if secret_env is not None else None,
                 **extra,
@@ -629,6 +639,7 @@ class AsyncSandbox(_SandboxData):
         lease_ms: Optional[int] = None,
         substrate: str = "container",
         writable_root: Optional[bool] = None,
+        userns: Optional[bool] = None,
         secret_env: Optional[Mapping[str, str]] = None,
         idempotency_key: Optional[str] = None,
         **extra: Any,
@@ -646,6 +657,7 @@ class AsyncSandbox(_SandboxData):
                 lease_ms=lease_ms,
                 substrate=substrate,
                 writable_root=writable_root,
+                userns=userns,
                 idempotency_key=idempotency_key,
                 secret_env=dict(secret_env) if secret_env is not None else None,
                 **extra,

@@ -82,17 +82,15 @@ pub struct RunConfig {
     pub anonymous: bool,
 }
 
-/// How far a call's `RLIMIT_NPROC` sits under the zygote sandbox's `pids.max`. An exiting
-/// task leaves the rlimit count before its pids charge (`release_task` drops the one, then the
-/// other), so at equal limits a fork made while the bomb's tree is being killed and reaped
-/// passes the rlimit and is refused only by the pids controller, after the copy. A few tasks
-/// of headroom keep the rlimit the one that refuses.
-const NPROC_HEADROOM: u64 = 4;
-
 impl RunConfig {
-    /// `RLIMIT_NPROC` of a call's child: `pids_max` less [`NPROC_HEADROOM`] (at least 1).
+    /// `RLIMIT_NPROC` of a call's child: that of a zygote sandbox's limits
+    /// ([`crate::sandbox::Limits::nproc`], `pids_max` less a few tasks of headroom).
     pub fn nproc(&self) -> u64 {
-        self.pids_max.saturating_sub(NPROC_HEADROOM).max(1)
+        crate::sandbox::Limits {
+            pids_max: self.pids_max,
+            ..crate::sandbox::Limits::default()
+        }
+        .nproc()
     }
 }
 
