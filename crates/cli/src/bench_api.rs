@@ -314,14 +314,7 @@ fn forks_refused_after_copy(ids: &[String]) -> u64 {
         return 0;
     };
     ids.iter()
-        .filter_map(|id| cgroups.open(id))
-        .filter_map(|cg| {
-            cg.dirs().iter().find_map(|dir| {
-                let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
-                ev.lines()
-                    .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
-            })
-        })
+        .filter_map(|id| cgroups.open(id)?.pids_refused())
         .sum()
 }
 

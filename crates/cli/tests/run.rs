@@ -689,17 +689,12 @@ fn a_call_forks_only_up_to_the_zygote_bound() {
     assert_eq!(d.py("print(1+1)")["stdout"], "2\n");
 }
 
-/// Forks the pids controller refused in the runner's sandboxes (`max` of `pids.events`).
+/// Forks the pids controller refused in the runner's sandboxes.
 fn pids_refused(d: &Daemon) -> u64 {
-    runner_cgroup_dirs(d)
+    let cgroups = dsec_sys::cgroup::CgroupManager::detect("dsec").expect("cgroups");
+    runner_sandboxes(d)
         .iter()
-        .filter_map(|dirs| {
-            dirs.iter().find_map(|dir| {
-                let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
-                ev.lines()
-                    .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
-            })
-        })
+        .filter_map(|s| cgroups.open(s["id"].as_str()?)?.pids_refused())
         .sum()
 }
 

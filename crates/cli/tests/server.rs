@@ -1233,17 +1233,11 @@ fn userns_sandboxes_refuse_forks_before_the_copy() {
     let bomb =
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass";
     let refused = |id: &str| -> u64 {
-        let cg = dsec_sys::cgroup::CgroupManager::detect("dsec")
+        dsec_sys::cgroup::CgroupManager::detect("dsec")
             .expect("cgroups")
             .open(id)
-            .expect("the sandbox's cgroup");
-        cg.dirs()
-            .iter()
-            .find_map(|dir| {
-                let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
-                ev.lines()
-                    .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
-            })
+            .expect("the sandbox's cgroup")
+            .pids_refused()
             .expect("pids.events")
     };
     for id in [&with, &without] {

@@ -996,6 +996,16 @@ impl Cgroup {
         }
     }
 
+    /// Forks the pids controller refused here (`max` of `pids.events`, v1 and v2): each had
+    /// already copied its address space. `None` when the file cannot be read.
+    pub fn pids_refused(&self) -> Option<u64> {
+        self.dirs().iter().find_map(|dir| {
+            let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
+            ev.lines()
+                .find_map(|l| l.strip_prefix("max ")?.trim().parse().ok())
+        })
+    }
+
     /// Resets the peak-memory counter before reusing the cgroup. v1 writes
     /// `memory.max_usage_in_bytes`; v2 has no global reset (`memory.peak` resets only per open
     /// file), so this is a no-op there.

@@ -74,24 +74,13 @@ pub struct RunConfig {
     /// files every Python process of the node maps.
     pub pids_max: u64,
     /// Run zygote sandboxes in a user namespace (root inside is an unprivileged host uid), so
-    /// that `RLIMIT_NPROC` (see [`RunConfig::nproc`]), set in each call's child, applies: the
-    /// kernel checks it before copying the address space (the pids controller after), and not
-    /// at all for uid 0 of the initial user namespace.
+    /// that their `RLIMIT_NPROC` ([`crate::sandbox::Limits::nproc`], set at launch and
+    /// inherited by the zygote and each call) applies: the kernel checks it before copying the
+    /// address space (the pids controller after), and not at all for uid 0 of the initial user
+    /// namespace.
     pub userns: bool,
     /// Serve the run endpoints without an API key (as the `anonymous` tenant).
     pub anonymous: bool,
-}
-
-impl RunConfig {
-    /// `RLIMIT_NPROC` of a call's child: that of a zygote sandbox's limits
-    /// ([`crate::sandbox::Limits::nproc`], `pids_max` less a few tasks of headroom).
-    pub fn nproc(&self) -> u64 {
-        crate::sandbox::Limits {
-            pids_max: self.pids_max,
-            ..crate::sandbox::Limits::default()
-        }
-        .nproc()
-    }
 }
 
 impl Default for RunConfig {
@@ -972,7 +961,6 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
         "cpu": (timeout.ceil() as u64).max(1),
         "mem": spec.memory_bytes.unwrap_or(0),
         "cap": spec.output_limit,
-        "nproc": app.runner.cfg.nproc(),
         // Warm the zygote's next child only while the node has idle zygotes (spare CPU).
         "warm": pool.slots.available_permits() > 1,
     })

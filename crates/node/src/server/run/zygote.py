@@ -212,7 +212,6 @@ def _dsec_child(d, fq, fi, fo, fe, go, done, io, warm):
         cpu = req["cpu"]
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (req["cap"] + 1, req["cap"] + 1))
-        resource.setrlimit(resource.RLIMIT_NPROC, (req["nproc"], req["nproc"]))
         sys.stdin, sys.stdout, sys.stderr = stdin, stdout, stderr
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdin, stdout, stderr
         sys.argv = [path]
