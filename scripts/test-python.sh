@@ -16,6 +16,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
 fi
+# The code runner's languages that test_run.py runs (in the host template, the host's root).
+bash scripts/install-run-toolchains.sh
 "$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio sandbox-fusion
 
 export DSEC_BIN="${DSEC_BIN:-$PWD/target/x86_64-unknown-linux-gnu/debug/dsec}"

@@ -32,6 +32,9 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
 fi
 
+# The code runner's languages that the tests run (in the host template, the host's root).
+bash scripts/install-run-toolchains.sh
+
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Integration tests start the agent and shim binaries of the same target dir.

@@ -175,6 +175,10 @@ struct ServerArgs {
     /// Modules each Python zygote imports once (comma-separated; default: common stdlib).
     #[arg(long, value_delimiter = ',')]
     run_preload: Option<Vec<String>>,
+    /// The template of a run that names none (SandboxFusion's clients cannot name one): e.g.
+    /// the `code-runner` template of scripts/build-code-runner-template.sh.
+    #[arg(long, default_value = "host")]
+    run_template: String,
 }
 
 #[derive(Debug, Subcommand)]
@@ -522,6 +526,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
                 pids_max: args.run_pids_max.clamp(16, 1 << 20),
                 userns: args.run_userns,
                 anonymous: args.anonymous_run,
+                template: args.run_template.clone(),
             }
         },
     };

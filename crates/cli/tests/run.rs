@@ -281,8 +281,9 @@ fn compiled_languages_and_bad_requests() {
             "too_large",
             413,
         ),
+        // The native API refuses a field it does not know.
         (
-            json!({"code": "1", "language": "python", "run_timeout": -1}),
+            json!({"code": "1", "language": "python", "task_id": "HumanEval/0"}),
             "invalid_request",
             400,
         ),
@@ -358,11 +359,8 @@ fn sandbox_fusion_shape_path_key_and_anonymous() {
         None,
         &json!({"code": "1", "language": "cobol"}),
     );
-    assert_eq!(
-        (s, v["status"].as_str()),
-        (400, Some("SandboxError")),
-        "{v}"
-    );
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(v["detail"][0]["loc"], json!(["body", "language"]), "{v}");
     // The anonymous tenant reaches the runner only.
     let mut r = d
         .agent
@@ -371,6 +369,125 @@ fn sandbox_fusion_shape_path_key_and_anonymous() {
         .expect("http");
     assert_eq!(r.status().as_u16(), 401);
     let _ = r.body_mut().read_to_vec();
+}
+
+/// What SandboxFusion's server does with what datasets and reward code send, `/run_code` does
+/// too: unknown fields are ignored (the native API refuses them), any timeout is taken (above
+/// the node's maximum clamped to it and said so in `clamped`, 0 or less a time-out at once),
+/// input it would not validate is 422 with FastAPI's `detail`, and a language whose toolchain
+/// the template lacks answers as a missing command does (127 in the phase that needs it).
+#[test]
+fn sandbox_fusion_requests_answer_as_its_server_does() {
+    let d = Daemon::start("sfcompat", &[]);
+    let key = d.key.clone();
+    let sf = |body: Value| d.post("/run_code", Some(&key), &body);
+
+    let row = json!({"code": "print(input())", "language": "python", "stdin": "hi",
+        "task_id": "HumanEval/0", "test": "assert True", "entry_point": null});
+    let (s, v) = sf(row.clone());
+    assert_eq!((s, v["status"].as_str()), (200, Some("Success")), "{v}");
+    assert_eq!(v["run_result"]["stdout"], "hi\n", "{v}");
+    let (s, v) = d.post("/v1/run", Some(&key), &row);
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (400, Some("invalid_request")),
+        "{v}"
+    );
+    assert!(
+        v["detail"].as_str().is_some_and(|m| m.contains("task_id")),
+        "{v}"
+    );
+
+    // Timeouts: large ones run (clamped), 0 times out at once, negative ones too.
+    let (s, v) = sf(
+        json!({"code": "print(1)", "language": "python", "run_timeout": 100000.0, "compile_timeout": 1e9}),
+    );
+    assert_eq!((s, v["status"].as_str()), (200, Some("Success")), "{v}");
+    assert_eq!(
+        v["clamped"],
+        json!({"run_timeout": 300.0, "compile_timeout": 300.0}),
+        "{v}"
+    );
+    let (s, v) = sf(json!({"code": "print(1)", "language": "python", "run_timeout": 0}));
+    assert_eq!((s, v["status"].as_str()), (200, Some("Failed")), "{v}");
+    assert_eq!(v["run_result"]["status"], "TimeLimitExceeded", "{v}");
+    assert_eq!(v["clamped"], json!({}), "{v}");
+    let (s, v) = sf(json!({"code": "int main(){}", "language": "cpp", "compile_timeout": 0}));
+    assert_eq!((s, v["status"].as_str()), (200, Some("Failed")), "{v}");
+    assert_eq!(v["compile_result"]["status"], "TimeLimitExceeded", "{v}");
+    assert!(v["run_result"].is_null(), "{v}");
+    let v = d.run(json!({"code": "print(1)", "language": "python", "run_timeout": -1}));
+    assert_eq!(v["run_result"]["status"], "TimeLimitExceeded", "{v}");
+    assert_eq!(v["clamped"], json!({"run_timeout": 0.0}), "{v}");
+
+    // Input SandboxFusion's server would not validate: 422 and FastAPI's detail.
+    for (body, kind, loc) in [
+        (
+            json!({"language": "python"}),
+            "missing",
+            json!(["body", "code"]),
+        ),
+        (
+            json!({"code": "1", "language": "react"}),
+            "literal_error",
+            json!(["body", "language"]),
+        ),
+        (
+            json!({"code": "1", "language": "python", "run_timeout": "soon"}),
+            "float_parsing",
+            json!(["body", "run_timeout"]),
+        ),
+        (
+            json!({"code": "1", "language": "python", "files": {"../x": ""}}),
+            "value_error",
+            json!(["body", "files", "../x"]),
+        ),
+        (
+            json!(["print(1)"]),
+            "model_attributes_type",
+            json!(["body"]),
+        ),
+    ] {
+        let (s, v) = sf(body.clone());
+        assert_eq!(s, 422, "{body}: {v}");
+        assert_eq!(v["detail"][0]["type"], kind, "{body}: {v}");
+        assert_eq!(v["detail"][0]["loc"], loc, "{body}: {v}");
+    }
+    let mut r = d
+        .agent
+        .post(format!("{}/run_code", d.url))
+        .header("X-API-Key", &key)
+        .send("{\"code\": ")
+        .expect("http");
+    assert_eq!(r.status().as_u16(), 422);
+    let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+        .unwrap_or(Value::Null);
+    assert_eq!(v["detail"][0]["type"], "json_invalid", "{v}");
+
+    // No lean in Debian: the host template has none.
+    assert!(
+        !std::path::Path::new("/usr/bin/lean").exists(),
+        "this case needs a host without lean"
+    );
+    let (s, v) = sf(json!({"code": "theorem t : 1 = 1 := rfl", "language": "lean"}));
+    assert_eq!((s, v["status"].as_str()), (200, Some("Failed")), "{v}");
+    assert_eq!(v["run_result"]["return_code"], 127, "{v}");
+    assert!(
+        v["run_result"]["stderr"]
+            .as_str()
+            .is_some_and(|e| e.contains("lean: command not found")),
+        "{v}"
+    );
+    let (s, v) = d.post(
+        "/v1/run",
+        Some(&key),
+        &json!({"code": "1", "language": "lean"}),
+    );
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (400, Some("invalid_request")),
+        "{v}"
+    );
 }
 
 /// The R-xx abuse cases through SandboxFusion's `/run_code`: each is contained in its call
@@ -524,6 +641,18 @@ fn runs_in_flight_follow_the_tenant_quota() {
             (429, Some("quota_exceeded")),
             "{v}"
         );
+        // SandboxFusion's route answers what the node cannot serve as `SandboxError`.
+        let (s, v) = d.post(
+            "/run_code",
+            Some(&key),
+            &json!({"code": "print(1)", "language": "python"}),
+        );
+        assert_eq!(
+            (s, v["status"].as_str()),
+            (200, Some("SandboxError")),
+            "{v}"
+        );
+        assert_eq!(v["code"], "quota_exceeded", "{v}");
         let (s, v) = slow.join().expect("join");
         assert_eq!(s, 200, "{v}");
         assert_eq!(v["run_result"]["stdout"], "slept\n");

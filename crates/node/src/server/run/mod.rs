@@ -28,6 +28,14 @@ use super::log;
 use super::store::Tenant;
 use crate::sandbox::Limits;
 
+mod fusion;
+mod lang;
+mod request;
+
+pub use fusion::run_code;
+pub use request::{BadRun, MAX_MEMORY_MB, MAX_TIMEOUT_S};
+use request::{Fields, RunSpec};
+
 const ZYGOTE: &str = include_str!("zygote.py");
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -37,8 +45,6 @@ pub const MAX_FILES_BYTES: usize = 16 << 20;
 pub const MAX_FILES: usize = 256;
 /// Longest code accepted.
 pub const MAX_CODE: usize = 1 << 20;
-/// Longest run or compile phase, seconds.
-pub const MAX_TIMEOUT_S: f64 = 300.0;
 /// Default and largest output kept per stream on the function substrate (its answer travels
 /// base64-encoded inside the session's 1 MiB capture).
 pub const FUNCTION_OUTPUT_MAX: u64 = 256 << 10;
@@ -81,6 +87,8 @@ pub struct RunConfig {
     pub userns: bool,
     /// Serve the run endpoints without an API key (as the `anonymous` tenant).
     pub anonymous: bool,
+    /// The template of a run that names none.
+    pub template: String,
 }
 
 impl Default for RunConfig {
@@ -111,101 +119,9 @@ impl Default for RunConfig {
             pids_max: 64,
             userns: true,
             anonymous: false,
+            template: "host".to_owned(),
         }
     }
-}
-
-/// A language the runner knows: its source file, compile and run commands.
-#[derive(Debug, Clone, Copy)]
-struct Lang {
-    name: &'static str,
-    /// Other names accepted (SandboxFusion's).
-    aliases: &'static [&'static str],
-    source: &'static str,
-    compile: Option<&'static str>,
-    run: &'static str,
-    /// The binary whose presence on the template makes the language available.
-    probe: &'static str,
-}
-
-const LANGS: &[Lang] = &[
-    Lang {
-        name: "python",
-        aliases: &["python3"],
-        source: "main.py",
-        compile: None,
-        run: "/usr/bin/python3 main.py",
-        probe: "/usr/bin/python3",
-    },
-    Lang {
-        name: "bash",
-        aliases: &["sh"],
-        source: "main.sh",
-        compile: None,
-        run: "bash main.sh",
-        probe: "bash",
-    },
-    Lang {
-        name: "c",
-        aliases: &[],
-        source: "main.c",
-        compile: Some("gcc -O2 -o main main.c -lm"),
-        run: "./main",
-        probe: "gcc",
-    },
-    Lang {
-        name: "cpp",
-        aliases: &["c++"],
-        source: "main.cpp",
-        compile: Some("g++ -O2 -std=c++17 -o main main.cpp -lm"),
-        run: "./main",
-        probe: "g++",
-    },
-    Lang {
-        name: "nodejs",
-        aliases: &["javascript", "node"],
-        source: "main.js",
-        compile: None,
-        run: "node main.js",
-        probe: "node",
-    },
-    Lang {
-        name: "go",
-        aliases: &[],
-        source: "main.go",
-        compile: Some("go build -o main main.go"),
-        run: "./main",
-        probe: "go",
-    },
-    Lang {
-        name: "java",
-        aliases: &[],
-        source: "Main.java",
-        compile: Some("javac Main.java"),
-        run: "java Main",
-        probe: "javac",
-    },
-    Lang {
-        name: "rust",
-        aliases: &[],
-        source: "main.rs",
-        compile: Some("rustc -O -o main main.rs"),
-        run: "./main",
-        probe: "rustc",
-    },
-];
-
-fn lang(name: &str) -> ApiResult<&'static Lang> {
-    LANGS
-        .iter()
-        .find(|l| l.name == name || l.aliases.contains(&name))
-        .ok_or_else(|| {
-            ApiError::invalid(format!(
-                "unknown language {:?} (known: {})",
-                name.chars().take(32).collect::<String>(),
-                LANGS.iter().map(|l| l.name).collect::<Vec<_>>().join(", ")
-            ))
-        })
 }
 
 /// Where a run goes.
@@ -265,6 +181,10 @@ pub struct RunOutcome {
     pub substrate: Substrate,
     /// Time the node spent on the run, microseconds.
     pub server_us: u64,
+    /// Request fields whose value was outside the node's range, with the value applied
+    /// (`run_timeout`, `compile_timeout`: at most [`MAX_TIMEOUT_S`], negative ones 0;
+    /// `memory_limit_MB`: at most [`MAX_MEMORY_MB`]).
+    pub clamped: BTreeMap<&'static str, f64>,
 }
 
 impl Serialize for Substrate {
@@ -272,161 +192,6 @@ impl Serialize for Substrate {
         s.serialize_str(match self {
             Substrate::Function => "function",
             Substrate::Container => "container",
-        })
-    }
-}
-
-/// A run request (native `/v1/run` and SandboxFusion's `/run_code` share it; unknown fields
-/// are refused).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RunBody {
-    code: Option<String>,
-    language: Option<String>,
-    #[serde(default)]
-    stdin: Option<String>,
-    #[serde(default)]
-    files: BTreeMap<String, Option<String>>,
-    #[serde(default)]
-    fetch_files: Vec<String>,
-    #[serde(default)]
-    run_timeout: Option<f64>,
-    #[serde(default)]
-    compile_timeout: Option<f64>,
-    #[serde(default, rename = "memory_limit_MB")]
-    memory_limit_mb: Option<i64>,
-    #[serde(default)]
-    output_limit: Option<u64>,
-    #[serde(default)]
-    template: Option<String>,
-    #[serde(default)]
-    substrate: Option<Substrate>,
-}
-
-/// A validated run.
-#[derive(Debug, Clone)]
-struct RunSpec {
-    lang: &'static Lang,
-    code: String,
-    stdin: Vec<u8>,
-    files: Vec<(String, Vec<u8>)>,
-    fetch: Vec<String>,
-    run_timeout: Duration,
-    compile_timeout: Duration,
-    memory_bytes: Option<u64>,
-    output_limit: u64,
-    template: String,
-    substrate: Substrate,
-}
-
-fn rel_path(p: &str) -> ApiResult<()> {
-    let bad = p.is_empty()
-        || p.len() > 255
-        || p.starts_with('/')
-        || p.contains('\0')
-        || p.split('/').any(|c| c == ".." || c == "." || c.is_empty());
-    if bad {
-        return Err(ApiError::invalid(format!(
-            "file paths are relative, without '.', '..' or empty parts: {:?}",
-            p.chars().take(64).collect::<String>()
-        )));
-    }
-    Ok(())
-}
-
-fn seconds(v: Option<f64>, default: f64, name: &str) -> ApiResult<Duration> {
-    let s = v.unwrap_or(default);
-    if !s.is_finite() || s <= 0.0 || s > MAX_TIMEOUT_S {
-        return Err(ApiError::invalid(format!(
-            "{name} must be in (0, {MAX_TIMEOUT_S}] seconds"
-        )));
-    }
-    Ok(Duration::from_secs_f64(s))
-}
-
-impl RunBody {
-    fn validate(self) -> ApiResult<RunSpec> {
-        let code = self
-            .code
-            .ok_or_else(|| ApiError::invalid("missing field `code`"))?;
-        if code.len() > MAX_CODE {
-            return Err(ApiError::new(
-                ErrorCode::TooLarge,
-                format!("code exceeds {MAX_CODE} bytes"),
-            ));
-        }
-        let lang = lang(
-            self.language
-                .as_deref()
-                .ok_or_else(|| ApiError::invalid("missing field `language`"))?,
-        )?;
-        let substrate = match (self.substrate, lang.name) {
-            (Some(Substrate::Function), "python") | (None, "python") => Substrate::Function,
-            (Some(Substrate::Function), other) => {
-                return Err(ApiError::invalid(format!(
-                    "the function substrate runs python only, not {other}"
-                )))
-            }
-            (Some(Substrate::Container) | None, _) => Substrate::Container,
-        };
-        if self.files.len() > MAX_FILES || self.fetch_files.len() > MAX_FILES {
-            return Err(ApiError::invalid(format!(
-                "at most {MAX_FILES} files and {MAX_FILES} fetch_files"
-            )));
-        }
-        let mut files = Vec::new();
-        let mut total = 0usize;
-        for (p, b64) in self.files {
-            rel_path(&p)?;
-            let data = match b64 {
-                Some(s) => B64.decode(s.as_bytes()).map_err(|e| {
-                    ApiError::invalid(format!("files[{p:?}] is not valid base64: {e}"))
-                })?,
-                None => Vec::new(),
-            };
-            total += data.len();
-            if total > MAX_FILES_BYTES {
-                return Err(ApiError::new(
-                    ErrorCode::TooLarge,
-                    format!("files exceed {MAX_FILES_BYTES} bytes in total"),
-                ));
-            }
-            files.push((p, data));
-        }
-        for p in &self.fetch_files {
-            rel_path(p)?;
-        }
-        let cap_max = match substrate {
-            Substrate::Function => FUNCTION_OUTPUT_MAX,
-            Substrate::Container => dsec_api::exec::MAX_OUTPUT_LIMIT,
-        };
-        let output_limit = self.output_limit.unwrap_or(FUNCTION_OUTPUT_MAX);
-        if output_limit == 0 || output_limit > cap_max {
-            return Err(ApiError::invalid(format!(
-                "output_limit must be in 1..={cap_max} on this substrate"
-            )));
-        }
-        let memory_bytes = match self.memory_limit_mb {
-            None | Some(..=0) => None,
-            Some(mb) if mb > 64 * 1024 => {
-                return Err(ApiError::invalid("memory_limit_MB must be at most 65536"))
-            }
-            Some(mb) => Some(mb as u64 * 1024 * 1024),
-        };
-        let template = self.template.unwrap_or_else(|| "host".into());
-        crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
-        Ok(RunSpec {
-            lang,
-            code,
-            stdin: self.stdin.unwrap_or_default().into_bytes(),
-            files,
-            fetch: self.fetch_files,
-            run_timeout: seconds(self.run_timeout, 10.0, "run_timeout")?,
-            compile_timeout: seconds(self.compile_timeout, 10.0, "compile_timeout")?,
-            memory_bytes,
-            output_limit,
-            template,
-            substrate,
         })
     }
 }
@@ -953,7 +718,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
         .collect();
     let timeout = spec.run_timeout.as_secs_f64();
     let req = json!({
-        "code": spec.code,
+        "code": spec.program.code,
         "stdin": B64.encode(&spec.stdin),
         "files": files,
         "fetch": spec.fetch,
@@ -1087,6 +852,7 @@ async fn run_function(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
             files: a.files,
             substrate: Substrate::Function,
             server_us: 0,
+            clamped: BTreeMap::new(),
         });
     }
     Err(ApiError::new(
@@ -1128,6 +894,7 @@ fn runtime_killed_by_the_call(r: &ExecResult) -> Option<RunOutcome> {
         files: BTreeMap::new(),
         substrate: Substrate::Function,
         server_us: 0,
+        clamped: BTreeMap::new(),
     })
 }
 
@@ -1219,23 +986,23 @@ async fn read_file(e: &Arc<Entry>, path: String, max: u64) -> Option<Vec<u8>> {
 }
 
 async fn run_container_in(app: &Arc<App>, e: &Arc<Entry>, spec: &RunSpec) -> ApiResult<RunOutcome> {
-    let lang = spec.lang;
+    let prog = &spec.program;
     write_file(
         app,
         e,
-        format!("{WORKDIR}/{}", lang.source),
-        spec.code.clone().into_bytes(),
+        format!("{WORKDIR}/{}", prog.source),
+        prog.code.clone().into_bytes(),
     )
     .await?;
     for (p, d) in &spec.files {
         write_file(app, e, format!("{WORKDIR}/{p}"), d.clone()).await?;
     }
     let mut compile_result = None;
-    if let Some(cc) = lang.compile {
+    if let Some(cc) = &prog.compile {
         let r = sandbox_exec(
             app,
             e,
-            shell_exec(cc.to_owned(), spec.compile_timeout, spec.output_limit),
+            shell_exec(cc.clone(), spec.compile_timeout, spec.output_limit),
             Vec::new(),
         )
         .await?;
@@ -1250,12 +1017,13 @@ async fn run_container_in(app: &Arc<App>, e: &Arc<Entry>, spec: &RunSpec) -> Api
                 files: BTreeMap::new(),
                 substrate: Substrate::Container,
                 server_us: 0,
+                clamped: BTreeMap::new(),
             });
         }
     }
     let cmd = match spec.memory_bytes {
-        Some(m) => format!("ulimit -v {} 2>/dev/null; exec {}", m / 1024, lang.run),
-        None => format!("exec {}", lang.run),
+        Some(m) => format!("ulimit -v {} 2>/dev/null; {}", m / 1024, prog.run),
+        None => prog.run.clone(),
     };
     let r = sandbox_exec(
         app,
@@ -1282,6 +1050,7 @@ async fn run_container_in(app: &Arc<App>, e: &Arc<Entry>, spec: &RunSpec) -> Api
         files,
         substrate: Substrate::Container,
         server_us: 0,
+        clamped: BTreeMap::new(),
     })
 }
 
@@ -1319,31 +1088,72 @@ async fn run_container(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> 
     out
 }
 
-async fn ensure_available(app: &Arc<App>, spec: &RunSpec) -> ApiResult<()> {
+/// Whether `spec`'s template has its language's toolchain (Python always: the function
+/// substrate needs it).
+async fn available(app: &Arc<App>, spec: &RunSpec) -> ApiResult<bool> {
     if spec.lang.name == "python" {
-        return Ok(());
+        return Ok(true);
     }
     let have = languages(app, &spec.template).await?;
-    if have.iter().any(|l| l == spec.lang.name) {
-        return Ok(());
-    }
-    Err(ApiError::invalid(format!(
-        "language {} is not available on template {} (no {} found)",
-        spec.lang.name, spec.template, spec.lang.probe
-    )))
+    Ok(have.iter().any(|l| l == spec.lang.name))
 }
 
-/// Runs one request.
-async fn run_one(app: &Arc<App>, body: RunBody) -> ApiResult<RunOutcome> {
-    let spec = body.validate()?;
-    ensure_available(app, &spec).await?;
+/// The outcome of a run one of whose phases has no time at all (a timeout of 0, or a
+/// negative one clamped to it): that phase times out at once, without running, as it does on
+/// SandboxFusion; a run phase after a compile phase that timed out does not run.
+fn timed_out_at_once(spec: &RunSpec) -> Option<RunOutcome> {
+    let tle = PhaseResult {
+        status: Verdict::TimeLimitExceeded,
+        exit_code: None,
+        stdout: String::new(),
+        stderr: String::new(),
+        execution_time: 0.0,
+        memory_kb: 0,
+    };
+    let (compile_result, run_result) =
+        if spec.program.compile.is_some() && spec.compile_timeout.is_zero() {
+            (Some(tle), None)
+        } else if spec.run_timeout.is_zero() {
+            (None, Some(tle))
+        } else {
+            return None;
+        };
+    Some(RunOutcome {
+        status: "Failed",
+        compile_result,
+        run_result,
+        files: BTreeMap::new(),
+        substrate: spec.substrate,
+        server_us: 0,
+        clamped: spec.clamped.clone(),
+    })
+}
+
+/// Runs a validated request whose toolchain is there.
+async fn execute(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
     let t0 = Instant::now();
-    let mut out = match spec.substrate {
-        Substrate::Function => run_function(app, &spec).await?,
-        Substrate::Container => run_container(app, &spec).await?,
+    let mut out = match timed_out_at_once(spec) {
+        Some(out) => out,
+        None => match spec.substrate {
+            Substrate::Function => run_function(app, spec).await?,
+            Substrate::Container => run_container(app, spec).await?,
+        },
     };
     out.server_us = t0.elapsed().as_micros() as u64;
+    out.clamped = spec.clamped.clone();
     Ok(out)
+}
+
+/// Runs one request of the native API: a language whose toolchain the template lacks is an
+/// `invalid_request`.
+async fn run_one(app: &Arc<App>, spec: RunSpec) -> ApiResult<RunOutcome> {
+    if !available(app, &spec).await? {
+        return Err(ApiError::invalid(format!(
+            "language {} is not available on template {} (no {} found)",
+            spec.lang.name, spec.template, spec.lang.tool
+        )));
+    }
+    execute(app, &spec).await
 }
 
 /// The languages whose toolchain is on `template` (probed once per template, in a sandbox of
@@ -1359,15 +1169,7 @@ async fn languages(app: &Arc<App>, template: &str) -> ApiResult<Vec<String>> {
     );
     cell.get_or_try_init(|| async {
         let e = runner_sandbox(app, template).await?;
-        let script: String = LANGS
-            .iter()
-            .map(|l| {
-                format!(
-                    "command -v {} >/dev/null 2>&1 && echo {}\n",
-                    l.probe, l.name
-                )
-            })
-            .collect();
+        let script = lang::probe_script();
         let r = sandbox_exec(
             app,
             &e,
@@ -1421,14 +1223,15 @@ fn anonymous_slot(app: &App, t: &Tenant) -> ApiResult<Option<tokio::sync::OwnedS
     })
 }
 
-fn parse_body<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> ApiResult<T> {
-    serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))
-}
-
-/// `POST /v1/run`.
+/// `POST /v1/run`: unknown fields are refused (`invalid_request`).
 pub async fn run(app: Arc<App>, t: &Tenant, body: &[u8]) -> ApiResult<Value> {
+    let spec = request::validate(
+        &request::parse_object(body)?,
+        Fields::Strict,
+        &app.runner.cfg.template,
+    )?;
     let _slot = anonymous_slot(&app, t)?;
-    let out = run_one(&app, parse_body(body)?).await?;
+    let out = run_one(&app, spec).await?;
     Ok(serde_json::to_value(out).unwrap_or_default())
 }
 
@@ -1443,7 +1246,8 @@ struct BatchBody {
 /// `POST /v1/run/batch`: items answer in order, each `{"ok":true,"result":…}` or
 /// `{"ok":false,"error":{problem}}`.
 pub async fn run_batch(app: Arc<App>, t: &Tenant, body: &[u8]) -> ApiResult<Value> {
-    let b: BatchBody = parse_body(body)?;
+    let b: BatchBody = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))?;
     if b.requests.len() > MAX_BATCH {
         return Err(ApiError::invalid(format!(
             "at most {MAX_BATCH} requests per batch"
@@ -1459,9 +1263,13 @@ pub async fn run_batch(app: Arc<App>, t: &Tenant, body: &[u8]) -> ApiResult<Valu
         let gate = Arc::clone(&gate);
         set.spawn(async move {
             let _p = gate.acquire_owned().await;
-            let r = match serde_json::from_value::<RunBody>(v) {
-                Ok(body) => run_one(&app, body).await,
-                Err(e) => Err(ApiError::invalid(format!("bad request: {e}"))),
+            let spec = match v {
+                Value::Object(m) => request::validate(&m, Fields::Strict, &app.runner.cfg.template),
+                other => Err(BadRun::NotObject { input: other }),
+            };
+            let r = match spec {
+                Ok(spec) => run_one(&app, spec).await,
+                Err(e) => Err(e.into()),
             };
             (i, r)
         });
@@ -1490,12 +1298,12 @@ pub fn forget_languages(app: &App, template: &str) {
         .remove(template);
 }
 
-/// `GET /v1/languages[?template=NAME]` (default `host`).
+/// `GET /v1/languages[?template=NAME]` (default: the runner's, `host` unless set).
 pub async fn list_languages(app: Arc<App>, template: Option<String>) -> ApiResult<Value> {
-    let template = template.unwrap_or_else(|| "host".into());
+    let template = template.unwrap_or_else(|| app.runner.cfg.template.clone());
     crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
     let have = languages(&app, &template).await?;
-    let items: Vec<Value> = LANGS
+    let items: Vec<Value> = lang::LANGS
         .iter()
         .filter(|l| l.name == "python" || have.iter().any(|h| h == l.name))
         .map(|l| {
@@ -1508,71 +1316,6 @@ pub async fn list_languages(app: Arc<App>, template: Option<String>) -> ApiResul
         })
         .collect();
     Ok(json!({"template": template, "items": items}))
-}
-
-/// SandboxFusion's `CommandRunResult` of a phase: its statuses are `Finished`, `Error` and
-/// `TimeLimitExceeded`; the finer verdict (with `MemoryLimitExceeded`) travels in the extra
-/// field `verdict`, which its pydantic models ignore.
-fn fusion_phase(p: &PhaseResult) -> Value {
-    // A non-zero exit is `Finished` with its return code there too.
-    let status = match p.status {
-        Verdict::TimeLimitExceeded => "TimeLimitExceeded",
-        Verdict::Finished
-        | Verdict::RuntimeError
-        | Verdict::MemoryLimitExceeded
-        | Verdict::OutputLimitExceeded => "Finished",
-    };
-    json!({
-        "status": status,
-        "execution_time": p.execution_time,
-        "return_code": p.exit_code,
-        "stdout": p.stdout,
-        "stderr": p.stderr,
-        "verdict": p.status,
-        "memory_kb": p.memory_kb,
-    })
-}
-
-/// `POST /run_code` (SandboxFusion): never a problem+json for what the code did; a request the
-/// node cannot serve answers `SandboxError` with the reason in `message` (and the HTTP status
-/// of the matching native error).
-pub async fn run_code(app: Arc<App>, t: &Tenant, body: &[u8]) -> (u16, Value) {
-    let r = async {
-        let _slot = anonymous_slot(&app, t)?;
-        run_one(&app, parse_body(body)?).await
-    }
-    .await;
-    match r {
-        Ok(o) => {
-            let ok = o
-                .run_result
-                .as_ref()
-                .is_some_and(|r| r.status == Verdict::Finished && r.exit_code == Some(0));
-            (
-                200,
-                json!({
-                    "status": if ok { "Success" } else { "Failed" },
-                    "message": "",
-                    "compile_result": o.compile_result.as_ref().map(fusion_phase),
-                    "run_result": o.run_result.as_ref().map(fusion_phase),
-                    "executor_pod_name": null,
-                    "files": o.files,
-                }),
-            )
-        }
-        Err(e) => (
-            ApiError::status_of(e.code).as_u16(),
-            json!({
-                "status": "SandboxError",
-                "message": e.detail,
-                "code": e.code,
-                "compile_result": null,
-                "run_result": null,
-                "executor_pod_name": null,
-                "files": {},
-            }),
-        ),
-    }
 }
 
 /// Destroys runner sandboxes a previous node process left (their sessions died with the
