@@ -86,6 +86,9 @@ impl Daemon {
     }
 
     fn stop(mut self) {
+        // Answering means it serves, its SIGTERM handler included.
+        let (s, _) = self.req("GET", "/readyz", None);
+        assert_eq!(s, 200);
         let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
         rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
         let st = self.child.wait().expect("wait");
