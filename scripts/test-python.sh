@@ -25,7 +25,11 @@ if [ ! -x "$DSEC_BIN" ]; then
   echo "scripts/test-python.sh: no dsec binary at $DSEC_BIN (run cargo build --workspace)" >&2
   exit 1
 fi
+# pytest's temporary dirs (the test daemons' data dirs) live under one dir of this run, removed
+# when the script ends, instead of piling up in /tmp/pytest-of-<user>.
+basetemp=$(mktemp -d /tmp/dsec-pytest.XXXXXX)
+trap 'rm -rf --one-file-system "$basetemp"' EXIT
 set +e
-"$VENV/bin/python" -m pytest -q sdk/python/tests "$@"
+"$VENV/bin/python" -m pytest -q --basetemp "$basetemp/t" sdk/python/tests "$@"
 rc=$?
 exit $rc

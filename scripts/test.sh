@@ -47,12 +47,19 @@ cargo build --workspace
 prep=$(mktemp -d /tmp/dsec-vm-prepare.XXXXXX)
 ./target/x86_64-unknown-linux-gnu/debug/dsec --data-dir "$prep/data" --run-dir "$prep/run" vm prepare
 rm -rf "$prep"
+# Tests leave the machine as they found it: what is there before them is compared with what is
+# there after (processes, zombies, mounts, cgroups, netns, nftables, files in /tmp and /run).
+leakdir=target/leak-check
+rm -rf "$leakdir"
+bash scripts/check-leaks.sh snapshot "$leakdir"
 rust=0
 cargo test --workspace --no-fail-fast || rust=$?
 # The Python SDK's system tests drive the real daemon (venv with the SDK, pytest).
 py=0
 bash scripts/test-python.sh || py=$?
-if [ "$rust" != 0 ] || [ "$py" != 0 ]; then
-  echo "scripts/test.sh: cargo test exit $rust, python tests exit $py" >&2
+leaks=0
+bash scripts/check-leaks.sh compare "$leakdir" || leaks=$?
+if [ "$rust" != 0 ] || [ "$py" != 0 ] || [ "$leaks" != 0 ]; then
+  echo "scripts/test.sh: cargo test exit $rust, python tests exit $py, leak check exit $leaks" >&2
   exit 1
 fi

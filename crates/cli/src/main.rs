@@ -20,6 +20,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use dsec_api::exec::{ExecRequest, ExecStatus};
+use dsec_node::capacity::NodeCapacity;
 use dsec_node::container::{ContainerRuntime, RuntimeConfig};
 use dsec_node::sandbox::{Limits, SandboxSpec, Substrate};
 
@@ -327,6 +328,12 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         pids_max: args.pids,
         ..Limits::default()
     };
+    // Limits beyond this machine are a usage error, found before anything is made.
+    let capacity = NodeCapacity::detect().context("read what this machine has")?;
+    if let Err(e) = capacity.admit(&limits) {
+        eprintln!("dsec: invalid limits: {e}");
+        return Ok(ExitCode::from(client::EXIT_USAGE));
+    }
     let spec = SandboxSpec {
         template: args.template.clone(),
         limits,

@@ -156,7 +156,7 @@ fn step_body(step: u64, marker: &str) -> Value {
 
 #[test]
 fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
-    let (data, run) = common::dirs("dtr", "l04");
+    let (data, run, _dirs) = common::dirs_removed_on_drop("dtr", "l04");
     let mut d = Daemon::start(&data, &run);
     let id = create(&d);
     let mut first = Vec::new();
@@ -234,7 +234,7 @@ fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
 
 #[test]
 fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
-    let (data, run) = common::dirs("dtr", "l03");
+    let (data, run, _dirs) = common::dirs_removed_on_drop("dtr", "l03");
     let mut d = Daemon::start(&data, &run);
     let id = create(&d);
     let total: u64 = 40;
@@ -379,7 +379,7 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
 /// A finished trajectory is compacted out of the log; the others stay, and replay still works.
 #[test]
 fn finished_trajectories_are_compacted_and_the_rest_replays() {
-    let (data, run) = common::dirs("dtr", "cmp");
+    let (data, run, _dirs) = common::dirs_removed_on_drop("dtr", "cmp");
     let args = [
         "--log-segment-bytes",
         "4096",

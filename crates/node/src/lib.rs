@@ -4,6 +4,7 @@
 
 pub mod agent_client;
 pub mod autoscale;
+pub mod capacity;
 pub mod container;
 pub mod metrics;
 pub mod pool;

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use dsec_sys::cgroup::CgroupLimits;
 use serde::{Deserialize, Serialize};
 
 /// Resource limits of one sandbox.
@@ -66,36 +67,94 @@ impl Limits {
         self.pids_max.saturating_sub(NPROC_HEADROOM).max(1)
     }
 
-    /// Checks the bounds; returns a message naming the first one violated.
-    pub fn validate(&self) -> Result<(), String> {
+    /// The cgroup limits these limits set (the hard CPU cap as quota over a 100 ms period).
+    pub fn cgroup_limits(&self) -> CgroupLimits {
+        CgroupLimits {
+            cpu_weight: Some(self.cpu_weight),
+            cpu_max: self.cpu_max.map(|c| ((c * 100_000.0).round() as u64, 100_000)),
+            memory_high: self.memory_high,
+            memory_max: Some(self.memory_max),
+            pids_max: Some(self.pids_max),
+        }
+    }
+
+    /// Checks the bounds that hold on every node, the kernel's ranges for the cgroup files
+    /// included: limits that pass never fail later when the sandbox's cgroup is written.
+    /// What one node has is checked by [`crate::capacity::NodeCapacity::admit`].
+    pub fn validate(&self) -> Result<(), LimitsError> {
+        let range = |limit, rule| Err(LimitsError::OutOfRange { limit, rule });
         if !(1..=10000).contains(&self.cpu_weight) {
-            return Err("cpu_weight must be in 1..=10000".into());
+            return range("cpu_weight", "must be in 1..=10000");
         }
         if let Some(c) = self.cpu_max {
             if !(0.01..=1024.0).contains(&c) {
-                return Err("cpu_max must be between 0.01 and 1024 CPUs".into());
+                return range("cpu_max", "must be between 0.01 and 1024 CPUs");
             }
         }
-        if self.memory_max < (8 << 20) {
-            return Err("memory_max must be at least 8 MiB".into());
+        if !(8 << 20..=MAX_BYTES).contains(&self.memory_max) {
+            return range("memory_max", "must be in 8 MiB..=8 EiB");
         }
         if self.memory_high.is_some_and(|h| h > self.memory_max) {
-            return Err("memory_high must not exceed memory_max".into());
+            return range("memory_high", "must not exceed memory_max");
+        }
+        if self.memory_high == Some(0) {
+            return range("memory_high", "must be at least 1 byte");
         }
         if !(8..=1 << 20).contains(&self.pids_max) {
-            return Err("pids_max must be in 8..=1048576".into());
+            return range("pids_max", "must be in 8..=1048576");
         }
-        if self.disk_bytes < (1 << 20) {
-            return Err("disk_bytes must be at least 1 MiB".into());
+        if !(1 << 20..=MAX_BYTES).contains(&self.disk_bytes) {
+            return range("disk_bytes", "must be in 1 MiB..=8 EiB");
         }
-        if self.disk_inodes < 64 {
-            return Err("disk_inodes must be at least 64".into());
+        if !(64..=u64::from(u32::MAX)).contains(&self.disk_inodes) {
+            return range("disk_inodes", "must be in 64..=4294967295");
         }
         if !(16..=1 << 20).contains(&self.open_files_max) {
-            return Err("open_files_max must be in 16..=1048576".into());
+            return range("open_files_max", "must be in 16..=1048576");
         }
-        Ok(())
+        if self.file_size_max == 0 {
+            return range("file_size_max", "must be at least 1 byte");
+        }
+        if self.shm_bytes > MAX_BYTES {
+            return range("shm_bytes", "must be at most 8 EiB");
+        }
+        // One rule set: whatever passes here is what the cgroup files accept.
+        self.cgroup_limits()
+            .validate()
+            .map_err(|_| LimitsError::OutOfRange {
+                limit: "limits",
+                rule: "are outside the ranges the kernel's cgroup files accept",
+            })
     }
+}
+
+/// The largest byte count any limit takes: the kernel's memory and tmpfs sizes are signed
+/// 64-bit (`i64::MAX`, 8 EiB).
+pub const MAX_BYTES: u64 = i64::MAX as u64;
+
+/// Limits a sandbox cannot have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitsError {
+    /// A limit outside the range dsec accepts on any node.
+    #[error("{limit} {rule}")]
+    OutOfRange {
+        /// The limit's name in the API.
+        limit: &'static str,
+        /// The range it must be in.
+        rule: &'static str,
+    },
+    /// A limit above what this node has.
+    #[error("{limit} = {asked} is more than this node has: at most {max} ({basis})")]
+    AboveNode {
+        /// The limit's name in the API.
+        limit: &'static str,
+        /// The value asked for, as given (bytes also in binary units).
+        asked: String,
+        /// The node's maximum, in the same unit.
+        max: String,
+        /// Where the maximum comes from (`MemTotal`, online CPUs, …).
+        basis: &'static str,
+    },
 }
 
 /// How a sandbox is isolated.
@@ -250,5 +309,52 @@ mod tests {
             ..Limits::default()
         };
         assert!(l.validate().is_err());
+    }
+
+    #[test]
+    fn limits_the_cgroup_files_refuse_are_out_of_range() {
+        let cases = [
+            Limits {
+                memory_max: u64::MAX,
+                ..Limits::default()
+            },
+            Limits {
+                memory_max: MAX_BYTES + 1,
+                ..Limits::default()
+            },
+            Limits {
+                memory_high: Some(0),
+                ..Limits::default()
+            },
+            Limits {
+                disk_bytes: u64::MAX,
+                ..Limits::default()
+            },
+        ];
+        for l in cases {
+            let e = l.validate().expect_err("out of range");
+            assert!(matches!(e, LimitsError::OutOfRange { .. }), "{e}");
+        }
+        // At the top of every range, what passes is what the cgroup files take.
+        let top = Limits {
+            memory_max: MAX_BYTES,
+            memory_high: Some(MAX_BYTES),
+            cpu_max: Some(1024.0),
+            cpu_weight: 10000,
+            pids_max: 1 << 20,
+            ..Limits::default()
+        };
+        assert_eq!(top.validate(), Ok(()));
+        assert!(top.cgroup_limits().validate().is_ok());
+        let bottom = Limits {
+            cpu_max: Some(0.01),
+            cpu_weight: 1,
+            memory_max: 8 << 20,
+            memory_high: Some(1),
+            pids_max: 8,
+            ..Limits::default()
+        };
+        assert_eq!(bottom.validate(), Ok(()));
+        assert!(bottom.cgroup_limits().validate().is_ok());
     }
 }

@@ -853,6 +853,29 @@ impl Cgroup {
         read_procs(&self.dirs.primary().join("cgroup.procs"))
     }
 
+    /// Whether no process is in the cgroup, in any hierarchy.
+    pub fn is_empty(&self) -> Result<bool, CgroupError> {
+        Ok(self.member_pids()?.is_empty())
+    }
+
+    /// How long ago the youngest of the cgroup's existing directories was made (by its
+    /// modification time, which cgroupfs sets when the directory is made; `None` when none
+    /// exists or a time is unreadable or in the future). Sweeps of cgroups left behind use it
+    /// to leave alone one that is being set up.
+    pub fn age(&self) -> Option<Duration> {
+        let mut youngest: Option<Duration> = None;
+        for dir in self.dirs.all() {
+            let modified = match fs::metadata(&dir) {
+                Ok(m) => m.modified().ok()?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(_) => return None,
+            };
+            let age = modified.elapsed().ok()?;
+            youngest = Some(youngest.map_or(age, |y| y.min(age)));
+        }
+        youngest
+    }
+
     /// Kills every process in the cgroup and waits (bounded) until it is empty.
     ///
     /// v2 writes `cgroup.kill`, which also catches processes forked concurrently. v1 (and v2

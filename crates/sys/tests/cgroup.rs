@@ -6,10 +6,13 @@
 //!   (directory creation, attach, `cgroup.procs`, `cgroup.kill`), and the v2 file-writing logic
 //!   on a fake root (a plain temporary directory with the expected files).
 //!
-//! Every test removes its cgroups in a `Drop` guard, also when it fails.
+//! Every test has a base cgroup of its own (`dsec-test-cg-<pid>-<test>`, so that tests running
+//! at once, here or in another checkout, never share one) and removes its cgroups and that
+//! base, in every hierarchy, in `Drop` guards, also when it fails.
 
 use std::error::Error;
 use std::fs;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -70,8 +73,46 @@ impl Drop for ChildGuard {
     }
 }
 
-fn host() -> CgroupManager {
-    CgroupManager::detect(BASE).expect("cgroup layout detection (tests must run as root)")
+/// A manager over a base cgroup of one test's own; dropping it removes every cgroup below the
+/// base and the base itself, in every hierarchy.
+struct TestCgroups {
+    mgr: CgroupManager,
+    base: String,
+}
+
+impl Deref for TestCgroups {
+    type Target = CgroupManager;
+    fn deref(&self) -> &CgroupManager {
+        &self.mgr
+    }
+}
+
+impl Drop for TestCgroups {
+    fn drop(&mut self) {
+        for name in self.mgr.list().unwrap_or_default() {
+            if let Some(cg) = self.mgr.open(&name) {
+                let _ = cg.kill_all();
+                let _ = cg.remove();
+            }
+        }
+        for dir in self.mgr.base_dirs() {
+            match fs::remove_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => eprintln!("removing {}: {e}", dir.display()),
+            }
+        }
+    }
+}
+
+fn test_base(prefix: &str, test: &str) -> String {
+    format!("{prefix}-{}-{test}", std::process::id())
+}
+
+fn host(test: &str) -> TestCgroups {
+    let base = test_base(BASE, test);
+    let mgr = CgroupManager::detect(&base).expect("cgroup layout detection (tests must run as root)");
+    TestCgroups { mgr, base }
 }
 
 fn read(path: &Path) -> String {
@@ -124,7 +165,7 @@ fn all_gone(dirs: &[PathBuf]) -> bool {
 
 #[test]
 fn detect_finds_v1_hierarchies_here() {
-    let mgr = host();
+    let mgr = host("detect_finds_v1_hierarchies_here");
     if let CgroupLayout::V1 {
         cpu, memory, pids, ..
     } = mgr.layout()
@@ -137,7 +178,7 @@ fn detect_finds_v1_hierarchies_here() {
 
 #[test]
 fn limits_are_written_and_read_back() -> TestResult {
-    let mgr = host();
+    let mgr = host("limits_are_written_and_read_back");
     let name = "limits";
     let _guard = CgGuard::new(&mgr, name);
     let limits = CgroupLimits {
@@ -153,9 +194,9 @@ fn limits_are_written_and_read_back() -> TestResult {
         CgroupLayout::V1 {
             cpu, memory, pids, ..
         } => {
-            let cpu = cpu.join(BASE).join(name);
-            let memory = memory.join(BASE).join(name);
-            let pids = pids.join(BASE).join(name);
+            let cpu = cpu.join(&mgr.base).join(name);
+            let memory = memory.join(&mgr.base).join(name);
+            let pids = pids.join(&mgr.base).join(name);
             assert_eq!(read(&cpu.join("cpu.shares")), "2048");
             assert_eq!(read(&cpu.join("cpu.cfs_quota_us")), "50000");
             assert_eq!(read(&cpu.join("cpu.cfs_period_us")), "100000");
@@ -201,7 +242,7 @@ fn limits_are_written_and_read_back() -> TestResult {
             );
         }
         CgroupLayout::V2 { root } => {
-            let dir = root.join(BASE).join(name);
+            let dir = root.join(&mgr.base).join(name);
             assert_eq!(read(&dir.join("cpu.weight")), "200");
             assert_eq!(read(&dir.join("cpu.max")), "50000 100000");
             assert_eq!(read(&dir.join("memory.high")), (256 * MIB).to_string());
@@ -217,7 +258,7 @@ fn limits_are_written_and_read_back() -> TestResult {
 
 #[test]
 fn attach_pids_kill_remove() -> TestResult {
-    let mgr = host();
+    let mgr = host("attach_pids_kill_remove");
     let name = "attach";
     let _guard = CgGuard::new(&mgr, name);
     let cg = mgr.create(name, &CgroupLimits::default())?;
@@ -244,7 +285,7 @@ fn attach_pids_kill_remove() -> TestResult {
 
 #[test]
 fn pids_max_is_enforced() -> TestResult {
-    let mgr = host();
+    let mgr = host("pids_max_is_enforced");
     let name = "pidsmax";
     let _guard = CgGuard::new(&mgr, name);
     let cg = mgr.create(
@@ -281,7 +322,7 @@ fn pids_max_is_enforced() -> TestResult {
 
 #[test]
 fn memory_max_is_enforced_by_oom_kill() -> TestResult {
-    let mgr = host();
+    let mgr = host("memory_max_is_enforced_by_oom_kill");
     let name = "oom";
     let _guard = CgGuard::new(&mgr, name);
     let limit = 32 * MIB;
@@ -310,7 +351,7 @@ fn memory_max_is_enforced_by_oom_kill() -> TestResult {
 
 #[test]
 fn kill_all_kills_a_process_tree() -> TestResult {
-    let mgr = host();
+    let mgr = host("kill_all_kills_a_process_tree");
     let name = "killtree";
     let _guard = CgGuard::new(&mgr, name);
     let cg = mgr.create(name, &CgroupLimits::default())?;
@@ -342,7 +383,7 @@ fn kill_all_kills_a_process_tree() -> TestResult {
 
 #[test]
 fn stats_report_cpu_and_memory() -> TestResult {
-    let mgr = host();
+    let mgr = host("stats_report_cpu_and_memory");
     let name = "stats";
     let _guard = CgGuard::new(&mgr, name);
     let cg = mgr.create(name, &CgroupLimits::default())?;
@@ -361,7 +402,7 @@ fn stats_report_cpu_and_memory() -> TestResult {
 
 #[test]
 fn names_are_validated() {
-    let mgr = host();
+    let mgr = host("names_are_validated");
     for bad in ["../x", "a/b", "", "..", "x y"] {
         match mgr.create(bad, &CgroupLimits::default()) {
             Err(CgroupError::InvalidName { name }) => assert_eq!(name, bad),
@@ -374,7 +415,7 @@ fn names_are_validated() {
 
 #[test]
 fn invalid_limits_create_nothing() {
-    let mgr = host();
+    let mgr = host("invalid_limits_create_nothing");
     let name = "badlimits";
     let _guard = CgGuard::new(&mgr, name);
     let res = mgr.create(
@@ -393,7 +434,7 @@ fn invalid_limits_create_nothing() {
 
 #[test]
 fn list_open_and_idempotent_remove() -> TestResult {
-    let mgr = host();
+    let mgr = host("list_open_and_idempotent_remove");
     let (a, b) = ("list-a", "list-b");
     let _ga = CgGuard::new(&mgr, a);
     let _gb = CgGuard::new(&mgr, b);
@@ -421,7 +462,8 @@ fn list_open_and_idempotent_remove() -> TestResult {
 
 #[test]
 fn favor_dynmods_v1_named_hierarchy() -> TestResult {
-    let mgr = host();
+    // Mounts a hierarchy; makes no cgroup under the base.
+    let mgr = CgroupManager::detect(BASE)?;
     if mgr.version() != CgroupVersion::V1 {
         return Ok(()); // the v2 variant is `favor_dynmods_v2_remount`
     }
@@ -465,14 +507,16 @@ fn cgroup2_mount() -> MountInfo {
         .expect("a cgroup2 mount (the dev VM has /sys/fs/cgroup/unified)")
 }
 
-fn v2_host() -> CgroupManager {
+fn v2_host(test: &str) -> TestCgroups {
     let root = cgroup2_mount().mount_point;
-    CgroupManager::with_layout(CgroupLayout::V2 { root }, "dsec-test-v2").expect("valid base name")
+    let base = test_base("dsec-test-v2", test);
+    let mgr = CgroupManager::with_layout(CgroupLayout::V2 { root }, &base).expect("valid base name");
+    TestCgroups { mgr, base }
 }
 
 #[test]
 fn v2_real_create_attach_kill_remove() -> TestResult {
-    let mgr = v2_host();
+    let mgr = v2_host("v2_real_create_attach_kill_remove");
     let name = "v2-real";
     let _guard = CgGuard::new(&mgr, name);
     let cg = mgr.create(name, &CgroupLimits::default())?;
@@ -504,7 +548,7 @@ fn favor_dynmods_v2_remount() -> TestResult {
     if original.has_super_option("favordynmods") {
         return Err("cgroup2 mount already has favordynmods; cannot test the remount".into());
     }
-    let mgr = v2_host();
+    let mgr = v2_host("favor_dynmods_v2_remount");
     struct Restore(MountInfo);
     impl Drop for Restore {
         fn drop(&mut self) {

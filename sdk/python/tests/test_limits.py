@@ -137,3 +137,45 @@ def test_long_poll_timeout_units(sandbox: dsec.Sandbox) -> None:
     )
     assert 0.2 < time.monotonic() - t0 < 10
     assert body["id"] == sandbox.id
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def _online_cpus() -> int:
+    with open("/sys/devices/system/cpu/online") as f:
+        n = 0
+        for part in f.read().strip().split(","):
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+        return n
+
+
+def test_limits_beyond_the_node_are_invalid_request(client: dsec.Client) -> None:
+    mem = _mem_total()
+    cpus = _online_cpus()
+    cases = [
+        ({"memory_max": 999_999 << 40}, ["memory_max", str(999_999 << 40), str(mem), "MemTotal"]),
+        ({"memory_max": (1 << 64) - 1}, ["memory_max"]),
+        ({"disk_bytes": mem + 1}, ["disk_bytes", str(mem + 1), str(mem)]),
+        ({"cpu_max": cpus + 1}, ["cpu_max", f"at most {cpus} CPUs"]),
+    ]
+
+    def records() -> set:
+        return {s.id for s in client.list_sandboxes()} | {s.id for s in client.list_sandboxes(state="stopped")}
+
+    before = records()
+    for limits, words in cases:
+        with pytest.raises(dsec.InvalidRequest) as ei:
+            dsec.Sandbox.create(client, limits=limits)
+        e = ei.value
+        assert (e.status, e.code) == (400, "invalid_request"), e
+        for w in words:
+            assert w in (e.detail or ""), (w, e.detail)
+    # Nothing was recorded (so nothing was made).
+    assert records() == before

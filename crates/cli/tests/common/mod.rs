@@ -62,3 +62,31 @@ pub fn start_server(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]
         .to_owned();
     Started { child, url, key }
 }
+
+/// Removes a test's state dirs when dropped, also after a failed assertion. Declare it before
+/// the daemon that uses them, so that it is dropped after the daemon stopped. Nothing is
+/// removed while something is mounted below the dir.
+pub struct RemoveOnDrop(pub PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let prefix = format!("{}/", self.0.display());
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .any(|m| m.starts_with(&prefix));
+        if mounted {
+            eprintln!("{}: left in place, something is mounted below", self.0.display());
+            return;
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// [`dirs`], removed again when the returned guard drops.
+pub fn dirs_removed_on_drop(prefix: &str, tag: &str) -> (PathBuf, PathBuf, RemoveOnDrop) {
+    let (data, run) = dirs(prefix, tag);
+    let base = data.parent().expect("invariant: dirs are below a base").to_owned();
+    (data, run, RemoveOnDrop(base))
+}

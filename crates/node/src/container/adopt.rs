@@ -19,6 +19,10 @@ use crate::sandbox::{SandboxSpec, State};
 /// How long a supervisor gets to answer a reconnect.
 const ADOPT_DEADLINE: Duration = Duration::from_secs(5);
 
+/// How old an empty sandbox cgroup no record of this node names must be before a sweep removes
+/// it: twice the longest a create may take, so that no create still sets it up.
+pub const ORPHAN_CGROUP_GRACE: Duration = Duration::from_secs(60);
+
 impl ContainerRuntime {
     /// The runtime directory of sandbox `id`.
     pub fn sandbox_run_dir(&self, id: &str) -> PathBuf {
@@ -37,6 +41,36 @@ impl ContainerRuntime {
             .unwrap_or_default();
         ids.sort();
         ids
+    }
+
+    /// Names of the sandbox cgroups (`<base>/sb-*`) on this host, in any hierarchy, whoever
+    /// made them.
+    pub fn sandbox_cgroups(&self) -> Vec<String> {
+        self.cgroups
+            .list()
+            .map(|names| names.into_iter().filter(|n| super::valid_id(n)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Removes sandbox cgroup `id`, which no live sandbox of this node has, from every
+    /// hierarchy. `ours`: this node recorded the sandbox (its create failed or it was
+    /// destroyed), so whatever is left in it is killed. Otherwise another node process on this
+    /// host may own it, so only an empty cgroup older than [`ORPHAN_CGROUP_GRACE`] goes (an
+    /// empty one is dead for any owner, unless a create is setting it up right now). Returns
+    /// whether it was removed.
+    pub fn remove_orphan_cgroup(&self, id: &str, ours: bool) -> bool {
+        let Some(cg) = self.cgroups.open(id) else {
+            return false;
+        };
+        if !ours {
+            let idle = cg.is_empty().unwrap_or(false)
+                && cg.age().is_some_and(|age| age >= ORPHAN_CGROUP_GRACE);
+            if !idle {
+                return false;
+            }
+        }
+        let _ = cg.kill_all();
+        cg.remove().is_ok()
     }
 
     /// Reconnects to the supervisor of a sandbox created by an earlier node process. `spec` is

@@ -113,13 +113,29 @@ impl ContainerRuntime {
         id: &str,
         spec: &SandboxSpec,
     ) -> Result<(Sandbox, Phases), RuntimeError> {
-        spec.limits.validate().map_err(RuntimeError::Invalid)?;
+        self.capacity
+            .admit(&spec.limits)
+            .map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         if !valid_id(id) {
             return Err(RuntimeError::Invalid(format!("invalid sandbox id {id:?}")));
         }
         if spec.substrate.is_vm() {
             return self.create_vm(id, spec);
         }
+        let made = self.create_container(id, spec);
+        if made.is_err() {
+            // Whatever the failed create made (its cgroup in every hierarchy, its runtime
+            // directory) goes with it, whichever step failed.
+            self.cleanup_leftovers(id, &self.sandbox_run_dir(id));
+        }
+        made
+    }
+
+    fn create_container(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+    ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
         let (lowerdirs, template_env) = self.lowerdirs(&spec.template)?;
         let id = id.to_owned();

@@ -26,11 +26,13 @@ use dsec_sys::cgroup::CgroupManager;
 use dsec_sys::ipc::{self, PidFd};
 
 use crate::agent_client::{AgentConn, AgentError};
+use crate::capacity::NodeCapacity;
 use crate::sandbox::{InvalidTransition, SandboxSpec, State};
 use crate::template::TemplateStore;
 
 use proto::{ControlMsg, SupervisorMsg, MAX_MSG};
 
+pub use adopt::ORPHAN_CGROUP_GRACE;
 pub use create::{new_id, valid_id, Phases};
 
 /// Errors of the container runtime.
@@ -59,6 +61,9 @@ pub enum RuntimeError {
     /// cgroups could not be used.
     #[error("cgroups")]
     Cgroup(#[source] dsec_sys::cgroup::CgroupError),
+    /// What the node has could not be read.
+    #[error("node capacity")]
+    Capacity(#[source] crate::capacity::CapacityError),
     /// Templates could not be used.
     #[error("template")]
     Template(#[source] crate::template::TemplateError),
@@ -118,6 +123,7 @@ impl RuntimeError {
             | RuntimeError::MissingBinary { .. }
             | RuntimeError::Spawner(_)
             | RuntimeError::Cgroup(_)
+            | RuntimeError::Capacity(_)
             | RuntimeError::Supervisor { .. } => ErrorCode::Internal,
         }
     }
@@ -195,6 +201,7 @@ pub struct ContainerRuntime {
     cfg: RuntimeConfig,
     templates: TemplateStore,
     cgroups: CgroupManager,
+    capacity: NodeCapacity,
     spawner: Arc<SpawnerLink>,
     next_req: AtomicU64,
     stage: PathBuf,
@@ -233,6 +240,7 @@ impl ContainerRuntime {
         prep_dir(&cfg.run_dir.join("hostroot"))?;
         let cgroups = CgroupManager::detect(shim::CGROUP_BASE).map_err(RuntimeError::Cgroup)?;
         let favordynmods = cgroups.favor_dynmods().unwrap_or(false);
+        let capacity = NodeCapacity::detect().map_err(RuntimeError::Capacity)?;
         let templates =
             TemplateStore::open_with_hidden(&cfg.data_dir, std::slice::from_ref(&cfg.run_dir))
                 .map_err(RuntimeError::Template)?;
@@ -276,6 +284,7 @@ impl ContainerRuntime {
             cfg,
             templates,
             cgroups,
+            capacity,
             spawner,
             next_req: AtomicU64::new(1),
             stage,
@@ -299,6 +308,11 @@ impl ContainerRuntime {
     /// The cgroup manager.
     pub fn cgroups(&self) -> &CgroupManager {
         &self.cgroups
+    }
+
+    /// What this node has: the bounds of a sandbox's limits.
+    pub fn capacity(&self) -> &NodeCapacity {
+        &self.capacity
     }
 
     /// Idle pre-built shells the node holds a request socket of (one descriptor each).

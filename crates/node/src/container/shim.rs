@@ -427,17 +427,6 @@ fn clear_ipc(init: &mut Init, state: &mut launch::ResetState) -> bool {
     ns.clear(&init.pidfd, state).is_ok()
 }
 
-fn cgroup_limits(cfg: &LaunchConfig) -> CgroupLimits {
-    let l = &cfg.limits;
-    CgroupLimits {
-        cpu_weight: Some(l.cpu_weight),
-        cpu_max: l.cpu_max.map(|c| ((c * 100_000.0) as u64, 100_000)),
-        memory_high: l.memory_high,
-        memory_max: Some(l.memory_max),
-        pids_max: Some(l.pids_max),
-    }
-}
-
 fn container_spec<'a>(
     ctx: &'a SpawnerCtx,
     cfg: &LaunchConfig,
@@ -589,20 +578,29 @@ fn supervise(
         }) => {
             reset_state = prepared;
             likely_tree = tree;
+            let shell_cgroup = cgroup.name().to_owned();
             let renamed = ctx.cgroups.rename(cgroup, &cfg.id).and_then(|c| {
-                c.set_limits(&cgroup_limits(&cfg))?;
+                c.set_limits(&cfg.limits.cgroup_limits())?;
                 Ok(c)
             });
             match renamed {
                 Ok(c) => (c, Some(init)),
                 Err(e) => {
                     let _ = init.pidfd.signal(9);
+                    // The rename may have moved some hierarchies' directories and not others:
+                    // remove the cgroup under both names, in every hierarchy.
+                    for name in [shell_cgroup.as_str(), cfg.id.as_str()] {
+                        if let Some(cg) = ctx.cgroups.open(name) {
+                            let _ = cg.kill_all();
+                            let _ = cg.remove();
+                        }
+                    }
                     let _ = std::fs::remove_dir_all(&run_dir);
                     return fail(error_chain(&e));
                 }
             }
         }
-        None => match ctx.cgroups.create(&cfg.id, &cgroup_limits(&cfg)) {
+        None => match ctx.cgroups.create(&cfg.id, &cfg.limits.cgroup_limits()) {
             Ok(c) => (c, None),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&run_dir);

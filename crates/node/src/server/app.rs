@@ -626,7 +626,11 @@ impl App {
         req: CreateRequest,
     ) -> ApiResult<SandboxRecord> {
         self.check_draining()?;
-        req.limits.validate().map_err(ApiError::invalid)?;
+        // Limits beyond this machine are refused before anything is recorded or made.
+        self.rt
+            .capacity()
+            .admit(&req.limits)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
         if req.template != "host" {
             let name = req.template.clone();
             let rt = Arc::clone(&self.rt);
@@ -1182,6 +1186,7 @@ impl App {
                 let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
                 log::warn("orphan removed", &[("sandbox", &id)]);
             }
+            self.sweep_orphan_cgroups().await;
         }
         if self.sweeps.load(Ordering::Relaxed).is_multiple_of(60) {
             let app = Arc::clone(self);
@@ -1212,6 +1217,35 @@ impl App {
             return Ok(serde_json::json!({"records_dropped": 0}));
         }
         self.trajectories.compact(&finished)
+    }
+
+    /// Removes the sandbox cgroups (`dsec/sb-*`, every hierarchy) that no live sandbox of this
+    /// node has: those of sandboxes this node recorded (whatever is left in them is killed),
+    /// and empty ones no record names that are older than
+    /// [`ORPHAN_CGROUP_GRACE`](crate::container::ORPHAN_CGROUP_GRACE) (another node process on
+    /// this host may own a cgroup that is in use or being set up). Returns their names.
+    pub async fn sweep_orphan_cgroups(self: &Arc<Self>) -> Vec<String> {
+        let rt = Arc::clone(&self.rt);
+        let names = tokio::task::spawn_blocking(move || rt.sandbox_cgroups())
+            .await
+            .unwrap_or_default();
+        let mut removed = Vec::new();
+        for id in names {
+            if self.entry(&id).is_some() {
+                continue;
+            }
+            let ours = matches!(self.store.sandbox(&id), Ok(Some(_)));
+            let rt = Arc::clone(&self.rt);
+            let oid = id.clone();
+            let gone = tokio::task::spawn_blocking(move || rt.remove_orphan_cgroup(&oid, ours))
+                .await
+                .unwrap_or(false);
+            if gone {
+                log::warn("orphan cgroup removed", &[("sandbox", &id)]);
+                removed.push(id);
+            }
+        }
+        removed
     }
 
     /// Reconciles the store with the machine after a start: adopts sandboxes whose
@@ -1282,14 +1316,19 @@ impl App {
             }
         }
         // Whatever this node made (it has a runtime dir in the node's run dir) but has no
-        // record of. Sandbox cgroups without a runtime dir here are left alone: they may
-        // belong to another node process on this host with its own run dir.
+        // record of.
         let orphans: Vec<String> = self.rt.sandbox_dirs();
         for id in orphans.into_iter().filter(|id| !known.contains(id)) {
             let rt = Arc::clone(&self.rt);
             let oid = id.clone();
             let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
             report.orphans.push(id);
+        }
+        // Sandbox cgroups no live sandbox has (a create or destroy cut short).
+        for id in self.sweep_orphan_cgroups().await {
+            if !report.orphans.contains(&id) {
+                report.orphans.push(id);
+            }
         }
         report.took_ms = t0.elapsed().as_millis() as u64;
         *self.recovery.lock().unwrap_or_else(|p| p.into_inner()) = report.clone();

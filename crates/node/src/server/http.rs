@@ -556,7 +556,9 @@ fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
         }
         Some(_) => return Err(ApiError::invalid("limits must be an object")),
     };
-    limits.validate().map_err(ApiError::invalid)?;
+    limits
+        .validate()
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
     if b.userns && substrate.is_vm() {
         return Err(ApiError::invalid(
             "userns applies to the container substrate (a VM guest has its own kernel)",

@@ -1,8 +1,10 @@
 //! Shared fixture of the root-level container integration tests (`abuse.rs`, `lifecycle.rs`).
 //!
 //! - [`fixture`] starts ONE [`ContainerRuntime`] per test binary, with its own run dir under
-//!   `/run/dsec-test-<pid>-<nanos>` (data dir inside it). Stale run dirs of earlier test processes
-//!   (whose pid is gone) are swept at start: their mask tmpfs is unmounted and the tree removed.
+//!   `/run/dsec-test-<pid>-<nanos>` (data dir inside it). The fixture lives in a `static`, which
+//!   is never dropped, so a small cleaner process removes the run dir once the test process has
+//!   exited. Stale run dirs of earlier test processes (whose pid is gone, e.g. killed before
+//!   their cleaner ran) are swept at start: their mask tmpfs is unmounted and the tree removed.
 //! - [`SbGuard`] owns one sandbox and destroys it when dropped, even when the test panics.
 //! - [`LeakSnapshot`] counts what a sandbox could leave behind; every counter is scoped to this
 //!   test process (its run dir, its own process tree, the sandbox ids it created), so other dsec
@@ -31,6 +33,25 @@ pub struct Fixture {
     pub data_dir: PathBuf,
     /// Ids of every sandbox created through [`create`] (for scoped leak counting).
     created: Mutex<Vec<String>>,
+    /// The write end of the cleaner's stdin: closed by the kernel when this process exits,
+    /// which tells the cleaner to remove the run dir.
+    _cleaner: Option<std::process::ChildStdin>,
+}
+
+/// Starts a process that waits for this one to exit (its stdin reaches end of file when the
+/// kernel closes our end), then removes `run_dir` without crossing into other file systems.
+fn remove_at_exit(run_dir: &Path) -> Option<std::process::ChildStdin> {
+    let mut child = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg("read _ || true; umount -l \"$1/mask\" 2>/dev/null; rm -rf --one-file-system \"$1\"")
+        .arg("dsec-test-cleaner")
+        .arg(run_dir)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    child.stdin.take()
 }
 
 static FIXTURE: OnceLock<Fixture> = OnceLock::new();
@@ -84,6 +105,7 @@ pub fn fixture() -> &'static Fixture {
             .unwrap_or(0);
         let run_dir = PathBuf::from(format!("/run/dsec-test-{}-{nanos:08x}", std::process::id()));
         let data_dir = run_dir.join("data");
+        let cleaner = remove_at_exit(&run_dir);
         let cfg = RuntimeConfig {
             data_dir: data_dir.clone(),
             run_dir: run_dir.clone(),
@@ -112,6 +134,7 @@ pub fn fixture() -> &'static Fixture {
             run_dir,
             data_dir,
             created: Mutex::new(Vec::new()),
+            _cleaner: cleaner,
         }
     })
 }
