@@ -367,7 +367,7 @@ fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
     let dirs = manager().open(&orphan.0).expect("orphan").dirs();
     let d = Daemon::start(&data, &run);
     let (_, ready) = d.req("GET", "/readyz", None);
-    let orphans = ready["recovery"]["orphans"]
+    let orphans = ready["recovery"]["orphan_cgroups"]
         .as_array()
         .cloned()
         .unwrap_or_default();
