@@ -99,10 +99,17 @@ files() {
         # the SDK fixtures (dp…), pytest, tempfile (.tmp…), and anything dsec.
         [[ "$name" =~ ^(d[a-z]{1,4}-.*|dp[A-Za-z0-9_]{8}|dsec.*|pytest-of-.*|\.tmp[A-Za-z0-9]{6})$ ]] || continue
         ;;
+      /run/dsec) continue ;;
       /run/*) [[ "$name" =~ ^dsec ]] || continue ;;
     esac
     echo "file $f"
   done
+  # The node's default run dir holds the favordynmods hierarchy every node mounts, which stays
+  # by design (see mounts); anything else in it is a leak.
+  for f in /run/dsec/*; do
+    [ -e "$f" ] && [ "$f" != /run/dsec/cgroup-favordynmods ] && echo "file $f"
+  done
+  return 0
 }
 
 snapshot() {
