@@ -16,6 +16,16 @@ use serde_json::{json, Value};
 
 mod common;
 
+/// The tests of this file run one at a time: one makes sandbox cgroups of no daemon, which the
+/// others would take for leaks, and their daemons' start-up sweeps would remove.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 struct Daemon {
     child: Child,
     url: String,
@@ -160,6 +170,7 @@ fn dsec(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
 /// `invalid_request` naming the limit, with nothing recorded or made.
 #[test]
 fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
+    let _serial = serial();
     let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "bad");
     let d = Daemon::start(&data, &run);
     let cap = dsec_node::capacity::NodeCapacity::detect().expect("capacity");
@@ -246,6 +257,7 @@ fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
 /// leaves neither cgroup nor runtime dir; its record is closed with the reason.
 #[test]
 fn a_create_that_fails_after_validation_leaves_nothing() {
+    let _serial = serial();
     let (data, run, dirs) = common::dirs_removed_on_drop("dlm", "fail");
     let d = Daemon::start(&data, &run);
     let src = dirs.0.join("rootfs");
@@ -352,6 +364,7 @@ fn test_cgroup(tag: u64, age: Duration) -> CgGuard {
 /// and one with processes (a sandbox of another daemon on this host).
 #[test]
 fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
+    let _serial = serial();
     let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "orph");
     let d = Daemon::start(&data, &run);
     d.stop();
@@ -391,6 +404,7 @@ fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
 /// exit code.
 #[test]
 fn dsec_run_refuses_limits_beyond_the_machine() {
+    let _serial = serial();
     let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "run");
     let (d, r) = (data.display().to_string(), run.display().to_string());
     let base = ["--data-dir", d.as_str(), "--run-dir", r.as_str(), "run"];
