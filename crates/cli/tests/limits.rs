@@ -16,6 +16,16 @@ use serde_json::{json, Value};
 
 mod common;
 
+/// The tests of this file run one at a time: one makes sandbox cgroups of no daemon, which the
+/// others would take for leaks, and their daemons' start-up sweeps would remove.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 struct Daemon {
     child: Child,
     url: String,
@@ -53,7 +63,10 @@ impl Daemon {
         let mut resp = r.expect("the daemon answers");
         let status = resp.status().as_u16();
         let bytes = resp.body_mut().read_to_vec().unwrap_or_default();
-        (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
     }
 
     /// Every sandbox record of the node, stopped ones included.
@@ -128,10 +141,7 @@ fn leaked_since(before: &BTreeSet<String>) -> Vec<String> {
     let mgr = manager();
     sandbox_cgroups()
         .difference(before)
-        .filter(|n| {
-            mgr.open(n)
-                .is_some_and(|cg| cg.is_empty().unwrap_or(false))
-        })
+        .filter(|n| mgr.open(n).is_some_and(|cg| cg.is_empty().unwrap_or(false)))
         .cloned()
         .collect()
 }
@@ -160,6 +170,7 @@ fn dsec(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
 /// `invalid_request` naming the limit, with nothing recorded or made.
 #[test]
 fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
+    let _serial = serial();
     let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "bad");
     let d = Daemon::start(&data, &run);
     let cap = dsec_node::capacity::NodeCapacity::detect().expect("capacity");
@@ -171,7 +182,11 @@ fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
         (
             json!({"memory_max": 999_999u64 << 40}),
             "memory_max",
-            vec![(999_999u64 << 40).to_string(), mem.to_string(), "MemTotal".into()],
+            vec![
+                (999_999u64 << 40).to_string(),
+                mem.to_string(),
+                "MemTotal".into(),
+            ],
         ),
         (
             json!({"disk_bytes": mem + 1}),
@@ -197,18 +212,31 @@ fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
     ];
     for (limits, name, details) in &cases {
         let (s, v) = d.req("POST", "/v1/sandboxes", Some(&json!({ "limits": limits })));
-        assert_eq!((s, v["code"].as_str()), (400, Some("invalid_request")), "{limits}: {v}");
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (400, Some("invalid_request")),
+            "{limits}: {v}"
+        );
         let detail = v["detail"].as_str().unwrap_or_default();
         assert!(detail.contains(name), "{limits}: {detail}");
         for want in details {
-            assert!(detail.contains(want.as_str()), "{limits}: {want:?} in {detail}");
+            assert!(
+                detail.contains(want.as_str()),
+                "{limits}: {want:?} in {detail}"
+            );
         }
     }
     // The CLI says the same with its usage exit code.
-    let env = [("DSEC_URL", d.url.as_str()), ("DSEC_API_KEY", d.key.as_str())];
+    let env = [
+        ("DSEC_URL", d.url.as_str()),
+        ("DSEC_API_KEY", d.key.as_str()),
+    ];
     let (code, stderr) = dsec(&["sandbox", "create", "--memory", "999999T"], &env);
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("memory_max") && stderr.contains("MemTotal"), "{stderr}");
+    assert!(
+        stderr.contains("memory_max") && stderr.contains("MemTotal"),
+        "{stderr}"
+    );
     assert_eq!(d.records(), Vec::<Value>::new(), "nothing recorded");
     assert_eq!(d.run_dirs(), Vec::<String>::new(), "no runtime dir");
     assert_eq!(leaked_since(&before), Vec::<String>::new(), "no cgroup");
@@ -229,6 +257,7 @@ fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
 /// leaves neither cgroup nor runtime dir; its record is closed with the reason.
 #[test]
 fn a_create_that_fails_after_validation_leaves_nothing() {
+    let _serial = serial();
     let (data, run, dirs) = common::dirs_removed_on_drop("dlm", "fail");
     let d = Daemon::start(&data, &run);
     let src = dirs.0.join("rootfs");
@@ -266,7 +295,11 @@ fn a_create_that_fails_after_validation_leaves_nothing() {
     assert_eq!(removed, 1, "the template's layer in {}", layers.display());
     let before = sandbox_cgroups();
     for _ in 0..3 {
-        let (s, v) = d.req("POST", "/v1/sandboxes", Some(&json!({"template": "broken"})));
+        let (s, v) = d.req(
+            "POST",
+            "/v1/sandboxes",
+            Some(&json!({"template": "broken"})),
+        );
         assert!(s >= 500, "the create fails: {s} {v}");
     }
     assert_eq!(d.run_dirs(), Vec::<String>::new(), "no runtime dir");
@@ -276,12 +309,19 @@ fn a_create_that_fails_after_validation_leaves_nothing() {
     for r in &records {
         assert_eq!(r["state"], "stopped", "{r}");
         assert!(r["error"].as_str().is_some_and(|e| !e.is_empty()), "{r}");
-        assert!(manager().open(r["id"].as_str().expect("id")).is_none(), "{r}");
+        assert!(
+            manager().open(r["id"].as_str().expect("id")).is_none(),
+            "{r}"
+        );
     }
     // The host template still works.
     let (s, v) = d.req("POST", "/v1/sandboxes", Some(&json!({})));
     assert_eq!(s, 201, "{v}");
-    let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{}", v["id"].as_str().expect("id")), None);
+    let (s, _) = d.req(
+        "DELETE",
+        &format!("/v1/sandboxes/{}", v["id"].as_str().expect("id")),
+        None,
+    );
     assert_eq!(s, 200);
     d.stop();
 }
@@ -324,6 +364,7 @@ fn test_cgroup(tag: u64, age: Duration) -> CgGuard {
 /// and one with processes (a sandbox of another daemon on this host).
 #[test]
 fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
+    let _serial = serial();
     let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "orph");
     let d = Daemon::start(&data, &run);
     d.stop();
@@ -339,12 +380,21 @@ fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
     let dirs = manager().open(&orphan.0).expect("orphan").dirs();
     let d = Daemon::start(&data, &run);
     let (_, ready) = d.req("GET", "/readyz", None);
-    let orphans = ready["recovery"]["orphans"].as_array().cloned().unwrap_or_default();
+    let orphans = ready["recovery"]["orphan_cgroups"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     assert!(orphans.contains(&json!(orphan.0)), "{ready}");
-    assert!(dirs.iter().all(|p| !p.exists()), "gone in every hierarchy: {dirs:?}");
+    assert!(
+        dirs.iter().all(|p| !p.exists()),
+        "gone in every hierarchy: {dirs:?}"
+    );
     assert!(manager().open(&young.0).is_some(), "a young cgroup stays");
     assert!(manager().open(&busy.0).is_some(), "a cgroup in use stays");
-    assert!(sleeper.try_wait().expect("try_wait").is_none(), "its process lives");
+    assert!(
+        sleeper.try_wait().expect("try_wait").is_none(),
+        "its process lives"
+    );
     let _ = sleeper.kill();
     let _ = sleeper.wait();
     d.stop();
@@ -354,6 +404,7 @@ fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
 /// exit code.
 #[test]
 fn dsec_run_refuses_limits_beyond_the_machine() {
+    let _serial = serial();
     let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "run");
     let (d, r) = (data.display().to_string(), run.display().to_string());
     let base = ["--data-dir", d.as_str(), "--run-dir", r.as_str(), "run"];
@@ -372,7 +423,10 @@ fn dsec_run_refuses_limits_beyond_the_machine() {
             .collect();
         let (code, stderr) = dsec(&args, &[]);
         assert_eq!(code, 2, "{flags:?}: {stderr}");
-        assert!(stderr.contains(name) && stderr.contains("at most"), "{flags:?}: {stderr}");
+        assert!(
+            stderr.contains(name) && stderr.contains("at most"),
+            "{flags:?}: {stderr}"
+        );
     }
     assert!(!run.exists(), "nothing made in {}", run.display());
 }

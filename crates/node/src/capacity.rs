@@ -121,8 +121,8 @@ pub fn show_bytes(v: u64) -> String {
 impl NodeCapacity {
     /// Reads this machine's capacity from `/proc` and `/sys`.
     pub fn detect() -> Result<Self, CapacityError> {
-        let memory_bytes =
-            parse_mem_total(&read(MEMINFO)?).ok_or_else(|| parse_err(MEMINFO, "a MemTotal line"))?;
+        let memory_bytes = parse_mem_total(&read(MEMINFO)?)
+            .ok_or_else(|| parse_err(MEMINFO, "a MemTotal line"))?;
         let cpus = match read(CPU_ONLINE) {
             Ok(list) => parse_cpu_list(&list).ok_or_else(|| parse_err(CPU_ONLINE, "a CPU list"))?,
             // No sysfs (a restricted container): what the scheduler lets this process use.
@@ -284,7 +284,16 @@ mod tests {
                 ..Limits::default()
             })
             .expect_err("out of range");
-        assert!(matches!(e, LimitsError::OutOfRange { limit: "memory_max", .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                LimitsError::OutOfRange {
+                    limit: "memory_max",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     }
 
     #[test]

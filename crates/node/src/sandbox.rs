@@ -71,7 +71,9 @@ impl Limits {
     pub fn cgroup_limits(&self) -> CgroupLimits {
         CgroupLimits {
             cpu_weight: Some(self.cpu_weight),
-            cpu_max: self.cpu_max.map(|c| ((c * 100_000.0).round() as u64, 100_000)),
+            cpu_max: self
+                .cpu_max
+                .map(|c| ((c * 100_000.0).round() as u64, 100_000)),
             memory_high: self.memory_high,
             memory_max: Some(self.memory_max),
             pids_max: Some(self.pids_max),

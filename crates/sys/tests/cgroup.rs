@@ -111,7 +111,8 @@ fn test_base(prefix: &str, test: &str) -> String {
 
 fn host(test: &str) -> TestCgroups {
     let base = test_base(BASE, test);
-    let mgr = CgroupManager::detect(&base).expect("cgroup layout detection (tests must run as root)");
+    let mgr =
+        CgroupManager::detect(&base).expect("cgroup layout detection (tests must run as root)");
     TestCgroups { mgr, base }
 }
 
@@ -510,7 +511,8 @@ fn cgroup2_mount() -> MountInfo {
 fn v2_host(test: &str) -> TestCgroups {
     let root = cgroup2_mount().mount_point;
     let base = test_base("dsec-test-v2", test);
-    let mgr = CgroupManager::with_layout(CgroupLayout::V2 { root }, &base).expect("valid base name");
+    let mgr =
+        CgroupManager::with_layout(CgroupLayout::V2 { root }, &base).expect("valid base name");
     TestCgroups { mgr, base }
 }
 

@@ -77,7 +77,10 @@ impl Drop for RemoveOnDrop {
             .filter_map(|l| l.split(' ').nth(4))
             .any(|m| m.starts_with(&prefix));
         if mounted {
-            eprintln!("{}: left in place, something is mounted below", self.0.display());
+            eprintln!(
+                "{}: left in place, something is mounted below",
+                self.0.display()
+            );
             return;
         }
         let _ = std::fs::remove_dir_all(&self.0);
@@ -87,6 +90,9 @@ impl Drop for RemoveOnDrop {
 /// [`dirs`], removed again when the returned guard drops.
 pub fn dirs_removed_on_drop(prefix: &str, tag: &str) -> (PathBuf, PathBuf, RemoveOnDrop) {
     let (data, run) = dirs(prefix, tag);
-    let base = data.parent().expect("invariant: dirs are below a base").to_owned();
+    let base = data
+        .parent()
+        .expect("invariant: dirs are below a base")
+        .to_owned();
     (data, run, RemoveOnDrop(base))
 }

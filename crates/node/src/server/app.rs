@@ -233,6 +233,8 @@ pub struct RecoveryReport {
     pub reaped: Vec<String>,
     /// On the machine without a record: destroyed.
     pub orphans: Vec<String>,
+    /// Sandbox cgroups without a live sandbox, removed (see [`App::sweep_orphan_cgroups`]).
+    pub orphan_cgroups: Vec<String>,
     /// How long recovery took, ms.
     pub took_ms: u64,
 }
@@ -1325,11 +1327,7 @@ impl App {
             report.orphans.push(id);
         }
         // Sandbox cgroups no live sandbox has (a create or destroy cut short).
-        for id in self.sweep_orphan_cgroups().await {
-            if !report.orphans.contains(&id) {
-                report.orphans.push(id);
-            }
-        }
+        report.orphan_cgroups = self.sweep_orphan_cgroups().await;
         report.took_ms = t0.elapsed().as_millis() as u64;
         *self.recovery.lock().unwrap_or_else(|p| p.into_inner()) = report.clone();
         self.ready.store(true, Ordering::Relaxed);

@@ -167,6 +167,7 @@ async fn serve(
             ("adopted", &report.adopted.len().to_string()),
             ("reaped", &report.reaped.len().to_string()),
             ("orphans", &report.orphans.len().to_string()),
+            ("orphan_cgroups", &report.orphan_cgroups.len().to_string()),
             ("took_ms", &report.took_ms.to_string()),
         ],
     );
