@@ -123,9 +123,7 @@ pub(super) const LANGS: &[Lang] = &[
         ..lang(
             "junit",
             "Main.java",
-            Some(concat!(
-                "javac -cp '.:/usr/share/java/junit-platform-console-standalone.jar:*' *.java"
-            )),
+            Some("javac -cp '.:/usr/share/java/junit-platform-console-standalone.jar:*' *.java"),
             concat!(
                 "cp=.; for j in *.jar; do [ -f \"$j\" ] && cp=\"$cp:$j\"; done; ",
                 "exec java -jar /usr/share/java/junit-platform-console-standalone.jar ",
