@@ -4,15 +4,15 @@
 # into a directory, packed as a root filesystem tarball and imported into dsec.
 #
 #   scripts/build-code-runner-template.sh [--name NAME] [--suite SUITE] [--mirror URL]
-#                                         [--out TARBALL] [--push] [--no-import] [--minimal]
+#                                         [--out TARBALL] [--no-import] [--minimal]
 #
-# Default: import into the local store (`dsec template import NAME TARBALL --rootfs`, honours
-# DSEC_DATA_DIR / --data-dir of dsec). --push uploads to a running daemon instead
-# (`dsec template push`, with DSEC_URL and the admin key in DSEC_API_KEY). --no-import only
-# writes the tarball. --minimal installs the small toolchains only (no R, D, Scala, Kotlin,
-# Racket, Rust, C#, Jest). Needs root, network access to a Debian mirror, ~4 GB free in
-# $TMPDIR (the tarball is ~2 GB). The languages Debian 12 does not package (julia, swift, lean,
-# cuda) are absent: a run of one answers as a missing command does (see docs/api.md).
+# Default: import into the node's data dir (`dsec template import NAME TARBALL --rootfs`;
+# DSEC_DATA_DIR, default /var/lib/dsec): a running daemon sees the template at once. (Not
+# `dsec template push`: an upload is limited to 256 MiB.) --no-import only writes the tarball.
+# --minimal installs the small toolchains only (no Rust, C#, R, D, Scala, Kotlin, Racket, Jest):
+# a 1.4 GB tarball. Needs root, a Debian mirror, ~5 GB free in $TMPDIR. The languages Debian 12
+# does not package (julia, swift, lean, cuda) are absent: a run of one answers as a missing
+# command does (see docs/api.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,10 +28,9 @@ while [ $# -gt 0 ]; do
     --suite) SUITE=$2; shift 2 ;;
     --mirror) MIRROR=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    --push) MODE=push; shift ;;
     --no-import) MODE=none; shift ;;
     --minimal) MINIMAL=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "build-code-runner-template.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -96,9 +95,7 @@ tar -C "$ROOT" --numeric-owner --exclude='./dev/*' --exclude='./proc/*' --exclud
   -cf "$OUT" .
 ls -l "$OUT" >&2
 
-case "$MODE" in
-  import) "$DSEC" template import "$NAME" "$OUT" --rootfs ;;
-  push) "$DSEC" template push "$NAME" "$OUT" ;;
-  none) ;;
-esac
+if [ "$MODE" = import ]; then
+  "$DSEC" template import "$NAME" "$OUT" --rootfs
+fi
 echo "== template $NAME: list its languages with GET /v1/languages?template=$NAME" >&2

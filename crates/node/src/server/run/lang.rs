@@ -123,13 +123,11 @@ pub(super) const LANGS: &[Lang] = &[
         ..lang(
             "junit",
             "Main.java",
-            Some(concat!(
-                "javac -cp '.:/usr/share/java/junit-platform-console-standalone.jar:*' *.java"
-            )),
+            Some("javac -cp '.:/usr/share/java/junit-platform-console-standalone.jar:*' *.java"),
             concat!(
                 "cp=.; for j in *.jar; do [ -f \"$j\" ] && cp=\"$cp:$j\"; done; ",
                 "exec java -jar /usr/share/java/junit-platform-console-standalone.jar ",
-                "--disable-banner --class-path \"$cp\" --scan-class-path"
+                "--disable-banner --disable-ansi-colors --class-path \"$cp\" --scan-class-path"
             ),
             "junit-platform-console-standalone.jar",
         )

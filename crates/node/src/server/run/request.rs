@@ -226,14 +226,15 @@ fn number(m: &Map<String, Value>, name: &str) -> Result<Option<f64>, BadRun> {
     match m.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => Ok(n.as_f64()),
-        Some(v @ Value::String(s)) => s.trim().parse::<f64>().map(Some).map_err(|_| {
-            BadRun::field(
+        Some(v @ Value::String(s)) => match s.trim().parse::<f64>() {
+            Ok(x) if !x.is_nan() => Ok(Some(x)),
+            _ => Err(BadRun::field(
                 name,
                 "float_parsing",
                 "Input should be a valid number, unable to parse string as a number",
                 v,
-            )
-        }),
+            )),
+        },
         Some(v) => Err(BadRun::field(
             name,
             "float_type",
@@ -290,13 +291,7 @@ fn timeout(
     clamped: &mut BTreeMap<&'static str, f64>,
 ) -> Duration {
     let s = v.unwrap_or(10.0);
-    let applied = if s > MAX_TIMEOUT_S {
-        MAX_TIMEOUT_S
-    } else if s < 0.0 {
-        0.0
-    } else {
-        s
-    };
+    let applied = s.clamp(0.0, MAX_TIMEOUT_S);
     if applied != s {
         clamped.insert(name, applied);
     }
@@ -504,7 +499,7 @@ mod tests {
     fn unknown_fields_are_refused_strictly_and_ignored_leniently() {
         let body =
             json!({"code": "1", "language": "python", "task_id": "HumanEval/1", "test": "x"});
-        let err = spec(body.clone(), Fields::Strict).err().expect("refused");
+        let err = spec(body.clone(), Fields::Strict).expect_err("refused");
         assert!(
             matches!(&err, BadRun::Unknown(n) if n == &["task_id", "test"]),
             "{err}"
@@ -570,6 +565,11 @@ mod tests {
                 json!(["body", "run_timeout"]),
             ),
             (
+                json!({"code": "1", "language": "python", "run_timeout": "nan"}),
+                "float_parsing",
+                json!(["body", "run_timeout"]),
+            ),
+            (
                 json!({"code": 1, "language": "python"}),
                 "string_type",
                 json!(["body", "code"]),
@@ -594,13 +594,11 @@ mod tests {
             assert_eq!(d[0]["loc"], loc, "{body}: {d}");
             assert!(d[0]["msg"].as_str().is_some_and(|m| !m.is_empty()), "{d}");
         }
-        let err = parse_object(b"{\"code\": \n  oops}")
-            .err()
-            .expect("bad JSON");
+        let err = parse_object(b"{\"code\": \n  oops}").expect_err("bad JSON");
         let d = err.fastapi_detail();
         assert_eq!(d[0]["type"], "json_invalid", "{d}");
         assert_eq!(d[0]["loc"], json!(["body", 12]), "{d}");
-        let err = parse_object(b"[1]").err().expect("not an object");
+        let err = parse_object(b"[1]").expect_err("not an object");
         assert_eq!(err.fastapi_detail()[0]["loc"], json!(["body"]));
     }
 
@@ -610,8 +608,7 @@ mod tests {
             json!({"code": "x".repeat(MAX_CODE + 1), "language": "python"}),
             Fields::Lenient,
         )
-        .err()
-        .expect("refused");
+        .expect_err("refused");
         assert_eq!(ApiError::from(err).code, ErrorCode::TooLarge);
     }
 }
