@@ -61,7 +61,9 @@ enum Command {
     /// Create a sandbox, run one command in it, print its output, destroy it and exit with the
     /// command's exit code.
     Run(RunArgs),
-    /// Import a root-filesystem tarball or an OCI image layout / `docker save` tarball.
+    /// List and import templates of the local store; upload them to and remove them from a
+    /// running daemon (root filesystem tarballs, OCI image layouts, `docker save` tarballs).
+    #[command(after_long_help = client::EXIT_CODES)]
     Template {
         #[command(subcommand)]
         command: TemplateCmd,
@@ -223,8 +225,8 @@ enum TemplateCmd {
     Rm {
         /// Template name.
         name: String,
-        /// Remove it from the local store (--data-dir) instead of through the daemon; refused
-        /// while sandboxes run on this node (--run-dir).
+        /// Remove it from the local store (--data-dir) of a node whose daemon is stopped,
+        /// instead of through the daemon; refused while sandboxes run on it (--run-dir).
         #[arg(long)]
         local: bool,
     },
