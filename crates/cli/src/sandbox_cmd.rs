@@ -779,6 +779,16 @@ fn files(c: &Client, id: &str, cmd: &FilesCmd) -> Result<ExitCode, ClientError> 
             )?;
         }
         FilesCmd::Download { dir, output } => {
+            if output.is_none() && std::io::stdout().is_terminal() {
+                return Err(ClientError::Usage {
+                    what: "refusing to write a tar archive to a terminal: write it to a file \
+                           with `-o FILE`, or redirect stdout (`> dir.tar`, `| tar -x`)"
+                        .into(),
+                });
+            }
+            let tar = sb_path(id, "/tar");
+            let resp = c.send("GET", &tar, &[("path", dir)], Body::Empty, &[])?;
+            // The file is made only once the daemon answered with the archive.
             let mut sink: Box<dyn std::io::Write> =
                 match output {
                     Some(file) => Box::new(std::fs::File::create(file).map_err(|source| {
@@ -787,17 +797,8 @@ fn files(c: &Client, id: &str, cmd: &FilesCmd) -> Result<ExitCode, ClientError> 
                             source,
                         }
                     })?),
-                    None if std::io::stdout().is_terminal() => {
-                        return Err(ClientError::Usage {
-                            what: "refusing to write a tar archive to a terminal: write it to a \
-                               file with `-o FILE`, or redirect stdout (`> dir.tar`, `| tar -x`)"
-                                .into(),
-                        })
-                    }
                     None => Box::new(std::io::stdout().lock()),
                 };
-            let tar = sb_path(id, "/tar");
-            let resp = c.send("GET", &tar, &[("path", dir)], Body::Empty, &[])?;
             copy_to(c, &tar, resp, &mut sink, output.as_deref())?;
         }
     }

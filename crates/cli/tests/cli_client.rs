@@ -371,6 +371,18 @@ fn sandbox_lifecycle_output_and_exit_codes() {
         tar.stdout.len(),
         "-o writes the same archive"
     );
+    let nothing = data.parent().expect("base").join("nothing.tar");
+    let missing = d.dsec(&[
+        "sandbox",
+        "files",
+        &id,
+        "download",
+        "/no/such/dir",
+        "-o",
+        nothing.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(missing.code, 3, "{missing:?}");
+    assert!(!nothing.exists(), "no file is made for a failed download");
     d.ok(&[
         "sandbox",
         "files",
