@@ -58,6 +58,9 @@ pub enum ErrorCode {
     TrajectoryDiverged,
     /// The trajectory does not exist.
     TrajectoryNotFound,
+    /// The path exists but does not take this HTTP method (the `Allow` header lists those it
+    /// takes).
+    MethodNotAllowed,
 }
 
 impl ErrorCode {
@@ -90,6 +93,7 @@ impl ErrorCode {
             Self::UnknownOutcome => "unknown_outcome",
             Self::TrajectoryDiverged => "trajectory_diverged",
             Self::TrajectoryNotFound => "trajectory_not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
         }
     }
 }
@@ -114,6 +118,7 @@ mod tests {
             ErrorCode::ResourceExhausted,
             ErrorCode::IdempotencyConflict,
             ErrorCode::Unauthorized,
+            ErrorCode::MethodNotAllowed,
         ] {
             let json = serde_json::to_string(&code).expect("serialize");
             assert_eq!(json, format!("\"{}\"", code.as_str()));

@@ -14,7 +14,8 @@ const MAX_JSON: u64 = 256 << 20;
 
 /// Exit codes of the commands that talk to the daemon; printed by `--help` and in README.md.
 pub const EXIT_CODES: &str = "\
-Exit codes of the commands that talk to the daemon (sandbox, pool, tenant):
+Exit codes of the commands that talk to the daemon (sandbox, pool, tenant, template push|rm),
+and of dsec's own failures in `dsec run` and `dsec template import`:
   0    success
   1    a local file could not be read or written
   2    usage error, or the daemon refused the request as invalid (invalid_request, path_escape,
@@ -46,6 +47,25 @@ pub const EXIT_CONFLICT: u8 = 7;
 pub const EXIT_INTERNAL: u8 = 70;
 /// Exit code: a local file could not be read or written.
 pub const EXIT_LOCAL: u8 = 1;
+
+/// The exit code of a stable error code (the table of [`EXIT_CODES`]), for the daemon's answers
+/// and for the errors of the commands that run locally (`dsec run`, `dsec template import`);
+/// `None` for a code this client does not know.
+pub fn exit_for_code(code: &str) -> Option<u8> {
+    Some(match code {
+        "invalid_request" | "path_escape" | "wrong_file_type" | "permission_denied"
+        | "spawn_failed" | "too_large" | "template_invalid" => EXIT_USAGE,
+        "sandbox_not_found" | "template_not_found" | "not_found" | "handle_not_found" => {
+            EXIT_NOT_FOUND
+        }
+        "unauthorized" | "forbidden" => EXIT_AUTH,
+        "quota_exceeded" | "resource_exhausted" | "no_space" | "draining" => EXIT_RESOURCE,
+        "invalid_transition" | "idempotency_conflict" => EXIT_CONFLICT,
+        "internal" | "agent_unavailable" => EXIT_INTERNAL,
+        "exec_timeout" => 124,
+        _ => return None,
+    })
+}
 
 /// A failed call to the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +114,12 @@ pub enum ClientError {
         /// What was wrong with it.
         what: String,
     },
+    /// The command line asks for something dsec refuses to do (checked before any request).
+    #[error("{what}")]
+    Usage {
+        /// What is refused, and what to do instead.
+        what: String,
+    },
     /// A local file could not be read or written.
     #[error("{what}")]
     Local {
@@ -112,25 +138,15 @@ impl ClientError {
             Self::Unreachable { .. } | Self::Transport { .. } => EXIT_UNREACHABLE,
             Self::Unexpected { .. } => EXIT_INTERNAL,
             Self::Local { .. } => EXIT_LOCAL,
-            Self::Api { code, status, .. } => match code.as_str() {
-                "invalid_request" | "path_escape" | "wrong_file_type" | "permission_denied"
-                | "spawn_failed" | "too_large" | "template_invalid" => EXIT_USAGE,
-                "sandbox_not_found" | "template_not_found" | "not_found" | "handle_not_found" => {
-                    EXIT_NOT_FOUND
-                }
-                "unauthorized" | "forbidden" => EXIT_AUTH,
-                "quota_exceeded" | "resource_exhausted" | "no_space" | "draining" => EXIT_RESOURCE,
-                "invalid_transition" | "idempotency_conflict" => EXIT_CONFLICT,
-                "exec_timeout" => 124,
-                // A code newer than this client: fall back on the HTTP status class.
-                _ => match status {
-                    400 | 409 | 413 | 422 => EXIT_USAGE,
-                    401 | 403 => EXIT_AUTH,
-                    404 => EXIT_NOT_FOUND,
-                    429 | 503 | 507 => EXIT_RESOURCE,
-                    _ => EXIT_INTERNAL,
-                },
-            },
+            Self::Usage { .. } => EXIT_USAGE,
+            // A code newer than this client: fall back on the HTTP status class.
+            Self::Api { code, status, .. } => exit_for_code(code).unwrap_or(match status {
+                400 | 409 | 413 | 422 => EXIT_USAGE,
+                401 | 403 => EXIT_AUTH,
+                404 => EXIT_NOT_FOUND,
+                429 | 503 | 507 => EXIT_RESOURCE,
+                _ => EXIT_INTERNAL,
+            }),
         }
     }
 
@@ -143,7 +159,7 @@ impl ClientError {
             Self::Transport { .. } => {
                 Some("the daemon may have stopped; check it is running and retry")
             }
-            Self::Unexpected { .. } | Self::Local { .. } => None,
+            Self::Unexpected { .. } | Self::Local { .. } | Self::Usage { .. } => None,
             Self::Api { code, .. } => match code.as_str() {
                 "unauthorized" => Some(
                     "pass a valid API key with --api-key or DSEC_API_KEY (the admin key is in \
@@ -156,8 +172,8 @@ impl ClientError {
                 ),
                 "template_not_found" => Some("import the template on the node first"),
                 "quota_exceeded" => Some(
-                    "kill sandboxes you no longer need (`dsec sandbox kill`), or ask an admin \
-                     to raise the tenant's limits",
+                    "remove sandboxes you no longer need (`dsec sandbox rm ID`, or `--all`), or \
+                     ask an admin to raise the tenant's limits",
                 ),
                 "resource_exhausted" => {
                     Some("the node is full: retry later, or ask for less (--memory, --disk)")

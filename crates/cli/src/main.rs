@@ -61,7 +61,9 @@ enum Command {
     /// Create a sandbox, run one command in it, print its output, destroy it and exit with the
     /// command's exit code.
     Run(RunArgs),
-    /// Import a root-filesystem tarball or an OCI image layout / `docker save` tarball.
+    /// List and import templates of the local store; upload them to and remove them from a
+    /// running daemon (root filesystem tarballs, OCI image layouts, `docker save` tarballs).
+    #[command(after_long_help = client::EXIT_CODES)]
     Template {
         #[command(subcommand)]
         command: TemplateCmd,
@@ -126,6 +128,10 @@ struct ServerArgs {
     /// Seconds in-flight requests get after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
+    /// On SIGTERM/SIGINT, destroy every sandbox of the node (all tenants, pools, runner) before
+    /// exiting, instead of leaving them running for the next start to adopt.
+    #[arg(long)]
+    shutdown_sandboxes: bool,
     /// Ready sandboxes of the `host` template kept at least (the pool grows with demand).
     #[arg(long, env = "DSEC_POOL_MIN", default_value_t = 0)]
     pool_min: usize,
@@ -186,26 +192,77 @@ struct ServerArgs {
 enum TemplateCmd {
     /// List templates.
     List,
-    /// Import a template.
+    /// Import a template into the local store (--data-dir). The format is told from the
+    /// archive's top-level names unless --rootfs or --oci says it.
     Import {
         /// Template name.
         name: String,
         /// Path to a rootfs tarball, an OCI layout (directory or tar) or a `docker save` tar.
         path: PathBuf,
         /// Treat the input as a plain root filesystem tarball.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "oci")]
         rootfs: bool,
+        /// Treat the input as an OCI image layout or a `docker save` archive.
+        #[arg(long)]
+        oci: bool,
     },
-    /// Upload a template to a running daemon (admin key), with a progress bar on stderr.
+    /// Upload a template to a running daemon (admin key), with a progress bar on stderr. The
+    /// format is told from the tarball's top-level names unless --rootfs or --oci says it.
     Push {
         /// Template name.
         name: String,
-        /// A root filesystem tarball, or (with --oci) an OCI layout / `docker save` tarball.
+        /// A root filesystem tarball, an OCI layout tarball or a `docker save` tarball.
         path: PathBuf,
+        /// The tarball is a plain root filesystem.
+        #[arg(long, conflicts_with = "oci")]
+        rootfs: bool,
         /// The tarball is an OCI image layout or a `docker save` archive.
         #[arg(long)]
         oci: bool,
     },
+    /// Remove a template of a running daemon (admin key), or with --local of the local store,
+    /// and the layers no other template uses.
+    Rm {
+        /// Template name.
+        name: String,
+        /// Remove it from the local store (--data-dir) of a node whose daemon is stopped,
+        /// instead of through the daemon; refused while sandboxes run on it (--run-dir).
+        #[arg(long)]
+        local: bool,
+    },
+}
+
+/// The format of an archive to import: as the flags say, else told from its content.
+fn archive_format(
+    path: &std::path::Path,
+    rootfs: bool,
+    oci: bool,
+) -> anyhow::Result<dsec_node::template::ImageFormat> {
+    use dsec_node::template::ImageFormat;
+    if rootfs {
+        return Ok(ImageFormat::Rootfs);
+    }
+    if oci {
+        return Ok(ImageFormat::OciLayout);
+    }
+    if path.is_dir() {
+        return Ok(dsec_node::template::detect_dir(path));
+    }
+    let f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+    let format = dsec_node::template::detect_archive(
+        std::io::BufReader::new(f),
+        &dsec_node::template::ImportLimits::default(),
+    )?;
+    eprintln!(
+        "{}: {} (--rootfs or --oci to say otherwise)",
+        path.display(),
+        match format {
+            ImageFormat::OciLayout => "an OCI image layout",
+            ImageFormat::DockerSave => "a docker save archive",
+            ImageFormat::Rootfs => "a root filesystem tarball",
+        }
+    );
+    Ok(format)
 }
 
 #[derive(Debug, clap::Args)]
@@ -434,7 +491,7 @@ fn template_push(
     c: &client::Client,
     name: &str,
     path: &std::path::Path,
-    oci: bool,
+    format: dsec_node::template::ImageFormat,
 ) -> Result<ExitCode, client::ClientError> {
     let f = std::fs::File::open(path).map_err(|source| client::ClientError::Local {
         what: format!("open {}", path.display()),
@@ -447,7 +504,10 @@ fn template_push(
         total,
         last: std::time::Instant::now(),
     };
-    let format = if oci { "oci" } else { "rootfs" };
+    let format = match format {
+        dsec_node::template::ImageFormat::Rootfs => "rootfs",
+        _ => "oci",
+    };
     let mut resp = c.send_reader(
         "/v1/templates",
         &[("name", name), ("format", format)],
@@ -476,23 +536,66 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
                 println!("{}\t{} layer(s)", t.name, t.layers.len());
             }
         }
-        TemplateCmd::Import { name, path, rootfs } => {
+        TemplateCmd::Import {
+            name,
+            path,
+            rootfs,
+            oci,
+        } => {
+            use dsec_node::template::{ImageFormat, OciSource, TemplateError};
             let limits = dsec_node::template::ImportLimits::default();
-            let t = if *rootfs {
-                let f = std::fs::File::open(path)
-                    .with_context(|| format!("open {}", path.display()))?;
-                store.import_rootfs_tar(name, f, &limits)?
-            } else if path.is_dir() {
-                store.import_oci(name, dsec_node::template::OciSource::Dir(path), &limits)?
-            } else {
-                let mut f = std::fs::File::open(path)
-                    .with_context(|| format!("open {}", path.display()))?;
-                store.import_oci(name, dsec_node::template::OciSource::Tar(&mut f), &limits)?
+            let format = archive_format(path, *rootfs, *oci)?;
+            let open =
+                || std::fs::File::open(path).with_context(|| format!("open {}", path.display()));
+            let t = match format {
+                ImageFormat::Rootfs if path.is_dir() => {
+                    return Err(TemplateError::InvalidImage {
+                        reason: format!(
+                            "{} is a directory but not an image layout (no oci-layout or \
+                             manifest.json); import a root filesystem as a tarball: \
+                             `tar -C {} -cf rootfs.tar .`",
+                            path.display(),
+                            path.display()
+                        ),
+                    }
+                    .into())
+                }
+                ImageFormat::Rootfs => store.import_rootfs_tar(name, open()?, &limits)?,
+                _ if path.is_dir() => store.import_oci(name, OciSource::Dir(path), &limits)?,
+                _ => store.import_oci(name, OciSource::Tar(&mut open()?), &limits)?,
             };
             println!("imported {} ({} layer(s))", t.name, t.layers.len());
         }
+        TemplateCmd::Rm { name, local: _ } => {
+            let busy = std::fs::read_dir(cli.run_dir.join("sandboxes"))
+                .map(|d| d.count())
+                .unwrap_or(0);
+            if busy > 0 {
+                eprintln!(
+                    "dsec: {busy} sandbox(es) run on this node ({}): remove the template \
+                     through the daemon, which knows the layers they use (`dsec template rm \
+                     {name}` without --local)",
+                    cli.run_dir.join("sandboxes").display()
+                );
+                return Ok(ExitCode::from(client::EXIT_CONFLICT));
+            }
+            let removed = store.remove(name, &|| std::collections::BTreeSet::new())?;
+            println!("removed {name} ({} unused layer(s) deleted)", removed.len());
+        }
         TemplateCmd::Push { .. } => anyhow::bail!("`template push` talks to the daemon"),
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn template_rm(c: &client::Client, name: &str) -> Result<ExitCode, client::ClientError> {
+    c.send(
+        "DELETE",
+        &format!("/v1/templates/{}", client::seg(name)),
+        &[],
+        client::Body::Empty,
+        &[],
+    )?;
+    println!("removed {name}");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -536,6 +639,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
                 template: args.run_template.clone(),
             }
         },
+        shutdown_sandboxes: args.shutdown_sandboxes,
     };
     let key_file = cli.data_dir.join("admin.key");
     dsec_node::server::run(cfg, move |addr, key| {
@@ -585,8 +689,20 @@ fn main() -> ExitCode {
         Command::Run(args) => run(&cli, args),
         Command::Vm { command } => vm(&cli, command),
         Command::Template {
-            command: TemplateCmd::Push { name, path, oci },
-        } => return remote(&cli, |c| template_push(c, name, path, *oci)),
+            command:
+                TemplateCmd::Push {
+                    name,
+                    path,
+                    rootfs,
+                    oci,
+                },
+        } => match archive_format(path, *rootfs, *oci) {
+            Ok(format) => return remote(&cli, |c| template_push(c, name, path, format)),
+            Err(e) => Err(e),
+        },
+        Command::Template {
+            command: TemplateCmd::Rm { name, local: false },
+        } => return remote(&cli, |c| template_rm(c, name)),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) if args.what == "api" => bench_api::run(args),
         Command::Bench(args) if args.what == "run" => bench_run::run(args),
@@ -598,7 +714,28 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("dsec: {e:#}");
-            ExitCode::from(70)
+            ExitCode::from(local_exit_code(&e))
         }
     }
+}
+
+/// The exit code of a failure of a command that runs here (`run`, `template`, `vm`, `server`):
+/// the code of the runtime or template error in its chain, mapped by the table of the daemon's
+/// commands (a missing template exits 3, an invalid image 2), else 70.
+fn local_exit_code(e: &anyhow::Error) -> u8 {
+    use dsec_node::container::RuntimeError;
+    use dsec_node::template::TemplateError;
+    e.chain()
+        .find_map(|cause| {
+            cause
+                .downcast_ref::<RuntimeError>()
+                .map(RuntimeError::code)
+                .or_else(|| {
+                    cause
+                        .downcast_ref::<TemplateError>()
+                        .map(TemplateError::code)
+                })
+        })
+        .and_then(|code| client::exit_for_code(code.as_str()))
+        .unwrap_or(client::EXIT_INTERNAL)
 }

@@ -1,6 +1,6 @@
 //! `dsec sandbox …`: sandboxes on a running `dsec server`, driven over its HTTP API.
 
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -39,7 +39,8 @@ pub enum SandboxCmd {
         #[command(subcommand)]
         command: FilesCmd,
     },
-    /// Destroy sandboxes, by id or by label.
+    /// Destroy sandboxes: by id, by label, or every sandbox of your tenant (--all).
+    #[command(visible_alias = "rm")]
     Kill(KillArgs),
     /// Reset a sandbox: kill every process and give it a fresh writable layer.
     Reset {
@@ -206,22 +207,30 @@ pub enum FilesCmd {
         #[arg(long, value_name = "FILE|-")]
         tar: PathBuf,
     },
-    /// Write a directory of the sandbox as a tar archive to stdout.
+    /// Write a directory of the sandbox as a tar archive to a file (-o) or to stdout when it is
+    /// not a terminal.
     Download {
         /// Directory inside the sandbox.
         dir: String,
+        /// Write the tar archive to this file instead of stdout.
+        #[arg(long, short = 'o', value_name = "FILE")]
+        output: Option<PathBuf>,
     },
 }
 
-/// Arguments of `dsec sandbox kill`.
+/// Arguments of `dsec sandbox kill` (`rm`).
 #[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("which").required(true).args(["ids", "labels"])))]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["ids", "labels", "all"])))]
 pub struct KillArgs {
     /// Sandbox ids.
     ids: Vec<String>,
     /// Destroy every sandbox with this label (k=v), repeatable; all must match.
     #[arg(long = "label", short = 'l', value_parser = parse_label, conflicts_with = "ids")]
     labels: Vec<(String, String)>,
+    /// Destroy every sandbox of your key's tenant (`dsec server --shutdown-sandboxes` stops
+    /// every sandbox of the node when the daemon stops).
+    #[arg(long, conflicts_with_all = ["ids", "labels"])]
+    all: bool,
 }
 
 /// Parses a `k=v` label.
@@ -384,13 +393,19 @@ struct Page {
     next_cursor: Option<String>,
 }
 
-fn list(c: &Client, a: &ListArgs) -> Result<ExitCode, ClientError> {
-    let labels: Vec<String> = a.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+/// Every sandbox the key's tenant has in `state` (every state but `stopped` when `None`) with
+/// all of `labels`, through every page.
+fn list_all(
+    c: &Client,
+    state: Option<&str>,
+    labels: &[(String, String)],
+) -> Result<Vec<Value>, ClientError> {
+    let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let mut items = Vec::new();
     let mut cursor: Option<String> = None;
     loop {
         let mut q: Vec<(&str, &str)> = vec![("limit", "1000")];
-        if let Some(s) = &a.state {
+        if let Some(s) = state {
             q.push(("state", s));
         }
         for l in &labels {
@@ -406,6 +421,11 @@ fn list(c: &Client, a: &ListArgs) -> Result<ExitCode, ClientError> {
             _ => break,
         }
     }
+    Ok(items)
+}
+
+fn list(c: &Client, a: &ListArgs) -> Result<ExitCode, ClientError> {
+    let items = list_all(c, a.state.as_deref(), &a.labels)?;
     if a.json {
         print_json(&Value::Array(items))?;
         return Ok(ExitCode::SUCCESS);
@@ -417,7 +437,11 @@ fn list(c: &Client, a: &ListArgs) -> Result<ExitCode, ClientError> {
                 str_of(s, "id").to_owned(),
                 str_of(s, "state").to_owned(),
                 str_of(s, "template").to_owned(),
-                age(str_of(s, "created_at")),
+                str_of(s, "substrate").to_owned(),
+                // Since the tenant got it: a pooled sandbox was built before.
+                age(s["acquired_at"]
+                    .as_str()
+                    .unwrap_or_else(|| str_of(s, "created_at"))),
                 match &s["labels"] {
                     Value::Object(m) if m.is_empty() => "-".to_owned(),
                     l => text(l),
@@ -425,7 +449,10 @@ fn list(c: &Client, a: &ListArgs) -> Result<ExitCode, ClientError> {
             ]
         })
         .collect();
-    print_table(&["ID", "STATE", "TEMPLATE", "AGE", "LABELS"], &rows)?;
+    print_table(
+        &["ID", "STATE", "TEMPLATE", "SUBSTRATE", "AGE", "LABELS"],
+        &rows,
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -444,6 +471,7 @@ fn show(v: &Value, json: bool) -> Result<ExitCode, ClientError> {
         "tenant",
         "labels",
         "created_at",
+        "acquired_at",
         "expires_at",
         "lease_expires_at",
         "env_keys",
@@ -465,7 +493,7 @@ fn show(v: &Value, json: bool) -> Result<ExitCode, ClientError> {
     for k in order {
         if let Some(x) = m.get(k) {
             lines.push((k.to_owned(), text(x)));
-            if k == "created_at" {
+            if k == "acquired_at" && !x.is_null() {
                 lines.push(("age".into(), age(&text(x))));
             }
         }
@@ -652,7 +680,7 @@ fn files(c: &Client, id: &str, cmd: &FilesCmd) -> Result<ExitCode, ClientError> 
     match cmd {
         FilesCmd::Read { path } => {
             let resp = c.send("GET", &files, &[("path", path)], Body::Empty, &[])?;
-            copy_to_stdout(c, &files, resp)?;
+            copy_to(c, &files, resp, &mut std::io::stdout().lock(), None)?;
         }
         FilesCmd::Write {
             path,
@@ -750,20 +778,48 @@ fn files(c: &Client, id: &str, cmd: &FilesCmd) -> Result<ExitCode, ClientError> 
                 &[],
             )?;
         }
-        FilesCmd::Download { dir } => {
+        FilesCmd::Download { dir, output } => {
+            if output.is_none() && std::io::stdout().is_terminal() {
+                return Err(ClientError::Usage {
+                    what: "refusing to write a tar archive to a terminal: write it to a file \
+                           with `-o FILE`, or redirect stdout (`> dir.tar`, `| tar -x`)"
+                        .into(),
+                });
+            }
             let tar = sb_path(id, "/tar");
             let resp = c.send("GET", &tar, &[("path", dir)], Body::Empty, &[])?;
-            copy_to_stdout(c, &tar, resp)?;
+            // The file is made only once the daemon answered with the archive.
+            let mut sink: Box<dyn std::io::Write> =
+                match output {
+                    Some(file) => Box::new(std::fs::File::create(file).map_err(|source| {
+                        ClientError::Local {
+                            what: format!("create {}", file.display()),
+                            source,
+                        }
+                    })?),
+                    None => Box::new(std::io::stdout().lock()),
+                };
+            copy_to(c, &tar, resp, &mut sink, output.as_deref())?;
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn copy_to_stdout(
+/// Copies an answer's body to `out` (a file named `file`, or stdout when `None`).
+fn copy_to(
     c: &Client,
     path: &str,
     resp: ureq::http::Response<ureq::Body>,
+    out: &mut dyn std::io::Write,
+    file: Option<&std::path::Path>,
 ) -> Result<(), ClientError> {
+    let local = |source| ClientError::Local {
+        what: match file {
+            Some(f) => format!("write {}", f.display()),
+            None => "write to stdout".into(),
+        },
+        source,
+    };
     let mut reader = resp.into_body().into_reader();
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -771,27 +827,26 @@ fn copy_to_stdout(
             .read(&mut buf)
             .map_err(|e| c.transport("GET", path, ureq::Error::Io(e)))?;
         if n == 0 {
-            return Ok(());
+            return out.flush().map_err(local);
         }
-        write_out(&buf[..n], false)?;
+        out.write_all(&buf[..n]).map_err(local)?;
     }
 }
 
 fn kill(c: &Client, a: &KillArgs) -> Result<ExitCode, ClientError> {
     let mut first_failure = None;
-    if !a.labels.is_empty() {
-        let body = json!({"labels": pairs(&a.labels)});
-        let v: Value = c.json("POST", "/v1/sandboxes/batch-delete", &[], Body::Json(&body))?;
-        for it in v["items"].as_array().into_iter().flatten() {
-            let id = str_of(it, "id");
-            if it["ok"] == true {
-                write_out(format!("{id}\n").as_bytes(), false)?;
-            } else {
-                let e = item_error(&it["error"]);
-                client::report(&e, &format!("{id}: "));
-                first_failure.get_or_insert(e.exit_code());
-            }
+    if a.all {
+        let ids: Vec<Value> = list_all(c, None, &[])?
+            .iter()
+            .map(|s| s["id"].clone())
+            .collect();
+        // The batch endpoint takes at most 10000 ids.
+        for chunk in ids.chunks(1000) {
+            batch_delete(c, &json!({ "ids": chunk }), &mut first_failure)?;
         }
+    } else if !a.labels.is_empty() {
+        let body = json!({"labels": pairs(&a.labels)});
+        batch_delete(c, &body, &mut first_failure)?;
     } else {
         for id in &a.ids {
             match c.json::<Value>("DELETE", &sb_path(id, ""), &[], Body::Empty) {
@@ -807,6 +862,27 @@ fn kill(c: &Client, a: &KillArgs) -> Result<ExitCode, ClientError> {
         }
     }
     Ok(first_failure.map_or(ExitCode::SUCCESS, ExitCode::from))
+}
+
+/// One `batch-delete` call: prints the ids destroyed, reports the others and keeps the exit
+/// code of the first failure.
+fn batch_delete(
+    c: &Client,
+    body: &Value,
+    first_failure: &mut Option<u8>,
+) -> Result<(), ClientError> {
+    let v: Value = c.json("POST", "/v1/sandboxes/batch-delete", &[], Body::Json(body))?;
+    for it in v["items"].as_array().into_iter().flatten() {
+        let id = str_of(it, "id");
+        if it["ok"] == true {
+            write_out(format!("{id}\n").as_bytes(), false)?;
+        } else {
+            let e = item_error(&it["error"]);
+            client::report(&e, &format!("{id}: "));
+            first_failure.get_or_insert(e.exit_code());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -58,6 +58,24 @@ pub enum TrajectoryCmd {
     },
 }
 
+/// `trajectory ID: 1 step, 2 intents, 2 results, 0 unknown, 1 annotation` (a count the daemon
+/// did not send shows as `-`).
+fn summary_line(id: &str, summary: &Value) -> String {
+    let count = |key: &str, one: &str, many: &str| match summary[key].as_u64() {
+        Some(1) => format!("1 {one}"),
+        Some(n) => format!("{n} {many}"),
+        None => format!("{} {many}", text(&summary[key])),
+    };
+    format!(
+        "trajectory {id}: {}, {}, {}, {}, {}\n",
+        count("last_step", "step", "steps"),
+        count("intents", "intent", "intents"),
+        count("results", "result", "results"),
+        count("unknown", "unknown", "unknown"),
+        count("annotations", "annotation", "annotations"),
+    )
+}
+
 /// Runs one trajectory command.
 pub fn run(c: &Client, cmd: &TrajectoryCmd) -> Result<ExitCode, ClientError> {
     match cmd {
@@ -115,15 +133,7 @@ pub fn run(c: &Client, cmd: &TrajectoryCmd) -> Result<ExitCode, ClientError> {
             if *json {
                 print_json(&serde_json::json!({"summary": summary, "records": recs["items"]}))?;
             } else {
-                let mut out = format!(
-                    "trajectory {}: {} steps, {} intents, {} results, {} unknown, {} annotations\n",
-                    id,
-                    text(&summary["last_step"]),
-                    text(&summary["intents"]),
-                    text(&summary["results"]),
-                    text(&summary["unknown"]),
-                    text(&summary["annotations"]),
-                );
+                let mut out = summary_line(id, &summary);
                 for r in recs["items"].as_array().into_iter().flatten() {
                     let rec = &r["record"];
                     let what = match r["kind"].as_str() {
@@ -183,4 +193,24 @@ pub fn run(c: &Client, cmd: &TrajectoryCmd) -> Result<ExitCode, ClientError> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_counts_are_singular_for_one() {
+        let one = serde_json::json!({"last_step": 1, "intents": 1, "results": 1, "unknown": 1,
+            "annotations": 1});
+        assert_eq!(
+            summary_line("t", &one),
+            "trajectory t: 1 step, 1 intent, 1 result, 1 unknown, 1 annotation\n"
+        );
+        let more = serde_json::json!({"last_step": 2, "intents": 0, "results": 3, "unknown": 0});
+        assert_eq!(
+            summary_line("t", &more),
+            "trajectory t: 2 steps, 0 intents, 3 results, 0 unknown, - annotations\n"
+        );
+    }
 }

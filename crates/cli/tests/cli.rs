@@ -286,12 +286,13 @@ fn cli_bad_flags_exit_2_naming_the_flag() {
     );
 }
 
+/// A missing template is "not found" (3), as for the daemon's commands, not an internal error.
 #[test]
-fn cli_unknown_template_is_an_infrastructure_error() {
+fn cli_unknown_template_exits_3() {
     let env = Env::new();
     let out = env.dsec(&["run", "--template", "no-such-template", "--", "/bin/true"]);
-    assert_code(&out, 70);
-    assert_stderr_has(&out, "create sandbox");
+    assert_code(&out, 3);
+    assert_stderr_has(&out, "template \"no-such-template\" not found");
     env.assert_no_sandbox_left();
 }
 
@@ -306,4 +307,147 @@ fn cli_template_list_shows_host() {
         first.split('\t').next() == Some("host"),
         "host is listed first: {stdout:?}"
     );
+}
+
+/// The stored layer dirs of `data`.
+fn layer_dirs(data: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(data.join("layers"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// `template import` tells a plain root filesystem tarball (plain or gzip'd) from an image
+/// without `--rootfs`, says which flag to use for a directory that is no image, and
+/// `template rm --local` removes a template with the layers no other template uses.
+#[test]
+fn cli_template_import_tells_the_format_and_rm_frees_layers() {
+    let env = Env::new();
+    let base = env.data.path().join("src");
+    for (root, motd) in [("root", "hi\n"), ("other", "other\n")] {
+        fs::create_dir_all(base.join(root).join("etc")).expect("root");
+        fs::write(base.join(root).join("etc/motd"), motd).expect("motd");
+    }
+    let tar = base.join("root.tar");
+    let tgz = base.join("other.tar.gz");
+    for (file, flag, root) in [(&tar, "-cf", "root"), (&tgz, "-czf", "other")] {
+        let st = Command::new("tar")
+            .arg(flag)
+            .arg(file)
+            .arg("-C")
+            .arg(base.join(root))
+            .arg(".")
+            .status()
+            .expect("tar");
+        assert!(st.success());
+    }
+    let s = |p: &Path| p.to_str().expect("utf-8").to_owned();
+    let out = env.dsec(&["template", "import", "plain", &s(&tar)]);
+    assert_code(&out, 0);
+    assert_stderr_has(&out, "a root filesystem tarball");
+    let out = env.dsec(&["template", "import", "zipped", &s(&tgz)]);
+    assert_code(&out, 0);
+    let out = env.dsec(&["template", "import", "twin", &s(&tar)]);
+    assert_code(&out, 0);
+    let listed = text(&env.dsec(&["template", "list"]).stdout);
+    for name in ["plain", "zipped", "twin"] {
+        assert!(listed.contains(name), "{listed}");
+    }
+    // A directory that is no image layout: exit 2, naming the way to import it.
+    let out = env.dsec(&["template", "import", "dir", &s(&base.join("root"))]);
+    assert_code(&out, 2);
+    assert_stderr_has(&out, "tar -C");
+
+    let layers = layer_dirs(env.data.path());
+    assert_eq!(
+        layers.len(),
+        2,
+        "plain and twin share one layer: {layers:?}"
+    );
+    let out = env.dsec(&["template", "rm", "--local", "plain"]);
+    assert_code(&out, 0);
+    assert_eq!(layer_dirs(env.data.path()), layers, "twin still uses it");
+    assert_code(&env.dsec(&["template", "rm", "--local", "twin"]), 0);
+    assert_code(&env.dsec(&["template", "rm", "--local", "zipped"]), 0);
+    assert!(layer_dirs(env.data.path()).is_empty());
+    assert_code(&env.dsec(&["template", "rm", "--local", "twin"]), 3);
+    assert_code(&env.dsec(&["template", "rm", "--local", "host"]), 2);
+}
+
+/// `sandbox files download` refuses to write a tar archive to a terminal (before it asks the
+/// daemon anything): a usage error, with the way out.
+#[test]
+fn cli_download_refuses_a_terminal() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let cmd = format!(
+        "{} --url http://127.0.0.1:{port} --api-key k sandbox files sb-0000000000000000 \
+         download /tmp",
+        env!("CARGO_BIN_EXE_dsec")
+    );
+    // `script` runs the command with a pseudo-terminal as its stdout.
+    let out = Command::new("script")
+        .args(["-q", "-e", "-c", &cmd, "/dev/null"])
+        .output()
+        .expect("run script (bsdutils)");
+    let shown = text(&out.stdout);
+    assert_eq!(code(&out), 2, "{shown}");
+    assert!(
+        shown.contains("refusing to write a tar archive to a terminal"),
+        "{shown}"
+    );
+    assert!(shown.contains("-o FILE"), "{shown}");
+}
+
+/// Every flag `dsec server --help` lists is in README.md, and the README's command block
+/// lists each command once.
+#[test]
+fn readme_lists_every_server_flag() {
+    let help = Command::new(env!("CARGO_BIN_EXE_dsec"))
+        .args(["server", "--help"])
+        .output()
+        .expect("dsec server --help");
+    assert_code(&help, 0);
+    let readme = fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("README.md");
+    let mut missing = Vec::new();
+    let mut flags = 0;
+    for word in text(&help.stdout).split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')) {
+        let Some(name) = word.strip_prefix("--") else {
+            continue;
+        };
+        if name.is_empty() || name == "help" || name.starts_with('-') {
+            continue;
+        }
+        flags += 1;
+        let flag = format!("--{name}");
+        let found = readme.match_indices(&flag).any(|(i, _)| {
+            !readme[i + flag.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-')
+        });
+        if !found {
+            missing.push(flag);
+        }
+    }
+    assert!(flags >= 15, "{flags} flags in `dsec server --help`");
+    assert!(missing.is_empty(), "README.md lacks {missing:?}");
+    let block = readme
+        .split("## Command line")
+        .nth(1)
+        .and_then(|r| r.split("```").nth(1))
+        .expect("the README's command block");
+    let mut seen = std::collections::BTreeSet::new();
+    for line in block.lines() {
+        let cmd: Vec<&str> = line.split_whitespace().take(3).collect();
+        if cmd.first() == Some(&"dsec") {
+            let key = cmd.join(" ");
+            assert!(seen.insert(key.clone()), "{key} is listed twice: {block}");
+        }
+    }
 }

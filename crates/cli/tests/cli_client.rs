@@ -80,12 +80,13 @@ fn dsec_at(url: &str, key: Option<&str>, args: &[&str], stdin: &[u8]) -> Out {
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {
-        let common::Started { child, url, key } = common::start_server(
-            data,
-            run,
-            &[],
-            &["--drain-seconds", "10", "--pool-max", "0"],
-        );
+        Self::start_with(data, run, &["--pool-max", "0"])
+    }
+
+    fn start_with(data: &Path, run: &Path, args: &[&str]) -> Self {
+        let mut all = vec!["--drain-seconds", "10"];
+        all.extend_from_slice(args);
+        let common::Started { child, url, key } = common::start_server(data, run, &[], &all);
         Self {
             child,
             url,
@@ -200,12 +201,16 @@ fn sandbox_lifecycle_output_and_exit_codes() {
     let table = d.ok(&["sandbox", "list"]).text();
     let mut lines = table.lines();
     let header: Vec<&str> = lines.next().expect("header").split_whitespace().collect();
-    assert_eq!(header, ["ID", "STATE", "TEMPLATE", "AGE", "LABELS"]);
+    assert_eq!(
+        header,
+        ["ID", "STATE", "TEMPLATE", "SUBSTRATE", "AGE", "LABELS"]
+    );
     let row: Vec<&str> = lines.next().expect("a row").split_whitespace().collect();
     assert_eq!(row[0], id);
     assert_eq!(row[1], "running");
     assert_eq!(row[2], "host");
-    assert_eq!(row[4], "suite=cli");
+    assert_eq!(row[3], "container");
+    assert_eq!(row[5], "suite=cli");
     assert_eq!(lines.next(), None, "one sandbox: {table}");
     assert_eq!(d.listed(&d.key), BTreeSet::from([id.clone()]));
     let filtered = d.ok(&["sandbox", "list", "--json", "--label", "suite=other"]);
@@ -351,7 +356,33 @@ fn sandbox_lifecycle_output_and_exit_codes() {
         tar.stdout.len()
     );
     let tar_path = data.parent().expect("base").join("x.tar");
-    std::fs::write(&tar_path, &tar.stdout).expect("write tar");
+    let to_file = d.ok(&[
+        "sandbox",
+        "files",
+        &id,
+        "download",
+        "/tmp/x",
+        "-o",
+        tar_path.to_str().expect("utf-8"),
+    ]);
+    assert!(to_file.stdout.is_empty(), "{to_file:?}");
+    assert_eq!(
+        std::fs::read(&tar_path).expect("read tar").len(),
+        tar.stdout.len(),
+        "-o writes the same archive"
+    );
+    let nothing = data.parent().expect("base").join("nothing.tar");
+    let missing = d.dsec(&[
+        "sandbox",
+        "files",
+        &id,
+        "download",
+        "/no/such/dir",
+        "-o",
+        nothing.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(missing.code, 3, "{missing:?}");
+    assert!(!nothing.exists(), "no file is made for a failed download");
     d.ok(&[
         "sandbox",
         "files",
@@ -466,7 +497,7 @@ fn failures_name_their_fix_and_exit_with_documented_codes() {
     let over = t(&["sandbox", "create"]);
     assert_eq!(over.code, 5, "{over:?}");
     assert!(over.stderr.contains("quota_exceeded"), "{over:?}");
-    assert!(over.stderr.contains("dsec sandbox kill"), "{over:?}");
+    assert!(over.stderr.contains("dsec sandbox rm"), "{over:?}");
     let admin_only = t(&["tenant", "list"]);
     assert_eq!(admin_only.code, 4, "{admin_only:?}");
     // The admin tenant is the operator: it reaches every tenant's sandboxes.
@@ -507,4 +538,255 @@ fn unreachable_daemon_exits_6_with_a_hint() {
         b"",
     );
     assert_eq!(exec.code, 6, "{exec:?}");
+}
+
+/// The tar layer dirs of the node's layer store.
+fn layer_dirs(data: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(data.join("layers"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A root filesystem tarball holding `/etc/motd` = `motd`, written under `base`.
+fn rootfs_tarball(base: &Path, name: &str, motd: &str) -> PathBuf {
+    let src = base.join(format!("{name}-root"));
+    std::fs::create_dir_all(src.join("etc")).expect("rootfs");
+    std::fs::write(src.join("etc/motd"), motd).expect("motd");
+    let tarball = base.join(format!("{name}.tar"));
+    let st = Command::new("tar")
+        .arg("-cf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(&src)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(st.success());
+    tarball
+}
+
+/// `dsec template rm` through the daemon: refused while a sandbox uses the template, then the
+/// template's own layers go and a layer another template shares stays.
+#[test]
+fn template_rm_removes_the_layers_no_other_template_uses() {
+    let (data, run) = common::dirs("dcl", "tpl");
+    let d = Daemon::start(&data, &run);
+    let base = data.parent().expect("base").to_owned();
+    let shared = rootfs_tarball(&base, "shared", "shared\n");
+    let own = rootfs_tarball(&base, "own", "own\n");
+    let before = layer_dirs(&data);
+    // `push` tells a plain root filesystem from an image without --rootfs.
+    for (name, tarball) in [("one", &shared), ("two", &shared), ("solo", &own)] {
+        let out = d.ok(&["template", "push", name, tarball.to_str().expect("utf-8")]);
+        assert!(out.stderr.contains("a root filesystem tarball"), "{out:?}");
+    }
+    let added: BTreeSet<String> = layer_dirs(&data).difference(&before).cloned().collect();
+    assert_eq!(added.len(), 2, "one layer per distinct tarball: {added:?}");
+
+    let id = d
+        .ok(&["sandbox", "create", "--template", "solo"])
+        .text()
+        .trim()
+        .to_owned();
+    let busy = d.dsec(&["template", "rm", "solo"]);
+    assert_eq!(busy.code, 7, "in use is a conflict: {busy:?}");
+    assert!(busy.stderr.contains("in use"), "{busy:?}");
+    assert_eq!(layer_dirs(&data), &before | &added, "nothing removed");
+    d.ok(&["sandbox", "rm", &id]);
+
+    let solo_layers = layer_dirs(&data);
+    d.ok(&["template", "rm", "solo"]);
+    let after_solo = layer_dirs(&data);
+    assert_eq!(
+        solo_layers.difference(&after_solo).count(),
+        1,
+        "solo's layer is gone"
+    );
+    d.ok(&["template", "rm", "one"]);
+    assert_eq!(
+        layer_dirs(&data),
+        after_solo,
+        "the layer `two` shares stays"
+    );
+    let out = d.ok(&["sandbox", "create", "--template", "two"]);
+    let twin = out.text().trim().to_owned();
+    let motd = d.ok(&["sandbox", "files", &twin, "read", "/etc/motd"]);
+    assert_eq!(motd.text(), "shared\n");
+    d.ok(&["sandbox", "rm", &twin]);
+    d.ok(&["template", "rm", "two"]);
+    assert_eq!(layer_dirs(&data), before, "every imported layer is gone");
+
+    let missing = d.dsec(&["template", "rm", "two"]);
+    assert_eq!(missing.code, 3, "{missing:?}");
+    let builtin = d.dsec(&["template", "rm", "host"]);
+    assert_eq!(builtin.code, 2, "{builtin:?}");
+    d.finish();
+}
+
+/// A known path asked with a method it does not take answers 405 as a problem document with
+/// a stable code and an `Allow` header; an unknown path 404 `not_found`.
+#[test]
+fn wrong_methods_answer_problem_documents() {
+    let (data, run) = common::dirs("dcl", "405");
+    let d = Daemon::start(&data, &run);
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let ask = |method: &str, path: &str| {
+        let req = ureq::http::Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", d.url))
+            .header("X-API-Key", &d.key)
+            .body(Vec::new())
+            .expect("request");
+        let mut r = agent.run(req).expect("http");
+        let allow = r
+            .headers()
+            .get("allow")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let ct = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let body: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
+            .unwrap_or(Value::Null);
+        (r.status().as_u16(), ct, allow, body)
+    };
+    let (s, ct, allow, v) = ask("PUT", "/v1/sandboxes");
+    assert_eq!((s, ct.as_str()), (405, "application/problem+json"), "{v}");
+    assert_eq!(v["code"], "method_not_allowed", "{v}");
+    assert_eq!(v["status"], 405, "{v}");
+    assert!(
+        v["request_id"].as_str().is_some_and(|r| !r.is_empty()),
+        "{v}"
+    );
+    let allow = allow.expect("an Allow header");
+    let methods: BTreeSet<&str> = allow.split(',').map(str::trim).collect();
+    assert!(
+        methods.contains("GET") && methods.contains("POST") && !methods.contains("PUT"),
+        "{allow}"
+    );
+    // Every path of the API document: PATCH is taken nowhere.
+    let (_, _, _, doc) = ask("GET", "/openapi.json");
+    for path in doc["paths"].as_object().expect("paths").keys() {
+        let concrete = path
+            .replace("{id}", "sb-0000000000000000")
+            .replace("{handle}", "1")
+            .replace("{session}", "1")
+            .replace("{name}", "host")
+            .replace("{template}", "host")
+            .replace("{tid}", "t1")
+            .replace("{key}", "k");
+        let (s, ct, allow, v) = ask("PATCH", &concrete);
+        assert_eq!(
+            (s, ct.as_str(), v["code"].as_str()),
+            (405, "application/problem+json", Some("method_not_allowed")),
+            "PATCH {path}: {v}"
+        );
+        assert!(
+            allow.is_some_and(|a| !a.is_empty()),
+            "PATCH {path}: no Allow"
+        );
+    }
+    let (s, ct, _, v) = ask("GET", "/v1/no-such-thing");
+    assert_eq!(
+        (s, ct.as_str(), v["code"].as_str()),
+        (404, "application/problem+json", Some("not_found")),
+        "{v}"
+    );
+    d.finish();
+}
+
+/// `dsec sandbox list` shows the substrate and the age since the tenant got the sandbox (a
+/// pooled one was built earlier); `dsec sandbox rm --all` destroys every sandbox of the key's
+/// tenant; `dsec server --shutdown-sandboxes` destroys the rest (the pool's) on SIGTERM.
+#[test]
+fn list_ages_rm_all_and_shutdown_sandboxes() {
+    let (data, run) = common::dirs("dcl", "all");
+    let mut d = Daemon::start_with(
+        &data,
+        &run,
+        &["--pool-min", "1", "--pool-max", "2", "--shutdown-sandboxes"],
+    );
+    let ready = |d: &Daemon| d.ok(&["pool", "list", "--json"]).json()[0]["ready"].as_u64();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while ready(&d) != Some(1) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool fills: {:?}",
+            d.ok(&["pool", "list"])
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The pooled sandbox is at least 3 s old when it is handed over.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let first = d.ok(&["sandbox", "create", "--json"]).json();
+    assert_eq!(first["pooled"], true, "{first}");
+    assert!(
+        first["acquired_at"].as_str() > first["created_at"].as_str(),
+        "acquired after it was built: {first}"
+    );
+    let second = d
+        .ok(&["sandbox", "create", "--label", "k=v"])
+        .text()
+        .trim()
+        .to_owned();
+    let table = d.ok(&["sandbox", "list"]).text();
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    for row in &rows {
+        assert_eq!(row[3], "container", "{table}");
+        assert!(
+            matches!(row[4], "0s" | "1s" | "2s"),
+            "age since acquisition: {table}"
+        );
+    }
+    let removed: BTreeSet<String> = d
+        .ok(&["sandbox", "rm", "--all"])
+        .text()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let first_id = first["id"].as_str().expect("id").to_owned();
+    assert_eq!(removed, BTreeSet::from([first_id, second]));
+    assert!(d.listed(&d.key).is_empty());
+    assert_eq!(
+        d.ok(&["sandbox", "rm", "--all"]).text(),
+        "",
+        "nothing left to remove"
+    );
+
+    // One more of the admin's, plus the pool's: SIGTERM destroys them all, nothing is left.
+    d.ok(&["sandbox", "create"]);
+    let mine = d.on_machine();
+    assert!(mine.len() >= 2, "the admin's and the pool's: {mine:?}");
+    let pid = rustix::process::Pid::from_raw(d.child.id() as i32).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+    let st = d.child.wait().expect("wait");
+    assert!(st.success(), "exit after SIGTERM: {st:?}");
+    let left = d.on_machine();
+    assert!(
+        left.is_empty(),
+        "sandboxes left after --shutdown-sandboxes: {left:?}"
+    );
+    let cgroups: Vec<String> = dsec_sys::cgroup::CgroupManager::detect("dsec")
+        .and_then(|m| m.list())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|c| mine.contains(c))
+        .collect();
+    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
+    let _ = std::fs::remove_dir_all(data.parent().expect("base"));
 }

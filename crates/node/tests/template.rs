@@ -10,6 +10,7 @@ use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use dsec_api::ErrorCode;
+use dsec_node::template::{detect_archive, detect_dir, ImageFormat};
 use dsec_node::template::{
     shares_filesystem_with_root, stage_layer, unpack_layer, Digest, ImportLimits, LayerRef,
     OciSource, TemplateError, TemplateSource, TemplateStore,
@@ -479,6 +480,112 @@ fn dedup_delete_and_gc() -> Result<()> {
     Ok(())
 }
 
+/// A plain root filesystem (even one holding a `manifest.json` below the top) is told apart
+/// from an image; zstd is refused; the entry bound holds while headers are read.
+#[test]
+fn archive_formats_are_detected() -> Result<()> {
+    let rootfs = tar_of(|b| {
+        dir(b, "./");
+        dir(b, "./etc/");
+        file(b, "./etc/manifest.json", b"{}");
+        file(b, "./etc/motd", b"hi");
+    });
+    assert_eq!(detect_archive(&rootfs[..], &limits())?, ImageFormat::Rootfs);
+    assert_eq!(
+        detect_archive(&gzip(&rootfs)[..], &limits())?,
+        ImageFormat::Rootfs
+    );
+    let few = ImportLimits {
+        max_entries: 2,
+        ..limits()
+    };
+    assert!(matches!(
+        detect_archive(&rootfs[..], &few),
+        Err(TemplateError::LimitExceeded {
+            what: "entries",
+            ..
+        })
+    ));
+    let zstd = [0x28u8, 0xb5, 0x2f, 0xfd, 0, 0, 0, 0];
+    assert!(matches!(
+        detect_archive(&zstd[..], &limits()),
+        Err(TemplateError::Unsupported { .. })
+    ));
+    let oci = tar_of(|b| file(b, "./oci-layout", b"{}"));
+    assert_eq!(detect_archive(&oci[..], &limits())?, ImageFormat::OciLayout);
+    let plain = tempfile::tempdir()?;
+    assert_eq!(detect_dir(plain.path()), ImageFormat::Rootfs);
+    Ok(())
+}
+
+/// `remove` deletes a template and its unshared layers, refuses one a sandbox uses, and keeps
+/// the layers of a sandbox whose create read the template just before the delete.
+#[test]
+fn remove_frees_unshared_layers_and_spares_those_in_use() -> Result<()> {
+    use std::collections::BTreeSet;
+    let (_d, store) = open_store()?;
+    let shared = tar_of(|b| file(b, "a", b"shared"));
+    let own = tar_of(|b| file(b, "b", b"own"));
+    store.import_rootfs_tar("one", &shared[..], &limits())?;
+    store.import_rootfs_tar("two", &shared[..], &limits())?;
+    let solo = store.import_rootfs_tar("solo", &own[..], &limits())?;
+    let none = || BTreeSet::new();
+    let solo_in_use = || BTreeSet::from(["solo".to_owned()]);
+    assert!(matches!(
+        store.remove("solo", &solo_in_use),
+        Err(TemplateError::InUse { .. })
+    ));
+    assert_eq!(
+        store.remove("solo", &solo_in_use).err().map(|e| e.code()),
+        Some(ErrorCode::InvalidTransition)
+    );
+    assert!(matches!(
+        store.remove("host", &none),
+        Err(TemplateError::Builtin { .. })
+    ));
+    assert!(matches!(
+        store.remove("nope", &none),
+        Err(TemplateError::NotFound { .. })
+    ));
+    assert!(
+        store.remove("one", &none)?.is_empty(),
+        "`two` shares the layer"
+    );
+    assert_eq!(store.layers().list()?.len(), 2);
+
+    // A create that read `solo` before the delete shows up only after it: its layer stays,
+    // and while that sandbox lives no later removal collects layers.
+    let calls = std::cell::Cell::new(0);
+    let raced = || {
+        calls.set(calls.get() + 1);
+        if calls.get() == 1 {
+            BTreeSet::new()
+        } else {
+            BTreeSet::from(["solo".to_owned()])
+        }
+    };
+    assert!(store.remove("solo", &raced)?.is_empty());
+    assert!(matches!(
+        store.get("solo"),
+        Err(TemplateError::NotFound { .. })
+    ));
+    assert!(
+        store.remove("two", &solo_in_use)?.is_empty(),
+        "solo's sandbox lives on"
+    );
+    assert_eq!(store.layers().list()?.len(), 2);
+    store.import_rootfs_tar("again", &own[..], &limits())?;
+    let removed = store.remove("again", &none)?;
+    assert_eq!(
+        removed.len(),
+        2,
+        "both layers go once nothing uses them: {removed:?}"
+    );
+    assert!(matches!(&solo.layers[0], LayerRef::Stored { digest } if removed.contains(digest)));
+    assert_clean(&store)?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // OCI layouts and docker save
 
@@ -648,6 +755,11 @@ fn oci_layout_dir_and_tar() -> Result<()> {
 
     // The same layout as a (gzip'd) tar stream: same layers, deduplicated.
     let tarred = gzip(&tar_dir(layout.path())?);
+    assert_eq!(
+        detect_archive(&tarred[..], &limits())?,
+        ImageFormat::OciLayout
+    );
+    assert_eq!(detect_dir(layout.path()), ImageFormat::OciLayout);
     let t2 = store.import_oci("img2", OciSource::Tar(&mut &tarred[..]), &limits())?;
     assert_eq!(t2.layers, t.layers);
     assert_eq!(store.layers().list()?.len(), 2);
@@ -691,6 +803,10 @@ fn docker_save_tarball() -> Result<()> {
         .expect("json");
         file(b, "manifest.json", &manifest);
     });
+    assert_eq!(
+        detect_archive(&tar[..], &limits())?,
+        ImageFormat::DockerSave
+    );
     let t = store.import_oci("saved", OciSource::Tar(&mut &tar[..]), &limits())?;
     assert_eq!(t.source, TemplateSource::DockerSave);
     check_image_template(&store, &t)?;

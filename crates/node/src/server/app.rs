@@ -538,6 +538,15 @@ impl App {
             .collect()
     }
 
+    /// The templates the live sandboxes (pooled ones included) were made from: their layers are
+    /// mounted and must stay (see `TemplateStore::remove`).
+    pub fn templates_in_use(&self) -> std::collections::BTreeSet<String> {
+        self.entries()
+            .iter()
+            .map(|e| e.record().spec.template)
+            .collect()
+    }
+
     /// Applies `f` to the record, bumps its version, persists it, then publishes the change.
     pub fn update(
         &self,
@@ -652,6 +661,7 @@ impl App {
             r.idem = req.idem.clone();
             r.secret_env = req.secret_env.clone();
             r.tenant = Some(tenant.id.clone());
+            r.acquired_at_ms = Some(now);
             r.labels = req.labels.clone();
             r.env = req.env.clone();
             r.expires_at_ms = req.ttl_ms.map(|t| now + t);
@@ -732,6 +742,7 @@ impl App {
                         labels: BTreeMap::new(),
                         env: BTreeMap::new(),
                         created_at_ms: now,
+                        acquired_at_ms: None,
                         expires_at_ms: None,
                         lease_ms: None,
                         lease_expires_at_ms: None,
@@ -1107,6 +1118,7 @@ impl App {
             labels: BTreeMap::new(),
             env: BTreeMap::new(),
             created_at_ms: now_ms(),
+            acquired_at_ms: None,
             expires_at_ms: None,
             lease_ms: None,
             lease_expires_at_ms: None,

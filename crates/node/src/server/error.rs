@@ -93,6 +93,7 @@ impl ApiError {
             InvalidTransition | IdempotencyConflict | UnknownOutcome | TrajectoryDiverged => {
                 StatusCode::CONFLICT
             }
+            MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             ResourceExhausted | Draining => StatusCode::SERVICE_UNAVAILABLE,

@@ -129,10 +129,23 @@ pub fn router(app: AppState) -> Router {
             "/openapi.json",
             get(|| async { Json(super::openapi::document()) }),
         )
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), request_id))
         .with_state(app)
+}
+
+/// A known path asked with a method it does not take: a problem document (the router adds the
+/// `Allow` header listing the methods it takes).
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        ErrorCode::MethodNotAllowed,
+        format!(
+            "{method} is not allowed on {} (the Allow header lists what is)",
+            uri.path().chars().take(200).collect::<String>()
+        ),
+    )
 }
 
 async fn request_id(AxState(app): AxState<AppState>, req: Request, next: Next) -> Response {
@@ -468,6 +481,7 @@ pub fn view(r: &SandboxRecord) -> Value {
         "userns": r.spec.userns,
         "env_keys": r.env.keys().collect::<Vec<_>>(),
         "created_at": rfc3339(r.created_at_ms),
+        "acquired_at": r.acquired_at_ms.map(rfc3339),
         "expires_at": r.expires_at_ms.map(rfc3339),
         "lease_expires_at": r.lease_expires_at_ms.map(rfc3339),
         "version": r.version,
@@ -1769,21 +1783,14 @@ async fn delete_template(
     Path(name): Path<String>,
 ) -> ApiResult<StatusCode> {
     require_admin(&caller)?;
-    if app
-        .entries()
-        .iter()
-        .any(|e| e.record().spec.template == name)
-    {
-        return Err(ApiError::new(
-            ErrorCode::InvalidTransition,
-            format!("template {name} is in use"),
-        ));
-    }
-    let rt = Arc::clone(&app.rt);
     let gone = name.clone();
-    tokio::task::spawn_blocking(move || rt.templates().delete(&name))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let owner = Arc::clone(&app);
+    tokio::task::spawn_blocking(move || {
+        let in_use = || owner.templates_in_use();
+        owner.rt.templates().remove(&name, &in_use)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
     forget_template(&app, &gone);
     Ok(StatusCode::NO_CONTENT)
 }

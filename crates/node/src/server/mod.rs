@@ -5,7 +5,8 @@
 //! survive the daemon: on start it reconnects to every sandbox its store knows ([`App::recover`])
 //! and destroys what it cannot adopt or does not know. SIGTERM/SIGINT drain: new work is
 //! refused with `draining` (503, `Retry-After`), requests in flight finish within a deadline,
-//! and the process exits 0 with every sandbox still running for the next start.
+//! and the process exits 0 with every sandbox still running for the next start (or, with
+//! `shutdown_sandboxes`, after destroying them all).
 
 pub mod app;
 mod auth;
@@ -58,6 +59,9 @@ pub struct ServerConfig {
     pub log_segment_bytes: Option<u64>,
     /// The code runner (`/v1/run`, `/run_code`).
     pub run: run::RunConfig,
+    /// On SIGTERM/SIGINT, after the drain, destroy every sandbox of the node (every tenant's,
+    /// the pools', the runner's) instead of leaving them running for the next start to adopt.
+    pub shutdown_sandboxes: bool,
 }
 
 /// A failure to start or run the daemon.
@@ -227,9 +231,53 @@ async fn serve(
     };
     sweeper.abort();
     run::stop(&app).await;
+    if cfg.shutdown_sandboxes {
+        destroy_all(&app).await;
+    }
     result?;
     log::info("stopped", &[]);
     Ok(())
+}
+
+/// Destroys every sandbox of the node (`--shutdown-sandboxes`), again while a pool fill that
+/// was in flight adds one, for at most 60 s.
+async fn destroy_all(app: &Arc<App>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut destroyed = 0usize;
+    loop {
+        let entries = app.entries();
+        if entries.is_empty() || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for e in entries {
+            let app = Arc::clone(app);
+            set.spawn(async move { (e.id.clone(), app.destroy(&e).await) });
+        }
+        while let Some(done) = set.join_next().await {
+            match done {
+                Ok((_, Ok(_))) => destroyed += 1,
+                Ok((id, Err(e))) => {
+                    log::warn(
+                        "shutdown: destroy failed",
+                        &[("sandbox_id", &id), ("error", &e.to_string())],
+                    );
+                }
+                Err(e) => log::warn(
+                    "shutdown: destroy task failed",
+                    &[("error", &e.to_string())],
+                ),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    log::info(
+        "shutdown: sandboxes destroyed",
+        &[
+            ("destroyed", &destroyed.to_string()),
+            ("left", &app.entries().len().to_string()),
+        ],
+    );
 }
 
 async fn wait_for_signal() {

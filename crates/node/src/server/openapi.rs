@@ -449,7 +449,7 @@ pub fn document() -> Value {
                         "status": {"type": "integer"}, "code": {"type": "string"},
                         "detail": {"type": "string"}, "request_id": {"type": "string"}}},
                 "Sandbox": obj(&["id", "tenant", "template", "substrate", "state", "labels", "limits",
-                    "env_keys", "created_at", "expires_at", "lease_expires_at", "version", "pooled"]),
+                    "env_keys", "created_at", "acquired_at", "expires_at", "lease_expires_at", "version", "pooled"]),
                 "ExecResult": obj(&["status", "exit_code", "signal", "wall_us", "cpu_us",
                     "peak_rss_kb", "stdout", "stderr"]),
                 "Tenant": obj(&["id", "name", "admin", "max_sandboxes", "max_memory_bytes", "api_key"]),

@@ -67,6 +67,10 @@ pub struct SandboxRecord {
     pub env: BTreeMap<String, String>,
     /// Created, ms since the epoch.
     pub created_at_ms: u64,
+    /// Handed to its tenant, ms since the epoch: the create for a sandbox made on demand, the
+    /// handover for one taken from a warm pool (made earlier); `None` while it waits in a pool.
+    #[serde(default)]
+    pub acquired_at_ms: Option<u64>,
     /// Destroyed by the node at this time (TTL).
     pub expires_at_ms: Option<u64>,
     /// Owner lease length; `None` when there is no lease.
@@ -479,6 +483,7 @@ mod tests {
             labels: BTreeMap::from([("k".into(), "v".into())]),
             env: BTreeMap::new(),
             created_at_ms: 1,
+            acquired_at_ms: None,
             expires_at_ms: None,
             lease_ms: None,
             lease_expires_at_ms: None,

@@ -31,7 +31,7 @@ pub use host::{
     host_mask_layer, shares_filesystem_with_root, stage_layer, HIDDEN_DIRS, HIDDEN_FILES,
     VISIBLE_TOP,
 };
-pub use oci::OciSource;
+pub use oci::{detect_archive, detect_dir, ImageFormat, OciSource};
 pub use store::{LayerStore, TemplateStore};
 pub use unpack::unpack_layer;
 
@@ -68,7 +68,7 @@ pub enum TemplateError {
         /// The built-in name.
         name: String,
     },
-    /// The template is used by a sandbox or pool (reported by the caller).
+    /// The template is used by a live sandbox.
     #[error("template {name:?} is in use")]
     InUse {
         /// The template name.
@@ -161,8 +161,8 @@ impl TemplateError {
             TemplateError::NotFound { .. } => ErrorCode::TemplateNotFound,
             TemplateError::InvalidName { .. }
             | TemplateError::AlreadyExists { .. }
-            | TemplateError::Builtin { .. }
-            | TemplateError::InUse { .. } => ErrorCode::InvalidRequest,
+            | TemplateError::Builtin { .. } => ErrorCode::InvalidRequest,
+            TemplateError::InUse { .. } => ErrorCode::InvalidTransition,
             TemplateError::Unpack { .. }
             | TemplateError::PathEscape { .. }
             | TemplateError::DigestMismatch { .. }

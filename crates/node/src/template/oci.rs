@@ -273,6 +273,83 @@ fn pick(manifests: &[Descriptor]) -> Option<&Descriptor> {
         .or_else(|| manifests.first())
 }
 
+/// What an archive or directory to import holds, told by its top-level names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// An OCI image layout (`oci-layout`, `index.json`).
+    OciLayout,
+    /// A `docker save` archive (`manifest.json`).
+    DockerSave,
+    /// Neither: a root filesystem.
+    Rootfs,
+}
+
+impl ImageFormat {
+    fn of_top_level(name: &str) -> Option<Self> {
+        match name {
+            "oci-layout" | "index.json" => Some(Self::OciLayout),
+            "manifest.json" => Some(Self::DockerSave),
+            _ => None,
+        }
+    }
+}
+
+/// Tells the format of a (plain or gzip'd) tar stream from its entry names, reading headers
+/// only as far as needed: an image at its first `oci-layout`, `index.json` or `manifest.json`
+/// at the top level, a root filesystem at the end (at most `limits.max_entries` entries and
+/// `limits.max_bytes` uncompressed bytes are read).
+pub fn detect_archive(
+    mut raw: impl Read,
+    limits: &ImportLimits,
+) -> Result<ImageFormat, TemplateError> {
+    let read_err = |source| TemplateError::ReadArchive { source };
+    let mut head = [0u8; 4];
+    let mut n = 0;
+    while n < head.len() {
+        match raw.read(&mut head[n..]).map_err(read_err)? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    let chained = std::io::Cursor::new(head[..n].to_vec()).chain(raw);
+    let decoded: Box<dyn Read + '_> = if head[..n].starts_with(&[0x1f, 0x8b]) {
+        Box::new(flate2::read::MultiGzDecoder::new(chained))
+    } else if head[..n].starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        return Err(TemplateError::Unsupported {
+            reason: "zstd-compressed archive".into(),
+        });
+    } else {
+        Box::new(chained)
+    };
+    let mut archive = tar::Archive::new(decoded.take(limits.max_bytes));
+    for (i, entry) in archive.entries().map_err(read_err)?.enumerate() {
+        if i as u64 >= limits.max_entries {
+            return Err(TemplateError::LimitExceeded {
+                what: "entries",
+                limit: limits.max_entries,
+            });
+        }
+        let entry = entry.map_err(read_err)?;
+        let raw_path = entry.path_bytes();
+        let name = String::from_utf8_lossy(&raw_path);
+        let name = name.trim_start_matches("./").trim_start_matches('/');
+        if let Some(f) = ImageFormat::of_top_level(name) {
+            return Ok(f);
+        }
+    }
+    Ok(ImageFormat::Rootfs)
+}
+
+/// Tells the format of an unpacked image directory (a root filesystem when it holds none of
+/// `oci-layout`, `index.json`, `manifest.json`).
+pub fn detect_dir(dir: &Path) -> ImageFormat {
+    ["oci-layout", "index.json", "manifest.json"]
+        .into_iter()
+        .filter(|n| dir.join(n).exists())
+        .find_map(ImageFormat::of_top_level)
+        .unwrap_or(ImageFormat::Rootfs)
+}
+
 /// Parses the image under `root` (OCI layout if `oci-layout` exists, else `docker save`).
 pub(crate) fn parse_image(
     root: &Path,

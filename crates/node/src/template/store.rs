@@ -10,10 +10,12 @@
 //! ```
 //!
 //! Writers unpack into `tmp/` and `rename(2)` into place, so a layer directory is either
-//! complete or absent. Concurrency: imports hold a shared lock and `gc_layers` an exclusive
-//! one, so garbage collection never removes a layer an import is about to reference. One
+//! complete or absent. Concurrency: imports hold a shared lock and `gc_layers` / `remove` an
+//! exclusive one, so garbage collection never removes a layer an import is about to reference;
+//! `remove` also keeps every layer of the templates live sandboxes use (their lowerdirs). One
 //! `TemplateStore` per data dir (a second instance's `open` would clear the first's `tmp/`).
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -156,6 +158,14 @@ impl LayerStore {
         }
         fs::remove_dir_all(&doomed).map_err(|e| TemplateError::io("remove layer", &doomed, e))
     }
+}
+
+/// The stored layers of a template.
+fn stored_layers(t: &Template) -> impl Iterator<Item = Digest> + '_ {
+    t.layers.iter().filter_map(|l| match l {
+        LayerRef::Stored { digest } => Some(digest.clone()),
+        LayerRef::HostRoot | LayerRef::HostMask { .. } => None,
+    })
 }
 
 pub(crate) fn check_digest(
@@ -321,17 +331,63 @@ impl TemplateStore {
         })
     }
 
+    /// Deletes the template `name`, then every stored layer no template references any more
+    /// (layers shared with another template stay); returns the removed layers.
+    ///
+    /// `in_use` names the templates that live sandboxes were made from; their layers are their
+    /// overlayfs lowerdirs and are never removed. It is asked before the delete (a template in
+    /// use is refused with [`TemplateError::InUse`]) and again after it, so that a sandbox whose
+    /// create read the template just before the delete keeps its layers; when a sandbox uses a
+    /// template that no longer exists at all, its layers are unknown and no layer is removed.
+    pub fn remove(
+        &self,
+        name: &str,
+        in_use: &dyn Fn() -> BTreeSet<String>,
+    ) -> Result<Vec<Digest>, TemplateError> {
+        validate_name(name)?;
+        if name == HOST_TEMPLATE {
+            return Err(TemplateError::Builtin {
+                name: name.to_owned(),
+            });
+        }
+        let _guard = self.gc_lock.write().unwrap_or_else(|p| p.into_inner());
+        let template = self.get(name)?;
+        if in_use().contains(name) {
+            return Err(TemplateError::InUse {
+                name: name.to_owned(),
+            });
+        }
+        self.delete(name)?;
+        let used = in_use();
+        let remaining = self.list()?;
+        if used
+            .iter()
+            .any(|u| u != name && !remaining.iter().any(|t| &t.name == u))
+        {
+            return Ok(Vec::new());
+        }
+        let mut keep = BTreeSet::new();
+        if used.contains(name) {
+            keep.extend(stored_layers(&template));
+        }
+        self.gc_except(
+            remaining
+                .iter()
+                .flat_map(stored_layers)
+                .chain(keep)
+                .collect(),
+        )
+    }
+
     /// Removes every stored layer no template references; returns the removed digests.
     pub fn gc_layers(&self) -> Result<Vec<Digest>, TemplateError> {
         let _guard = self.gc_lock.write().unwrap_or_else(|p| p.into_inner());
-        let mut used = std::collections::BTreeSet::new();
-        for t in self.list()? {
-            for l in t.layers {
-                if let LayerRef::Stored { digest } = l {
-                    used.insert(digest);
-                }
-            }
-        }
+        let used = self.list()?.iter().flat_map(stored_layers).collect();
+        self.gc_except(used)
+    }
+
+    /// Removes every stored layer not in `used` (the caller holds `gc_lock` for writing).
+    fn gc_except(&self, used: BTreeSet<Digest>) -> Result<Vec<Digest>, TemplateError> {
         let mut removed = Vec::new();
         for d in self.layers.list()? {
             if !used.contains(&d) {

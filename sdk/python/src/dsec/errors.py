@@ -39,6 +39,7 @@ __all__ = [
     "UnknownOutcome",
     "TrajectoryDiverged",
     "TrajectoryNotFound",
+    "MethodNotAllowed",
     "ERROR_CLASSES",
     "error_from_problem",
 ]
@@ -259,6 +260,13 @@ class TrajectoryNotFound(NotFound):
     default_code = "trajectory_not_found"
 
 
+class MethodNotAllowed(DsecError):
+    """``method_not_allowed`` (405): the path does not take this HTTP method (a client older or
+    newer than the node)."""
+
+    default_code = "method_not_allowed"
+
+
 #: stable error code -> exception class
 ERROR_CLASSES: Dict[str, Type[DsecError]] = {
     cls.default_code: cls
@@ -289,6 +297,7 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         UnknownOutcome,
         TrajectoryDiverged,
         TrajectoryNotFound,
+        MethodNotAllowed,
     )
 }
 
@@ -297,6 +306,7 @@ _STATUS_FALLBACK: Dict[int, Type[DsecError]] = {
     401: Unauthorized,
     403: Forbidden,
     404: NotFound,
+    405: MethodNotAllowed,
     413: TooLarge,
     429: QuotaExceeded,
     500: InternalError,

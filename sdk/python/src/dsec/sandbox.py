@@ -134,6 +134,11 @@ class _SandboxData:
         return self.data.get("created_at")
 
     @property
+    def acquired_at(self) -> Optional[str]:
+        """When the tenant got the sandbox (a pooled one was created earlier); RFC 3339."""
+        return self.data.get("acquired_at")
+
+    @property
     def expires_at(self) -> Optional[str]:
         return self.data.get("expires_at")
 
