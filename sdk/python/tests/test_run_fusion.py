@@ -44,6 +44,7 @@ LANGUAGES = [
         "1 tests successful",
     ),
     ("php", 'echo 6 * 7, "\\n";', "", {}, "42\n"),
+    ("csharp", "using System;\nclass P { static void Main() { Console.WriteLine(int.Parse(Console.ReadLine()) * 2); } }", "21", {}, "42\n"),
     ("lua", "print(6 * 7)", "", {}, "42\n"),
     ("perl", 'my $x = <STDIN>; print $x * 2, "\\n";', "21", {}, "42\n"),
     ("ruby", "puts gets.to_i * 2", "21", {}, "42\n"),

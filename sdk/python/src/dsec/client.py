@@ -439,7 +439,9 @@ class Client(_ClientBase):
         ``fetch_files``, ``run_timeout``, ``compile_timeout`` (seconds), ``memory_limit_MB``,
         ``output_limit``, ``substrate``, ``template``. Answers ``{"status", "compile_result",
         "run_result": {"status", "exit_code", "stdout", "stderr", "execution_time",
-        "memory_kb"}, "files", "substrate", "server_us"}``."""
+        "memory_kb"}, "files", "substrate", "server_us", "clamped"}``: ``clamped`` names the
+        options outside the node's range with the value applied (timeouts above 300 s run 300 s;
+        0 or less times out at once)."""
         return self.request_json("POST", "/v1/run", json=run_body(code, language, options))
 
     def run_codes(

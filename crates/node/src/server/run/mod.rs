@@ -910,8 +910,8 @@ async fn available(app: &Arc<App>, spec: &RunSpec) -> ApiResult<bool> {
 }
 
 /// The outcome of a run one of whose phases has no time at all (a timeout of 0, or a
-/// negative one clamped to it): that phase times out at once, without running, as it does on
-/// SandboxFusion; a run phase after a compile phase that timed out does not run.
+/// negative one clamped to it): that phase times out at once without running (SandboxFusion's
+/// outcome for it too); a run phase after a compile phase that timed out does not run.
 fn timed_out_at_once(spec: &RunSpec) -> Option<RunOutcome> {
     let tle = PhaseResult {
         status: Verdict::TimeLimitExceeded,

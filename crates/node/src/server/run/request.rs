@@ -312,10 +312,11 @@ fn files(m: &Map<String, Value>) -> Result<Vec<(String, Vec<u8>)>, BadRun> {
         }
     };
     if obj.len() > MAX_FILES {
-        return Err(BadRun::TooLarge {
-            loc: vec!["files".into()],
-            msg: format!("at most {MAX_FILES} files"),
-        });
+        return Err(BadRun::value(
+            &["files"],
+            format!("at most {MAX_FILES} files"),
+            &Value::Null,
+        ));
     }
     let mut out = Vec::new();
     let mut total = 0usize;
@@ -365,10 +366,11 @@ fn fetch_files(m: &Map<String, Value>) -> Result<Vec<String>, BadRun> {
         }
     };
     if list.len() > MAX_FILES {
-        return Err(BadRun::TooLarge {
-            loc: vec!["fetch_files".into()],
-            msg: format!("at most {MAX_FILES} fetch_files"),
-        });
+        return Err(BadRun::value(
+            &["fetch_files"],
+            format!("at most {MAX_FILES} fetch_files"),
+            &Value::Null,
+        ));
     }
     let mut out = Vec::new();
     for (i, v) in list.iter().enumerate() {
