@@ -406,8 +406,7 @@ impl Sandbox {
         let Some(b) = self.vm.as_ref() else {
             return Err(RuntimeError::Invalid("not a VM sandbox".into()));
         };
-        let _ = self.sup.signal(9);
-        let _ = self.sup.wait_exit(Duration::from_secs(5));
+        vm::kill(&self.sup);
         let (sup, agent) = start_vm(&b.rt, &self.id, &b.snap, &b.cgroup, &self.spec, &b.env)?;
         self.init_pid = sup.pid();
         self.sup = sup;
@@ -417,8 +416,7 @@ impl Sandbox {
 
     /// Destroys a VM sandbox: QEMU, cgroup, run directory.
     pub(crate) fn destroy_vm(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
-        let _ = self.sup.signal(9);
-        let _ = self.sup.wait_exit(Duration::from_secs(5));
+        vm::kill(&self.sup);
         if let Some(b) = self.vm.take() {
             let _ = b.cgroup.kill_all();
             let _ = b.cgroup.remove();

@@ -537,8 +537,7 @@ impl VmRuntime {
             drop(agent);
             Ok(())
         })();
-        let _ = qemu.signal(9);
-        let _ = qemu.wait_exit(Duration::from_secs(5));
+        kill(&qemu);
         if let Err(e) = result {
             let log = fs::read_to_string(tmp.join("console.log")).unwrap_or_default();
             let qlog = fs::read_to_string(tmp.join("qemu.log")).unwrap_or_default();
@@ -633,10 +632,10 @@ pub fn identify(
     Ok(())
 }
 
-/// Kills a QEMU process and waits for it.
+/// Kills a QEMU process, waits for it and reaps it (a QEMU this process started is its child:
+/// unreaped, it would stay a zombie until the node exits).
 pub fn kill(qemu: &PidFd) {
-    let _ = qemu.signal(9);
-    let _ = qemu.wait_exit(Duration::from_secs(5));
+    qemu.kill_and_reap(Duration::from_secs(5));
 }
 
 /// The unprivileged user QEMU runs as once started: `nobody`, when the host has it.
