@@ -115,6 +115,13 @@ enum VmCmd {
         #[arg(long, default_value = "512M", value_parser = units::parse_bytes)]
         memory: u64,
     },
+    /// Remove every VM cache entry (snapshot, root image, initramfs) no process uses, and
+    /// entries of earlier formats; prints what went and the bytes freed as JSON.
+    Gc {
+        /// Also remove the least recently used entries until the cache holds at most this.
+        #[arg(long, value_parser = units::parse_bytes)]
+        max_bytes: Option<u64>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -175,6 +182,10 @@ struct ServerArgs {
     /// Modules each Python zygote imports once (comma-separated; default: common stdlib).
     #[arg(long, value_delimiter = ',')]
     run_preload: Option<Vec<String>>,
+    /// Bound on the VM cache (DSEC_VM_CACHE, default /var/cache/dsec/vm) on disk: past it the
+    /// least recently used entries no VM uses are removed (besides those unused for 24 h).
+    #[arg(long, env = "DSEC_VM_CACHE_MAX_BYTES", value_parser = units::parse_bytes)]
+    vm_cache_max_bytes: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -248,11 +259,36 @@ fn parse_substrate(s: &str) -> Result<Substrate, String> {
 }
 
 fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
-    let VmCmd::Prepare {
-        template,
-        substrates,
-        memory,
-    } = cmd;
+    match cmd {
+        VmCmd::Prepare {
+            template,
+            substrates,
+            memory,
+        } => vm_prepare(cli, template, substrates, *memory),
+        VmCmd::Gc { max_bytes } => {
+            let cache = ContainerRuntime::vm_cache_dir();
+            let report = dsec_node::vm::gc_unused(&cache, *max_bytes)
+                .with_context(|| format!("garbage-collect {}", cache.display()))?;
+            let out = serde_json::json!({
+                "cache": cache,
+                "bytes_freed": report.bytes_freed,
+                "removed": report.removed,
+                "kept": report.kept,
+                "kept_bytes": report.kept_bytes,
+                "in_use": report.in_use,
+            });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn vm_prepare(
+    cli: &Cli,
+    template: &str,
+    substrates: &[String],
+    memory: u64,
+) -> anyhow::Result<ExitCode> {
     let kinds: Vec<Substrate> = if substrates.is_empty() {
         vec![Substrate::Microvm, Substrate::Vm]
     } else {
@@ -276,16 +312,17 @@ fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
     for kind in kinds {
         let t0 = std::time::Instant::now();
         let spec = SandboxSpec {
-            template: template.clone(),
+            template: template.to_owned(),
             substrate: kind,
             limits: Limits {
-                memory_max: *memory,
+                memory_max: memory,
                 ..Limits::default()
             },
             ..SandboxSpec::default()
         };
+        let progress = output::PhaseReport::new(kind.name());
         let (vms, snap) = rt
-            .vm_snapshot(&spec)
+            .vm_snapshot_observed(&spec, &|e| progress.event(e))
             .with_context(|| format!("prepare {}", kind.name()))?;
         out.push(serde_json::json!({
             "substrate": kind.name(),
@@ -298,6 +335,7 @@ fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
             "boot_ms": snap.boot_ms,
             "save_ms": snap.save_ms,
             "took_ms": t0.elapsed().as_millis() as u64,
+            "cache": vms.cache_dir(),
         }));
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
@@ -524,6 +562,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
                 anonymous: args.anonymous_run,
             }
         },
+        vm_cache_max_bytes: args.vm_cache_max_bytes,
     };
     let key_file = cli.data_dir.join("admin.key");
     dsec_node::server::run(cfg, move |addr, key| {

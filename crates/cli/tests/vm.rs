@@ -142,3 +142,66 @@ fn vm_creates_resets_and_destroys_leave_no_zombie_children() {
     );
     d.stop();
 }
+
+/// `dsec vm gc` on a cache of its own: entries of the earlier format (ext4 root images) and
+/// unused entries go, an entry a process holds open stays, and the answer says what was freed.
+#[test]
+fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
+    let cache = tempfile::tempdir().expect("cache dir");
+    let c = cache.path();
+    for d in ["root", "rootfs/src", "initrd", "snap/s1"] {
+        std::fs::create_dir_all(c.join(d)).expect("mkdir");
+    }
+    std::fs::write(c.join("root/host-old.ext4"), vec![1u8; 1 << 20]).expect("legacy image");
+    std::fs::write(c.join("rootfs/unused.sqfs"), vec![2u8; 256 << 10]).expect("image");
+    std::fs::write(c.join("rootfs/held.sqfs"), vec![3u8; 64 << 10]).expect("image");
+    std::fs::write(c.join("rootfs/src/k"), "unused.sqfs").expect("pointer");
+    std::fs::write(c.join("initrd/i.cpio"), vec![4u8; 4096]).expect("initrd");
+    let held = std::fs::File::open(c.join("rootfs/held.sqfs")).expect("hold");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
+        .args(["vm", "gc"])
+        .env("DSEC_VM_CACHE", c)
+        .output()
+        .expect("dsec vm gc");
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let freed = v["bytes_freed"].as_u64().expect("bytes_freed");
+    assert!(freed >= (1 << 20) + (256 << 10), "{v}");
+    let mut removed: Vec<(String, String)> = v["removed"]
+        .as_array()
+        .expect("removed")
+        .iter()
+        .map(|r| {
+            let p = r["path"].as_str().unwrap_or_default();
+            let name = Path::new(p)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            (
+                name.unwrap_or_default(),
+                r["reason"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    removed.sort();
+    assert_eq!(
+        removed,
+        [
+            ("host-old.ext4".to_owned(), "legacy".to_owned()),
+            ("i.cpio".to_owned(), "idle".to_owned()),
+            ("s1".to_owned(), "legacy".to_owned()),
+            ("unused.sqfs".to_owned(), "idle".to_owned()),
+        ],
+        "{v}"
+    );
+    assert_eq!(
+        (v["kept"].as_u64(), v["in_use"].as_u64()),
+        (Some(1), Some(1)),
+        "{v}"
+    );
+    assert!(c.join("rootfs/held.sqfs").exists());
+    assert!(
+        !c.join("rootfs/src/k").exists(),
+        "the pointer to a removed image goes"
+    );
+    drop(held);
+}
