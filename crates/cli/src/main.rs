@@ -371,6 +371,14 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         ..SandboxSpec::default()
     };
     let rt = runtime(cli)?;
+    if spec.substrate.is_vm() {
+        // The first VM of a host prepares its template (a minute or more): say so as it goes.
+        let report = output::PhaseReport::new(spec.substrate.name());
+        rt.set_vm_settings(dsec_node::container::VmSettings {
+            cache_max_bytes: None,
+            observer: Some(std::sync::Arc::new(move |_: &str, e| report.event(e))),
+        });
+    }
     let (mut sb, _) = rt.create(&spec).context("create sandbox")?;
     let mut req = ExecRequest::argv(args.command.clone());
     req.timeout_ms = Some(args.timeout);

@@ -39,6 +39,9 @@ const HOST_FINGERPRINT: &[&str] = &[
     "/opt",
 ];
 
+/// Told of every VM preparation step with the template it is for.
+pub type VmObserver = Arc<dyn Fn(&str, vm::Event) + Send + Sync>;
+
 /// How the VM substrates of a node are run: the cache's size bound and who hears about
 /// preparations (the server logs them).
 #[derive(Default, Clone)]
@@ -47,7 +50,7 @@ pub struct VmSettings {
     pub cache_max_bytes: Option<u64>,
     /// Told of every preparation step (kernel, initramfs, root image, template boot) with the
     /// template it is for.
-    pub observer: Option<Arc<dyn Fn(&str, vm::Event) + Send + Sync>>,
+    pub observer: Option<VmObserver>,
 }
 
 impl std::fmt::Debug for VmSettings {
