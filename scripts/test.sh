@@ -14,10 +14,11 @@ command -v gcc >/dev/null || need+=(gcc)
 command -v tar >/dev/null || need+=(tar)
 [ -x /usr/bin/python3 ] || need+=(python3)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
-# VM substrates: QEMU (TCG where /dev/kvm cannot run a guest), mke2fs/debugfs for root
-# images, unshare/mount for building them in a private mount namespace, lz4 to cross-check
-# the kernel decompressor.
+# VM substrates: QEMU (TCG where /dev/kvm cannot run a guest), mksquashfs/unsquashfs for the
+# templates' read-only root images, mke2fs for each VM's writable disk, unshare/mount for
+# building images in a private mount namespace, lz4 to cross-check the kernel decompressor.
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v mksquashfs >/dev/null || need+=(squashfs-tools)
 command -v mke2fs >/dev/null || need+=(e2fsprogs)
 command -v unshare >/dev/null || need+=(util-linux)
 # ipcmk (util-linux) makes the IPC objects an in-place reset must remove.

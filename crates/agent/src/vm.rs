@@ -3,8 +3,9 @@
 //! The kernel starts `/init` (this binary) from the initramfs dsec generates. Boot:
 //! 1. mount `/dev`, `/proc`, `/sys`; load the virtio modules listed in `/modules/order`
 //!    (Debian's kernels build virtio as modules);
-//! 2. mount the template's root image (`/dev/vda`, ext4, read-only) under a writable overlay
-//!    whose upper layer is a tmpfs sized by the disk quota; switch root onto it;
+//! 2. mount the template's root image (squashfs, read-only) under a writable overlay whose
+//!    upper layer is the VM's own disk (ext4, labelled `dsec-upper`; a tmpfs sized by the disk
+//!    quota without one); switch root onto it;
 //! 3. open the virtio-serial port named [`PORT_NAME`] and serve the same framed protocol as in
 //!    a container, one host connection at a time.
 //!
@@ -34,8 +35,6 @@ use crate::reaper::Reaper;
 pub const PORT_NAME: &str = "dsec.agent";
 /// Environment variable (from the kernel command line `dsec_vm=1`) that selects guest mode.
 pub const VM_ENV: &str = "dsec_vm";
-/// Label of the template's root image.
-const ROOT_LABEL: &str = "dsec-root";
 /// Label of the writable layer's disk.
 const UPPER_LABEL: &str = "dsec-upper";
 /// Environment variable with the initial writable-layer size in bytes (tmpfs fallback).
@@ -134,6 +133,15 @@ fn ext4_label(dev: &Path) -> Option<String> {
     let name = &sb[120..136];
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
     Some(String::from_utf8_lossy(&name[..end]).into_owned())
+}
+
+/// The filesystem type of the root image on `dev`: squashfs (magic `hsqs` at offset 0).
+fn root_fs_type(dev: &Path) -> Option<&'static str> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(dev).ok()?;
+    let mut magic = [0u8; 4];
+    f.read_exact_at(&mut magic, 0).ok()?;
+    (&magic == b"hsqs").then_some("squashfs")
 }
 
 /// The guest kernel's count of OOM kills (`oom_kill` in `/proc/vmstat`).
@@ -249,21 +257,23 @@ fn boot() -> anyhow::Result<Guest> {
     )?;
     load_modules(Path::new("/modules"))?;
     // Two disks: the template's root image and the writable layer's. Which one the kernel
-    // named vda depends on probe order: tell them apart by their ext4 labels.
+    // named vda depends on probe order: the writable layer's is the ext4 labelled dsec-upper.
     wait_for(Path::new("/dev/vda"))?;
     let second = Path::new("/dev/vdb");
     let t0 = Instant::now();
     while !second.exists() && t0.elapsed() < Duration::from_secs(2) {
         std::thread::sleep(Duration::from_millis(1));
     }
-    let (root, upper_dev) = if ext4_label(second).as_deref() == Some(ROOT_LABEL) {
+    let (root, upper_dev) = if ext4_label(Path::new("/dev/vda")).as_deref() == Some(UPPER_LABEL) {
         ("/dev/vdb", Some("/dev/vda"))
     } else if second.exists() {
         ("/dev/vda", Some("/dev/vdb"))
     } else {
         ("/dev/vda", None)
     };
-    mount(root, "/lower", "ext4", MS_RDONLY, "")?;
+    let fstype = root_fs_type(Path::new(root))
+        .with_context(|| format!("{root} holds no squashfs root image"))?;
+    mount(root, "/lower", fstype, MS_RDONLY, "")?;
     let upper_disk = match upper_dev {
         Some(dev) if ext4_label(Path::new(dev)).as_deref() == Some(UPPER_LABEL) => {
             mount(dev, "/upper", "ext4", MS_NOSUID | MS_NODEV, "")?;

@@ -118,6 +118,13 @@ enum VmCmd {
         #[arg(long, default_value = "512M", value_parser = units::parse_bytes)]
         memory: u64,
     },
+    /// Remove every VM cache entry (snapshot, root image, initramfs) no process uses, and
+    /// entries of earlier formats; prints what went and the bytes freed as JSON.
+    Gc {
+        /// Also remove the least recently used entries until the cache holds at most this.
+        #[arg(long, value_parser = units::parse_bytes)]
+        max_bytes: Option<u64>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -186,6 +193,10 @@ struct ServerArgs {
     /// the `code-runner` template of scripts/build-code-runner-template.sh.
     #[arg(long, default_value = "host")]
     run_template: String,
+    /// Bound on the VM cache (DSEC_VM_CACHE, default /var/cache/dsec/vm) on disk: past it the
+    /// least recently used entries no VM uses are removed (besides those unused for 24 h).
+    #[arg(long, env = "DSEC_VM_CACHE_MAX_BYTES", value_parser = units::parse_bytes)]
+    vm_cache_max_bytes: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -310,11 +321,36 @@ fn parse_substrate(s: &str) -> Result<Substrate, String> {
 }
 
 fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
-    let VmCmd::Prepare {
-        template,
-        substrates,
-        memory,
-    } = cmd;
+    match cmd {
+        VmCmd::Prepare {
+            template,
+            substrates,
+            memory,
+        } => vm_prepare(cli, template, substrates, *memory),
+        VmCmd::Gc { max_bytes } => {
+            let cache = ContainerRuntime::vm_cache_dir();
+            let report = dsec_node::vm::gc_unused(&cache, *max_bytes)
+                .with_context(|| format!("garbage-collect {}", cache.display()))?;
+            let out = serde_json::json!({
+                "cache": cache,
+                "bytes_freed": report.bytes_freed,
+                "removed": report.removed,
+                "kept": report.kept,
+                "kept_bytes": report.kept_bytes,
+                "in_use": report.in_use,
+            });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn vm_prepare(
+    cli: &Cli,
+    template: &str,
+    substrates: &[String],
+    memory: u64,
+) -> anyhow::Result<ExitCode> {
     let kinds: Vec<Substrate> = if substrates.is_empty() {
         vec![Substrate::Microvm, Substrate::Vm]
     } else {
@@ -338,16 +374,17 @@ fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
     for kind in kinds {
         let t0 = std::time::Instant::now();
         let spec = SandboxSpec {
-            template: template.clone(),
+            template: template.to_owned(),
             substrate: kind,
             limits: Limits {
-                memory_max: *memory,
+                memory_max: memory,
                 ..Limits::default()
             },
             ..SandboxSpec::default()
         };
+        let progress = output::PhaseReport::new(kind.name());
         let (vms, snap) = rt
-            .vm_snapshot(&spec)
+            .vm_snapshot_observed(&spec, &|e| progress.event(e))
             .with_context(|| format!("prepare {}", kind.name()))?;
         out.push(serde_json::json!({
             "substrate": kind.name(),
@@ -360,6 +397,7 @@ fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
             "boot_ms": snap.boot_ms,
             "save_ms": snap.save_ms,
             "took_ms": t0.elapsed().as_millis() as u64,
+            "cache": vms.cache_dir(),
         }));
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
@@ -401,6 +439,14 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         ..SandboxSpec::default()
     };
     let rt = runtime(cli)?;
+    if spec.substrate.is_vm() {
+        // The first VM of a host prepares its template (a minute or more): say so as it goes.
+        let report = output::PhaseReport::new(spec.substrate.name());
+        rt.set_vm_settings(dsec_node::container::VmSettings {
+            cache_max_bytes: None,
+            observer: Some(std::sync::Arc::new(move |_: &str, e| report.event(e))),
+        });
+    }
     let (mut sb, _) = rt.create(&spec).context("create sandbox")?;
     let mut req = ExecRequest::argv(args.command.clone());
     req.timeout_ms = Some(args.timeout);
@@ -640,6 +686,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
             }
         },
         shutdown_sandboxes: args.shutdown_sandboxes,
+        vm_cache_max_bytes: args.vm_cache_max_bytes,
     };
     let key_file = cli.data_dir.join("admin.key");
     dsec_node::server::run(cfg, move |addr, key| {

@@ -132,9 +132,85 @@ pub fn age(created: &str) -> String {
     }
 }
 
+/// Prints the phases of a VM preparation on stderr as they happen: a line per phase, and on a
+/// terminal a progress bar for the long ones.
+pub struct PhaseReport {
+    what: String,
+    tty: bool,
+    /// Last percentage drawn.
+    drawn: std::sync::Mutex<Option<u64>>,
+}
+
+impl PhaseReport {
+    /// For the preparation of `what` (a substrate name).
+    pub fn new(what: &str) -> Self {
+        use std::io::IsTerminal as _;
+        Self {
+            what: what.to_owned(),
+            tty: std::io::stderr().is_terminal(),
+            drawn: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Reports `e`.
+    pub fn event(&self, e: dsec_node::vm::Event) {
+        use dsec_node::vm::Event;
+        let mut drawn = self.drawn.lock().unwrap_or_else(|p| p.into_inner());
+        let line = match e {
+            Event::Start(p) => {
+                *drawn = None;
+                format!("{}: {} ...", self.what, p.name())
+            }
+            Event::Progress(p, f) => {
+                let pct = (f.clamp(0.0, 1.0) * 100.0) as u64;
+                if !self.tty || *drawn == Some(pct) {
+                    return;
+                }
+                *drawn = Some(pct);
+                format!("{}: {} {} {pct:>3}%", self.what, p.name(), bar(f, 30))
+            }
+            Event::Done(p, took) => {
+                *drawn = None;
+                format!(
+                    "{}: {} done in {:.1} s",
+                    self.what,
+                    p.name(),
+                    took.as_secs_f64()
+                )
+            }
+        };
+        let mut err = std::io::stderr().lock();
+        let _ = if self.tty {
+            // Redraw the current line; a phase's end leaves it.
+            let end = if matches!(e, Event::Done(..)) {
+                "\n"
+            } else {
+                ""
+            };
+            write!(err, "\r{line}\x1b[K{end}")
+        } else {
+            writeln!(err, "{line}")
+        };
+        let _ = err.flush();
+    }
+}
+
+/// A text progress bar `[#####.....]` of `width` cells for `fraction` done.
+fn bar(fraction: f64, width: usize) -> String {
+    let full = ((fraction.clamp(0.0, 1.0) * width as f64) as usize).min(width);
+    format!("[{}{}]", "#".repeat(full), ".".repeat(width - full))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_bar() {
+        assert_eq!(bar(0.0, 4), "[....]");
+        assert_eq!(bar(0.5, 4), "[##..]");
+        assert_eq!(bar(1.5, 4), "[####]");
+    }
 
     #[test]
     fn times() {

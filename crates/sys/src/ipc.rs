@@ -220,6 +220,45 @@ impl PidFd {
         poll_readable(self.fd.as_fd_borrowed(), timeout)
     }
 
+    /// Reaps the process if it is an exited child of the caller (`waitid(P_PIDFD, WNOHANG)`):
+    /// a child that exits stays a zombie in the process table until its parent waits for it,
+    /// and polling the pidfd does not wait. Returns whether a zombie was collected; a process
+    /// that is not the caller's child (adopted after a restart) or still runs is left alone.
+    pub fn reap(&self) -> io::Result<bool> {
+        // SAFETY: zeroed siginfo is a valid out-buffer for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        loop {
+            // SAFETY: valid pidfd and out-pointer.
+            let rc = unsafe {
+                libc::waitid(
+                    libc::P_PIDFD,
+                    self.fd.as_raw_fd() as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG,
+                )
+            };
+            if rc == 0 {
+                // SAFETY: waitid filled `info`; si_pid is 0 when nothing was collected.
+                return Ok(unsafe { info.si_pid() } != 0);
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::ECHILD) => return Ok(false),
+                _ => return Err(e),
+            }
+        }
+    }
+
+    /// Kills the process (`SIGKILL`), waits up to `timeout` for it to exit and reaps it when it
+    /// is the caller's child; returns whether it exited.
+    pub fn kill_and_reap(&self, timeout: Duration) -> bool {
+        let _ = self.signal(libc::SIGKILL);
+        let exited = self.wait_exit(timeout).unwrap_or(false);
+        let _ = self.reap();
+        exited
+    }
+
     /// Whether the process is still alive.
     pub fn is_alive(&self) -> bool {
         matches!(
@@ -430,5 +469,45 @@ mod tests {
         // End of stream is an empty message.
         drop(a);
         assert!(recv_msg(b.as_fd(), 64).expect("eof").0.is_empty());
+    }
+
+    fn state_of(pid: i32) -> Option<char> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(") ")?.1.chars().next()
+    }
+
+    #[test]
+    fn kill_and_reap_leaves_no_zombie() {
+        let child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .expect("spawn sleep");
+        let pid = child.id() as i32;
+        // Dropping std's handle neither kills nor waits: the pidfd is the only handle left.
+        drop(child);
+        let fd = PidFd::open(pid).expect("pidfd");
+        assert!(!fd.reap().expect("reap a running child"), "it still runs");
+        assert!(fd.kill_and_reap(Duration::from_secs(5)), "it exited");
+        assert_eq!(
+            state_of(pid),
+            None,
+            "pid {pid} is still in the process table"
+        );
+        // Once collected, nothing is left to reap.
+        assert!(!fd.reap().expect("reap again"));
+    }
+
+    #[test]
+    fn waiting_on_the_pidfd_alone_leaves_a_zombie() {
+        let child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let pid = child.id() as i32;
+        drop(child);
+        let fd = PidFd::open(pid).expect("pidfd");
+        assert!(fd.wait_exit(Duration::from_secs(5)).expect("wait"));
+        assert_eq!(state_of(pid), Some('Z'));
+        assert!(fd.reap().expect("reap"), "the zombie is collected");
+        assert_eq!(state_of(pid), None);
     }
 }

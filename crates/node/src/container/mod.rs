@@ -34,6 +34,7 @@ use proto::{ControlMsg, SupervisorMsg, MAX_MSG};
 
 pub use adopt::ORPHAN_CGROUP_GRACE;
 pub use create::{new_id, valid_id, Phases};
+pub use vmsub::VmSettings;
 
 /// Errors of the container runtime.
 #[derive(Debug, thiserror::Error)]
@@ -211,6 +212,8 @@ pub struct ContainerRuntime {
     favordynmods: bool,
     /// The VM substrates, started on first use.
     vms: Mutex<Option<Arc<crate::vm::VmRuntime>>>,
+    /// How the VM substrates are run (set before their first use).
+    vm_settings: Mutex<vmsub::VmSettings>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -292,6 +295,7 @@ impl ContainerRuntime {
             host_mask_src: mask_src,
             favordynmods,
             vms: Mutex::new(None),
+            vm_settings: Mutex::new(vmsub::VmSettings::default()),
         })
     }
 

@@ -39,6 +39,29 @@ const HOST_FINGERPRINT: &[&str] = &[
     "/opt",
 ];
 
+/// Told of every VM preparation step with the template it is for.
+pub type VmObserver = Arc<dyn Fn(&str, vm::Event) + Send + Sync>;
+
+/// How the VM substrates of a node are run: the cache's size bound and who hears about
+/// preparations (the server logs them).
+#[derive(Default, Clone)]
+pub struct VmSettings {
+    /// Bound on the VM cache's size on disk (least recently used entries go first).
+    pub cache_max_bytes: Option<u64>,
+    /// Told of every preparation step (kernel, initramfs, root image, template boot) with the
+    /// template it is for.
+    pub observer: Option<VmObserver>,
+}
+
+impl std::fmt::Debug for VmSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmSettings")
+            .field("cache_max_bytes", &self.cache_max_bytes)
+            .field("observer", &self.observer.is_some())
+            .finish()
+    }
+}
+
 /// What a VM sandbox needs to be restored again (reset).
 #[derive(Debug)]
 pub(crate) struct VmBinding {
@@ -87,19 +110,47 @@ fn mask_fingerprint(mask: &std::path::Path) -> String {
 }
 
 impl ContainerRuntime {
+    /// Sets how the VM substrates are run; takes effect when they start (first use).
+    pub fn set_vm_settings(&self, settings: VmSettings) {
+        *self.vm_settings.lock().unwrap_or_else(|p| p.into_inner()) = settings;
+    }
+
+    fn vm_settings(&self) -> VmSettings {
+        self.vm_settings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The VM cache directory (`DSEC_VM_CACHE`, or the default).
+    pub fn vm_cache_dir() -> std::path::PathBuf {
+        std::env::var_os(vm::CACHE_ENV)
+            .map_or_else(|| vm::DEFAULT_CACHE.into(), std::path::PathBuf::from)
+    }
+
     /// The VM substrates, started (QEMU installed, guest kernel prepared — from Debian's
     /// packages, cached) on first use.
     pub fn vms(&self) -> Result<Arc<VmRuntime>, RuntimeError> {
+        let settings = self.vm_settings();
+        let observe = |e: vm::Event| {
+            if let Some(o) = &settings.observer {
+                o("-", e);
+            }
+        };
+        self.vms_observed(&observe)
+    }
+
+    fn vms_observed(&self, observe: vm::Observer<'_>) -> Result<Arc<VmRuntime>, RuntimeError> {
         let mut g = self.vms.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = g.as_ref() {
             return Ok(Arc::clone(v));
         }
-        let cache = std::env::var_os(vm::CACHE_ENV)
-            .map_or_else(|| vm::DEFAULT_CACHE.into(), std::path::PathBuf::from);
         let rt = VmRuntime::start(
-            cache,
+            Self::vm_cache_dir(),
             self.cfg.run_dir.join("sandboxes"),
             self.cfg.agent_bin.clone(),
+            self.vm_settings().cache_max_bytes,
+            observe,
         )
         .map_err(vm_err("-"))?;
         let rt = Arc::new(rt);
@@ -174,6 +225,43 @@ impl ContainerRuntime {
         &self,
         spec: &SandboxSpec,
     ) -> Result<(Arc<VmRuntime>, Arc<Snapshot>), RuntimeError> {
+        let settings = self.vm_settings();
+        let observe = |e: vm::Event| {
+            if let Some(o) = &settings.observer {
+                o(&spec.template, e);
+            }
+        };
+        self.vm_snapshot_observed(spec, &observe)
+    }
+
+    /// Whether a VM sandbox of `spec` is a restore of a snapshot this node has loaded (no
+    /// preparation: kernel, images and template boot are done).
+    pub fn vm_snapshot_loaded(&self, spec: &SandboxSpec) -> bool {
+        let Some(rt) = self.vms_started() else {
+            return false;
+        };
+        self.snapshot_key(spec).is_ok_and(|key| rt.is_loaded(&key))
+    }
+
+    /// [`Self::vm_snapshot`], telling `observe` of each preparation step as it happens.
+    pub fn vm_snapshot_observed(
+        &self,
+        spec: &SandboxSpec,
+        observe: vm::Observer<'_>,
+    ) -> Result<(Arc<VmRuntime>, Arc<Snapshot>), RuntimeError> {
+        let rt = self.vms_observed(observe)?;
+        let key = self.snapshot_key(spec)?;
+        let snap = match rt.loaded(&key) {
+            Some(snap) => snap,
+            None => {
+                let root = self.template_root(&spec.template)?;
+                rt.snapshot(&key, &root, observe).map_err(vm_err("-"))?
+            }
+        };
+        Ok((rt, snap))
+    }
+
+    fn snapshot_key(&self, spec: &SandboxSpec) -> Result<SnapshotKey, RuntimeError> {
         let kind = match spec.substrate {
             Substrate::Microvm => VmKind::Microvm,
             Substrate::Vm => VmKind::Vm,
@@ -181,7 +269,6 @@ impl ContainerRuntime {
                 return Err(RuntimeError::Invalid("not a VM substrate".into()));
             }
         };
-        let rt = self.vms()?;
         let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         let default_cpus = if kind == VmKind::Vm { 2 } else { 1 };
         let vcpus = spec
@@ -189,22 +276,14 @@ impl ContainerRuntime {
             .cpu_max
             .map_or(default_cpus, |c| c.ceil() as u32)
             .clamp(1, host_cpus.max(1));
-        let key = SnapshotKey {
+        Ok(SnapshotKey {
             kind,
             template: spec.template.clone(),
             memory_mib: (spec.limits.memory_max >> 20).clamp(128, 64 << 10),
             vcpus,
             disk_mib: spec.limits.disk_bytes.div_ceil(1 << 20).clamp(16, 1 << 20),
             disk_inodes: spec.limits.disk_inodes.clamp(1024, 1 << 26),
-        };
-        let snap = match rt.loaded(&key) {
-            Some(snap) => snap,
-            None => {
-                let root = self.template_root(&spec.template)?;
-                rt.snapshot(&key, &root).map_err(vm_err("-"))?
-            }
-        };
-        Ok((rt, snap))
+        })
     }
 
     /// Creates a VM sandbox by restoring its template's snapshot.
@@ -406,8 +485,7 @@ impl Sandbox {
         let Some(b) = self.vm.as_ref() else {
             return Err(RuntimeError::Invalid("not a VM sandbox".into()));
         };
-        let _ = self.sup.signal(9);
-        let _ = self.sup.wait_exit(Duration::from_secs(5));
+        vm::kill(&self.sup);
         let (sup, agent) = start_vm(&b.rt, &self.id, &b.snap, &b.cgroup, &self.spec, &b.env)?;
         self.init_pid = sup.pid();
         self.sup = sup;
@@ -417,8 +495,7 @@ impl Sandbox {
 
     /// Destroys a VM sandbox: QEMU, cgroup, run directory.
     pub(crate) fn destroy_vm(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
-        let _ = self.sup.signal(9);
-        let _ = self.sup.wait_exit(Duration::from_secs(5));
+        vm::kill(&self.sup);
         if let Some(b) = self.vm.take() {
             let _ = b.cgroup.kill_all();
             let _ = b.cgroup.remove();

@@ -750,6 +750,7 @@ impl App {
                         error: None,
                         idem: None,
                         secret_env: Vec::new(),
+                        phase: None,
                     };
                     fill(&mut rec);
                     let e = Entry::new(rec, None);
@@ -815,6 +816,20 @@ impl App {
         failpoint("create:before_launch");
         let id = e.id.clone();
         let pooled = e.record().tenant.is_none();
+        // A VM whose snapshot is not made yet waits for the node to make it (a minute or more
+        // the first time on a host): shown as the `preparing` phase while it does.
+        let preparing = spec.substrate.is_vm() && {
+            let (rt, spec) = (Arc::clone(&rt), spec.clone());
+            !tokio::task::spawn_blocking(move || rt.vm_snapshot_loaded(&spec))
+                .await
+                .unwrap_or(false)
+        };
+        if preparing {
+            self.update(e, |r| {
+                r.phase = Some("preparing".into());
+                Ok(())
+            })?;
+        }
         let made = tokio::task::spawn_blocking(move || {
             failpoint("create:launching");
             let mut made = rt.create_with_id(&id, &spec);
@@ -825,6 +840,12 @@ impl App {
         })
         .await
         .map_err(|err| ApiError::internal(err.to_string()))?;
+        if preparing {
+            self.update(e, |r| {
+                r.phase = None;
+                Ok(())
+            })?;
+        }
         match made {
             Ok((mut sb, phases)) => {
                 failpoint("create:after_launch");
@@ -1126,6 +1147,7 @@ impl App {
             error: None,
             idem: None,
             secret_env: Vec::new(),
+            phase: None,
         };
         self.store.put_sandbox(&rec, now_ms())?;
         let e = Entry::new(rec, None);

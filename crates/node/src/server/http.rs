@@ -487,6 +487,7 @@ pub fn view(r: &SandboxRecord) -> Value {
         "version": r.version,
         "pooled": r.pooled,
         "error": r.error,
+        "phase": r.phase,
     })
 }
 

@@ -62,6 +62,8 @@ pub struct ServerConfig {
     /// On SIGTERM/SIGINT, after the drain, destroy every sandbox of the node (every tenant's,
     /// the pools', the runner's) instead of leaving them running for the next start to adopt.
     pub shutdown_sandboxes: bool,
+    /// Bound on the VM cache's size on disk (least recently used unused entries go first).
+    pub vm_cache_max_bytes: Option<u64>,
 }
 
 /// A failure to start or run the daemon.
@@ -76,6 +78,26 @@ pub enum ServerError {
     /// Something else.
     #[error("{0}")]
     Other(String),
+}
+
+/// Logs a VM preparation step (a create that must fetch the kernel, build images or boot a
+/// template says so: the first VM create of a host takes a minute or more).
+fn log_vm_preparation(template: &str, e: crate::vm::Event) {
+    match e {
+        crate::vm::Event::Start(p) => log::info(
+            "vm: preparing",
+            &[("template", template), ("phase", p.name())],
+        ),
+        crate::vm::Event::Done(p, took) => log::info(
+            "vm: prepared",
+            &[
+                ("template", template),
+                ("phase", p.name()),
+                ("took_ms", &took.as_millis().to_string()),
+            ],
+        ),
+        crate::vm::Event::Progress(..) => {}
+    }
 }
 
 /// Runs the daemon until SIGTERM/SIGINT; `on_ready` receives the bound address (and the
@@ -106,6 +128,10 @@ async fn serve(
     let runtime = tokio::task::spawn_blocking(move || ContainerRuntime::start(runtime_cfg))
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
+    runtime.set_vm_settings(crate::container::VmSettings {
+        cache_max_bytes: cfg.vm_cache_max_bytes,
+        observer: Some(std::sync::Arc::new(log_vm_preparation)),
+    });
     let traj_dir = cfg.runtime.data_dir.join("trajectories");
     let patterns = cfg.redact_patterns.clone();
     let retention = cfg.log_retention;

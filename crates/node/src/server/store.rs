@@ -88,6 +88,10 @@ pub struct SandboxRecord {
     /// Names of `env` entries whose values are secret (masked in the trajectory log).
     #[serde(default)]
     pub secret_env: Vec<String>,
+    /// What a `creating` sandbox waits for: `preparing` while the node makes the VM snapshot
+    /// it is restored from (kernel, images, template boot: once per host and template).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
 }
 
 /// A stored outcome of an idempotent request.
@@ -491,6 +495,7 @@ mod tests {
             error: None,
             idem: Some(format!("key-{id}")),
             secret_env: Vec::new(),
+            phase: None,
         }
     }
 

@@ -12,25 +12,24 @@
 //! - an **initramfs** ([`build_initramfs`]): an uncompressed newc cpio archive with the dsec
 //!   agent as `/init` and the few kernel modules it loads (virtio transports, block, console,
 //!   rng, overlayfs) plus their dependencies, in load order.
-//! - a **root image** ([`build_root_image`]): a template's merged filesystem (its layers, or
-//!   the host's `/` under the host mask) as an ext4 image that guests use read-only, under an
-//!   overlay of their own.
+//! - a **root image** ([`super::rootfs`]): a template's merged filesystem (its layers, or
+//!   the host's `/` under the host mask) as a compressed squashfs image that guests use
+//!   read-only, under an overlay of their own;
+//! - the **writable layer's disk** ([`build_upper_image`]): an empty ext4 filesystem per
+//!   snapshot, each VM's private copy-on-write overlay of it.
 //!
 //! Everything is written atomically (a temporary file or directory next to the target, then
 //! a rename), so a crash never leaves a half-built artifact under its final name.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::ffi::OsString;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io::{self, BufWriter, Read, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
-
-use crate::template::unpack::{is_opaque, is_whiteout};
 
 /// Errors of guest image preparation.
 #[derive(Debug, thiserror::Error)]
@@ -100,9 +99,9 @@ pub enum ImageError {
         /// What is wrong with it.
         reason: String,
     },
-    /// QEMU is still missing after installing its package.
+    /// A tool (QEMU, mksquashfs) is still missing after installing its package.
     #[error("{binary} not found after installing {package}")]
-    QemuMissing {
+    ToolMissing {
         /// The binary looked for.
         binary: &'static str,
         /// The Debian package installed.
@@ -110,7 +109,7 @@ pub enum ImageError {
     },
 }
 
-fn io_err(op: &'static str, path: &Path, source: io::Error) -> ImageError {
+pub(super) fn io_err(op: &'static str, path: &Path, source: io::Error) -> ImageError {
     ImageError::Io {
         op,
         path: path.to_path_buf(),
@@ -751,6 +750,7 @@ pub const MICROVM_MODULES: &[&str] = &[
     "virtio_blk",
     "virtio_console",
     "overlay",
+    "squashfs",
     "virtio_rng",
 ];
 
@@ -763,6 +763,7 @@ pub const VM_MODULES: &[&str] = &[
     "virtio_blk",
     "virtio_console",
     "overlay",
+    "squashfs",
     "virtio_rng",
     "virtio_pci",
 ];
@@ -1184,7 +1185,7 @@ pub fn build_initramfs(
 }
 
 /// The directory containing `path` (`.` for a bare file name).
-fn parent_dir(path: &Path) -> &Path {
+pub(super) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
@@ -1293,34 +1294,8 @@ impl<W: Write> CpioWriter<W> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Root image
+// Writable layer
 // ---------------------------------------------------------------------------------------------
-
-/// The filesystem a root image is built from.
-#[derive(Debug, Clone)]
-pub enum RootSource<'a> {
-    /// Template layer directories, lowest first, with overlayfs semantics: whiteouts
-    /// (character devices 0/0) hide lower entries, `trusted.overlay.opaque=y` directories
-    /// hide lower contents.
-    Layers(&'a [PathBuf]),
-    /// A ready overlayfs `lowerdir=` option value, topmost layer first, e.g. `<mask>:/` for
-    /// the host template.
-    Overlay {
-        /// The `lowerdir=` value (`:`-separated absolute paths, no escapes).
-        lowerdir: String,
-    },
-}
-
-/// Block size of root images.
-const ROOT_BLOCK: u64 = 4096;
-/// Inode size of root images (`mke2fs -I`).
-const ROOT_INODE_SIZE: u64 = 256;
-/// Free space added to the estimated size of a root image, besides 15%.
-const ROOT_SLACK: u64 = 256 << 20;
-/// Inodes added to the estimated count, besides 20%.
-const ROOT_SLACK_INODES: u64 = 10_000;
-/// Prefix of overlayfs's private xattrs, which never belong in an image.
-const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
 
 /// Makes the empty ext4 filesystem of a VM's writable layer at `out`: `bytes` large (sparse)
 /// with `inodes` inodes — the disk quota. Labelled `dsec-upper` (the guest tells its disks
@@ -1349,598 +1324,6 @@ pub fn build_upper_image(out: &Path, bytes: u64, inodes: u64) -> Result<(), Imag
     Ok(())
 }
 
-/// Builds a read-only-use ext4 image of `src` at `out`.
-///
-/// The merged view is mounted read-only with overlayfs in a private mount namespace
-/// (`unshare --mount`: every mount disappears with the process, even on a crash) and copied
-/// into a new filesystem by `mke2fs -d`. overlayfs does the merging, so whiteouts and opaque
-/// directories behave exactly as in a container, and its private xattrs are not shown.
-/// Three overlayfs quirks are handled before mounting:
-///
-/// - a lone lower layer cannot be mounted without an upper one: an empty directory is
-///   added at the bottom;
-/// - lower layers nested in one another on one filesystem are refused (`ELOOP`): the
-///   nested ones (e.g. the host mask, above `/`) are copied into a tmpfs first;
-/// - a directory present in only one layer is listed straight from it, so its whiteouts
-///   (meaningless there, but they occur) show as entries that cannot be `lstat`ed and make
-///   `mke2fs` fail: such directories get a copy (attributes only) in an extra top layer,
-///   which makes overlayfs merge and filter them.
-///
-/// The size is estimated up front (mke2fs needs it) by walking the merged view as overlayfs
-/// would show it (whiteouts, opaque directories, no crossing into other mounts: see
-/// [`MergeScan`]), so hidden trees of a layer (the host's `/work`, caches…) do not count:
-/// the bytes used by the merged view plus 15% and 256 MiB, its inodes plus 20% and 10000,
-/// and the inode table; the file is sparse. The
-/// image is built next to `out` and renamed; `out` must not be visible in the source (for
-/// the host's `/`, build it in a directory the mask hides). The image is mode 0600 (the host
-/// template's holds host files). Needs root.
-pub fn build_root_image(src: RootSource<'_>, out: &Path) -> Result<(), ImageError> {
-    let mut lowers = match src {
-        RootSource::Layers(layers) => layers
-            .iter()
-            .rev()
-            .map(|path| Lower::new(path))
-            .collect::<Result<Vec<_>, _>>()?,
-        RootSource::Overlay { lowerdir } => lowerdir
-            .split(':')
-            .map(|path| Lower::new(Path::new(path)))
-            .collect::<Result<Vec<_>, _>>()?,
-    };
-    if lowers.is_empty() {
-        return Err(ImageError::InvalidSource {
-            path: out.to_path_buf(),
-            reason: "no layers".into(),
-        });
-    }
-
-    let MergeScan { usage, fixup, .. } = MergeScan::run(&lowers)?;
-    let parent = parent_dir(out);
-    let work = tempfile::Builder::new()
-        .prefix(".dsec-root-")
-        .tempdir_in(parent)
-        .map_err(|e| io_err("create temp dir in", parent, e))?;
-    let work_path = canonical(work.path())?;
-    if !fixup.is_empty() {
-        let layer = work_path.join("fixup");
-        build_fixup_layer(&layer, &fixup)?;
-        lowers.insert(0, Lower::new(&layer)?);
-    }
-
-    let (bytes, inodes) = image_size(usage);
-
-    let image = tempfile::Builder::new()
-        .prefix(".dsec-root-")
-        .suffix(".img.tmp")
-        .tempfile_in(parent)
-        .map_err(|e| io_err("create temp file in", parent, e))?;
-    image
-        .as_file()
-        .set_len(bytes)
-        .map_err(|e| io_err("truncate", image.path(), e))?;
-    let image_path = canonical(image.path())?;
-
-    let plan = BuildPlan {
-        lowers: &lowers,
-        mnt: work_path.join("mnt"),
-        image: image_path,
-        guards: vec![work_path.clone()],
-        size_kib: bytes / 1024,
-        inodes,
-    };
-    fs::create_dir(&plan.mnt).map_err(|e| io_err("create dir", &plan.mnt, e))?;
-    let script = plan.script()?;
-    run_described(
-        Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
-            .arg(&script),
-        format!(
-            "unshare --mount -- sh -c <mount overlay, mke2fs -d> (for {})",
-            out.display()
-        ),
-    )?;
-
-    image
-        .as_file()
-        .sync_all()
-        .map_err(|e| io_err("sync", image.path(), e))?;
-    image
-        .persist(out)
-        .map_err(|e| io_err("rename into place", out, e.error))?;
-    Ok(())
-}
-
-/// The size (bytes, a multiple of the block size) and inode count of an image for contents
-/// using `usage`: 15% and 256 MiB more space, 20% and 10000 more inodes, plus the inode table.
-fn image_size(usage: Usage) -> (u64, u64) {
-    let inodes = usage.inodes + usage.inodes / 5 + ROOT_SLACK_INODES;
-    let bytes = usage.bytes + usage.bytes * 15 / 100 + ROOT_SLACK + inodes * ROOT_INODE_SIZE;
-    (bytes.div_ceil(ROOT_BLOCK) * ROOT_BLOCK, inodes)
-}
-
-/// One lower layer of a merged view.
-struct Lower {
-    /// Canonical path.
-    path: PathBuf,
-    /// Device of `path`.
-    dev: u64,
-}
-
-impl Lower {
-    fn new(path: &Path) -> Result<Self, ImageError> {
-        let invalid = |reason: &str| ImageError::InvalidSource {
-            path: path.to_path_buf(),
-            reason: reason.into(),
-        };
-        if !path.is_absolute() {
-            return Err(invalid("not an absolute path"));
-        }
-        let canonical = canonical(path)?;
-        let meta = fs::metadata(&canonical).map_err(|e| io_err("stat", &canonical, e))?;
-        if !meta.is_dir() {
-            return Err(invalid("not a directory"));
-        }
-        check_option_path(&canonical)?;
-        Ok(Self {
-            path: canonical,
-            dev: meta.dev(),
-        })
-    }
-
-    /// Whether the directory `path` (with metadata `meta`) in this layer belongs to the
-    /// layer's own filesystem and mount: overlayfs does not cross mount points inside a
-    /// layer (it shows the directory underneath), bind mounts of the same filesystem
-    /// included.
-    fn same_mount(&self, path: &Path, meta: &fs::Metadata) -> bool {
-        use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
-        if meta.dev() != self.dev {
-            return false;
-        }
-        // Without statx (Linux < 4.11) or STATX_ATTR_MOUNT_ROOT (< 5.8) only `st_dev` tells.
-        match rustix::fs::statx(
-            rustix::fs::CWD,
-            path,
-            AtFlags::SYMLINK_NOFOLLOW,
-            StatxFlags::BASIC_STATS,
-        ) {
-            Ok(stx) => {
-                !(stx
-                    .stx_attributes_mask
-                    .contains(StatxAttributes::MOUNT_ROOT)
-                    && stx.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
-            }
-            Err(_) => true,
-        }
-    }
-}
-
-/// `fs::canonicalize` with a typed error.
-fn canonical(path: &Path) -> Result<PathBuf, ImageError> {
-    fs::canonicalize(path).map_err(|e| io_err("resolve", path, e))
-}
-
-/// Fails unless `path` can appear in a mount option and a shell script unescaped.
-fn check_option_path(path: &Path) -> Result<&str, ImageError> {
-    let text = path.to_str().filter(|t| {
-        !t.chars()
-            .any(|c| matches!(c, ':' | ',' | '\\') || c.is_control())
-    });
-    text.ok_or_else(|| ImageError::InvalidSource {
-        path: path.to_path_buf(),
-        reason: "paths in an overlayfs lowerdir must be UTF-8 without ':', ',', '\\' or \
-                 control characters"
-            .into(),
-    })
-}
-
-/// Space used by a filesystem tree, as far as an ext4 image of it is concerned.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-struct Usage {
-    bytes: u64,
-    inodes: u64,
-}
-
-/// A walk of the merged view of lower layers (topmost first), simulating overlayfs lookup,
-/// to size an image of it.
-///
-/// Each directory of each layer is listed once and its entries `lstat`ed once. Whiteouts
-/// and opaque directories hide what is below them, and directories that are mount points
-/// inside a layer are not entered (overlayfs shows the directory underneath, usually
-/// empty), so whatever a layer holds but the merged view does not show (the host's `/work`
-/// under the host mask, `/proc`…) is not counted. A live filesystem (the host's `/`) may
-/// change during the walk: entries that disappear are skipped.
-struct MergeScan<'a> {
-    lowers: &'a [Lower],
-    /// Estimated use of the merged view.
-    usage: Usage,
-    /// (device, inode) of hard-linked files already counted.
-    seen: HashSet<(u64, u64)>,
-    /// Directories (relative paths, `""` for the root) to recreate in the fix-up layer,
-    /// with the directory whose attributes they must copy (the topmost one, which overlayfs
-    /// shows).
-    fixup: BTreeMap<PathBuf, PathBuf>,
-}
-
-/// An entry of a merged directory in one layer: the layer's index and the entry's metadata.
-type Found = (usize, fs::Metadata);
-
-impl<'a> MergeScan<'a> {
-    fn run(lowers: &'a [Lower]) -> Result<Self, ImageError> {
-        let mut scan = Self {
-            lowers,
-            usage: Usage::default(),
-            seen: HashSet::new(),
-            fixup: BTreeMap::new(),
-        };
-        let all: Vec<usize> = (0..lowers.len()).collect();
-        let mut ancestors = Vec::new();
-        scan.dir(Path::new(""), &all, &mut ancestors)?;
-        Ok(scan)
-    }
-
-    /// Scans the merged directory `rel`, made of the directories `rel` in the layers
-    /// `layers` (topmost first). `ancestors` are the merged directories above it, with the
-    /// directory overlayfs takes their attributes from.
-    fn dir(
-        &mut self,
-        rel: &Path,
-        layers: &[usize],
-        ancestors: &mut Vec<(PathBuf, PathBuf)>,
-    ) -> Result<(), ImageError> {
-        let lowers = self.lowers;
-        let Some(top) = layers.first().and_then(|&i| lowers.get(i)) else {
-            return Ok(());
-        };
-        ancestors.push((rel.to_path_buf(), top.path.join(rel)));
-        // Name → its entries in the layers that have it, topmost first.
-        let mut names = BTreeMap::<OsString, Vec<Found>>::new();
-        let mut whiteouts = false;
-        for &i in layers {
-            let Some(lower) = lowers.get(i) else {
-                continue;
-            };
-            let dir = lower.path.join(rel);
-            let entries = match fs::read_dir(&dir) {
-                Ok(entries) => entries,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io_err("read dir", &dir, e)),
-            };
-            for entry in entries {
-                let entry = entry.map_err(|e| io_err("read dir", &dir, e))?;
-                let meta = match entry.metadata() {
-                    Ok(meta) => meta,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(io_err("stat", &entry.path(), e)),
-                };
-                whiteouts |= is_whiteout(&meta);
-                names.entry(entry.file_name()).or_default().push((i, meta));
-            }
-        }
-        if layers.len() == 1 && whiteouts {
-            // Listed straight from its only layer: the whiteouts would show.
-            for (dir, source) in ancestors.iter() {
-                self.fixup.insert(dir.clone(), source.clone());
-            }
-        }
-        self.count_dir();
-        for (name, found) in &names {
-            self.usage.bytes += (8 + name.len() as u64).div_ceil(4) * 4;
-            self.entry(&rel.join(name), found, ancestors)?;
-        }
-        ancestors.pop();
-        Ok(())
-    }
-
-    /// Resolves `rel` from its entries `found` in the layers of its parent (topmost first)
-    /// as overlayfs does: the topmost entry wins; directories merge down to an opaque one, a
-    /// whiteout or a non-directory.
-    fn entry(
-        &mut self,
-        rel: &Path,
-        found: &[Found],
-        ancestors: &mut Vec<(PathBuf, PathBuf)>,
-    ) -> Result<(), ImageError> {
-        let lowers = self.lowers;
-        let mut dirs = Vec::new();
-        // A mount point seen in a layer: overlayfs shows the directory underneath.
-        let mut mount_point = false;
-        for (n, (i, meta)) in found.iter().enumerate() {
-            let Some(lower) = lowers.get(*i) else {
-                continue;
-            };
-            if is_whiteout(meta) {
-                break;
-            }
-            let path = lower.path.join(rel);
-            if meta.is_dir() {
-                if !lower.same_mount(&path, meta) {
-                    mount_point = true;
-                    continue;
-                }
-                dirs.push(*i);
-                // An opaque directory matters only with layers below it.
-                if n + 1 < found.len() && is_opaque(&path) {
-                    break;
-                }
-                continue;
-            }
-            if dirs.is_empty() && !mount_point {
-                self.count_file(&path, meta);
-            }
-            break;
-        }
-        if !dirs.is_empty() {
-            self.dir(rel, &dirs, ancestors)?;
-        } else if mount_point {
-            self.count_dir();
-        }
-        Ok(())
-    }
-
-    /// Counts an (empty) directory; its entries are counted by [`Self::dir`].
-    fn count_dir(&mut self) {
-        self.usage.inodes += 1;
-        self.usage.bytes += ROOT_BLOCK;
-    }
-
-    fn count_file(&mut self, path: &Path, meta: &fs::Metadata) {
-        if meta.nlink() > 1 && !self.seen.insert((meta.dev(), meta.ino())) {
-            return;
-        }
-        self.usage.inodes += 1;
-        let file_type = meta.file_type();
-        if file_type.is_file() {
-            self.usage.bytes += file_data_bytes(path, meta);
-        } else if file_type.is_symlink() && meta.len() >= 60 {
-            // Shorter targets are stored in the inode.
-            self.usage.bytes += ROOT_BLOCK;
-        }
-    }
-}
-
-/// The space the regular file `path` takes in an image: its size in whole blocks, or, if it
-/// has holes, its data ranges in whole blocks (`mke2fs -d` keeps holes, so a sparse file of
-/// terabytes like `/var/log/lastlog` needs no space).
-fn file_data_bytes(path: &Path, meta: &fs::Metadata) -> u64 {
-    let size = meta.len().div_ceil(ROOT_BLOCK) * ROOT_BLOCK;
-    if meta.blocks() * 512 >= size {
-        return size;
-    }
-    // Fewer blocks than its size: sparse, compressed or inline. Only holes are subtracted.
-    data_ranges_bytes(path, meta.len()).map_or(size, |data| data.min(size))
-}
-
-/// The total size of the data ranges (`SEEK_DATA`/`SEEK_HOLE`) of the first `len` bytes of
-/// the file `path`, each rounded out to whole blocks; `None` if they cannot be listed.
-fn data_ranges_bytes(path: &Path, len: u64) -> Option<u64> {
-    use rustix::fs::SeekFrom;
-    let file = fs::File::open(path).ok()?;
-    let mut total = 0;
-    let mut pos = 0;
-    while pos < len {
-        let start = match rustix::fs::seek(&file, SeekFrom::Data(pos)) {
-            Ok(start) => start,
-            Err(rustix::io::Errno::NXIO) => break,
-            Err(_) => return None,
-        };
-        let end = rustix::fs::seek(&file, SeekFrom::Hole(start))
-            .ok()?
-            .min(len);
-        if end <= start {
-            break;
-        }
-        total += end.div_ceil(ROOT_BLOCK) * ROOT_BLOCK - start / ROOT_BLOCK * ROOT_BLOCK;
-        pos = end;
-    }
-    Some(total)
-}
-
-/// Creates the fix-up layer at `root`: the directories `dirs` (relative path → directory to
-/// copy mode, owner, times and xattrs from), nothing else. Not opaque, it changes no
-/// contents; it only makes overlayfs merge (and filter) those directories.
-fn build_fixup_layer(root: &Path, dirs: &BTreeMap<PathBuf, PathBuf>) -> Result<(), ImageError> {
-    // Sorted, so parents come first; times are set last, deepest first, because creating
-    // an entry changes its parent's mtime.
-    for rel in dirs.keys() {
-        let path = root.join(rel);
-        fs::create_dir_all(&path).map_err(|e| io_err("create dir", &path, e))?;
-    }
-    for (rel, source) in dirs.iter().rev() {
-        copy_dir_attributes(source, &root.join(rel))?;
-    }
-    Ok(())
-}
-
-/// Copies mode, owner, xattrs (but overlayfs's own) and times of directory `src` to `dst`.
-fn copy_dir_attributes(src: &Path, dst: &Path) -> Result<(), ImageError> {
-    let meta = fs::symlink_metadata(src).map_err(|e| io_err("stat", src, e))?;
-    std::os::unix::fs::lchown(dst, Some(meta.uid()), Some(meta.gid()))
-        .map_err(|e| io_err("chown", dst, e))?;
-    fs::set_permissions(dst, fs::Permissions::from_mode(meta.mode() & 0o7777))
-        .map_err(|e| io_err("chmod", dst, e))?;
-    for name in xattr_names(src)? {
-        if name.starts_with(OVERLAY_XATTR_PREFIX) {
-            continue;
-        }
-        let name = String::from_utf8_lossy(&name).into_owned();
-        let mut value = vec![0u8; 64 * 1024];
-        let len = rustix::fs::lgetxattr(src, name.as_str(), &mut value[..])
-            .map_err(|e| io_err("get xattr", src, e.into()))?;
-        value.truncate(len);
-        rustix::fs::lsetxattr(dst, name.as_str(), &value, rustix::fs::XattrFlags::empty())
-            .map_err(|e| io_err("set xattr", dst, e.into()))?;
-    }
-    let times = rustix::fs::Timestamps {
-        last_access: rustix::fs::Timespec {
-            tv_sec: meta.atime(),
-            tv_nsec: meta.atime_nsec(),
-        },
-        last_modification: rustix::fs::Timespec {
-            tv_sec: meta.mtime(),
-            tv_nsec: meta.mtime_nsec(),
-        },
-    };
-    rustix::fs::utimensat(
-        rustix::fs::CWD,
-        dst,
-        &times,
-        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
-    )
-    .map_err(|e| io_err("set times", dst, e.into()))
-}
-
-/// The names of the xattrs of `path` (not following symlinks).
-fn xattr_names(path: &Path) -> Result<Vec<Vec<u8>>, ImageError> {
-    let mut buf = vec![0u8; 64 * 1024];
-    let len = match rustix::fs::llistxattr(path, &mut buf[..]) {
-        Ok(len) => len,
-        Err(rustix::io::Errno::NOTSUP) => 0,
-        Err(e) => return Err(io_err("list xattrs", path, e.into())),
-    };
-    Ok(buf
-        .get(..len)
-        .unwrap_or_default()
-        .split(|&b| b == 0)
-        .filter(|n| !n.is_empty())
-        .map(<[u8]>::to_vec)
-        .collect())
-}
-
-/// What the build script run in the private mount namespace does.
-struct BuildPlan<'a> {
-    /// The lower layers, topmost first.
-    lowers: &'a [Lower],
-    /// Where the tmpfs holding the merged mount point and staged layers is mounted.
-    mnt: PathBuf,
-    /// The image file to fill.
-    image: PathBuf,
-    /// Paths that must not be visible in the merged view (the work directory, next to the
-    /// image): if they are, the image would contain itself.
-    guards: Vec<PathBuf>,
-    size_kib: u64,
-    inodes: u64,
-}
-
-impl BuildPlan<'_> {
-    /// The shell script: mount a tmpfs at `mnt`, copy the nested layers into it, mount the
-    /// merged view, check the guards, run mke2fs.
-    fn script(&self) -> Result<String, ImageError> {
-        let mnt = check_option_path(&self.mnt)?;
-        let image = self
-            .image
-            .to_str()
-            .ok_or_else(|| ImageError::InvalidSource {
-                path: self.image.clone(),
-                reason: "not UTF-8".into(),
-            })?;
-        let merged = format!("{mnt}/merged");
-        let mut script = String::from("set -eu\n");
-        let mut lowerdir = Vec::new();
-        let mut stage = Vec::new();
-        let mut stage_bytes = 0;
-        for (i, lower) in self.lowers.iter().enumerate() {
-            let nested = self.lowers.iter().enumerate().any(|(j, other)| {
-                j != i && other.dev == lower.dev && lower.path.starts_with(&other.path)
-            });
-            if nested {
-                let copy = format!("{mnt}/stage/{i}");
-                stage_bytes += tree_usage(&lower.path)?.bytes;
-                stage.push(format!(
-                    "cp -a {} {}\n",
-                    sh_quote(check_option_path(&lower.path)?),
-                    sh_quote(&copy)
-                ));
-                lowerdir.push(copy);
-            } else {
-                lowerdir.push(check_option_path(&lower.path)?.to_string());
-            }
-        }
-        if lowerdir.len() == 1 {
-            // overlayfs needs two lower layers when there is no upper one.
-            lowerdir.push(format!("{mnt}/empty"));
-        }
-        let tmpfs_kib = (stage_bytes + (16 << 20)) / 1024;
-        script.push_str(&format!(
-            "mount -t tmpfs -o size={tmpfs_kib}k,mode=0700 dsec-root {}\n",
-            sh_quote(mnt)
-        ));
-        script.push_str(&format!(
-            "mkdir {} {} {}\n",
-            sh_quote(&merged),
-            sh_quote(&format!("{mnt}/empty")),
-            sh_quote(&format!("{mnt}/stage"))
-        ));
-        script.extend(stage);
-        script.push_str(&format!(
-            "mount -t overlay overlay -o {} {}\n",
-            sh_quote(&format!("ro,lowerdir={}", lowerdir.join(":"))),
-            sh_quote(&merged)
-        ));
-        for guard in &self.guards {
-            for lower in self.lowers {
-                if let Ok(rel) = guard.strip_prefix(&lower.path) {
-                    let seen = format!("{merged}/{}", rel.to_string_lossy());
-                    script.push_str(&format!(
-                        "if [ -e {q} ] || [ -L {q} ]; then echo {msg} >&2; exit 3; fi\n",
-                        q = sh_quote(&seen),
-                        msg = sh_quote(&format!(
-                            "{} is visible in the image source (the image would contain \
-                             itself): build it in a directory the source hides",
-                            guard.display()
-                        )),
-                    ));
-                }
-            }
-        }
-        script.push_str(&format!(
-            "mke2fs -q -F -t ext4 -b {ROOT_BLOCK} -I {ROOT_INODE_SIZE} -m 0 -O ^has_journal -L dsec-root \
-             -N {} -E root_owner=0:0 -d {} {} {}k\n",
-            self.inodes,
-            sh_quote(&merged),
-            sh_quote(image),
-            self.size_kib
-        ));
-        Ok(script)
-    }
-}
-
-/// `s` quoted for the shell.
-fn sh_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
-/// The usage of the tree at `path` (one filesystem, each hard-linked file once), as tmpfs
-/// or ext4 pages.
-fn tree_usage(path: &Path) -> Result<Usage, ImageError> {
-    fn walk(
-        path: &Path,
-        dev: u64,
-        usage: &mut Usage,
-        seen: &mut HashSet<(u64, u64)>,
-    ) -> Result<(), ImageError> {
-        let meta = fs::symlink_metadata(path).map_err(|e| io_err("stat", path, e))?;
-        if meta.dev() != dev
-            || (meta.nlink() > 1 && !meta.is_dir() && !seen.insert((dev, meta.ino())))
-        {
-            return Ok(());
-        }
-        usage.inodes += 1;
-        usage.bytes += meta.len().div_ceil(ROOT_BLOCK).max(1) * ROOT_BLOCK;
-        if meta.is_dir() {
-            for entry in fs::read_dir(path).map_err(|e| io_err("read dir", path, e))? {
-                let entry = entry.map_err(|e| io_err("read dir", path, e))?;
-                walk(&entry.path(), dev, usage, seen)?;
-            }
-        }
-        Ok(())
-    }
-    let dev = fs::symlink_metadata(path)
-        .map_err(|e| io_err("stat", path, e))?
-        .dev();
-    let mut usage = Usage::default();
-    walk(path, dev, &mut usage, &mut HashSet::new())?;
-    Ok(usage)
-}
-
 /// A name for a cached image built from `parts` (template id, kernel version, format
 /// version…): the sha256 hex of the parts joined with NUL bytes.
 pub fn image_key(parts: &[&str]) -> String {
@@ -1966,17 +1349,17 @@ const QEMU_PACKAGE: &str = "qemu-system-x86";
 /// The path of `qemu-system-x86_64`, installing Debian's `qemu-system-x86` (without
 /// recommends: no GUI stack) when it is missing.
 pub fn ensure_qemu() -> Result<PathBuf, ImageError> {
-    if let Some(path) = find_executable(QEMU_BINARY) {
+    ensure_tool(QEMU_BINARY, QEMU_PACKAGE)
+}
+
+/// The path of the executable `binary`, installing the Debian package `package` (without
+/// recommends) when it is missing.
+pub fn ensure_tool(binary: &'static str, package: &'static str) -> Result<PathBuf, ImageError> {
+    if let Some(path) = find_executable(binary) {
         return Ok(path);
     }
-    apt_get(
-        &["install", "-y", "--no-install-recommends", QEMU_PACKAGE],
-        None,
-    )?;
-    find_executable(QEMU_BINARY).ok_or(ImageError::QemuMissing {
-        binary: QEMU_BINARY,
-        package: QEMU_PACKAGE,
-    })
+    apt_get(&["install", "-y", "--no-install-recommends", package], None)?;
+    find_executable(binary).ok_or(ImageError::ToolMissing { binary, package })
 }
 
 /// The first executable file `name` in `$PATH` or the standard binary directories (a
@@ -2132,6 +1515,7 @@ kernel/drivers/block/virtio_blk.ko: kernel/drivers/virtio/virtio_ring.ko kernel/
 kernel/drivers/char/hw_random/virtio-rng.ko: kernel/drivers/char/hw_random/rng-core.ko kernel/drivers/virtio/virtio_ring.ko kernel/drivers/virtio/virtio.ko
 kernel/drivers/char/hw_random/rng-core.ko:
 kernel/fs/overlayfs/overlay.ko:
+kernel/fs/squashfs/squashfs.ko:
 ";
 
     /// A fake kernel: modules directory with [`FAKE_DEP`], module files, `modules.builtin`.
@@ -2258,6 +1642,7 @@ kernel/fs/overlayfs/overlay.ko:
                 "virtio_mmio.ko",
                 "virtio_blk.ko",
                 "overlay.ko",
+                "squashfs.ko",
                 "rng-core.ko",
                 "virtio-rng.ko"
             ]
@@ -2553,321 +1938,6 @@ kernel/fs/overlayfs/overlay.ko:
         assert!(end.starts_with('…'));
         assert!(end.len() <= STDERR_TAIL + 4);
         assert_eq!(tail(b"  short\n"), "short");
-    }
-
-    #[test]
-    fn option_paths_are_checked() {
-        assert!(check_option_path(Path::new("/a/b c")).is_ok());
-        for bad in ["/a:b", "/a,b", "/a\\b", "/a\nb"] {
-            assert!(check_option_path(Path::new(bad)).is_err(), "{bad}");
-        }
-        assert_eq!(sh_quote("it's"), r"'it'\''s'");
-    }
-
-    #[test]
-    fn merged_view_size_estimate() -> anyhow::Result<()> {
-        const MIB: u64 = 1 << 20;
-        let dir = tempfile::tempdir()?;
-        let base = dir.path().join("base");
-        let top = dir.path().join("top");
-        for d in ["etc", "usr/lib", "var"] {
-            fs::create_dir_all(base.join(d))?;
-        }
-        fs::write(base.join("etc/passwd"), "root:x:0:0\n")?;
-        fs::hard_link(base.join("etc/passwd"), base.join("usr/passwd"))?;
-        fs::write(base.join("usr/lib/big"), vec![7u8; 8 << 20])?;
-        // 1 GiB apparent, one block of data.
-        let sparse = fs::File::create(base.join("var/sparse"))?;
-        sparse.set_len(1 << 30)?;
-        std::os::unix::fs::FileExt::write_all_at(&sparse, b"data", 512 << 20)?;
-        drop(sparse);
-        std::os::unix::fs::symlink("x".repeat(100), base.join("var/long-link"))?;
-        for d in ["etc", "usr/lib"] {
-            fs::create_dir_all(top.join(d))?;
-        }
-        fs::write(top.join("etc/hostname"), "sandbox\n")?;
-        whiteout(&top.join("usr/lib/big"))?;
-        whiteout(&top.join("var"))?;
-
-        let scan = |layers: &[&Path]| -> anyhow::Result<Usage> {
-            let lowers = layers
-                .iter()
-                .map(|p| Lower::new(p))
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(MergeScan::run(&lowers)?.usage)
-        };
-
-        // Alone, the base counts its big file, the data of its sparse file, a hard-linked
-        // file once: dirs /, etc, usr, usr/lib, var + passwd, big, sparse, long-link.
-        let alone = scan(&[&base])?;
-        assert_eq!(alone.inodes, 9, "{alone:?}");
-        assert!(alone.bytes >= (8 << 20) + 2 * ROOT_BLOCK, "{alone:?}");
-        assert!(
-            alone.bytes < 9 * MIB,
-            "the sparse file's holes count: {alone:?}"
-        );
-
-        // Under the top layer, the whiteouts hide the big file and all of var; the hidden
-        // entries of the base do not count: dirs /, etc, usr, usr/lib + passwd, hostname.
-        let merged = scan(&[&top, &base])?;
-        assert_eq!(merged.inodes, 6, "{merged:?}");
-        assert!(merged.bytes < MIB, "hidden files count: {merged:?}");
-        assert_eq!(scan(&[&top])?.inodes, 5, "whiteouts are not counted");
-
-        let (bytes, inodes) = image_size(merged);
-        assert_eq!(bytes % ROOT_BLOCK, 0);
-        assert!(bytes >= ROOT_SLACK + merged.bytes && bytes < ROOT_SLACK + 8 * MIB);
-        assert_eq!(
-            inodes,
-            merged.inodes + merged.inodes / 5 + ROOT_SLACK_INODES
-        );
-
-        if !rustix::process::geteuid().is_root() {
-            eprintln!("opaque directories skipped: needs root for trusted xattrs");
-            return Ok(());
-        }
-        // An opaque directory hides what is below it.
-        fs::create_dir_all(top.join("etc2"))?;
-        fs::create_dir_all(base.join("etc2"))?;
-        fs::write(base.join("etc2/big"), vec![1u8; 4 << 20])?;
-        assert!(scan(&[&top, &base])?.bytes > 4 * MIB);
-        opaque(&top.join("etc2"))?;
-        let hidden = scan(&[&top, &base])?;
-        assert_eq!(hidden.inodes, 7, "{hidden:?}");
-        assert!(hidden.bytes < MIB, "{hidden:?}");
-        Ok(())
-    }
-
-    // -- Root images: these need root, unshare, mke2fs and debugfs. --
-
-    /// The root-image tests need root and these tools (the test command installs them); a
-    /// machine without them fails the tests instead of skipping them.
-    fn require_image_tools() {
-        assert!(
-            rustix::process::geteuid().is_root(),
-            "the root-image tests need root"
-        );
-        for tool in ["unshare", "mke2fs", "debugfs", "mount"] {
-            assert!(
-                find_executable(tool).is_some()
-                    || Path::new("/usr/sbin").join(tool).exists()
-                    || Path::new("/sbin").join(tool).exists(),
-                "the root-image tests need {tool} (scripts/test.sh installs it)"
-            );
-        }
-    }
-
-    /// `debugfs -R <request> <image>` output.
-    fn debugfs(image: &Path, request: &str) -> anyhow::Result<String> {
-        let out = run(Command::new("debugfs").arg("-R").arg(request).arg(image))?;
-        Ok(String::from_utf8(out.stdout)?)
-    }
-
-    /// The entries of `dir` in `image`: name → (mode, size), without `.` and `..`.
-    fn image_dir(image: &Path, dir: &str) -> anyhow::Result<BTreeMap<String, (u32, u64)>> {
-        // `ls -p` lines: /inode/mode/uid/gid/name/size/
-        let mut entries = BTreeMap::new();
-        for line in debugfs(image, &format!("ls -p {dir}"))?.lines() {
-            let fields: Vec<&str> = line.split('/').collect();
-            if fields.len() < 7 || fields[5] == "." || fields[5] == ".." {
-                continue;
-            }
-            let mode = u32::from_str_radix(fields[2], 8)?;
-            let size = fields[6].parse().unwrap_or(0);
-            entries.insert(fields[5].to_string(), (mode, size));
-        }
-        Ok(entries)
-    }
-
-    fn keys(map: &BTreeMap<String, (u32, u64)>) -> Vec<&str> {
-        map.keys().map(String::as_str).collect()
-    }
-
-    fn whiteout(path: &Path) -> anyhow::Result<()> {
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            path,
-            rustix::fs::FileType::CharacterDevice,
-            rustix::fs::Mode::from_raw_mode(0),
-            0,
-        )?;
-        Ok(())
-    }
-
-    fn opaque(path: &Path) -> anyhow::Result<()> {
-        rustix::fs::lsetxattr(
-            path,
-            crate::template::unpack::OPAQUE_XATTR,
-            b"y",
-            rustix::fs::XattrFlags::empty(),
-        )?;
-        Ok(())
-    }
-
-    #[test]
-    fn root_image_from_layers() -> anyhow::Result<()> {
-        require_image_tools();
-        let dir = tempfile::tempdir()?;
-        let base = dir.path().join("base");
-        let top = dir.path().join("top");
-        for d in ["etc", "opaque", "usr/lib"] {
-            fs::create_dir_all(base.join(d))?;
-        }
-        fs::write(base.join("etc/passwd"), "root:x:0:0\n")?;
-        fs::write(base.join("etc/gone"), "deleted above")?;
-        fs::write(base.join("opaque/hidden"), "hidden by an opaque dir")?;
-        fs::write(base.join("usr/lib/big"), vec![7u8; 100_000])?;
-        fs::hard_link(base.join("usr/lib/big"), base.join("usr/lib/big-link"))?;
-        std::os::unix::fs::symlink("../etc/passwd", base.join("usr/passwd-link"))?;
-        whiteout(&base.join("meaningless"))?; // in the lowest layer: hidden all the same
-        for d in ["etc", "opaque", "newdir/sub"] {
-            fs::create_dir_all(top.join(d))?;
-        }
-        whiteout(&top.join("etc/gone"))?;
-        fs::write(top.join("etc/hostname"), "sandbox\n")?;
-        opaque(&top.join("opaque"))?;
-        fs::write(top.join("opaque/visible"), "only this")?;
-        // A directory only in this layer with a (meaningless) whiteout: overlayfs would list it.
-        whiteout(&top.join("newdir/sub/phantom"))?;
-        fs::write(top.join("newdir/sub/real"), "real")?;
-        fs::set_permissions(top.join("newdir"), fs::Permissions::from_mode(0o750))?;
-        std::os::unix::fs::lchown(top.join("newdir"), Some(1234), Some(5678))?;
-
-        let out_dir = dir.path().join("images");
-        fs::create_dir(&out_dir)?;
-        let out = out_dir.join("root.img");
-        build_root_image(RootSource::Layers(&[base.clone(), top.clone()]), &out)?;
-
-        assert_eq!(
-            fs::read_dir(&out_dir)?.count(),
-            1,
-            "no temporary files left"
-        );
-        let meta = fs::metadata(&out)?;
-        assert!(meta.len() >= ROOT_SLACK);
-        assert!(meta.blocks() * 512 < meta.len() / 4, "the image is sparse");
-
-        let root = image_dir(&out, "/")?;
-        assert_eq!(
-            keys(&root),
-            ["etc", "lost+found", "newdir", "opaque", "usr"]
-        );
-        assert_eq!(keys(&image_dir(&out, "/etc")?), ["hostname", "passwd"]);
-        assert_eq!(keys(&image_dir(&out, "/opaque")?), ["visible"]);
-        assert_eq!(keys(&image_dir(&out, "/newdir/sub")?), ["real"]);
-        let newdir = debugfs(&out, "stat /newdir")?;
-        assert!(newdir.contains("Mode:  0750"), "{newdir}");
-        assert!(newdir.contains("User:  1234"), "{newdir}");
-        assert!(newdir.contains("Group:  5678"), "{newdir}");
-        let lib = image_dir(&out, "/usr/lib")?;
-        assert_eq!(lib["big"].1, 100_000);
-        let links = debugfs(&out, "stat /usr/lib/big")?;
-        assert!(links.contains("Links: 2"), "hard links are kept: {links}");
-        let link = image_dir(&out, "/usr")?;
-        assert_eq!(link["passwd-link"].0 & 0o170_000, 0o120_000);
-        // No overlayfs xattr leaked.
-        let xattrs = debugfs(&out, "ea_list /opaque")?;
-        assert!(!xattrs.contains("overlay"), "{xattrs}");
-        Ok(())
-    }
-
-    #[test]
-    fn root_image_from_one_layer_and_nested_lowerdir() -> anyhow::Result<()> {
-        require_image_tools();
-        let dir = tempfile::tempdir()?;
-        let layer = dir.path().join("layer");
-        fs::create_dir_all(layer.join("bin"))?;
-        fs::write(layer.join("bin/sh"), "#!")?;
-        whiteout(&layer.join("bin/stale"))?;
-        let out_dir = dir.path().join("images");
-        fs::create_dir(&out_dir)?;
-
-        let single = out_dir.join("single.img");
-        build_root_image(RootSource::Layers(std::slice::from_ref(&layer)), &single)?;
-        assert_eq!(keys(&image_dir(&single, "/")?), ["bin", "lost+found"]);
-        assert_eq!(keys(&image_dir(&single, "/bin")?), ["sh"]);
-
-        // A mask layer inside the layer below it (like the host mask inside `/`): overlayfs
-        // refuses that (ELOOP), so the mask is staged on a tmpfs.
-        let mask = layer.join("mask");
-        fs::create_dir_all(mask.join("bin"))?;
-        whiteout(&mask.join("bin/sh"))?;
-        whiteout(&mask.join("mask"))?;
-        let lowerdir = format!("{}:{}", mask.display(), layer.display());
-        let nested = out_dir.join("nested.img");
-        build_root_image(RootSource::Overlay { lowerdir }, &nested)?;
-        assert_eq!(keys(&image_dir(&nested, "/")?), ["bin", "lost+found"]);
-        assert!(image_dir(&nested, "/bin")?.is_empty());
-
-        // An image whose temporary files would be visible in its own source is refused.
-        let inside = layer.join("inside.img");
-        let err = build_root_image(RootSource::Layers(std::slice::from_ref(&layer)), &inside);
-        assert!(
-            matches!(&err, Err(ImageError::Command { stderr, .. }) if stderr.contains("visible")),
-            "{err:?}"
-        );
-        assert!(!inside.exists());
-        assert_eq!(
-            fs::read_dir(&layer)?.count(),
-            2,
-            "temporary files are removed"
-        );
-
-        let err = build_root_image(
-            RootSource::Overlay {
-                lowerdir: "relative".into(),
-            },
-            &nested,
-        );
-        assert!(
-            matches!(err, Err(ImageError::InvalidSource { .. })),
-            "{err:?}"
-        );
-        Ok(())
-    }
-
-    /// Builds the host template's root image (`<mask>:/`, a few GB) at
-    /// `$DSEC_DEV_HOST_IMAGE`, whose directory must be hidden by the mask (e.g. under
-    /// `/var/cache`): `DSEC_DEV_HOST_IMAGE=/var/cache/dsec-dev/vm/host-root.img cargo test -p
-    /// dsec-node --lib vm::image -- --ignored --nocapture`.
-    #[test]
-    #[ignore = "builds an image of the host's /; set DSEC_DEV_HOST_IMAGE"]
-    fn real_host_root_image() -> anyhow::Result<()> {
-        let Some(out) = std::env::var_os("DSEC_DEV_HOST_IMAGE") else {
-            eprintln!("skipped: DSEC_DEV_HOST_IMAGE is not set");
-            return Ok(());
-        };
-        let out = PathBuf::from(out);
-        let data_dir = parent_dir(&out).join("host-data");
-        fs::create_dir_all(&data_dir)?;
-        let mask = crate::template::host_mask_layer(&data_dir, &[])?;
-        let start = std::time::Instant::now();
-        let lowers = [Lower::new(&mask)?, Lower::new(Path::new("/"))?];
-        let usage = MergeScan::run(&lowers)?.usage;
-        eprintln!(
-            "merged view: {usage:?}, image {:?}, scanned in {:?}",
-            image_size(usage),
-            start.elapsed()
-        );
-        let start = std::time::Instant::now();
-        let lowerdir = format!("{}:/", mask.display());
-        build_root_image(RootSource::Overlay { lowerdir }, &out)?;
-        let meta = fs::metadata(&out)?;
-        eprintln!(
-            "{}: {} bytes ({} allocated) in {:?}",
-            out.display(),
-            meta.len(),
-            meta.blocks() * 512,
-            start.elapsed()
-        );
-        assert!(!image_dir(&out, "/etc")?.contains_key("shadow"));
-        assert!(image_dir(&out, "/etc")?.contains_key("passwd"));
-        assert!(image_dir(&out, "/root")?.is_empty());
-        assert!(image_dir(&out, "/var/cache")?.is_empty());
-        let top = image_dir(&out, "/")?;
-        eprintln!("/: {:?}", keys(&top));
-        assert_eq!(top["tmp"].0, 0o041_777);
-        Ok(())
     }
 
     /// Prepares the real kernel and initramfs into `$DSEC_DEV_VM_CACHE` (downloads from the

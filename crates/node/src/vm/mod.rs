@@ -13,8 +13,10 @@
 //! them (kernel, initramfs, root image, QEMU version, machine, memory, vCPUs), so a restarted
 //! node reuses them. Reset = restore the snapshot again into a new QEMU.
 
+pub mod cache;
 pub mod image;
 pub mod qemu;
+pub mod rootfs;
 
 use std::collections::HashMap;
 use std::fs;
@@ -30,8 +32,10 @@ use dsec_sys::ipc::PidFd;
 use serde_json::json;
 
 use crate::agent_client::{AgentConn, AgentError};
-use image::{ImageError, Kernel, RootSource};
+use cache::{touch, GcPolicy, GcReport};
+use image::{ImageError, Kernel};
 use qemu::{Accel, Machine, Qmp, VmArgs, AGENT_SOCK, QMP_SOCK};
+use rootfs::{RootSource, ROOT_FORMAT, ROOT_SUFFIX};
 
 /// Name of the agent's virtio-serial port (the agent looks for it by name).
 pub const PORT_NAME: &str = "dsec.agent";
@@ -47,7 +51,60 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long a restore may take.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Version of the snapshot recipe; bump to invalidate cached snapshots.
-const SNAPSHOT_FORMAT: &str = "1";
+const SNAPSHOT_FORMAT: &str = "2";
+/// How long an unused cache entry (snapshot, initramfs, root image) is kept by a running node.
+pub const CACHE_MAX_IDLE: Duration = Duration::from_secs(24 * 3600);
+
+/// A step of preparing VM sandboxes that can take long (once per host, template and shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Fetching and unpacking Debian's guest kernel (once per host and kernel version).
+    Kernel,
+    /// Building the initramfs (the agent and the kernel modules it loads).
+    Initramfs,
+    /// Building the template's read-only root image (once per content).
+    RootImage,
+    /// Booting the template to agent-ready and saving its snapshot.
+    TemplateBoot,
+}
+
+impl Phase {
+    /// Name in logs and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Kernel => "kernel",
+            Phase::Initramfs => "initramfs",
+            Phase::RootImage => "root image",
+            Phase::TemplateBoot => "template boot",
+        }
+    }
+}
+
+/// What a preparation reports as it goes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event {
+    /// A phase started.
+    Start(Phase),
+    /// Fraction (0.0–1.0) of a long phase done.
+    Progress(Phase, f64),
+    /// A phase ended after this long.
+    Done(Phase, Duration),
+}
+
+/// Receives the [`Event`]s of a preparation.
+pub type Observer<'a> = &'a (dyn Fn(Event) + Sync);
+
+/// An observer that ignores everything.
+pub fn unobserved(_: Event) {}
+
+/// Runs `f` as phase `p`, telling `observe`.
+fn phase<T>(observe: Observer<'_>, p: Phase, f: impl FnOnce() -> T) -> T {
+    observe(Event::Start(p));
+    let t0 = Instant::now();
+    let out = f();
+    observe(Event::Done(p, t0.elapsed()));
+    out
+}
 
 /// Everything that can go wrong with a VM.
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +202,9 @@ pub struct Snapshot {
     pub boot_ms: u64,
     /// Milliseconds saving the snapshot took (0 when loaded from the cache).
     pub save_ms: u64,
+    /// The snapshot's state file, root image and initramfs, held open while the snapshot is
+    /// loaded: an open file marks its cache entry in use ([`cache::open_entries`]).
+    _held: Vec<fs::File>,
 }
 
 impl Snapshot {
@@ -199,6 +259,7 @@ pub struct VmRuntime {
     agent: PathBuf,
     snapshots: Mutex<HashMap<SnapshotKey, Arc<Snapshot>>>,
     build: Mutex<()>,
+    max_bytes: Option<u64>,
 }
 
 /// Detects the accelerator: `DSEC_VM_ACCEL` when set; otherwise KVM only when `/dev/kvm`
@@ -255,8 +316,15 @@ fn tsc_params() -> String {
 
 impl VmRuntime {
     /// Prepares QEMU and the guest kernel (from Debian's packages, cached in `cache`), and the
-    /// run directory for QEMU processes. `agent` is the static `dsec-agent` binary.
-    pub fn start(cache: PathBuf, run_base: PathBuf, agent: PathBuf) -> Result<Self, VmError> {
+    /// run directory for QEMU processes. `agent` is the static `dsec-agent` binary; the cache
+    /// is kept under `max_bytes` when given ([`VmRuntime::gc`]).
+    pub fn start(
+        cache: PathBuf,
+        run_base: PathBuf,
+        agent: PathBuf,
+        max_bytes: Option<u64>,
+        observe: Observer<'_>,
+    ) -> Result<Self, VmError> {
         fs::create_dir_all(&cache).map_err(VmError::io("create the VM cache"))?;
         fs::create_dir_all(&run_base).map_err(VmError::io("create the VM run dir"))?;
         let qemu = image::ensure_qemu()?;
@@ -269,9 +337,8 @@ impl VmRuntime {
             .next()
             .unwrap_or_default()
             .to_string();
-        let kernel = image::prepare_kernel(&cache)?;
-        gc(&cache);
-        Ok(Self {
+        let kernel = phase(observe, Phase::Kernel, || image::prepare_kernel(&cache))?;
+        let rt = Self {
             qemu,
             qemu_version,
             cache,
@@ -281,7 +348,29 @@ impl VmRuntime {
             agent,
             snapshots: Mutex::new(HashMap::new()),
             build: Mutex::new(()),
-        })
+            max_bytes,
+        };
+        // At start only when no other node is building (the idle rule is not urgent).
+        if let Some(lock) = CacheLock::try_take(&rt.cache)? {
+            rt.gc_locked(&lock, Some(CACHE_MAX_IDLE));
+        }
+        Ok(rt)
+    }
+
+    /// The VM cache directory.
+    pub fn cache_dir(&self) -> &Path {
+        &self.cache
+    }
+
+    /// Removes the cache entries no process uses that are older than `max_idle`, and the least
+    /// recently used ones past the size bound (see [`cache`]); waits for a build in progress.
+    pub fn gc(&self, max_idle: Option<Duration>) -> Result<GcReport, VmError> {
+        let lock = CacheLock::take(&self.cache)?;
+        Ok(self.gc_locked(&lock, max_idle))
+    }
+
+    fn gc_locked(&self, _lock: &CacheLock, max_idle: Option<Duration>) -> GcReport {
+        gc_cache(&self.cache, max_idle, self.max_bytes)
     }
 
     /// The accelerator in use.
@@ -310,7 +399,7 @@ impl VmRuntime {
         self.run_base.join(id)
     }
 
-    fn initrd(&self, kind: VmKind) -> Result<PathBuf, VmError> {
+    fn initrd(&self, kind: VmKind, observe: Observer<'_>) -> Result<PathBuf, VmError> {
         let agent_digest = file_digest(&self.agent)?;
         let modules = match kind {
             VmKind::Microvm => image::MICROVM_MODULES,
@@ -325,43 +414,76 @@ impl VmRuntime {
         let out = self.cache.join("initrd").join(format!("{key}.cpio"));
         if out.exists() {
             touch(&out);
-        } else {
-            fs::create_dir_all(out.parent().unwrap_or(&self.cache))
-                .map_err(VmError::io("create the initrd dir"))?;
-            image::build_initramfs(&self.agent, &self.kernel, modules, &out)?;
+            return Ok(out);
+        }
+        fs::create_dir_all(out.parent().unwrap_or(&self.cache))
+            .map_err(VmError::io("create the initrd dir"))?;
+        let _lock = CacheLock::take(&self.cache)?;
+        if !out.exists() {
+            phase(observe, Phase::Initramfs, || {
+                image::build_initramfs(&self.agent, &self.kernel, modules, &out)
+            })?;
         }
         Ok(out)
     }
 
-    fn root_image(&self, root: &TemplateRoot) -> Result<PathBuf, VmError> {
-        let (name, source) = match root {
+    /// The root image of `root`: found through the pointer its source key left, else by the
+    /// content digest of a scan of its merged view, else built (see [`rootfs`]).
+    fn root_image(&self, root: &TemplateRoot, observe: Observer<'_>) -> Result<PathBuf, VmError> {
+        let (source_key, source) = match root {
             TemplateRoot::Host { lowerdir, key } => (
-                format!("host-{}.ext4", image::image_key(&["host", key])),
+                image::image_key(&["host", key, ROOT_FORMAT]),
                 RootSource::Overlay {
                     lowerdir: lowerdir.clone(),
                 },
             ),
             TemplateRoot::Layers { dirs, key } => (
-                format!("layers-{}.ext4", image::image_key(&["layers", key])),
+                image::image_key(&["layers", key, ROOT_FORMAT]),
                 RootSource::Layers(dirs),
             ),
         };
-        let dir = self.cache.join("root");
-        let out = dir.join(&name);
-        if out.exists() {
-            touch(&out);
-            return Ok(out);
+        let dir = self.cache.join("rootfs");
+        let pointer = dir.join(cache::POINTERS).join(&source_key);
+        let pointed = |dir: &Path| {
+            let name = fs::read_to_string(&pointer).ok()?;
+            let image = dir.join(name.trim());
+            (!name.trim().is_empty() && image.is_file()).then_some(image)
+        };
+        if let Some(image) = pointed(&dir) {
+            touch(&image);
+            return Ok(image);
         }
-        fs::create_dir_all(&dir).map_err(VmError::io("create the root image dir"))?;
+        fs::create_dir_all(dir.join(cache::POINTERS))
+            .map_err(VmError::io("create the root image dir"))?;
         // One build at a time per host: another node process may be building the same image.
-        let _lock = CacheLock::take(&self.cache)?;
-        gc(&self.cache);
-        // Older images of a changed host are not deleted here: another node process (another
-        // data dir, so another mask) may still use them; the idle-time GC removes them.
-        if !out.exists() {
-            image::build_root_image(source, &out)?;
+        let lock = CacheLock::take(&self.cache)?;
+        if let Some(image) = pointed(&dir) {
+            touch(&image);
+            return Ok(image);
         }
+        let scan = rootfs::scan_root(&source)?;
+        let name = format!("{}{ROOT_SUFFIX}", scan.digest());
+        let out = dir.join(&name);
+        if out.is_file() {
+            touch(&out);
+        } else {
+            self.gc_locked(&lock, Some(CACHE_MAX_IDLE));
+            phase(observe, Phase::RootImage, || {
+                rootfs::build_root_image(scan, &out, &mut |f| {
+                    observe(Event::Progress(Phase::RootImage, f));
+                })
+            })?;
+        }
+        let tmp = pointer.with_extension("tmp");
+        fs::write(&tmp, &name)
+            .and_then(|()| fs::rename(&tmp, &pointer))
+            .map_err(VmError::io("record the root image"))?;
         Ok(out)
+    }
+
+    /// Whether this process has the snapshot for `key` loaded.
+    pub fn is_loaded(&self, key: &SnapshotKey) -> bool {
+        lock(&self.snapshots).contains_key(key)
     }
 
     /// The snapshot for `key` if this process has it loaded already (the hot path of every
@@ -381,6 +503,7 @@ impl VmRuntime {
         &self,
         key: &SnapshotKey,
         root: &TemplateRoot,
+        observe: Observer<'_>,
     ) -> Result<Arc<Snapshot>, VmError> {
         if let Some(s) = self.loaded(key) {
             return Ok(s);
@@ -389,8 +512,8 @@ impl VmRuntime {
         if let Some(s) = lock(&self.snapshots).get(key) {
             return Ok(Arc::clone(s));
         }
-        let initrd = self.initrd(key.kind)?;
-        let root_image = self.root_image(root)?;
+        let initrd = self.initrd(key.kind, observe)?;
+        let root_image = self.root_image(root, observe)?;
         let mut cmdline = format!("console=ttyS0 quiet panic=-1 dsec_vm=1 {}", tsc_params());
         if key.kind == VmKind::Microvm {
             cmdline.push_str(" pci=off");
@@ -434,14 +557,21 @@ impl VmRuntime {
             cmdline,
             boot_ms: 0,
             save_ms: 0,
+            _held: Vec::new(),
         };
         if dir.join("complete").exists() {
             touch(&dir);
         } else {
             let _lock = CacheLock::take(&self.cache)?;
             if !dir.join("complete").exists() {
-                self.make_snapshot(&mut snap)?;
+                phase(observe, Phase::TemplateBoot, || {
+                    self.make_snapshot(&mut snap)
+                })?;
             }
+        }
+        for p in [snap.state(), snap.root_image.clone(), snap.initrd.clone()] {
+            snap._held
+                .push(fs::File::open(&p).map_err(VmError::io("open a snapshot file"))?);
         }
         let snap = Arc::new(snap);
         lock(&self.snapshots).insert(key.clone(), Arc::clone(&snap));
@@ -494,8 +624,8 @@ impl VmRuntime {
             .spawn()
             .map_err(VmError::io("start qemu"))?;
         let pid = child.id() as i32;
-        // The child is reaped through its pidfd by whoever destroys it; std's handle is not
-        // needed (dropping it neither kills nor waits).
+        // The child is killed and reaped through its pidfd ([`kill`]) by whoever destroys it;
+        // std's handle is not needed (dropping it neither kills nor waits).
         drop(child);
         PidFd::open(pid).map_err(VmError::io("pidfd of qemu"))
     }
@@ -537,8 +667,7 @@ impl VmRuntime {
             drop(agent);
             Ok(())
         })();
-        let _ = qemu.signal(9);
-        let _ = qemu.wait_exit(Duration::from_secs(5));
+        kill(&qemu);
         if let Err(e) = result {
             let log = fs::read_to_string(tmp.join("console.log")).unwrap_or_default();
             let qlog = fs::read_to_string(tmp.join("qemu.log")).unwrap_or_default();
@@ -552,6 +681,9 @@ impl VmRuntime {
         for f in [AGENT_SOCK, QMP_SOCK] {
             let _ = fs::remove_file(tmp.join(f));
         }
+        let deps = format!("{}\n{}\n", snap.initrd.display(), snap.root_image.display());
+        fs::write(tmp.join(cache::DEPS_FILE), deps)
+            .map_err(VmError::io("record the snapshot's images"))?;
         fs::write(tmp.join("complete"), format!("{}\n", snap.boot_ms))
             .map_err(VmError::io("mark the snapshot complete"))?;
         let _ = fs::remove_dir_all(&snap.dir);
@@ -633,10 +765,10 @@ pub fn identify(
     Ok(())
 }
 
-/// Kills a QEMU process and waits for it.
+/// Kills a QEMU process, waits for it and reaps it (a QEMU this process started is its child:
+/// unreaped, it would stay a zombie until the node exits).
 pub fn kill(qemu: &PidFd) {
-    let _ = qemu.signal(9);
-    let _ = qemu.wait_exit(Duration::from_secs(5));
+    qemu.kill_and_reap(Duration::from_secs(5));
 }
 
 /// The unprivileged user QEMU runs as once started: `nobody`, when the host has it.
@@ -654,6 +786,25 @@ struct CacheLock {
 }
 
 impl CacheLock {
+    /// The lock if no one else holds it.
+    fn try_take(cache: &Path) -> Result<Option<Self>, VmError> {
+        let f = Self::open(cache)?;
+        match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => Ok(Some(Self { _file: f })),
+            Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
+            Err(e) => Err(VmError::io("lock the VM cache")(e.into())),
+        }
+    }
+
+    fn open(cache: &Path) -> Result<fs::File, VmError> {
+        fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(cache.join("lock"))
+            .map_err(VmError::io("open the VM cache lock"))
+    }
+
     fn take(cache: &Path) -> Result<Self, VmError> {
         let f = fs::OpenOptions::new()
             .create(true)
@@ -667,43 +818,28 @@ impl CacheLock {
     }
 }
 
-/// Marks a cache entry used now ([`gc`] removes entries unused for [`CACHE_MAX_IDLE`]).
-fn touch(p: &Path) {
-    if let Ok(f) = fs::File::open(p) {
-        let _ = f.set_modified(SystemTime::now());
-    }
+/// Garbage-collects the VM cache at `cache` ([`cache::gc`]) for entries unused for `max_idle`
+/// and past `max_bytes`; the caller holds the cache lock.
+fn gc_cache(cache: &Path, max_idle: Option<Duration>, max_bytes: Option<u64>) -> GcReport {
+    let in_use = cache::open_entries(cache);
+    cache::gc(
+        cache,
+        &GcPolicy {
+            max_idle,
+            max_bytes,
+        },
+        &in_use,
+    )
 }
 
-/// How long an unused cache entry (snapshot, initramfs, root image) is kept.
-const CACHE_MAX_IDLE: Duration = Duration::from_secs(24 * 3600);
-
-/// Removes snapshots, initramfs images and root images unused for [`CACHE_MAX_IDLE`], and
-/// leftovers of interrupted builds older than a day.
-fn gc(cache: &Path) {
-    let now = SystemTime::now();
-    for sub in ["snap", "initrd", "root"] {
-        for e in fs::read_dir(cache.join(sub))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let Ok(meta) = e.metadata() else { continue };
-            let idle = meta
-                .modified()
-                .ok()
-                .and_then(|t| now.duration_since(t).ok())
-                .unwrap_or_default();
-            let name = e.file_name().to_string_lossy().into_owned();
-            let partial = name.ends_with(".tmp") || name.starts_with('.');
-            if idle > CACHE_MAX_IDLE || (partial && idle > Duration::from_secs(24 * 3600)) {
-                let _ = if meta.is_dir() {
-                    fs::remove_dir_all(e.path())
-                } else {
-                    fs::remove_file(e.path())
-                };
-            }
-        }
+/// `dsec vm gc`: removes every entry of the VM cache at `cache` that no process uses (waits for
+/// a build in progress), and the least recently used ones past `max_bytes`.
+pub fn gc_unused(cache: &Path, max_bytes: Option<u64>) -> Result<GcReport, VmError> {
+    if !cache.is_dir() {
+        return Ok(GcReport::default());
     }
+    let _lock = CacheLock::take(cache)?;
+    Ok(gc_cache(cache, Some(Duration::ZERO), max_bytes))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

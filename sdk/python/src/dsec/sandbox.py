@@ -150,6 +150,12 @@ class _SandboxData:
     def pooled(self) -> bool:
         return bool(self.data.get("pooled"))
 
+    @property
+    def phase(self) -> Optional[str]:
+        """What a ``creating`` sandbox waits for: ``"preparing"`` while the node makes the VM
+        snapshot it is restored from (the first VM of a template on a host), else ``None``."""
+        return self.data.get("phase")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.data.get('id')!r}, state={self.data.get('state')!r})"
 

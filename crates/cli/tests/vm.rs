@@ -1,0 +1,207 @@
+//! `dsec server` with VM sandboxes (`microvm`): what the daemon's own process table and the VM
+//! cache look like after VMs come and go. Slow under TCG (the first run builds the VM cache:
+//! kernel, initramfs, root image, template snapshot).
+//!
+//! Needs root (cgroups, QEMU); CI runs as root.
+
+use std::path::Path;
+use std::process::Child;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+mod common;
+
+struct Daemon {
+    child: Child,
+    url: String,
+    key: String,
+    agent: ureq::Agent,
+    base: std::path::PathBuf,
+}
+
+impl Daemon {
+    fn start(tag: &str) -> Self {
+        let (data, run) = common::dirs("dvm", tag);
+        let common::Started { child, url, key } =
+            common::start_server(&data, &run, &[], &["--pool-max", "0"]);
+        Self {
+            child,
+            url,
+            key,
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(600)))
+                .build()
+                .into(),
+            base: data.parent().map(Path::to_owned).unwrap_or_default(),
+        }
+    }
+
+    fn req(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let url = format!("{}{path}", self.url);
+        let r = match method {
+            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
+            "DELETE" => self
+                .agent
+                .delete(&url)
+                .header("X-API-Key", &self.key)
+                .call(),
+            _ => self
+                .agent
+                .post(&url)
+                .header("X-API-Key", &self.key)
+                .send(body.unwrap_or(Value::Null).to_string()),
+        };
+        match r {
+            Ok(mut resp) => {
+                let status = resp.status().as_u16();
+                let bytes = resp.body_mut().read_to_vec().unwrap_or_default();
+                (
+                    status,
+                    serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+                )
+            }
+            Err(e) => (0, json!({"transport_error": e.to_string()})),
+        }
+    }
+
+    fn stop(mut self) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+        let st = self.child.wait().expect("wait");
+        assert!(st.success(), "exit after SIGTERM: {st:?}");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.base);
+    }
+}
+
+/// The children of `pid` (every thread's) that are zombies: exited, not yet waited for.
+fn zombie_children(pid: u32) -> Vec<String> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("tasks")
+        .flatten()
+    {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        for child in children.split_whitespace() {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+                continue;
+            };
+            if stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, r)| r.starts_with('Z'))
+            {
+                out.push(stat.trim().to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// Every QEMU the daemon starts is reaped: the template boot's, each sandbox's, the one a reset
+/// replaces. After N creates, resets and destroys the daemon has no zombie child (each used to
+/// stay `[qemu-system-x86] <defunct>` until the daemon exited).
+#[test]
+fn vm_creates_resets_and_destroys_leave_no_zombie_children() {
+    let d = Daemon::start("zombies");
+    const N: usize = 3;
+    for i in 0..N {
+        let (s, v) = d.req(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"substrate": "microvm"})),
+        );
+        assert_eq!(s, 201, "create {i}: {v}");
+        let id = v["id"].as_str().expect("id").to_owned();
+        let (s, v) = d.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"shell": "echo ok"})),
+        );
+        assert_eq!(
+            (s, v["stdout"]["data"].as_str()),
+            (200, Some("ok\n")),
+            "{v}"
+        );
+        let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None);
+        assert_eq!(s, 200, "reset {i}: {v}");
+        let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(s, 200, "delete {i}: {v}");
+    }
+    let zombies = zombie_children(d.child.id());
+    assert!(
+        zombies.is_empty(),
+        "zombie children of the daemon: {zombies:#?}"
+    );
+    d.stop();
+}
+
+/// `dsec vm gc` on a cache of its own: entries of the earlier format (ext4 root images) and
+/// unused entries go, an entry a process holds open stays, and the answer says what was freed.
+#[test]
+fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
+    let cache = tempfile::tempdir().expect("cache dir");
+    let c = cache.path();
+    for d in ["root", "rootfs/src", "initrd", "snap/s1"] {
+        std::fs::create_dir_all(c.join(d)).expect("mkdir");
+    }
+    std::fs::write(c.join("root/host-old.ext4"), vec![1u8; 1 << 20]).expect("legacy image");
+    std::fs::write(c.join("rootfs/unused.sqfs"), vec![2u8; 256 << 10]).expect("image");
+    std::fs::write(c.join("rootfs/held.sqfs"), vec![3u8; 64 << 10]).expect("image");
+    std::fs::write(c.join("rootfs/src/k"), "unused.sqfs").expect("pointer");
+    std::fs::write(c.join("initrd/i.cpio"), vec![4u8; 4096]).expect("initrd");
+    let held = std::fs::File::open(c.join("rootfs/held.sqfs")).expect("hold");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
+        .args(["vm", "gc"])
+        .env("DSEC_VM_CACHE", c)
+        .output()
+        .expect("dsec vm gc");
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let freed = v["bytes_freed"].as_u64().expect("bytes_freed");
+    assert!(freed >= (1 << 20) + (256 << 10), "{v}");
+    let mut removed: Vec<(String, String)> = v["removed"]
+        .as_array()
+        .expect("removed")
+        .iter()
+        .map(|r| {
+            let p = r["path"].as_str().unwrap_or_default();
+            let name = Path::new(p)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            (
+                name.unwrap_or_default(),
+                r["reason"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    removed.sort();
+    assert_eq!(
+        removed,
+        [
+            ("host-old.ext4".to_owned(), "legacy".to_owned()),
+            ("i.cpio".to_owned(), "idle".to_owned()),
+            ("s1".to_owned(), "legacy".to_owned()),
+            ("unused.sqfs".to_owned(), "idle".to_owned()),
+        ],
+        "{v}"
+    );
+    assert_eq!(
+        (v["kept"].as_u64(), v["in_use"].as_u64()),
+        (Some(1), Some(1)),
+        "{v}"
+    );
+    assert!(c.join("rootfs/held.sqfs").exists());
+    assert!(
+        !c.join("rootfs/src/k").exists(),
+        "the pointer to a removed image goes"
+    );
+    drop(held);
+}
