@@ -158,37 +158,57 @@ fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
     std::fs::write(c.join("rootfs/src/k"), "unused.sqfs").expect("pointer");
     std::fs::write(c.join("initrd/i.cpio"), vec![4u8; 4096]).expect("initrd");
     let held = std::fs::File::open(c.join("rootfs/held.sqfs")).expect("hold");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
-        .args(["vm", "gc"])
-        .env("DSEC_VM_CACHE", c)
-        .output()
-        .expect("dsec vm gc");
-    assert!(out.status.success(), "{out:?}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
-    let freed = v["bytes_freed"].as_u64().expect("bytes_freed");
-    assert!(freed >= (1 << 20) + (256 << 10), "{v}");
-    let mut removed: Vec<(String, String)> = v["removed"]
-        .as_array()
-        .expect("removed")
-        .iter()
-        .map(|r| {
-            let p = r["path"].as_str().unwrap_or_default();
-            let name = Path::new(p)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned());
-            (
-                name.unwrap_or_default(),
-                r["reason"].as_str().unwrap_or_default().to_owned(),
-            )
-        })
-        .collect();
-    removed.sort();
+    let gc = |args: &[&str]| -> (Value, Vec<(String, String)>) {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
+            .args(["vm", "gc"])
+            .args(args)
+            .env("DSEC_VM_CACHE", c)
+            .output()
+            .expect("dsec vm gc");
+        assert!(out.status.success(), "{out:?}");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+        let mut removed: Vec<(String, String)> = v["removed"]
+            .as_array()
+            .expect("removed")
+            .iter()
+            .map(|r| {
+                let p = r["path"].as_str().unwrap_or_default();
+                let name = Path::new(p)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned());
+                (
+                    name.unwrap_or_default(),
+                    r["reason"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect();
+        removed.sort();
+        (v, removed)
+    };
+    // Under a bound the cache already fits: only the earlier format goes.
+    let (v, removed) = gc(&["--max-bytes", "100M"]);
     assert_eq!(
         removed,
         [
             ("host-old.ext4".to_owned(), "legacy".to_owned()),
-            ("i.cpio".to_owned(), "idle".to_owned()),
             ("s1".to_owned(), "legacy".to_owned()),
+        ],
+        "{v}"
+    );
+    assert!(
+        v["bytes_freed"].as_u64().expect("bytes_freed") >= 1 << 20,
+        "{v}"
+    );
+    // Without one: everything no process uses.
+    let (v, removed) = gc(&[]);
+    assert!(
+        v["bytes_freed"].as_u64().expect("bytes_freed") >= 256 << 10,
+        "{v}"
+    );
+    assert_eq!(
+        removed,
+        [
+            ("i.cpio".to_owned(), "idle".to_owned()),
             ("unused.sqfs".to_owned(), "idle".to_owned()),
         ],
         "{v}"

@@ -832,14 +832,20 @@ fn gc_cache(cache: &Path, max_idle: Option<Duration>, max_bytes: Option<u64>) ->
     )
 }
 
-/// `dsec vm gc`: removes every entry of the VM cache at `cache` that no process uses (waits for
-/// a build in progress), and the least recently used ones past `max_bytes`.
+/// `dsec vm gc`: removes every entry of the VM cache at `cache` that no process uses — or, given
+/// `max_bytes`, only the least recently used of them until the cache fits — and entries of
+/// earlier formats (waits for a build in progress).
 pub fn gc_unused(cache: &Path, max_bytes: Option<u64>) -> Result<GcReport, VmError> {
     if !cache.is_dir() {
         return Ok(GcReport::default());
     }
     let _lock = CacheLock::take(cache)?;
-    Ok(gc_cache(cache, Some(Duration::ZERO), max_bytes))
+    let max_idle = if max_bytes.is_some() {
+        None
+    } else {
+        Some(Duration::ZERO)
+    };
+    Ok(gc_cache(cache, max_idle, max_bytes))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
