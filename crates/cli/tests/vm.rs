@@ -225,3 +225,102 @@ fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
     );
     drop(held);
 }
+
+/// A VM create that has to prepare its template's snapshot shows `"phase": "preparing"` while
+/// it does, and the server log names each step. The daemon gets a VM cache of its own (hard
+/// links to the shared cache's kernel and root images, when there are any), so the template
+/// boot happens in this test whatever the shared cache holds.
+#[test]
+fn a_create_that_prepares_its_snapshot_shows_the_preparing_phase() {
+    // Short: QEMU's sockets go under it (108 bytes at most).
+    let cache = std::path::PathBuf::from(format!("/var/cache/dt{}", std::process::id()));
+    let log = std::path::PathBuf::from(format!("/tmp/dvm-phase-{}.log", std::process::id()));
+    let _cleanup = Cleanup(vec![cache.clone(), log.clone()]);
+    let _ = std::fs::remove_dir_all(&cache);
+    std::fs::create_dir_all(&cache).expect("cache dir");
+    let shared = Path::new("/var/cache/dsec/vm");
+    for sub in ["kernel", "rootfs"] {
+        if shared.join(sub).is_dir() {
+            let st = std::process::Command::new("cp")
+                .arg("-al")
+                .arg(shared.join(sub))
+                .arg(cache.join(sub))
+                .status()
+                .expect("cp -al");
+            assert!(st.success(), "hard-link the shared {sub}");
+        }
+    }
+    let (data, run) = common::dirs("dvm", "phase");
+    let cache_env = cache.display().to_string();
+    let common::Started { child, url, key } = common::start_server_logged(
+        &data,
+        &run,
+        &[("DSEC_VM_CACHE", cache_env.as_str())],
+        &["--pool-max", "0"],
+        &log,
+    );
+    let d = Daemon {
+        child,
+        url,
+        key,
+        agent: ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(600)))
+            .build()
+            .into(),
+        base: data.parent().map(Path::to_owned).unwrap_or_default(),
+    };
+    let phases = std::thread::scope(|s| {
+        let create = s.spawn(|| {
+            d.req(
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({"substrate": "microvm"})),
+            )
+        });
+        let mut seen = Vec::new();
+        while !create.is_finished() {
+            let (_, v) = d.req("GET", "/v1/sandboxes?state=creating", None);
+            for it in v["items"].as_array().into_iter().flatten() {
+                seen.push((it["state"].to_string(), it["phase"].to_string()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (s, v) = create.join().expect("create");
+        assert_eq!(s, 201, "{v}");
+        assert!(v["phase"].is_null(), "a made sandbox has no phase: {v}");
+        let (s, v) = d.req(
+            "DELETE",
+            &format!("/v1/sandboxes/{}", v["id"].as_str().expect("id")),
+            None,
+        );
+        assert_eq!(s, 200, "{v}");
+        seen
+    });
+    assert!(
+        phases.contains(&("\"creating\"".to_owned(), "\"preparing\"".to_owned())),
+        "{phases:?}"
+    );
+    d.stop();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains(r#""msg":"vm: preparing","phase":"template boot""#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#""msg":"vm: prepared","phase":"template boot""#),
+        "{text}"
+    );
+}
+
+/// Removes its paths when dropped (a failed test too).
+struct Cleanup(Vec<std::path::PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_dir_all(p);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
