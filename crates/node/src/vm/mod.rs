@@ -337,7 +337,11 @@ impl VmRuntime {
             .next()
             .unwrap_or_default()
             .to_string();
-        let kernel = phase(observe, Phase::Kernel, || image::prepare_kernel(&cache))?;
+        let kernel = if image::kernel_cached(&cache) {
+            image::prepare_kernel(&cache)?
+        } else {
+            phase(observe, Phase::Kernel, || image::prepare_kernel(&cache))?
+        };
         let rt = Self {
             qemu,
             qemu_version,
