@@ -121,7 +121,8 @@ enum VmCmd {
     /// Remove every VM cache entry (snapshot, root image, initramfs) no process uses, and
     /// entries of earlier formats; prints what went and the bytes freed as JSON.
     Gc {
-        /// Also remove the least recently used entries until the cache holds at most this.
+        /// Remove only the least recently used unused entries, until the cache holds at most
+        /// this (and entries of earlier formats).
         #[arg(long, value_parser = units::parse_bytes)]
         max_bytes: Option<u64>,
     },

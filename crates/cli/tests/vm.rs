@@ -158,37 +158,57 @@ fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
     std::fs::write(c.join("rootfs/src/k"), "unused.sqfs").expect("pointer");
     std::fs::write(c.join("initrd/i.cpio"), vec![4u8; 4096]).expect("initrd");
     let held = std::fs::File::open(c.join("rootfs/held.sqfs")).expect("hold");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
-        .args(["vm", "gc"])
-        .env("DSEC_VM_CACHE", c)
-        .output()
-        .expect("dsec vm gc");
-    assert!(out.status.success(), "{out:?}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
-    let freed = v["bytes_freed"].as_u64().expect("bytes_freed");
-    assert!(freed >= (1 << 20) + (256 << 10), "{v}");
-    let mut removed: Vec<(String, String)> = v["removed"]
-        .as_array()
-        .expect("removed")
-        .iter()
-        .map(|r| {
-            let p = r["path"].as_str().unwrap_or_default();
-            let name = Path::new(p)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned());
-            (
-                name.unwrap_or_default(),
-                r["reason"].as_str().unwrap_or_default().to_owned(),
-            )
-        })
-        .collect();
-    removed.sort();
+    let gc = |args: &[&str]| -> (Value, Vec<(String, String)>) {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
+            .args(["vm", "gc"])
+            .args(args)
+            .env("DSEC_VM_CACHE", c)
+            .output()
+            .expect("dsec vm gc");
+        assert!(out.status.success(), "{out:?}");
+        let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+        let mut removed: Vec<(String, String)> = v["removed"]
+            .as_array()
+            .expect("removed")
+            .iter()
+            .map(|r| {
+                let p = r["path"].as_str().unwrap_or_default();
+                let name = Path::new(p)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned());
+                (
+                    name.unwrap_or_default(),
+                    r["reason"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect();
+        removed.sort();
+        (v, removed)
+    };
+    // Under a bound the cache already fits: only the earlier format goes.
+    let (v, removed) = gc(&["--max-bytes", "100M"]);
     assert_eq!(
         removed,
         [
             ("host-old.ext4".to_owned(), "legacy".to_owned()),
-            ("i.cpio".to_owned(), "idle".to_owned()),
             ("s1".to_owned(), "legacy".to_owned()),
+        ],
+        "{v}"
+    );
+    assert!(
+        v["bytes_freed"].as_u64().expect("bytes_freed") >= 1 << 20,
+        "{v}"
+    );
+    // Without one: everything no process uses.
+    let (v, removed) = gc(&[]);
+    assert!(
+        v["bytes_freed"].as_u64().expect("bytes_freed") >= 256 << 10,
+        "{v}"
+    );
+    assert_eq!(
+        removed,
+        [
+            ("i.cpio".to_owned(), "idle".to_owned()),
             ("unused.sqfs".to_owned(), "idle".to_owned()),
         ],
         "{v}"
@@ -204,4 +224,103 @@ fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
         "the pointer to a removed image goes"
     );
     drop(held);
+}
+
+/// A VM create that has to prepare its template's snapshot shows `"phase": "preparing"` while
+/// it does, and the server log names each step. The daemon gets a VM cache of its own (hard
+/// links to the shared cache's kernel and root images, when there are any), so the template
+/// boot happens in this test whatever the shared cache holds.
+#[test]
+fn a_create_that_prepares_its_snapshot_shows_the_preparing_phase() {
+    // Short: QEMU's sockets go under it (108 bytes at most).
+    let cache = std::path::PathBuf::from(format!("/var/cache/dt{}", std::process::id()));
+    let log = std::path::PathBuf::from(format!("/tmp/dvm-phase-{}.log", std::process::id()));
+    let _cleanup = Cleanup(vec![cache.clone(), log.clone()]);
+    let _ = std::fs::remove_dir_all(&cache);
+    std::fs::create_dir_all(&cache).expect("cache dir");
+    let shared = Path::new("/var/cache/dsec/vm");
+    for sub in ["kernel", "rootfs"] {
+        if shared.join(sub).is_dir() {
+            let st = std::process::Command::new("cp")
+                .arg("-al")
+                .arg(shared.join(sub))
+                .arg(cache.join(sub))
+                .status()
+                .expect("cp -al");
+            assert!(st.success(), "hard-link the shared {sub}");
+        }
+    }
+    let (data, run) = common::dirs("dvm", "phase");
+    let cache_env = cache.display().to_string();
+    let common::Started { child, url, key } = common::start_server_logged(
+        &data,
+        &run,
+        &[("DSEC_VM_CACHE", cache_env.as_str())],
+        &["--pool-max", "0"],
+        &log,
+    );
+    let d = Daemon {
+        child,
+        url,
+        key,
+        agent: ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(600)))
+            .build()
+            .into(),
+        base: data.parent().map(Path::to_owned).unwrap_or_default(),
+    };
+    let phases = std::thread::scope(|s| {
+        let create = s.spawn(|| {
+            d.req(
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({"substrate": "microvm"})),
+            )
+        });
+        let mut seen = Vec::new();
+        while !create.is_finished() {
+            let (_, v) = d.req("GET", "/v1/sandboxes?state=creating", None);
+            for it in v["items"].as_array().into_iter().flatten() {
+                seen.push((it["state"].to_string(), it["phase"].to_string()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (s, v) = create.join().expect("create");
+        assert_eq!(s, 201, "{v}");
+        assert!(v["phase"].is_null(), "a made sandbox has no phase: {v}");
+        let (s, v) = d.req(
+            "DELETE",
+            &format!("/v1/sandboxes/{}", v["id"].as_str().expect("id")),
+            None,
+        );
+        assert_eq!(s, 200, "{v}");
+        seen
+    });
+    assert!(
+        phases.contains(&("\"creating\"".to_owned(), "\"preparing\"".to_owned())),
+        "{phases:?}"
+    );
+    d.stop();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains(r#""msg":"vm: preparing","phase":"template boot""#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#""msg":"vm: prepared","phase":"template boot""#),
+        "{text}"
+    );
+}
+
+/// Removes its paths when dropped (a failed test too).
+struct Cleanup(Vec<std::path::PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_dir_all(p);
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }

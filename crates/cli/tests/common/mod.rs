@@ -29,6 +29,27 @@ pub struct Started {
 /// pre-built shells and `env`, waits for its address line and reads its admin key. Its stderr
 /// is shown when `DSEC_TEST_LOG` is set.
 pub fn start_server(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]) -> Started {
+    start(data, run, env, args, None)
+}
+
+/// [`start_server`] with the daemon's stderr (its log) written to `log`.
+pub fn start_server_logged(
+    data: &Path,
+    run: &Path,
+    env: &[(&str, &str)],
+    args: &[&str],
+    log: &Path,
+) -> Started {
+    start(data, run, env, args, Some(log))
+}
+
+fn start(
+    data: &Path,
+    run: &Path,
+    env: &[(&str, &str)],
+    args: &[&str],
+    log: Option<&Path>,
+) -> Started {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_dsec"));
     cmd.arg("--data-dir")
         .arg(data)
@@ -38,10 +59,10 @@ pub fn start_server(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]
         .args(args)
         .env("DSEC_SPAWNER_SHELLS", "2")
         .stdout(Stdio::piped())
-        .stderr(if std::env::var_os("DSEC_TEST_LOG").is_some() {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
+        .stderr(match log {
+            Some(p) => Stdio::from(std::fs::File::create(p).expect("create the server log")),
+            None if std::env::var_os("DSEC_TEST_LOG").is_some() => Stdio::inherit(),
+            None => Stdio::null(),
         });
     for (k, v) in env {
         cmd.env(k, v);

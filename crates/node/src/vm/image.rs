@@ -320,6 +320,14 @@ impl KernelSource {
     }
 }
 
+/// Whether [`prepare_kernel`] finds the kernel in `cache` (nothing to fetch).
+pub fn kernel_cached(cache: &Path) -> bool {
+    matches!(
+        cached_kernel(&cache.join("kernel"), &KernelSource::from_env()),
+        Ok(Some(_))
+    )
+}
+
 /// Prepares (once) the guest kernel under `cache/kernel/` and returns it.
 ///
 /// The kernel comes from Debian's `linux-image-cloud-amd64` (or the `.deb` named by

@@ -337,7 +337,11 @@ impl VmRuntime {
             .next()
             .unwrap_or_default()
             .to_string();
-        let kernel = phase(observe, Phase::Kernel, || image::prepare_kernel(&cache))?;
+        let kernel = if image::kernel_cached(&cache) {
+            image::prepare_kernel(&cache)?
+        } else {
+            phase(observe, Phase::Kernel, || image::prepare_kernel(&cache))?
+        };
         let rt = Self {
             qemu,
             qemu_version,
@@ -832,14 +836,20 @@ fn gc_cache(cache: &Path, max_idle: Option<Duration>, max_bytes: Option<u64>) ->
     )
 }
 
-/// `dsec vm gc`: removes every entry of the VM cache at `cache` that no process uses (waits for
-/// a build in progress), and the least recently used ones past `max_bytes`.
+/// `dsec vm gc`: removes every entry of the VM cache at `cache` that no process uses — or, given
+/// `max_bytes`, only the least recently used of them until the cache fits — and entries of
+/// earlier formats (waits for a build in progress).
 pub fn gc_unused(cache: &Path, max_bytes: Option<u64>) -> Result<GcReport, VmError> {
     if !cache.is_dir() {
         return Ok(GcReport::default());
     }
     let _lock = CacheLock::take(cache)?;
-    Ok(gc_cache(cache, Some(Duration::ZERO), max_bytes))
+    let max_idle = if max_bytes.is_some() {
+        None
+    } else {
+        Some(Duration::ZERO)
+    };
+    Ok(gc_cache(cache, max_idle, max_bytes))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
