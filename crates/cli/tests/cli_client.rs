@@ -122,13 +122,7 @@ impl Daemon {
 
     /// Runtime dirs of sandboxes on the machine for this node.
     fn on_machine(&self) -> BTreeSet<String> {
-        std::fs::read_dir(self.run.join("sandboxes"))
-            .map(|rd| {
-                rd.flatten()
-                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default()
+        common::sandbox_run_dirs(&self.run)
     }
 
     /// Destroys the admin's sandboxes, checks nothing is left and stops the daemon (SIGTERM,
@@ -551,24 +545,6 @@ fn layer_dirs(data: &Path) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
-/// A root filesystem tarball holding `/etc/motd` = `motd`, written under `base`.
-fn rootfs_tarball(base: &Path, name: &str, motd: &str) -> PathBuf {
-    let src = base.join(format!("{name}-root"));
-    std::fs::create_dir_all(src.join("etc")).expect("rootfs");
-    std::fs::write(src.join("etc/motd"), motd).expect("motd");
-    let tarball = base.join(format!("{name}.tar"));
-    let st = Command::new("tar")
-        .arg("-cf")
-        .arg(&tarball)
-        .arg("-C")
-        .arg(&src)
-        .arg(".")
-        .status()
-        .expect("tar");
-    assert!(st.success());
-    tarball
-}
-
 /// `dsec template rm` through the daemon: refused while a sandbox uses the template, then the
 /// template's own layers go and a layer another template shares stays.
 #[test]
@@ -576,8 +552,8 @@ fn template_rm_removes_the_layers_no_other_template_uses() {
     let (data, run) = common::dirs("dcl", "tpl");
     let d = Daemon::start(&data, &run);
     let base = data.parent().expect("base").to_owned();
-    let shared = rootfs_tarball(&base, "shared", "shared\n");
-    let own = rootfs_tarball(&base, "own", "own\n");
+    let shared = common::rootfs_tarball(&base, "shared", "shared\n");
+    let own = common::rootfs_tarball(&base, "own", "own\n");
     let before = layer_dirs(&data);
     // `push` tells a plain root filesystem from an image without --rootfs.
     for (name, tarball) in [("one", &shared), ("two", &shared), ("solo", &own)] {

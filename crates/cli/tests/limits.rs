@@ -89,13 +89,7 @@ impl Daemon {
     }
 
     fn run_dirs(&self) -> Vec<String> {
-        std::fs::read_dir(self.run.join("sandboxes"))
-            .map(|rd| {
-                rd.flatten()
-                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default()
+        common::sandbox_run_dirs(&self.run).into_iter().collect()
     }
 
     fn stop(mut self) {
@@ -260,19 +254,7 @@ fn a_create_that_fails_after_validation_leaves_nothing() {
     let _serial = serial();
     let (data, run, dirs) = common::dirs_removed_on_drop("dlm", "fail");
     let d = Daemon::start(&data, &run);
-    let src = dirs.0.join("rootfs");
-    std::fs::create_dir_all(src.join("etc")).expect("rootfs");
-    std::fs::write(src.join("etc/motd"), b"broken\n").expect("motd");
-    let tarball = dirs.0.join("rootfs.tar");
-    let st = Command::new("tar")
-        .arg("-cf")
-        .arg(&tarball)
-        .arg("-C")
-        .arg(&src)
-        .arg(".")
-        .status()
-        .expect("tar");
-    assert!(st.success());
+    let tarball = common::rootfs_tarball(&dirs.0, "rootfs", "broken\n");
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .build()

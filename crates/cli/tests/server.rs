@@ -156,13 +156,7 @@ impl Daemon {
     /// Sandboxes on the machine for this node: runtime dirs, and cgroups of those ids or of
     /// ids the API knows.
     fn on_machine(&self, known: &BTreeSet<String>) -> BTreeSet<String> {
-        let mut out: BTreeSet<String> = std::fs::read_dir(self.run.join("sandboxes"))
-            .map(|rd| {
-                rd.flatten()
-                    .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut out = common::sandbox_run_dirs(&self.run);
         let cgroups = cgroups();
         for id in known.iter().chain(out.clone().iter()) {
             if cgroups.contains(id) {
@@ -895,19 +889,11 @@ fn openapi_document_matches_the_router() {
 fn templates_import_use_and_delete() {
     let (data, run) = common::dirs("dst", "tpl");
     let d = Daemon::start(&data, &run, &[]);
-    let src = data.parent().expect("base").join("rootfs");
-    std::fs::create_dir_all(src.join("etc")).expect("rootfs");
-    std::fs::write(src.join("etc/motd"), b"from the template\n").expect("motd");
-    let tarball = data.parent().expect("base").join("rootfs.tar");
-    let st = Command::new("tar")
-        .arg("-cf")
-        .arg(&tarball)
-        .arg("-C")
-        .arg(&src)
-        .arg(".")
-        .status()
-        .expect("tar");
-    assert!(st.success());
+    let tarball = common::rootfs_tarball(
+        data.parent().expect("base"),
+        "rootfs",
+        "from the template\n",
+    );
     let body = std::fs::read(&tarball).expect("read tarball");
     let (s, v) = d.req_raw("POST", "/v1/templates?name=tiny", Some(body.clone()), None);
     assert_eq!(s, 201, "{v}");

@@ -117,3 +117,32 @@ pub fn dirs_removed_on_drop(prefix: &str, tag: &str) -> (PathBuf, PathBuf, Remov
         .to_owned();
     (data, run, RemoveOnDrop(base))
 }
+
+/// A root filesystem tarball holding `/etc/motd` = `motd`, written under `base` as `<name>.tar`.
+pub fn rootfs_tarball(base: &Path, name: &str, motd: &str) -> PathBuf {
+    let src = base.join(format!("{name}-root"));
+    std::fs::create_dir_all(src.join("etc")).expect("rootfs");
+    std::fs::write(src.join("etc/motd"), motd).expect("motd");
+    let tarball = base.join(format!("{name}.tar"));
+    let st = Command::new("tar")
+        .arg("-cf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(&src)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(st.success());
+    tarball
+}
+
+/// The sandboxes whose runtime dirs are on the machine under a node's run dir.
+pub fn sandbox_run_dirs(run: &Path) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(run.join("sandboxes"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
