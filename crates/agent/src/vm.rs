@@ -21,6 +21,7 @@ use std::io::{self, Read};
 use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -144,8 +145,61 @@ fn root_fs_type(dev: &Path) -> Option<&'static str> {
     (&magic == b"hsqs").then_some("squashfs")
 }
 
-/// The guest kernel's count of OOM kills (`oom_kill` in `/proc/vmstat`).
+/// Processes the agent's memory guard killed (see [`memory_guard`]).
+static GUARD_KILLS: AtomicU64 = AtomicU64::new(0);
+
+/// How long the guest's tasks may all wait on memory within [`STALL_WINDOW`] before the
+/// memory guard kills the largest process.
+const STALL_LIMIT: Duration = Duration::from_millis(300);
+/// The window [`STALL_LIMIT`] is measured over.
+const STALL_WINDOW: Duration = Duration::from_secs(1);
+
+/// OOM kills in the guest: the kernel's (`oom_kill` in `/proc/vmstat`) and the memory guard's.
 pub fn oom_kills() -> u64 {
+    kernel_oom_kills() + GUARD_KILLS.load(Ordering::Relaxed)
+}
+
+/// The guest's memory limit, as the kernel's OOM killer would enforce it if it ran in time:
+/// when the guest's tasks stall on memory for [`STALL_LIMIT`] of a [`STALL_WINDOW`] (a guest
+/// without swap whose RAM is full thrashes on the root image's file pages, evicted and read
+/// back, instead of running out), the process with the largest resident set, never the agent,
+/// is killed and counted as an OOM kill.
+fn memory_guard() {
+    let trigger = match guest::MemoryStallTrigger::new(STALL_LIMIT, STALL_WINDOW) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("dsec-agent: no memory guard (the kernel's OOM killer alone): {e}");
+            return;
+        }
+    };
+    while trigger.wait().is_ok() {
+        if let Some(pid) = largest_process() {
+            if dsec_sys::proc::kill(pid, libc::SIGKILL).unwrap_or(false) {
+                GUARD_KILLS.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The process with the largest resident set other than the agent (kernel threads have none).
+fn largest_process() -> Option<i32> {
+    let me = std::process::id() as i32;
+    fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != me && pid != 1)
+        .filter_map(|pid| {
+            let statm = fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+            let rss: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+            (rss > 0).then_some((rss, pid))
+        })
+        .max()
+        .map(|(_, pid)| pid)
+}
+
+/// The guest kernel's count of OOM kills (`oom_kill` in `/proc/vmstat`).
+fn kernel_oom_kills() -> u64 {
     fs::read_to_string("/proc/vmstat")
         .ok()
         .and_then(|s| {
@@ -176,6 +230,10 @@ fn raw(f: &File) -> i32 {
 /// Boots the guest and serves host connections forever.
 pub fn run() -> anyhow::Result<()> {
     let guest = Arc::new(boot().context("guest boot")?);
+    std::thread::Builder::new()
+        .name("memory-guard".into())
+        .spawn(memory_guard)
+        .context("start the memory guard")?;
     let reaper = Reaper::new();
     let port = open_port().context("open the agent port")?;
     let writer = port.try_clone().context("clone port")?;
@@ -399,5 +457,25 @@ fn wait_for_host(port: &File) {
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The guard's victim is a process with a resident set, never the agent (itself) or PID 1.
+    #[test]
+    fn the_largest_process_is_never_the_agent() {
+        let pid = largest_process().expect("a process");
+        assert_ne!(pid, std::process::id() as i32);
+        assert_ne!(pid, 1);
+        let statm = fs::read_to_string(format!("/proc/{pid}/statm")).unwrap_or_default();
+        let rss: u64 = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        assert!(rss > 0 || !Path::new(&format!("/proc/{pid}")).exists());
     }
 }

@@ -212,3 +212,48 @@ pub fn port_host_connected(port: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<
     }
     Ok(rc > 0 && p.revents & libc::POLLHUP == 0)
 }
+
+/// A pressure-stall trigger on the guest's memory (`/proc/pressure/memory`, "full"): it fires
+/// when every runnable task of the guest together spent `stall` waiting on memory (reclaim,
+/// refaults of evicted file pages) within one `window`. A guest with no swap whose RAM is full
+/// of anonymous memory can thrash for minutes before the kernel's OOM killer runs, because
+/// evicting and refaulting the root image's file pages counts as reclaim progress; the stall is
+/// what shows it at once.
+#[derive(Debug)]
+pub struct MemoryStallTrigger(std::fs::File);
+
+impl MemoryStallTrigger {
+    /// Registers the trigger (the kernel takes a window of 500 ms to 10 s, `stall` below it).
+    pub fn new(stall: std::time::Duration, window: std::time::Duration) -> io::Result<Self> {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/proc/pressure/memory")?;
+        f.write_all(format!("full {} {}\0", stall.as_micros(), window.as_micros()).as_bytes())?;
+        Ok(Self(f))
+    }
+
+    /// Blocks until the trigger fires (at most once per window).
+    pub fn wait(&self) -> io::Result<()> {
+        let mut pfd = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLPRI,
+            revents: 0,
+        };
+        loop {
+            // SAFETY: one valid pollfd for the duration of the call; the fd is owned by `self`.
+            let rc = unsafe { libc::poll(&mut pfd, 1, -1) };
+            if rc > 0 {
+                if pfd.revents & libc::POLLERR != 0 {
+                    return Err(io::Error::other("the memory pressure trigger was removed"));
+                }
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if rc < 0 && e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}

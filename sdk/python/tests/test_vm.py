@@ -91,6 +91,8 @@ def test_r03_memory_bomb_is_oom_inside_only(client: dsec.Client, substrate: str)
     with dsec.Sandbox.create(client, substrate=substrate, limits={"memory_max": 256 << 20}) as sb:
         r = sb.exec([PY, "-c", "a = []\nwhile True: a.append(bytearray(1 << 20))"], timeout_ms=60_000)
         assert r.status == "oom", r
+        # the agent's memory guard (a PSI trigger the guest kernel took) is what ends a thrash
+        assert "memory-guard" in sb.exec("cat /proc/1/task/*/comm").text.split()
         # the guest survives its OOM and keeps serving
         again = sb.exec("echo alive")
         assert again.ok and again.text == "alive\n"
