@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Python SDK system tests: a venv under target/pyvenv with the SDK and pytest, then pytest
+# Python SDK system tests: a venv under target/pyvenv with the SDK, pytest and pyarrow, then pytest
 # against a real `dsec server` it starts itself. Assumes `cargo build --workspace` already ran.
 # Must run as root (the server makes namespaces and cgroups). Exit code = pytest's.
 set -euo pipefail
@@ -18,7 +18,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # The code runner's languages that test_run.py runs (in the host template, the host's root).
 bash scripts/install-run-toolchains.sh
-"$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio sandbox-fusion
+# pyarrow: the independent Parquet reader the Rust tests cross-check exports with.
+"$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio sandbox-fusion pyarrow
+# --setup-only: the venv alone (scripts/test.sh makes it before the Rust tests, which use it).
+if [ "${1:-}" = --setup-only ]; then
+  exit 0
+fi
 
 export DSEC_BIN="${DSEC_BIN:-$PWD/target/x86_64-unknown-linux-gnu/debug/dsec}"
 if [ ! -x "$DSEC_BIN" ]; then

@@ -11,6 +11,9 @@ fi
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v gcc >/dev/null || need+=(gcc)
+# The code runner's C++ tests compile with g++; the initramfs writer is checked against GNU cpio.
+command -v g++ >/dev/null || need+=(g++)
+command -v cpio >/dev/null || need+=(cpio)
 command -v tar >/dev/null || need+=(tar)
 [ -x /usr/bin/python3 ] || need+=(python3)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
@@ -53,6 +56,9 @@ rm -rf "$prep"
 leakdir=target/leak-check
 rm -rf "$leakdir"
 bash scripts/check-leaks.sh snapshot "$leakdir"
+# The Python tests' venv, made first: the Rust tests read Parquet exports back with its pyarrow.
+bash scripts/test-python.sh --setup-only
+export DSEC_TEST_PYTHON="$PWD/target/pyvenv/bin/python"
 rust=0
 cargo test --workspace --no-fail-fast || rust=$?
 # The Python SDK's system tests drive the real daemon (venv with the SDK, pytest).

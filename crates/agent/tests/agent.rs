@@ -474,10 +474,10 @@ fn shell_session_keeps_state() {
 
 #[test]
 fn python_session_keeps_globals_and_reports_exceptions() {
-    if !std::path::Path::new("/usr/bin/python3").exists() {
-        eprintln!("SKIP: no /usr/bin/python3");
-        return;
-    }
+    assert!(
+        std::path::Path::new("/usr/bin/python3").exists(),
+        "/usr/bin/python3 is missing (scripts/test.sh installs it)"
+    );
     let a = Agent::start();
     let Event::SessionOpened { session } = a.call(Request::SessionOpen {
         kind: SessionKind::Python,

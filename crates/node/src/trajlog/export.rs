@@ -627,18 +627,21 @@ mod tests {
         Ok(())
     }
 
-    /// Optional cross-check with an independent reader: runs only where `python3 -c 'import
-    /// pyarrow'` works.
+    /// Cross-check with an independent reader: pyarrow, in the Python of `DSEC_TEST_PYTHON`
+    /// (scripts/test.sh points it at the test venv, which has pyarrow) or `python3`. Fails when
+    /// that Python has no pyarrow.
     #[test]
-    fn parquet_reads_in_pyarrow_if_present() -> anyhow::Result<()> {
-        let has = std::process::Command::new("python3")
+    fn parquet_reads_in_pyarrow() -> anyhow::Result<()> {
+        let python = std::env::var("DSEC_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+        let has = std::process::Command::new(&python)
             .args(["-c", "import pyarrow.parquet"])
             .output()
             .is_ok_and(|o| o.status.success());
-        if !has {
-            eprintln!("pyarrow not installed; skipping the cross-check");
-            return Ok(());
-        }
+        assert!(
+            has,
+            "{python} cannot import pyarrow: run through scripts/test.sh, or set DSEC_TEST_PYTHON \
+             to a Python with pyarrow"
+        );
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("t.parquet");
         let mut f = std::fs::File::create(&path)?;
@@ -655,7 +658,7 @@ assert t[1]["exit_status"] is None and t[1]["reward"] is None and t[0]["reward"]
 assert json.loads(t[0]["annotations"])["note"] == "ünïcode ✓"
 print(pq.read_schema(sys.argv[1]))
 "#;
-        let o = std::process::Command::new("python3")
+        let o = std::process::Command::new(&python)
             .args(["-c", script])
             .arg(&path)
             .output()?;
