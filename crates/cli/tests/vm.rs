@@ -23,8 +23,15 @@ struct Daemon {
 impl Daemon {
     fn start(tag: &str) -> Self {
         let (data, run) = common::dirs("dvm", tag);
-        let common::Started { child, url, key } =
-            common::start_server(&data, &run, &[], &["--pool-max", "0"]);
+        Self::of(
+            common::start_server(&data, &run, &[], &["--pool-max", "0"]),
+            &data,
+        )
+    }
+
+    /// The daemon `started` on the state dir `data`.
+    fn of(started: common::Started, data: &Path) -> Self {
+        let common::Started { child, url, key } = started;
         Self {
             child,
             url,
@@ -252,24 +259,14 @@ fn a_create_that_prepares_its_snapshot_shows_the_preparing_phase() {
     }
     let (data, run) = common::dirs("dvm", "phase");
     let cache_env = cache.display().to_string();
-    let common::Started { child, url, key } = common::start_server_logged(
+    let started = common::start_server_logged(
         &data,
         &run,
         &[("DSEC_VM_CACHE", cache_env.as_str())],
         &["--pool-max", "0"],
         &log,
     );
-    let d = Daemon {
-        child,
-        url,
-        key,
-        agent: ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(600)))
-            .build()
-            .into(),
-        base: data.parent().map(Path::to_owned).unwrap_or_default(),
-    };
+    let d = Daemon::of(started, &data);
     let phases = std::thread::scope(|s| {
         let create = s.spawn(|| {
             d.req(
