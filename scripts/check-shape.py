@@ -3,7 +3,10 @@
 
 - no source file over 1,200 lines;
 - no function over 150 lines (Rust `fn` bodies by brace matching, Python `def` by indentation);
-- no `use` circle between the files of a crate.
+- no `use` circle between the files of a crate;
+- `docs/design.md`'s code map (the table under "## Code map") names every source module that
+  exists and nothing that does not: each row's first column holds backticked paths (a folder
+  path ending in `/` covers the files below it).
 
 A file's module may use its own descendants (a parent composes its children); every other
 reference to a module of the same crate (`crate::…`, `super::…`, `self::…`, in `use`
@@ -301,6 +304,36 @@ def circles(edges: dict[Path, dict[Path, str]]) -> list[list[Path]]:
     return out
 
 
+def code_map_problems(root: Path, files: list[Path]) -> list[str]:
+    design = root / "docs" / "design.md"
+    if not design.is_file():
+        return []
+    text = design.read_text()
+    m = re.search(r"^## Code map\n(.*?)^## ", text, re.S | re.M)
+    if not m:
+        return ["code map: docs/design.md has no '## Code map' section"]
+    named: list[str] = []
+    for line in m.group(1).splitlines():
+        if not line.startswith("|") or line.startswith("|---"):
+            continue
+        first = line.split("|")[1]
+        named += [t for t in re.findall(r"`([^`]+)`", first) if "/" in t]
+    problems = []
+    for t in named:
+        if not (root / t).exists():
+            problems.append(f"code map: `{t}` does not exist")
+    sources = []
+    for f in files:
+        rel = f.relative_to(root)
+        if rel.parts[0] == "crates" and "src" in rel.parts and f.suffix in (".rs", ".py"):
+            if not is_test_path(rel) and rel.name != "lib.rs":  # a crate root is its crate
+                sources.append(str(rel))
+    for s in sorted(sources):
+        if not any(s == t or (t.endswith("/") and s.startswith(t)) for t in named):
+            problems.append(f"code map: {s} is not named in docs/design.md")
+    return problems
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent))
@@ -342,6 +375,9 @@ def main() -> int:
                 for d in detail:
                     print("         " + d)
                 bad += 1
+    for p in code_map_problems(root, files):
+        print(p)
+        bad += 1
     if bad:
         print(f"check-shape: {bad} violation(s)")
         return 1
