@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dsec_api::exec::{ExecRequest, ExecStatus};
-use dsec_node::container::{ContainerRuntime, Sandbox};
 use dsec_node::pool::{Pool, PoolConfig};
 use dsec_node::sandbox::SandboxSpec;
+use dsec_node::substrate::{ContainerRuntime, Sandbox};
 use serde::Serialize;
 
 /// Arguments of `dsec bench`.
