@@ -5,15 +5,27 @@
 
 use std::io::Write as _;
 
+tokio::task_local! {
+    /// The id of the request being served (set by the API's request-id middleware).
+    pub static REQUEST_ID: String;
+}
+
+/// The current request's id, or `-` outside a request.
+pub fn request_id() -> String {
+    REQUEST_ID
+        .try_with(Clone::clone)
+        .unwrap_or_else(|_| "-".into())
+}
+
 fn emit(level: &str, msg: &str, fields: &[(&str, &str)]) {
     let mut obj = serde_json::Map::new();
     obj.insert(
         "ts_ms".into(),
-        serde_json::Value::from(super::app::now_ms()),
+        serde_json::Value::from(crate::clock::now_ms()),
     );
     obj.insert("level".into(), level.into());
     obj.insert("msg".into(), msg.into());
-    let rid = super::error::request_id();
+    let rid = request_id();
     if rid != "-" {
         obj.insert("request_id".into(), rid.into());
     }
