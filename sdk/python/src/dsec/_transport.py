@@ -7,12 +7,13 @@ import json
 import os
 import random
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 import httpx
+from typing_extensions import Unpack
 
-from .errors import DsecError, error_from_problem
-from .types import ExecEvent, ExecResult
+from .errors import DsecConnectionError, DsecError, DsecTimeoutError, error_from_problem
+from .types import CreateOptions, ExecEvent, ExecResult
 
 DEFAULT_URL = "http://127.0.0.1:7700"
 DEFAULT_TIMEOUT = 30.0
@@ -35,6 +36,8 @@ RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
     httpx.RemoteProtocolError,
     httpx.PoolTimeout,
 )
+#: transport failures an attempt ends with: retried ones, and timeouts (raised as such)
+ATTEMPT_EXCEPTIONS: Tuple[Type[Exception], ...] = (*RETRY_EXCEPTIONS, httpx.TimeoutException)
 
 #: query parameters as httpx takes them (a mapping, or pairs for repeated keys)
 Params = Any
@@ -64,13 +67,6 @@ def make_timeout(seconds: Optional[float]) -> httpx.Timeout:
     if seconds is None:
         return httpx.Timeout(None, connect=10.0)
     return httpx.Timeout(seconds, connect=min(10.0, seconds))
-
-
-def deadline_timeout(base: float, timeout_ms: Optional[int], default_s: float) -> float:
-    """The HTTP timeout for a request the server itself bounds by ``timeout_ms``."""
-    if timeout_ms is None:
-        return max(base, default_s)
-    return max(base, timeout_ms / 1000.0 + DEADLINE_SLACK)
 
 
 def backoff_delay(attempt: int, retry_after: Optional[float], base: float = 0.2) -> float:
@@ -114,6 +110,51 @@ def is_retryable_response(resp: httpx.Response, err: DsecError) -> bool:
     return resp.status_code in RETRY_STATUSES and err.code not in NON_TRANSIENT_CODES
 
 
+class Attempts:
+    """The retry policy of one request: how long to pause before the next attempt, or the
+    error to raise when there is none. Each attempt is sent with the same headers (the same
+    ``Idempotency-Key``)."""
+
+    def __init__(self, method: str, headers: Mapping[str, str], max_retries: int) -> None:
+        self.method = method.upper()
+        self.keyed = "Idempotency-Key" in headers
+        self.max_retries = max_retries
+        self.attempt = 0
+
+    def _may_retry(self, exc: Optional[BaseException]) -> bool:
+        """A mutation without a key is retried only when it never reached the server."""
+        if self.method not in MUTATING_METHODS or self.keyed:
+            return True
+        return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+    def _next(self, retry_after: Optional[float]) -> float:
+        delay = backoff_delay(self.attempt, retry_after)
+        self.attempt += 1
+        return delay
+
+    def after_failure(self, exc: Exception) -> float:
+        """The pause after a transport failure (one of ``ATTEMPT_EXCEPTIONS``), or raise."""
+        if isinstance(exc, RETRY_EXCEPTIONS):
+            if self.attempt >= self.max_retries or not self._may_retry(exc):
+                raise DsecConnectionError(detail=f"{type(exc).__name__}: {exc}") from exc
+            return self._next(None)
+        raise DsecTimeoutError(detail=f"{type(exc).__name__}: {exc}") from exc
+
+    def after_error(self, resp: httpx.Response, body: Optional[bytes] = None) -> float:
+        """The pause after an error answer, or raise its typed error."""
+        err = error_from_response(resp, body)
+        if is_retryable_response(resp, err) and self.attempt < self.max_retries and self._may_retry(None):
+            return self._next(err.retry_after)
+        raise err
+
+
+def transport_error(exc: httpx.TransportError) -> DsecError:
+    """The SDK's error for a failure while reading a streamed answer."""
+    if isinstance(exc, httpx.TimeoutException):
+        return DsecTimeoutError(detail=f"{type(exc).__name__}: {exc}")
+    return DsecConnectionError(detail=f"{type(exc).__name__}: {exc}")
+
+
 def exec_event_from_sse(event: str, data: str) -> ExecEvent:
     """Turn one SSE event of a streamed exec into an :class:`ExecEvent`."""
     try:
@@ -148,32 +189,19 @@ def clean(d: Mapping[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def create_spec(
-    *,
-    template: Optional[str] = None,
-    substrate: Optional[str] = "container",
-    limits: Optional[Mapping[str, Any]] = None,
-    env: Optional[Mapping[str, str]] = None,
-    labels: Optional[Mapping[str, str]] = None,
-    ttl_ms: Optional[int] = None,
-    lease_ms: Optional[int] = None,
-    writable_root: Optional[bool] = None,
-    userns: Optional[bool] = None,
-    **extra: Any,
-) -> Dict[str, Any]:
-    """Build a sandbox create spec; ``None`` fields are left to the server's defaults."""
-    spec = clean(
-        {
-            "template": template,
-            "substrate": substrate,
-            "limits": dict(limits) if limits is not None else None,
-            "env": dict(env) if env is not None else None,
-            "labels": dict(labels) if labels is not None else None,
-            "ttl_ms": ttl_ms,
-            "lease_ms": lease_ms,
-            "writable_root": writable_root,
-            "userns": userns,
-        }
-    )
-    spec.update(clean(extra))
-    return spec
+def flag(value: bool) -> str:
+    """A boolean as a query parameter."""
+    return "true" if value else "false"
+
+
+def b64(data: Union[bytes, bytearray]) -> str:
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def create_spec(**spec: Unpack[CreateOptions]) -> Dict[str, Any]:
+    """Build a sandbox create spec; ``None`` fields are left to the server's defaults (the
+    substrate is ``container`` unless given)."""
+    out: Dict[str, Any] = {"substrate": "container"}
+    for k, v in spec.items():
+        out[k] = dict(v) if isinstance(v, Mapping) else v
+    return clean(out)

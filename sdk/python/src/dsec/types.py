@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, FrozenSet, Generic, Iterator, List, Literal, Mapping, Optional, Protocol, Sequence, TypeVar, Union, cast
+
+from typing_extensions import TypedDict, Unpack
 
 from .errors import DsecError
 
 __all__ = [
     "Command",
+    "SandboxState",
+    "Substrate",
+    "ExecStatus",
+    "SessionKind",
+    "CreateOptions",
+    "ExecOptions",
+    "WriteOptions",
+    "SandboxQuery",
+    "Annotation",
+    "TenantQuota",
+    "RequestOptions",
+    "FINAL_STATES",
+    "BatchCreateResult",
     "ExecResult",
     "ExecEvent",
     "ProcessStatus",
@@ -25,6 +40,148 @@ __all__ = [
 
 #: a command: an argv list (run directly) or a string (run by ``/bin/sh -c``)
 Command = Union[str, Sequence[str]]
+
+#: the lifecycle state of a sandbox
+SandboxState = Literal["creating", "ready", "running", "resetting", "stopping", "stopped", "failed"]
+
+#: states a sandbox never leaves
+FINAL_STATES: FrozenSet[SandboxState] = frozenset({"stopped", "failed"})
+
+#: how a sandbox is isolated: namespaces and cgroups, a QEMU microVM, or a QEMU q35 VM
+Substrate = Literal["container", "microvm", "vm"]
+
+#: how a command ended (a timeout is a result, not an exception)
+ExecStatus = Literal["ok", "nonzero_exit", "timeout", "oom", "killed", "output_limit"]
+
+#: the kind of a persistent session
+SessionKind = Literal["shell", "python"]
+
+
+class CreateOptions(TypedDict, total=False):
+    """What a sandbox is created from (the keywords of ``Sandbox.create`` and
+    ``Client.create_sandbox``); a key left out or ``None`` is left to the server's default.
+
+    Keys:
+        template: template name (server default: ``host``).
+        substrate: ``container`` (the default), ``microvm`` or ``vm`` (a QEMU guest restored
+            from its template's snapshot); every other call is the same.
+        limits: partial limits (``memory_max``, ``pids_max``, ``cpu_max``, ...).
+        env: environment of every exec.
+        secret_env: environment whose values are redacted from the trajectory log.
+        labels: free-form labels to find the sandbox by.
+        ttl_ms: lifetime after which the node destroys the sandbox.
+        lease_ms: owner lease; the sandbox is destroyed unless ``heartbeat`` renews it.
+        writable_root: make the whole root writable instead of only the scratch dirs.
+        userns: run in a user namespace: root inside is an unprivileged host uid, and
+            ``RLIMIT_NPROC`` refuses a fork bomb's forks before they cost the node anything
+            (created cold: never from a warm pool).
+    """
+
+    template: Optional[str]
+    substrate: Optional[Substrate]
+    limits: Optional[Mapping[str, Any]]
+    env: Optional[Mapping[str, str]]
+    secret_env: Optional[Mapping[str, str]]
+    labels: Optional[Mapping[str, str]]
+    ttl_ms: Optional[int]
+    lease_ms: Optional[int]
+    writable_root: Optional[bool]
+    userns: Optional[bool]
+
+
+class ExecOptions(TypedDict, total=False):
+    """How a command runs (the keywords of ``exec``, ``exec_stream`` and ``spawn``).
+
+    Keys:
+        env: extra environment.
+        cwd: working directory.
+        timeout_ms: wall-clock limit; reaching it is a result with ``status == "timeout"``.
+        stdin: bytes or text fed to the command's stdin.
+        cpu_limit_ms: CPU-time limit.
+        output_limit: bytes of stdout/stderr kept (and the hard bound that kills the command).
+    """
+
+    env: Optional[Mapping[str, str]]
+    cwd: Optional[str]
+    timeout_ms: Optional[int]
+    stdin: Union[str, bytes, None]
+    cpu_limit_ms: Optional[int]
+    output_limit: Optional[int]
+
+
+class WriteOptions(TypedDict, total=False):
+    """How ``files.write`` writes.
+
+    Keys:
+        mode: the file's mode as an int (e.g. ``0o644``).
+        parents: make missing parent directories (default True).
+        trajectory: log the write as a step of this trajectory.
+        step: its step number (default: the next one).
+    """
+
+    mode: Optional[int]
+    parents: bool
+    trajectory: Optional[str]
+    step: Optional[int]
+
+
+class SandboxQuery(TypedDict, total=False):
+    """Which sandboxes ``list_sandboxes`` yields.
+
+    Keys:
+        state: only those in this state (without it, ``stopped`` ones are left out).
+        labels: only those with all these labels.
+        page_size: sandboxes per request (the listing follows ``next_cursor`` page by page).
+        tenant: another tenant's id (admin only).
+    """
+
+    state: Optional[SandboxState]
+    labels: Optional[Mapping[str, str]]
+    page_size: Optional[int]
+    tenant: Optional[str]
+
+
+class Annotation(TypedDict, total=False):
+    """A trajectory annotation: of the whole trajectory, or of one ``step``."""
+
+    step: Optional[int]
+    reward: Optional[float]
+    labels: Optional[Sequence[str]]
+    data: Optional[Mapping[str, Any]]
+
+
+class TenantQuota(TypedDict, total=False):
+    """A tenant's quota; a key left out or ``None`` is unlimited."""
+
+    max_sandboxes: Optional[int]
+    max_memory_bytes: Optional[int]
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keywords of ``Client.request`` and ``Client.stream``.
+
+    Keys:
+        params: the query (a mapping, or pairs for repeated keys).
+        json: a JSON body.
+        content: a raw body.
+        headers: extra headers.
+        idempotency_key: the ``Idempotency-Key`` (generated for a mutation when not given).
+        timeout: the HTTP timeout in seconds (default: the client's ``timeout``).
+    """
+
+    params: Any
+    json: Any
+    content: Optional[bytes]
+    headers: Optional[Mapping[str, str]]
+    idempotency_key: Optional[str]
+    timeout: Optional[float]
+
+
+def check_keys(options: Mapping[str, Any], allowed: Any) -> None:
+    """Refuse a keyword ``allowed`` (a ``TypedDict``) does not name, as a signature would."""
+    unknown = sorted(set(options) - set(allowed.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
 
 
 def decode_data(data: Any) -> bytes:
@@ -43,16 +200,15 @@ def decode_data(data: Any) -> bytes:
 def exec_body(
     cmd: Command,
     *,
-    env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[str] = None,
-    timeout_ms: Optional[int] = None,
-    stdin: Union[str, bytes, None] = None,
-    cpu_limit_ms: Optional[int] = None,
-    output_limit: Optional[int] = None,
     trajectory: Optional[str] = None,
     step: Optional[int] = None,
+    **options: Unpack[ExecOptions],
 ) -> Dict[str, Any]:
     """Build the JSON body of an exec (also used for background processes)."""
+    check_keys(options, ExecOptions)
+    env, cwd, stdin = options.get("env"), options.get("cwd"), options.get("stdin")
+    timeout_ms, cpu_limit_ms = options.get("timeout_ms"), options.get("cpu_limit_ms")
+    output_limit = options.get("output_limit")
     body: Dict[str, Any] = {}
     if isinstance(cmd, str):
         body["shell"] = cmd
@@ -89,11 +245,11 @@ def exec_body(
 class ExecResult:
     """The outcome of one command.
 
-    ``status`` is ``ok``, ``nonzero_exit``, ``timeout``, ``oom``, ``killed`` or
-    ``output_limit``; a timeout is a normal result, not an exception.
+    ``status`` (an :data:`ExecStatus`) is ``ok``, ``nonzero_exit``, ``timeout``, ``oom``,
+    ``killed`` or ``output_limit``; a timeout is a normal result, not an exception.
     """
 
-    status: str
+    status: ExecStatus
     exit_code: Optional[int] = None
     signal: Optional[int] = None
     stdout: bytes = b""
@@ -127,7 +283,7 @@ class ExecResult:
         stdout = decode_data(out.get("data"))
         stderr = decode_data(err.get("data"))
         return cls(
-            status=str(d.get("status")),
+            status=cast(ExecStatus, str(d.get("status"))),
             exit_code=d.get("exit_code"),
             signal=d.get("signal"),
             stdout=stdout,
@@ -356,3 +512,32 @@ class TrajectoryInfo:
             annotations=int(d.get("annotations") or 0),
             raw=dict(d),
         )
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+S = TypeVar("S", bound=_HasId)
+
+
+@dataclass
+class BatchCreateResult(Generic[S]):
+    """The outcome of a batch create: the sandboxes made and the errors of the others.
+
+    Iterating it yields the sandboxes; ``len()`` counts them.
+    """
+
+    sandboxes: List[S] = field(default_factory=list)
+    errors: List[DsecError] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(self.sandboxes)
+
+    def __len__(self) -> int:
+        return len(self.sandboxes)
+
+    @property
+    def ids(self) -> List[str]:
+        return [s.id for s in self.sandboxes]
