@@ -9,6 +9,11 @@ Quick start::
         assert r.ok and r.text == "2\\n"
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from .client import AsyncClient, BatchCreateResult, Client
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
@@ -28,28 +33,28 @@ from .types import (
     Annotation,
     BatchDeleteItem,
     CreateOptions,
+    ExecEvent,
     ExecOptions,
+    ExecResult,
     ExecStatus,
+    FileEntry,
+    PoolStats,
+    ProcessStatus,
     RequestOptions,
     SandboxQuery,
     SandboxState,
     SessionKind,
     Substrate,
-    TenantQuota,
-    WriteOptions,
-    ExecEvent,
-    ExecResult,
-    FileEntry,
-    PoolStats,
-    ProcessStatus,
     Template,
     Tenant,
+    TenantQuota,
     TrajectoryInfo,
+    WriteOptions,
 )
 
 __version__ = "0.1.0"
 
-_default_client = None
+_default_client: Client | None = None
 
 
 def _client() -> Client:
@@ -59,15 +64,16 @@ def _client() -> Client:
     return _default_client
 
 
-def run_code(code: str, language: str = "python", **options: object) -> dict:
+def run_code(code: str, language: str = "python", **options: Any) -> dict[str, Any]:
     """Run a snippet on the node from ``DSEC_URL`` with ``DSEC_API_KEY`` (see
     :meth:`Client.run_code`)."""
     return _client().run_code(code, language, **options)
 
 
-def run_codes(requests: list, *, concurrency: int = 16) -> list:
+def run_codes(requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
     """Run many snippets at most ``concurrency`` at once (see :meth:`Client.run_codes`)."""
     return _client().run_codes(requests, concurrency=concurrency)
+
 
 __all__ = [
     "Client",

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json as _json
 import time
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generator, Generic, List, Mapping, Optional, Sequence, TypeVar, Union, cast
+from typing import Any, Callable, Generic, TypeVar, Union, cast
 
 import httpx
 from typing_extensions import Unpack
@@ -23,9 +24,6 @@ from .errors import error_from_problem
 from .types import (
     FINAL_STATES,
     Annotation,
-    SandboxQuery,
-    TenantQuota,
-    check_keys,
     BatchCreateResult,
     BatchDeleteItem,
     Command,
@@ -34,40 +32,45 @@ from .types import (
     ExecOptions,
     ExecResult,
     FileEntry,
+    HasId,
     PoolStats,
     ProcessStatus,
+    SandboxQuery,
     SandboxState,
     SessionKind,
     Template,
     Tenant,
+    TenantQuota,
     TrajectoryInfo,
     WriteOptions,
+    check_keys,
     exec_body,
 )
 
 T = TypeVar("T")
-S = TypeVar("S")
+T_co = TypeVar("T_co", covariant=True)
+S = TypeVar("S", bound=HasId)
 #: a JSON object as the server answered it
-Record = Dict[str, Any]
+Record = dict[str, Any]
 Parse = Callable[[httpx.Response], T]
 
 
 @dataclass(frozen=True)
-class Call(Generic[T]):
+class Call(Generic[T_co]):
     """One request and the parser of its answer."""
 
     method: str
     path: str
-    parse: Parse[T]
+    parse: Callable[[httpx.Response], T_co]
     params: t.Params = None
     json: Any = None
-    content: Optional[bytes] = None
-    headers: Optional[Mapping[str, str]] = None
-    idempotency_key: Optional[str] = None
+    content: bytes | None = None
+    headers: Mapping[str, str] | None = None
+    idempotency_key: str | None = None
     #: the HTTP timeout is at least this (seconds), at least the client's ``timeout`` always
     min_timeout: float = 0.0
 
-    def options(self, timeout: float) -> Dict[str, Any]:
+    def options(self, timeout: float) -> dict[str, Any]:
         """The keywords of ``Client.request`` for this call under a client ``timeout``."""
         return {
             "params": self.params,
@@ -83,8 +86,8 @@ class Call(Generic[T]):
 class Page(Generic[T]):
     """One page of a listing and the call for the next page (``None`` after the last)."""
 
-    items: List[T]
-    next: Optional[Call[Page[T]]]
+    items: list[T]
+    next: Call[Page[T]] | None
 
 
 def _never(_: Any) -> bool:
@@ -98,14 +101,14 @@ class StreamCall(Generic[T]):
 
     method: str
     path: str
-    decode: Callable[[SseEvent], Optional[T]]
+    decode: Callable[[SseEvent], T | None]
     last: Callable[[T], bool] = _never
     params: t.Params = None
     json: Any = None
-    headers: Optional[Mapping[str, str]] = None
+    headers: Mapping[str, str] | None = None
     min_timeout: float = 0.0
 
-    def options(self, timeout: float) -> Dict[str, Any]:
+    def options(self, timeout: float) -> dict[str, Any]:
         """The keywords of ``Client.stream`` for this call under a client ``timeout``."""
         return {
             "params": self.params,
@@ -126,11 +129,11 @@ class Run(Generic[T]):
 
     def __init__(self, plan: Plan[T]) -> None:
         self._plan = plan
-        self._value: Optional[T] = None
-        self.pending: Union[Call[Any], float, None] = None
+        self._value: T | None = None
+        self.pending: Call[Any] | float | None = None
         self._advance(lambda: next(plan))
 
-    def _advance(self, step: Callable[[], Union[Call[Any], float]]) -> None:
+    def _advance(self, step: Callable[[], Call[Any] | float]) -> None:
         try:
             self.pending = step()
         except StopIteration as done:
@@ -174,18 +177,18 @@ def one(make: Callable[[Any], T]) -> Parse[T]:
     return lambda resp: make(json_body(resp))
 
 
-def items(make: Callable[[Any], T], key: str = "items") -> Parse[List[T]]:
+def items(make: Callable[[Any], T], key: str = "items") -> Parse[list[T]]:
     """Read the answer as a list under ``key``, each made by ``make``."""
     return lambda resp: [make(x) for x in json_body(resp).get(key) or []]
 
 
-def step_of(resp: httpx.Response) -> Optional[int]:
+def step_of(resp: httpx.Response) -> int | None:
     """The trajectory step of the answer (``Dsec-Step``), if it was one."""
     step = resp.headers.get("dsec-step")
     return int(step) if step and step.isdigit() else None
 
 
-def sse_json(ev: SseEvent) -> Optional[Record]:
+def sse_json(ev: SseEvent) -> Record | None:
     """An event's data as JSON; events whose data is not JSON are skipped."""
     try:
         out: Record = _json.loads(ev.data)
@@ -204,7 +207,7 @@ def readyz(resp: httpx.Response) -> Record:
     return body
 
 
-def deadline(timeout_ms: Optional[int], default_s: float) -> float:
+def deadline(timeout_ms: int | None, default_s: float) -> float:
     """The least HTTP timeout of a request the server itself bounds by ``timeout_ms``."""
     return default_s if timeout_ms is None else timeout_ms / 1000.0 + t.DEADLINE_SLACK
 
@@ -216,7 +219,7 @@ def sandbox_path(sandbox_id: str, suffix: str = "") -> str:
     return f"/v1/sandboxes/{sandbox_id}{suffix}"
 
 
-def create_sandbox(make: Callable[[Record], S], idempotency_key: Optional[str], spec: CreateOptions) -> Call[S]:
+def create_sandbox(make: Callable[[Record], S], idempotency_key: str | None, spec: CreateOptions) -> Call[S]:
     return Call(
         "POST",
         "/v1/sandboxes",
@@ -231,14 +234,14 @@ def get_sandbox(make: Callable[[Record], S], sandbox_id: str) -> Call[S]:
     return Call("GET", sandbox_path(sandbox_id), one(make))
 
 
-def delete_sandbox(sandbox_id: str, idempotency_key: Optional[str] = None) -> Call[Any]:
+def delete_sandbox(sandbox_id: str, idempotency_key: str | None = None) -> Call[Any]:
     return Call("DELETE", sandbox_path(sandbox_id), json_body, idempotency_key=idempotency_key, min_timeout=60.0)
 
 
-def list_sandboxes(make: Callable[[Record], S], query: SandboxQuery, cursor: Optional[str] = None) -> Call[Page[S]]:
+def list_sandboxes(make: Callable[[Record], S], query: SandboxQuery, cursor: str | None = None) -> Call[Page[S]]:
     check_keys(query, SandboxQuery)
     q = {"state": query.get("state"), "limit": query.get("page_size"), "cursor": cursor, "tenant": query.get("tenant")}
-    params: List[Any] = [*t.clean(q).items(), *t.label_params(query.get("labels"))]
+    params: list[Any] = [*t.clean(q).items(), *t.label_params(query.get("labels"))]
 
     def parse(resp: httpx.Response) -> Page[S]:
         body = json_body(resp)
@@ -250,7 +253,7 @@ def list_sandboxes(make: Callable[[Record], S], query: SandboxQuery, cursor: Opt
 
 
 def create_sandboxes(
-    make: Callable[[Record], S], count: int, idempotency_key: Optional[str], spec: CreateOptions
+    make: Callable[[Record], S], count: int, idempotency_key: str | None, spec: CreateOptions
 ) -> Call[BatchCreateResult[S]]:
     def parse(resp: httpx.Response) -> BatchCreateResult[S]:
         out: BatchCreateResult[S] = BatchCreateResult()
@@ -277,8 +280,8 @@ def _batch_delete_item(it: Record) -> BatchDeleteItem:
 
 
 def delete_sandboxes(
-    ids: Optional[Sequence[str]], labels: Optional[Mapping[str, str]], idempotency_key: Optional[str]
-) -> Call[List[BatchDeleteItem]]:
+    ids: Sequence[str] | None, labels: Mapping[str, str] | None, idempotency_key: str | None
+) -> Call[list[BatchDeleteItem]]:
     if (ids is None) == (labels is None):
         raise ValueError("give exactly one of ids= or labels=")
     body = {"ids": list(ids)} if ids is not None else {"labels": dict(labels or {})}
@@ -306,7 +309,7 @@ def wait(sandbox_id: str, state: SandboxState, timeout_ms: int) -> Plan[Record]:
     while True:
         left = max(0, int((end - time.monotonic()) * 1000))
         poll = min(left, t.MAX_LONG_POLL_MS)
-        data = yield _poll(sandbox_id, {"wait": state, "timeout": poll}, poll)
+        data: Record = yield _poll(sandbox_id, {"wait": state, "timeout": poll}, poll)
         now = str(data.get("state"))
         if now == state or now in FINAL_STATES or left == 0:
             return data
@@ -318,14 +321,14 @@ def wait_for_change(sandbox_id: str, version: int, timeout_ms: int) -> Plan[Reco
     end = time.monotonic() + timeout_ms / 1000.0
     while True:
         poll = min(max(0, int((end - time.monotonic()) * 1000)), t.MAX_LONG_POLL_MS)
-        data = yield _poll(sandbox_id, {"after_version": version, "timeout": poll}, poll)
+        data: Record = yield _poll(sandbox_id, {"after_version": version, "timeout": poll}, poll)
         changed = int(data.get("version") or 0) > version
         if changed or str(data.get("state")) in FINAL_STATES or time.monotonic() >= end:
             return data
         yield 0.05  # the server answered early: don't spin
 
 
-def heartbeat(sandbox_id: str, lease_ms: Optional[int]) -> Call[Record]:
+def heartbeat(sandbox_id: str, lease_ms: int | None) -> Call[Record]:
     return Call("POST", sandbox_path(sandbox_id, "/lease"), json_body, json=t.clean({"lease_ms": lease_ms}))
 
 
@@ -341,8 +344,8 @@ def exec(
     cmd: Command,
     exec_timeout: float,
     *,
-    trajectory: Optional[str] = None,
-    step: Optional[int] = None,
+    trajectory: str | None = None,
+    step: int | None = None,
     **options: Unpack[ExecOptions],
 ) -> Call[ExecResult]:
     body = exec_body(cmd, trajectory=trajectory, step=step, **options)
@@ -382,9 +385,7 @@ def spawn(sandbox_id: str, cmd: Command, **options: Unpack[ExecOptions]) -> Call
     return Call("POST", sandbox_path(sandbox_id, "/processes"), json_body, json=exec_body(cmd, **options))
 
 
-def open_session(
-    sandbox_id: str, kind: SessionKind, env: Optional[Mapping[str, str]], cwd: Optional[str]
-) -> Call[Record]:
+def open_session(sandbox_id: str, kind: SessionKind, env: Mapping[str, str] | None, cwd: str | None) -> Call[Record]:
     body = t.clean({"kind": kind, "env": dict(env) if env else None, "cwd": cwd})
     return Call("POST", sandbox_path(sandbox_id, "/sessions"), json_body, json=body)
 
@@ -397,7 +398,7 @@ def process_status(sandbox_id: str, handle: int) -> Call[ProcessStatus]:
     return Call("GET", process_path(sandbox_id, handle), one(ProcessStatus.from_json))
 
 
-def write_stdin(sandbox_id: str, handle: int, data: Union[str, bytes, None], eof: bool) -> Call[None]:
+def write_stdin(sandbox_id: str, handle: int, data: str | bytes | None, eof: bool) -> Call[None]:
     body: Record = {"eof": bool(eof)}
     if isinstance(data, str):
         body["data"] = data
@@ -410,14 +411,14 @@ def signal(sandbox_id: str, handle: int, sig: int) -> Call[None]:
     return Call("POST", process_path(sandbox_id, handle, "/signal"), no_body, json={"signal": int(sig)})
 
 
-def _process_result(resp: httpx.Response) -> Optional[ExecResult]:
+def _process_result(resp: httpx.Response) -> ExecResult | None:
     data = json_body(resp)
     if data is None or ("status" not in data and data.get("running")):
         return None
     return ExecResult.from_json(data)
 
 
-def wait_process(sandbox_id: str, handle: int, timeout_ms: int) -> Call[Optional[ExecResult]]:
+def wait_process(sandbox_id: str, handle: int, timeout_ms: int) -> Call[ExecResult | None]:
     return Call(
         "POST",
         process_path(sandbox_id, handle, "/wait"),
@@ -436,9 +437,9 @@ def session_run(
     session: int,
     input: str,
     exec_timeout: float,
-    timeout_ms: Optional[int],
-    trajectory: Optional[str],
-    step: Optional[int],
+    timeout_ms: int | None,
+    trajectory: str | None,
+    step: int | None,
 ) -> Call[ExecResult]:
     body = t.clean({"input": input, "timeout_ms": timeout_ms, "trajectory": trajectory, "step": step})
     return Call(
@@ -460,12 +461,12 @@ OCTETS = {"Content-Type": "application/octet-stream"}
 TAR = {"Content-Type": "application/x-tar"}
 
 
-def read_file(sandbox_id: str, path: str, max_bytes: Optional[int]) -> Call[bytes]:
+def read_file(sandbox_id: str, path: str, max_bytes: int | None) -> Call[bytes]:
     params = t.clean({"path": path, "max_bytes": max_bytes})
     return Call("GET", sandbox_path(sandbox_id, "/files"), raw_body, params=params)
 
 
-def write_file(sandbox_id: str, path: str, data: Union[str, bytes], options: WriteOptions) -> Call[Optional[int]]:
+def write_file(sandbox_id: str, path: str, data: str | bytes, options: WriteOptions) -> Call[int | None]:
     check_keys(options, WriteOptions)
     content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     query = {"path": path, "mode": options.get("mode"), "parents": t.flag(options.get("parents", True))}
@@ -481,8 +482,10 @@ def write_file(sandbox_id: str, path: str, data: Union[str, bytes], options: Wri
     )
 
 
-def list_files(sandbox_id: str, path: str) -> Call[List[FileEntry]]:
-    return Call("GET", sandbox_path(sandbox_id, "/files/list"), items(FileEntry.from_json, "entries"), params={"path": path})
+def list_files(sandbox_id: str, path: str) -> Call[list[FileEntry]]:
+    return Call(
+        "GET", sandbox_path(sandbox_id, "/files/list"), items(FileEntry.from_json, "entries"), params={"path": path}
+    )
 
 
 def stat_file(sandbox_id: str, path: str) -> Call[FileEntry]:
@@ -494,7 +497,7 @@ def remove_file(sandbox_id: str, path: str, recursive: bool) -> Call[None]:
     return Call("DELETE", sandbox_path(sandbox_id, "/files"), no_body, params=params)
 
 
-def mkdir(sandbox_id: str, path: str, parents: bool, mode: Optional[int]) -> Call[None]:
+def mkdir(sandbox_id: str, path: str, parents: bool, mode: int | None) -> Call[None]:
     body = t.clean({"path": path, "parents": parents, "mode": mode})
     return Call("POST", sandbox_path(sandbox_id, "/files/mkdir"), no_body, json=body)
 
@@ -518,7 +521,7 @@ def download_tar(sandbox_id: str, path: str) -> Call[bytes]:
 # -- templates and pools -------------------------------------------------------------------------
 
 
-def list_templates() -> Call[List[Template]]:
+def list_templates() -> Call[list[Template]]:
     return Call("GET", "/v1/templates", items(Template.from_json))
 
 
@@ -542,7 +545,7 @@ def delete_template(name: str) -> Call[None]:
     return Call("DELETE", f"/v1/templates/{name}", no_body)
 
 
-def list_pools() -> Call[List[PoolStats]]:
+def list_pools() -> Call[list[PoolStats]]:
     return Call("GET", "/v1/pools", items(PoolStats.from_json))
 
 
@@ -566,8 +569,8 @@ def run_body(code: str, language: str, options: Mapping[str, Any]) -> Record:
     return body
 
 
-def _items_list(resp: httpx.Response) -> List[Record]:
-    out: List[Record] = json_body(resp)["items"]
+def _items_list(resp: httpx.Response) -> list[Record]:
+    out: list[Record] = json_body(resp)["items"]
     return out
 
 
@@ -575,12 +578,12 @@ def run_code(code: str, language: str, options: Mapping[str, Any]) -> Call[Recor
     return Call("POST", "/v1/run", json_body, json=run_body(code, language, options))
 
 
-def run_codes(requests: Sequence[Mapping[str, Any]], concurrency: int) -> Call[List[Record]]:
+def run_codes(requests: Sequence[Mapping[str, Any]], concurrency: int) -> Call[list[Record]]:
     body = {"requests": [dict(r) for r in requests], "concurrency": concurrency}
     return Call("POST", "/v1/run/batch", _items_list, json=body)
 
 
-def languages(template: Optional[str]) -> Call[List[Record]]:
+def languages(template: str | None) -> Call[list[Record]]:
     params = {"template": template} if template else None
     return Call("GET", "/v1/languages", _items_list, params=params)
 
@@ -592,7 +595,7 @@ def trajectory_path(trajectory: str, suffix: str = "") -> str:
     return f"/v1/trajectories/{trajectory}{suffix}"
 
 
-def list_trajectories() -> Call[List[TrajectoryInfo]]:
+def list_trajectories() -> Call[list[TrajectoryInfo]]:
     return Call("GET", "/v1/trajectories", items(TrajectoryInfo.from_json))
 
 
@@ -600,7 +603,7 @@ def get_trajectory(trajectory: str) -> Call[TrajectoryInfo]:
     return Call("GET", trajectory_path(trajectory), one(TrajectoryInfo.from_json))
 
 
-def trajectory_records(trajectory: str, from_step: Optional[int], page_size: Optional[int]) -> Call[Page[Record]]:
+def trajectory_records(trajectory: str, from_step: int | None, page_size: int | None) -> Call[Page[Record]]:
     def parse(resp: httpx.Response) -> Page[Record]:
         body = json_body(resp)
         nxt = body.get("next_from_step")
@@ -615,7 +618,7 @@ def _lsn(resp: httpx.Response) -> int:
     return int(json_body(resp)["lsn"])
 
 
-def annotate_trajectory(trajectory: str, annotation: Annotation, idempotency_key: Optional[str]) -> Call[int]:
+def annotate_trajectory(trajectory: str, annotation: Annotation, idempotency_key: str | None) -> Call[int]:
     check_keys(annotation, Annotation)
     labels, data = annotation.get("labels"), annotation.get("data")
     body = t.clean(
@@ -629,11 +632,11 @@ def annotate_trajectory(trajectory: str, annotation: Annotation, idempotency_key
     return Call("POST", trajectory_path(trajectory, "/annotations"), _lsn, json=body, idempotency_key=idempotency_key)
 
 
-def _jsonl(resp: httpx.Response) -> List[Record]:
+def _jsonl(resp: httpx.Response) -> list[Record]:
     return [_json.loads(line) for line in resp.text.splitlines() if line.strip()]
 
 
-def export_trajectory(trajectory: str, label: Optional[str], min_reward: Optional[float]) -> Call[List[Record]]:
+def export_trajectory(trajectory: str, label: str | None, min_reward: float | None) -> Call[list[Record]]:
     params = t.clean({"format": "jsonl", "label": label, "min_reward": min_reward})
     return Call("GET", trajectory_path(trajectory, "/export"), _jsonl, params=params, min_timeout=300.0)
 
@@ -649,13 +652,13 @@ def finish_trajectory(trajectory: str) -> Call[Any]:
 # -- tenants and node ----------------------------------------------------------------------------
 
 
-def create_tenant(name: str, quota: TenantQuota, idempotency_key: Optional[str]) -> Call[Tenant]:
+def create_tenant(name: str, quota: TenantQuota, idempotency_key: str | None) -> Call[Tenant]:
     check_keys(quota, TenantQuota)
     body = t.clean({"name": name, **quota})
     return Call("POST", "/v1/tenants", one(Tenant.from_json), json=body, idempotency_key=idempotency_key)
 
 
-def list_tenants() -> Call[List[Tenant]]:
+def list_tenants() -> Call[list[Tenant]]:
     return Call("GET", "/v1/tenants", items(Tenant.from_json))
 
 

@@ -7,7 +7,8 @@ import json
 import os
 import random
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
+from collections.abc import Mapping
+from typing import Any
 
 import httpx
 from typing_extensions import Unpack
@@ -28,7 +29,7 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 NON_TRANSIENT_CODES = frozenset({"exec_timeout"})
 #: transport failures after which the request may be retried (the server may or may not have
 #: seen it; the idempotency key makes the retry safe)
-RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
+RETRY_EXCEPTIONS: tuple[type[Exception], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
     httpx.ReadError,
@@ -37,22 +38,20 @@ RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
     httpx.PoolTimeout,
 )
 #: transport failures an attempt ends with: retried ones, and timeouts (raised as such)
-ATTEMPT_EXCEPTIONS: Tuple[Type[Exception], ...] = (*RETRY_EXCEPTIONS, httpx.TimeoutException)
+ATTEMPT_EXCEPTIONS: tuple[type[Exception], ...] = (*RETRY_EXCEPTIONS, httpx.TimeoutException)
 
 #: query parameters as httpx takes them (a mapping, or pairs for repeated keys)
 Params = Any
 
 
-def resolve_config(
-    base_url: Optional[str], api_key: Optional[str]
-) -> Tuple[str, Optional[str]]:
+def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str | None]:
     """Apply the environment defaults ``DSEC_URL`` and ``DSEC_API_KEY``."""
     url = base_url or os.environ.get("DSEC_URL") or DEFAULT_URL
     key = api_key if api_key is not None else os.environ.get("DSEC_API_KEY")
     return url.rstrip("/"), key
 
 
-def auth_headers(api_key: Optional[str]) -> Dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     h = {"Accept": "application/json", "User-Agent": "dsec-python/0.1"}
     if api_key:
         h["Authorization"] = f"Bearer {api_key}"
@@ -63,20 +62,20 @@ def new_idempotency_key() -> str:
     return f"py-{uuid.uuid4().hex}"
 
 
-def make_timeout(seconds: Optional[float]) -> httpx.Timeout:
+def make_timeout(seconds: float | None) -> httpx.Timeout:
     if seconds is None:
         return httpx.Timeout(None, connect=10.0)
     return httpx.Timeout(seconds, connect=min(10.0, seconds))
 
 
-def backoff_delay(attempt: int, retry_after: Optional[float], base: float = 0.2) -> float:
+def backoff_delay(attempt: int, retry_after: float | None, base: float = 0.2) -> float:
     """Exponential back-off with jitter; honours ``Retry-After`` (capped at 10 s)."""
     if retry_after is not None:
         return max(0.0, min(retry_after, 10.0))
-    return min(base * (2**attempt), 5.0) * (0.5 + random.random() / 2)
+    return min(base * (2.0**attempt), 5.0) * (0.5 + random.random() / 2)
 
 
-def parse_retry_after(resp: httpx.Response) -> Optional[float]:
+def parse_retry_after(resp: httpx.Response) -> float | None:
     v = resp.headers.get("retry-after")
     if v is None:
         return None
@@ -86,10 +85,10 @@ def parse_retry_after(resp: httpx.Response) -> Optional[float]:
         return None
 
 
-def error_from_response(resp: httpx.Response, body: Optional[bytes] = None) -> DsecError:
+def error_from_response(resp: httpx.Response, body: bytes | None = None) -> DsecError:
     """Decode a problem+json answer (or anything else with an error status)."""
     raw = body if body is not None else resp.content
-    problem: Dict[str, Any] = {}
+    problem: dict[str, Any] = {}
     try:
         parsed = json.loads(raw) if raw else {}
         if isinstance(parsed, dict):
@@ -121,13 +120,13 @@ class Attempts:
         self.max_retries = max_retries
         self.attempt = 0
 
-    def _may_retry(self, exc: Optional[BaseException]) -> bool:
+    def _may_retry(self, exc: BaseException | None) -> bool:
         """A mutation without a key is retried only when it never reached the server."""
         if self.method not in MUTATING_METHODS or self.keyed:
             return True
         return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
 
-    def _next(self, retry_after: Optional[float]) -> float:
+    def _next(self, retry_after: float | None) -> float:
         delay = backoff_delay(self.attempt, retry_after)
         self.attempt += 1
         return delay
@@ -140,7 +139,7 @@ class Attempts:
             return self._next(None)
         raise DsecTimeoutError(detail=f"{type(exc).__name__}: {exc}") from exc
 
-    def after_error(self, resp: httpx.Response, body: Optional[bytes] = None) -> float:
+    def after_error(self, resp: httpx.Response, body: bytes | None = None) -> float:
         """The pause after an error answer, or raise its typed error."""
         err = error_from_response(resp, body)
         if is_retryable_response(resp, err) and self.attempt < self.max_retries and self._may_retry(None):
@@ -180,11 +179,11 @@ def exec_event_from_sse(event: str, data: str) -> ExecEvent:
     return ExecEvent(type=event, raw=payload)
 
 
-def label_params(labels: Optional[Mapping[str, str]]) -> List[Tuple[str, str]]:
+def label_params(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
     return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
 
 
-def clean(d: Mapping[str, Any]) -> Dict[str, Any]:
+def clean(d: Mapping[str, Any]) -> dict[str, Any]:
     """Drop ``None`` values from a body or a query."""
     return {k: v for k, v in d.items() if v is not None}
 
@@ -194,14 +193,14 @@ def flag(value: bool) -> str:
     return "true" if value else "false"
 
 
-def b64(data: Union[bytes, bytearray]) -> str:
+def b64(data: bytes | bytearray) -> str:
     return base64.b64encode(bytes(data)).decode("ascii")
 
 
-def create_spec(**spec: Unpack[CreateOptions]) -> Dict[str, Any]:
+def create_spec(**spec: Unpack[CreateOptions]) -> dict[str, Any]:
     """Build a sandbox create spec; ``None`` fields are left to the server's defaults (the
     substrate is ``container`` unless given)."""
-    out: Dict[str, Any] = {"substrate": "container"}
+    out: dict[str, Any] = {"substrate": "container"}
     for k, v in spec.items():
         out[k] = dict(v) if isinstance(v, Mapping) else v
     return clean(out)

@@ -9,7 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Generic, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    TypeVar,
+    Union,
+)
 
 import httpx
 from typing_extensions import Unpack
@@ -40,21 +47,21 @@ __all__ = ["Client", "AsyncClient", "BatchCreateResult"]
 
 T = TypeVar("T")
 Tr = TypeVar("Tr", httpx.BaseTransport, httpx.AsyncBaseTransport)
-Record = Dict[str, Any]
+Record = dict[str, Any]
 run_body = api.run_body
 
 
 class _ClientBase(Generic[Tr]):
     def __init__(
         self,
-        base_url: Optional[str] = None,
-        api_key: Optional[str] = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
         *,
         timeout: float = t.DEFAULT_TIMEOUT,
         max_retries: int = t.DEFAULT_MAX_RETRIES,
         exec_timeout: float = 600.0,
         auto_idempotency_keys: bool = True,
-        transport: Optional[Tr] = None,
+        transport: Tr | None = None,
     ) -> None:
         self.base_url, self.api_key = t.resolve_config(base_url, api_key)
         self.auto_idempotency_keys = auto_idempotency_keys
@@ -63,10 +70,10 @@ class _ClientBase(Generic[Tr]):
         self.exec_timeout = exec_timeout
         self._open(transport)
 
-    def _open(self, transport: Optional[Tr]) -> None:
+    def _open(self, transport: Tr | None) -> None:
         raise NotImplementedError
 
-    def _http_options(self) -> Dict[str, Any]:
+    def _http_options(self) -> dict[str, Any]:
         """The keywords of the ``httpx`` client."""
         return {
             "base_url": self.base_url,
@@ -74,7 +81,7 @@ class _ClientBase(Generic[Tr]):
             "timeout": t.make_timeout(self.timeout),
         }
 
-    def _prepare(self, method: str, options: RequestOptions) -> Tuple[Dict[str, Any], t.Attempts]:
+    def _prepare(self, method: str, options: RequestOptions) -> tuple[dict[str, Any], t.Attempts]:
         """The ``httpx`` keywords of a request and the retry policy of its attempts."""
         check_keys(options, RequestOptions)
         hdrs = dict(options.get("headers") or {})
@@ -116,7 +123,7 @@ class Client(_ClientBase[httpx.BaseTransport]):
 
     _http: httpx.Client
 
-    def _open(self, transport: Optional[httpx.BaseTransport]) -> None:
+    def _open(self, transport: httpx.BaseTransport | None) -> None:
         self._http = httpx.Client(transport=transport, **self._http_options())
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -177,7 +184,7 @@ class Client(_ClientBase[httpx.BaseTransport]):
     def _send(self, call: api.Call[T]) -> T:
         return call.parse(self.request(call.method, call.path, **call.options(self.timeout)))
 
-    def _pages(self, call: Optional[api.Call[api.Page[T]]]) -> Iterator[T]:
+    def _pages(self, call: api.Call[api.Page[T]] | None) -> Iterator[T]:
         while call is not None:
             page = self._send(call)
             yield from page.items
@@ -215,7 +222,7 @@ class Client(_ClientBase[httpx.BaseTransport]):
 
     # -- sandboxes -----------------------------------------------------------------------------
 
-    def create_sandbox(self, *, idempotency_key: Optional[str] = None, **spec: Unpack[CreateOptions]) -> Sandbox:
+    def create_sandbox(self, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]) -> Sandbox:
         """Create a sandbox (state ``running``). See :meth:`dsec.Sandbox.create`."""
         return self._send(api.create_sandbox(self._sandbox, idempotency_key, spec))
 
@@ -223,9 +230,9 @@ class Client(_ClientBase[httpx.BaseTransport]):
         """The sandbox with this id (``SandboxNotFound`` if this tenant has none)."""
         return self._send(api.get_sandbox(self._sandbox, sandbox_id))
 
-    def delete_sandbox(self, sandbox_id: str, *, idempotency_key: Optional[str] = None) -> Dict[str, Any]:
+    def delete_sandbox(self, sandbox_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         """Destroy a sandbox; returns its final record (state ``stopped``)."""
-        out: Dict[str, Any] = self._send(api.delete_sandbox(sandbox_id, idempotency_key))
+        out: dict[str, Any] = self._send(api.delete_sandbox(sandbox_id, idempotency_key))
         return out
 
     def list_sandboxes(self, **query: Unpack[SandboxQuery]) -> Iterator[Sandbox]:
@@ -237,24 +244,24 @@ class Client(_ClientBase[httpx.BaseTransport]):
         return self._pages(api.list_sandboxes(self._sandbox, query))
 
     def create_sandboxes(
-        self, count: int, *, idempotency_key: Optional[str] = None, **spec: Unpack[CreateOptions]
+        self, count: int, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
     ) -> BatchCreateResult[Sandbox]:
         """Create ``count`` sandboxes from one spec (the keywords of :meth:`create_sandbox`)."""
         return self._send(api.create_sandboxes(self._sandbox, count, idempotency_key, spec))
 
     def delete_sandboxes(
         self,
-        ids: Optional[Sequence[str]] = None,
+        ids: Sequence[str] | None = None,
         *,
-        labels: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-    ) -> List[BatchDeleteItem]:
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> list[BatchDeleteItem]:
         """Destroy sandboxes by ids or by labels (all of them must match)."""
         return self._send(api.delete_sandboxes(ids, labels, idempotency_key))
 
     # -- templates and pools -------------------------------------------------------------------
 
-    def list_templates(self) -> List[Template]:
+    def list_templates(self) -> list[Template]:
         return self._send(api.list_templates())
 
     def get_template(self, name: str) -> Template:
@@ -267,7 +274,7 @@ class Client(_ClientBase[httpx.BaseTransport]):
     def delete_template(self, name: str) -> None:
         self._send(api.delete_template(name))
 
-    def list_pools(self) -> List[PoolStats]:
+    def list_pools(self) -> list[PoolStats]:
         return self._send(api.list_pools())
 
     def get_pool(self, template: str) -> PoolStats:
@@ -279,7 +286,7 @@ class Client(_ClientBase[httpx.BaseTransport]):
 
     # -- code runner ---------------------------------------------------------------------------
 
-    def run_code(self, code: str, language: str = "python", **options: Any) -> Dict[str, Any]:
+    def run_code(self, code: str, language: str = "python", **options: Any) -> dict[str, Any]:
         """Run a snippet (``POST /v1/run``): python on the function substrate, other languages
         compile and run in a container. ``options``: ``stdin``, ``files`` (path → base64),
         ``fetch_files``, ``run_timeout``, ``compile_timeout`` (seconds), ``memory_limit_MB``,
@@ -290,20 +297,20 @@ class Client(_ClientBase[httpx.BaseTransport]):
         0 or less times out at once)."""
         return self._send(api.run_code(code, language, options))
 
-    def run_codes(self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> List[Dict[str, Any]]:
+    def run_codes(self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
         """Run many snippets in one call (``POST /v1/run/batch``), at most ``concurrency`` at
         once on the node. Each request is a mapping like :meth:`run_code`'s arguments; each
         item answers ``{"ok": True, "result": …}`` or ``{"ok": False, "error": {problem}}``,
         in order."""
         return self._send(api.run_codes(requests, concurrency))
 
-    def languages(self, template: Optional[str] = None) -> List[Dict[str, Any]]:
+    def languages(self, template: str | None = None) -> list[dict[str, Any]]:
         """The languages whose toolchains are on ``template`` (default: ``host``)."""
         return self._send(api.languages(template))
 
     # -- trajectories --------------------------------------------------------------------------
 
-    def list_trajectories(self) -> List[TrajectoryInfo]:
+    def list_trajectories(self) -> list[TrajectoryInfo]:
         """This tenant's trajectories with their counters."""
         return self._send(api.list_trajectories())
 
@@ -311,36 +318,34 @@ class Client(_ClientBase[httpx.BaseTransport]):
         return self._send(api.get_trajectory(trajectory))
 
     def trajectory_records(
-        self, trajectory: str, *, from_step: Optional[int] = None, page_size: Optional[int] = None
-    ) -> Iterator[Dict[str, Any]]:
+        self, trajectory: str, *, from_step: int | None = None, page_size: int | None = None
+    ) -> Iterator[dict[str, Any]]:
         """The log records of a trajectory (``intent``/``result``/``annotation``), page by page."""
         return self._pages(api.trajectory_records(trajectory, from_step, page_size))
 
     def annotate_trajectory(
-        self, trajectory: str, *, idempotency_key: Optional[str] = None, **annotation: Unpack[Annotation]
+        self, trajectory: str, *, idempotency_key: str | None = None, **annotation: Unpack[Annotation]
     ) -> int:
         """Add a durable annotation (reward, labels, data) to a trajectory or one step; its lsn."""
         return self._send(api.annotate_trajectory(trajectory, annotation, idempotency_key))
 
     def export_trajectory(
-        self, trajectory: str, *, label: Optional[str] = None, min_reward: Optional[float] = None
-    ) -> List[Dict[str, Any]]:
+        self, trajectory: str, *, label: str | None = None, min_reward: float | None = None
+    ) -> list[dict[str, Any]]:
         """Training rows of a trajectory (the JSONL export, parsed)."""
         return self._send(api.export_trajectory(trajectory, label, min_reward))
 
-    def follow_trajectory(self, trajectory: str) -> Iterator[Dict[str, Any]]:
+    def follow_trajectory(self, trajectory: str) -> Iterator[dict[str, Any]]:
         """New log records of a trajectory as they are written (SSE ``record`` events)."""
         return self._events(api.follow_trajectory(trajectory))
 
     # -- tenants and node ----------------------------------------------------------------------
 
-    def create_tenant(
-        self, name: str, *, idempotency_key: Optional[str] = None, **quota: Unpack[TenantQuota]
-    ) -> Tenant:
+    def create_tenant(self, name: str, *, idempotency_key: str | None = None, **quota: Unpack[TenantQuota]) -> Tenant:
         """Create a tenant (admin). The answer carries its API key, shown only this once."""
         return self._send(api.create_tenant(name, quota, idempotency_key))
 
-    def list_tenants(self) -> List[Tenant]:
+    def list_tenants(self) -> list[Tenant]:
         return self._send(api.list_tenants())
 
     def tenant(self) -> Tenant:
@@ -353,13 +358,13 @@ class Client(_ClientBase[httpx.BaseTransport]):
         except httpx.HTTPError:
             return False
 
-    def readyz(self) -> Dict[str, Any]:
+    def readyz(self) -> dict[str, Any]:
         return api.readyz(self._http.get("/readyz"))
 
     def metrics(self) -> str:
         return self._send(api.metrics())
 
-    def events(self) -> Iterator[Dict[str, Any]]:
+    def events(self) -> Iterator[dict[str, Any]]:
         """Follow the lifecycle event stream (``{"sandbox","tenant","state","version","at"}``)."""
         return self._events(api.events())
 
@@ -369,7 +374,7 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
 
     _http: httpx.AsyncClient
 
-    def _open(self, transport: Optional[httpx.AsyncBaseTransport]) -> None:
+    def _open(self, transport: httpx.AsyncBaseTransport | None) -> None:
         self._http = httpx.AsyncClient(transport=transport, **self._http_options())
 
     async def aclose(self) -> None:
@@ -424,7 +429,7 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
     async def _send(self, call: api.Call[T]) -> T:
         return call.parse(await self.request(call.method, call.path, **call.options(self.timeout)))
 
-    async def _pages(self, call: Optional[api.Call[api.Page[T]]]) -> AsyncIterator[T]:
+    async def _pages(self, call: api.Call[api.Page[T]] | None) -> AsyncIterator[T]:
         while call is not None:
             page = await self._send(call)
             for item in page.items:
@@ -462,32 +467,35 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
         return AsyncSandbox(self, data)
 
     async def create_sandbox(
-        self, *, idempotency_key: Optional[str] = None, **spec: Unpack[CreateOptions]
+        self, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
     ) -> AsyncSandbox:
         return await self._send(api.create_sandbox(self._sandbox, idempotency_key, spec))
 
     async def get_sandbox(self, sandbox_id: str) -> AsyncSandbox:
         return await self._send(api.get_sandbox(self._sandbox, sandbox_id))
 
-    async def delete_sandbox(self, sandbox_id: str, *, idempotency_key: Optional[str] = None) -> Dict[str, Any]:
-        out: Dict[str, Any] = await self._send(api.delete_sandbox(sandbox_id, idempotency_key))
+    async def delete_sandbox(self, sandbox_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = await self._send(api.delete_sandbox(sandbox_id, idempotency_key))
         return out
 
     def list_sandboxes(self, **query: Unpack[SandboxQuery]) -> AsyncIterator[AsyncSandbox]:
         return self._pages(api.list_sandboxes(self._sandbox, query))
 
     async def create_sandboxes(
-        self, count: int, *, idempotency_key: Optional[str] = None, **spec: Unpack[CreateOptions]
+        self, count: int, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
     ) -> BatchCreateResult[AsyncSandbox]:
         return await self._send(api.create_sandboxes(self._sandbox, count, idempotency_key, spec))
 
     async def delete_sandboxes(
-        self, ids: Optional[Sequence[str]] = None, *, labels: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-    ) -> List[BatchDeleteItem]:
+        self,
+        ids: Sequence[str] | None = None,
+        *,
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> list[BatchDeleteItem]:
         return await self._send(api.delete_sandboxes(ids, labels, idempotency_key))
 
-    async def list_templates(self) -> List[Template]:
+    async def list_templates(self) -> list[Template]:
         return await self._send(api.list_templates())
 
     async def get_template(self, name: str) -> Template:
@@ -499,7 +507,7 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
     async def delete_template(self, name: str) -> None:
         await self._send(api.delete_template(name))
 
-    async def list_pools(self) -> List[PoolStats]:
+    async def list_pools(self) -> list[PoolStats]:
         return await self._send(api.list_pools())
 
     async def get_pool(self, template: str) -> PoolStats:
@@ -508,50 +516,48 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
     async def set_pool(self, template: str, *, min: int, max: int) -> PoolStats:
         return await self._send(api.set_pool(template, min, max))
 
-    async def run_code(self, code: str, language: str = "python", **options: Any) -> Dict[str, Any]:
+    async def run_code(self, code: str, language: str = "python", **options: Any) -> dict[str, Any]:
         """:meth:`Client.run_code`, awaited."""
         return await self._send(api.run_code(code, language, options))
 
-    async def run_codes(
-        self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16
-    ) -> List[Dict[str, Any]]:
+    async def run_codes(self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
         """:meth:`Client.run_codes`, awaited."""
         return await self._send(api.run_codes(requests, concurrency))
 
-    async def languages(self, template: Optional[str] = None) -> List[Dict[str, Any]]:
+    async def languages(self, template: str | None = None) -> list[dict[str, Any]]:
         """:meth:`Client.languages`, awaited."""
         return await self._send(api.languages(template))
 
-    async def list_trajectories(self) -> List[TrajectoryInfo]:
+    async def list_trajectories(self) -> list[TrajectoryInfo]:
         return await self._send(api.list_trajectories())
 
     async def get_trajectory(self, trajectory: str) -> TrajectoryInfo:
         return await self._send(api.get_trajectory(trajectory))
 
     def trajectory_records(
-        self, trajectory: str, *, from_step: Optional[int] = None, page_size: Optional[int] = None
-    ) -> AsyncIterator[Dict[str, Any]]:
+        self, trajectory: str, *, from_step: int | None = None, page_size: int | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         return self._pages(api.trajectory_records(trajectory, from_step, page_size))
 
     async def annotate_trajectory(
-        self, trajectory: str, *, idempotency_key: Optional[str] = None, **annotation: Unpack[Annotation]
+        self, trajectory: str, *, idempotency_key: str | None = None, **annotation: Unpack[Annotation]
     ) -> int:
         return await self._send(api.annotate_trajectory(trajectory, annotation, idempotency_key))
 
     async def export_trajectory(
-        self, trajectory: str, *, label: Optional[str] = None, min_reward: Optional[float] = None
-    ) -> List[Dict[str, Any]]:
+        self, trajectory: str, *, label: str | None = None, min_reward: float | None = None
+    ) -> list[dict[str, Any]]:
         return await self._send(api.export_trajectory(trajectory, label, min_reward))
 
-    def follow_trajectory(self, trajectory: str) -> AsyncIterator[Dict[str, Any]]:
+    def follow_trajectory(self, trajectory: str) -> AsyncIterator[dict[str, Any]]:
         return self._events(api.follow_trajectory(trajectory))
 
     async def create_tenant(
-        self, name: str, *, idempotency_key: Optional[str] = None, **quota: Unpack[TenantQuota]
+        self, name: str, *, idempotency_key: str | None = None, **quota: Unpack[TenantQuota]
     ) -> Tenant:
         return await self._send(api.create_tenant(name, quota, idempotency_key))
 
-    async def list_tenants(self) -> List[Tenant]:
+    async def list_tenants(self) -> list[Tenant]:
         return await self._send(api.list_tenants())
 
     async def tenant(self) -> Tenant:
@@ -563,13 +569,13 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
         except httpx.HTTPError:
             return False
 
-    async def readyz(self) -> Dict[str, Any]:
+    async def readyz(self) -> dict[str, Any]:
         return api.readyz(await self._http.get("/readyz"))
 
     async def metrics(self) -> str:
         return await self._send(api.metrics())
 
-    def events(self) -> AsyncIterator[Dict[str, Any]]:
+    def events(self) -> AsyncIterator[dict[str, Any]]:
         return self._events(api.events())
 
 

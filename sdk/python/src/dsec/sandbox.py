@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import builtins
 import io
 import os
 import tarfile
-from typing import IO, Any, AsyncIterator, Awaitable, Callable, Dict, Iterator, List, Mapping, Optional, Union, cast
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from typing import IO, Any, Callable, Optional, Union, cast
 
 from typing_extensions import Self, Unpack
 
@@ -51,7 +53,7 @@ def _read_tar_source(src: TarSource) -> bytes:
     return src.read()
 
 
-def _tar_dir(local_dir: Union[str, "os.PathLike[str]"]) -> bytes:
+def _tar_dir(local_dir: str | os.PathLike[str]) -> bytes:
     """Pack the contents of a local directory (not the directory itself) as a tar stream."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
@@ -60,7 +62,7 @@ def _tar_dir(local_dir: Union[str, "os.PathLike[str]"]) -> bytes:
     return buf.getvalue()
 
 
-def _untar_to(data: bytes, local_dir: Union[str, "os.PathLike[str]"]) -> None:
+def _untar_to(data: bytes, local_dir: str | os.PathLike[str]) -> None:
     """Unpack a tar stream from a sandbox into a local directory, refusing unsafe members."""
     os.makedirs(local_dir, exist_ok=True)
     root = os.path.realpath(local_dir)
@@ -79,7 +81,7 @@ def _untar_to(data: bytes, local_dir: Union[str, "os.PathLike[str]"]) -> None:
 class _SandboxData:
     """Accessors over a sandbox record as the server answered it."""
 
-    data: Dict[str, Any]
+    data: dict[str, Any]
 
     @property
     def id(self) -> str:
@@ -94,23 +96,23 @@ class _SandboxData:
         return int(self.data.get("version") or 0)
 
     @property
-    def template(self) -> Optional[str]:
+    def template(self) -> str | None:
         return self.data.get("template")
 
     @property
-    def substrate(self) -> Optional[Substrate]:
+    def substrate(self) -> Substrate | None:
         return cast(Optional[Substrate], self.data.get("substrate"))
 
     @property
-    def tenant(self) -> Optional[str]:
+    def tenant(self) -> str | None:
         return self.data.get("tenant")
 
     @property
-    def labels(self) -> Dict[str, str]:
+    def labels(self) -> dict[str, str]:
         return dict(self.data.get("labels") or {})
 
     @property
-    def limits(self) -> Dict[str, Any]:
+    def limits(self) -> dict[str, Any]:
         return dict(self.data.get("limits") or {})
 
     @property
@@ -119,24 +121,24 @@ class _SandboxData:
         return bool(self.data.get("userns"))
 
     @property
-    def env_keys(self) -> List[str]:
+    def env_keys(self) -> list[str]:
         return list(self.data.get("env_keys") or [])
 
     @property
-    def created_at(self) -> Optional[str]:
+    def created_at(self) -> str | None:
         return self.data.get("created_at")
 
     @property
-    def acquired_at(self) -> Optional[str]:
+    def acquired_at(self) -> str | None:
         """When the tenant got the sandbox (a pooled one was created earlier); RFC 3339."""
         return self.data.get("acquired_at")
 
     @property
-    def expires_at(self) -> Optional[str]:
+    def expires_at(self) -> str | None:
         return self.data.get("expires_at")
 
     @property
-    def lease_expires_at(self) -> Optional[str]:
+    def lease_expires_at(self) -> str | None:
         return self.data.get("lease_expires_at")
 
     @property
@@ -144,7 +146,7 @@ class _SandboxData:
         return bool(self.data.get("pooled"))
 
     @property
-    def phase(self) -> Optional[str]:
+    def phase(self) -> str | None:
         """What a ``creating`` sandbox waits for: ``"preparing"`` while the node makes the VM
         snapshot it is restored from (the first VM of a template on a host), else ``None``."""
         return self.data.get("phase")
@@ -155,14 +157,14 @@ class _SandboxData:
     def _path(self, suffix: str = "") -> str:
         return api.sandbox_path(self.id, suffix)
 
-    def _set(self, data: Mapping[str, Any]) -> Self:
+    def _set(self, data: dict[str, Any]) -> Self:
         self.data = dict(data)
         return self
 
-    def _destroyed(self, data: Optional[Mapping[str, Any]]) -> Self:
+    def _destroyed(self, data: dict[str, Any] | None) -> Self:
         return self._set(data or {**self.data, "state": "stopped"})
 
-    def _since(self, after_version: Optional[int]) -> int:
+    def _since(self, after_version: int | None) -> int:
         return self.version if after_version is None else after_version
 
 
@@ -171,13 +173,13 @@ class _ProcessData:
 
     def __init__(self, data: Mapping[str, Any]) -> None:
         self.handle: int = int(data["handle"])
-        self.pid: Optional[int] = data.get("pid")
-        self.result: Optional[ExecResult] = None
+        self.pid: int | None = data.get("pid")
+        self.result: ExecResult | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(handle={self.handle}, pid={self.pid})"
 
-    def _ended(self, result: Optional[ExecResult]) -> Optional[ExecResult]:
+    def _ended(self, result: ExecResult | None) -> ExecResult | None:
         if result is not None:
             self.result = result
         return result
@@ -191,7 +193,6 @@ class _SessionData:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id})"
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class Sandbox(_SandboxData):
 
     @classmethod
     def create(
-        cls, client: Optional[Client] = None, *, idempotency_key: Optional[str] = None, **spec: Unpack[CreateOptions]
+        cls, client: Client | None = None, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
     ) -> Sandbox:
         """Create a sandbox and return it running.
 
@@ -233,7 +234,7 @@ class Sandbox(_SandboxData):
         return _owning(client, lambda c: c.create_sandbox(idempotency_key=idempotency_key, **spec))
 
     @classmethod
-    def connect(cls, sandbox_id: str, client: Optional[Client] = None) -> Sandbox:
+    def connect(cls, sandbox_id: str, client: Client | None = None) -> Sandbox:
         """Attach to an existing sandbox (``SandboxNotFound`` when this tenant has none)."""
         return _owning(client, lambda c: c.get_sandbox(sandbox_id))
 
@@ -263,14 +264,14 @@ class Sandbox(_SandboxData):
         """
         return self._set(self.client._run(api.wait(self.id, state, timeout_ms)))
 
-    def wait_for_change(self, after_version: Optional[int] = None, timeout_ms: int = 30_000) -> Sandbox:
+    def wait_for_change(self, after_version: int | None = None, timeout_ms: int = 30_000) -> Sandbox:
         """Long-poll until the version exceeds ``after_version`` (default: the current one).
 
         Returns the sandbox as it then is, changed or not when the time ran out.
         """
         return self._set(self.client._run(api.wait_for_change(self.id, self._since(after_version), timeout_ms)))
 
-    def heartbeat(self, lease_ms: Optional[int] = None) -> Sandbox:
+    def heartbeat(self, lease_ms: int | None = None) -> Sandbox:
         """Renew the owner lease."""
         return self._set(self.client._send(api.heartbeat(self.id, lease_ms)))
 
@@ -288,8 +289,8 @@ class Sandbox(_SandboxData):
         self,
         cmd: Command,
         *,
-        trajectory: Optional[str] = None,
-        step: Optional[int] = None,
+        trajectory: str | None = None,
+        step: int | None = None,
         **options: Unpack[ExecOptions],
     ) -> ExecResult:
         """Run a command to completion.
@@ -320,7 +321,7 @@ class Sandbox(_SandboxData):
         return Process(self, self.client._send(api.spawn(self.id, cmd, **options)))
 
     def session(
-        self, kind: SessionKind = "shell", *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None
+        self, kind: SessionKind = "shell", *, env: Mapping[str, str] | None = None, cwd: str | None = None
     ) -> Session:
         """Open a persistent ``shell`` or ``python`` session whose state survives across inputs."""
         return Session(self, self.client._send(api.open_session(self.id, kind, env, cwd)))
@@ -337,7 +338,7 @@ class Process(_ProcessData):
         """Whether the process is still running."""
         return self.sandbox.client._send(api.process_status(self.sandbox.id, self.handle))
 
-    def write_stdin(self, data: Union[str, bytes, None] = None, *, eof: bool = False) -> None:
+    def write_stdin(self, data: str | bytes | None = None, *, eof: bool = False) -> None:
         """Write to the process's stdin; ``eof=True`` closes it afterwards."""
         self.sandbox.client._send(api.write_stdin(self.sandbox.id, self.handle, data, eof))
 
@@ -351,7 +352,7 @@ class Process(_ProcessData):
     def kill(self) -> None:
         self.signal(9)
 
-    def wait(self, timeout_ms: int = 30_000) -> Optional[ExecResult]:
+    def wait(self, timeout_ms: int = 30_000) -> ExecResult | None:
         """Wait up to ``timeout_ms`` for the process to end; its result, or ``None`` if still running."""
         return self._ended(self.sandbox.client._send(api.wait_process(self.sandbox.id, self.handle, timeout_ms)))
 
@@ -373,7 +374,7 @@ class Session(_SessionData):
             pass
 
     def run(
-        self, input: str, *, timeout_ms: Optional[int] = None, trajectory: Optional[str] = None, step: Optional[int] = None
+        self, input: str, *, timeout_ms: int | None = None, trajectory: str | None = None, step: int | None = None
     ) -> ExecResult:
         """Feed one input (shell command line or Python code) and return its output.
 
@@ -396,13 +397,13 @@ class Files:
     def _c(self) -> Client:
         return self.sandbox.client
 
-    def read(self, path: str, *, max_bytes: Optional[int] = None) -> bytes:
+    def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
         return self._c._send(api.read_file(self.sandbox.id, path, max_bytes))
 
     def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return self.read(path).decode(encoding)
 
-    def write(self, path: str, data: Union[str, bytes], **options: Unpack[WriteOptions]) -> Optional[int]:
+    def write(self, path: str, data: str | bytes, **options: Unpack[WriteOptions]) -> int | None:
         """Write a whole file (``mode`` as an int, e.g. ``0o644``; missing parents are made
         unless ``parents=False``).
 
@@ -411,7 +412,7 @@ class Files:
         """
         return self._c._send(api.write_file(self.sandbox.id, path, data, options))
 
-    def list(self, path: str = "/") -> List[FileEntry]:
+    def list(self, path: str = "/") -> builtins.list[FileEntry]:
         return self._c._send(api.list_files(self.sandbox.id, path))
 
     def stat(self, path: str) -> FileEntry:
@@ -427,7 +428,7 @@ class Files:
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._c._send(api.remove_file(self.sandbox.id, path, recursive))
 
-    def mkdir(self, path: str, *, parents: bool = False, mode: Optional[int] = None) -> None:
+    def mkdir(self, path: str, *, parents: bool = False, mode: int | None = None) -> None:
         self._c._send(api.mkdir(self.sandbox.id, path, parents, mode))
 
     def upload_tar(self, path: str, tar: TarSource) -> None:
@@ -438,16 +439,16 @@ class Files:
         """Pack directory ``path`` as a tar stream."""
         return self._c._send(api.download_tar(self.sandbox.id, path))
 
-    def upload_dir(self, local_dir: Union[str, os.PathLike[str]], path: str) -> None:
+    def upload_dir(self, local_dir: str | os.PathLike[str], path: str) -> None:
         """Copy the contents of a local directory into directory ``path`` of the sandbox."""
         self.upload_tar(path, _tar_dir(local_dir))
 
-    def download_dir(self, path: str, local_dir: Union[str, os.PathLike[str]]) -> None:
+    def download_dir(self, path: str, local_dir: str | os.PathLike[str]) -> None:
         """Copy directory ``path`` of the sandbox into a local directory (links are skipped)."""
         _untar_to(self.download_tar(path), local_dir)
 
 
-def _owning(client: Optional[Client], make: Callable[[Client], Sandbox]) -> Sandbox:
+def _owning(client: Client | None, make: Callable[[Client], Sandbox]) -> Sandbox:
     """``make(client)``, with a new client that the sandbox owns when none is given."""
     c = client if client is not None else Client()
     try:
@@ -460,9 +461,7 @@ def _owning(client: Optional[Client], make: Callable[[Client], Sandbox]) -> Sand
     return sb
 
 
-async def _aowning(
-    client: Optional[AsyncClient], make: Callable[[AsyncClient], Awaitable[AsyncSandbox]]
-) -> AsyncSandbox:
+async def _aowning(client: AsyncClient | None, make: Callable[[AsyncClient], Awaitable[AsyncSandbox]]) -> AsyncSandbox:
     """:func:`_owning` for an async client."""
     c = client if client is not None else AsyncClient()
     try:
@@ -482,8 +481,8 @@ async def _aowning(
 class AsyncSandbox(_SandboxData):
     """Async twin of :class:`Sandbox`; ``async with`` destroys it on exit::
 
-        async with await AsyncSandbox.create(client) as sb:
-            r = await sb.exec("echo hi")
+    async with await AsyncSandbox.create(client) as sb:
+        r = await sb.exec("echo hi")
     """
 
     def __init__(self, client: AsyncClient, data: Mapping[str, Any], *, owns_client: bool = False) -> None:
@@ -495,16 +494,16 @@ class AsyncSandbox(_SandboxData):
     @classmethod
     async def create(
         cls,
-        client: Optional[AsyncClient] = None,
+        client: AsyncClient | None = None,
         *,
-        idempotency_key: Optional[str] = None,
+        idempotency_key: str | None = None,
         **spec: Unpack[CreateOptions],
     ) -> AsyncSandbox:
         """Create a sandbox; see :meth:`Sandbox.create`."""
         return await _aowning(client, lambda c: c.create_sandbox(idempotency_key=idempotency_key, **spec))
 
     @classmethod
-    async def connect(cls, sandbox_id: str, client: Optional[AsyncClient] = None) -> AsyncSandbox:
+    async def connect(cls, sandbox_id: str, client: AsyncClient | None = None) -> AsyncSandbox:
         return await _aowning(client, lambda c: c.get_sandbox(sandbox_id))
 
     async def __aenter__(self) -> AsyncSandbox:
@@ -525,11 +524,11 @@ class AsyncSandbox(_SandboxData):
     async def wait(self, state: SandboxState, timeout_ms: int = 30_000) -> AsyncSandbox:
         return self._set(await self.client._run(api.wait(self.id, state, timeout_ms)))
 
-    async def wait_for_change(self, after_version: Optional[int] = None, timeout_ms: int = 30_000) -> AsyncSandbox:
+    async def wait_for_change(self, after_version: int | None = None, timeout_ms: int = 30_000) -> AsyncSandbox:
         plan = api.wait_for_change(self.id, self._since(after_version), timeout_ms)
         return self._set(await self.client._run(plan))
 
-    async def heartbeat(self, lease_ms: Optional[int] = None) -> AsyncSandbox:
+    async def heartbeat(self, lease_ms: int | None = None) -> AsyncSandbox:
         return self._set(await self.client._send(api.heartbeat(self.id, lease_ms)))
 
     async def reset(self) -> AsyncSandbox:
@@ -539,7 +538,7 @@ class AsyncSandbox(_SandboxData):
         return self._destroyed(await self.client.delete_sandbox(self.id))
 
     async def exec(
-        self, cmd: Command, *, trajectory: Optional[str] = None, step: Optional[int] = None, **options: Unpack[ExecOptions]
+        self, cmd: Command, *, trajectory: str | None = None, step: int | None = None, **options: Unpack[ExecOptions]
     ) -> ExecResult:
         call = api.exec(self.id, cmd, self.client.exec_timeout, trajectory=trajectory, step=step, **options)
         return await self.client._send(call)
@@ -552,7 +551,7 @@ class AsyncSandbox(_SandboxData):
         return AsyncProcess(self, await self.client._send(api.spawn(self.id, cmd, **options)))
 
     async def session(
-        self, kind: SessionKind = "shell", *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None
+        self, kind: SessionKind = "shell", *, env: Mapping[str, str] | None = None, cwd: str | None = None
     ) -> AsyncSession:
         return AsyncSession(self, await self.client._send(api.open_session(self.id, kind, env, cwd)))
 
@@ -567,7 +566,7 @@ class AsyncProcess(_ProcessData):
     async def status(self) -> ProcessStatus:
         return await self.sandbox.client._send(api.process_status(self.sandbox.id, self.handle))
 
-    async def write_stdin(self, data: Union[str, bytes, None] = None, *, eof: bool = False) -> None:
+    async def write_stdin(self, data: str | bytes | None = None, *, eof: bool = False) -> None:
         await self.sandbox.client._send(api.write_stdin(self.sandbox.id, self.handle, data, eof))
 
     async def close_stdin(self) -> None:
@@ -579,7 +578,7 @@ class AsyncProcess(_ProcessData):
     async def kill(self) -> None:
         await self.signal(9)
 
-    async def wait(self, timeout_ms: int = 30_000) -> Optional[ExecResult]:
+    async def wait(self, timeout_ms: int = 30_000) -> ExecResult | None:
         call = api.wait_process(self.sandbox.id, self.handle, timeout_ms)
         return self._ended(await self.sandbox.client._send(call))
 
@@ -601,7 +600,7 @@ class AsyncSession(_SessionData):
             pass
 
     async def run(
-        self, input: str, *, timeout_ms: Optional[int] = None, trajectory: Optional[str] = None, step: Optional[int] = None
+        self, input: str, *, timeout_ms: int | None = None, trajectory: str | None = None, step: int | None = None
     ) -> ExecResult:
         c = self.sandbox.client
         call = api.session_run(self.sandbox.id, self.id, input, c.exec_timeout, timeout_ms, trajectory, step)
@@ -621,16 +620,16 @@ class AsyncFiles:
     def _c(self) -> AsyncClient:
         return self.sandbox.client
 
-    async def read(self, path: str, *, max_bytes: Optional[int] = None) -> bytes:
+    async def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
         return await self._c._send(api.read_file(self.sandbox.id, path, max_bytes))
 
     async def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
-    async def write(self, path: str, data: Union[str, bytes], **options: Unpack[WriteOptions]) -> Optional[int]:
+    async def write(self, path: str, data: str | bytes, **options: Unpack[WriteOptions]) -> int | None:
         return await self._c._send(api.write_file(self.sandbox.id, path, data, options))
 
-    async def list(self, path: str = "/") -> List[FileEntry]:
+    async def list(self, path: str = "/") -> builtins.list[FileEntry]:
         return await self._c._send(api.list_files(self.sandbox.id, path))
 
     async def stat(self, path: str) -> FileEntry:
@@ -646,7 +645,7 @@ class AsyncFiles:
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._c._send(api.remove_file(self.sandbox.id, path, recursive))
 
-    async def mkdir(self, path: str, *, parents: bool = False, mode: Optional[int] = None) -> None:
+    async def mkdir(self, path: str, *, parents: bool = False, mode: int | None = None) -> None:
         await self._c._send(api.mkdir(self.sandbox.id, path, parents, mode))
 
     async def upload_tar(self, path: str, tar: TarSource) -> None:
@@ -655,8 +654,8 @@ class AsyncFiles:
     async def download_tar(self, path: str) -> bytes:
         return await self._c._send(api.download_tar(self.sandbox.id, path))
 
-    async def upload_dir(self, local_dir: Union[str, os.PathLike[str]], path: str) -> None:
+    async def upload_dir(self, local_dir: str | os.PathLike[str], path: str) -> None:
         await self.upload_tar(path, _tar_dir(local_dir))
 
-    async def download_dir(self, path: str, local_dir: Union[str, os.PathLike[str]]) -> None:
+    async def download_dir(self, path: str, local_dir: str | os.PathLike[str]) -> None:
         _untar_to(await self.download_tar(path), local_dir)

@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
+from typing import Any, Union, cast
 
 from typing_extensions import Unpack
 
@@ -22,27 +23,27 @@ from .types import Annotation, Command, ExecOptions, ExecResult, TrajectoryInfo
 class ResumeReport:
     """What :meth:`Trajectory.resume` did with each step."""
 
-    replayed: List[int] = field(default_factory=list)
+    replayed: list[int] = field(default_factory=list)
     """Steps answered from the log (nothing ran)."""
-    live: List[int] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
     """Steps that ran (beyond the log, or with a different action)."""
-    unknown: List[int] = field(default_factory=list)
+    unknown: list[int] = field(default_factory=list)
     """Steps whose outcome the log does not know (started, never answered)."""
-    results: List[ExecResult] = field(default_factory=list)
+    results: list[ExecResult] = field(default_factory=list)
     """The answers, in step order (up to the first unknown step)."""
 
 
-Step = Union[Command, Tuple[Command, Mapping[str, Any]]]
+Step = Union[Command, tuple[Command, Mapping[str, Any]]]
 
 
 class _TrajectoryPlans:
     """The requests of a trajectory's steps, numbered, as plans either client can run."""
 
-    sandbox: Union[Sandbox, AsyncSandbox]
+    sandbox: Sandbox | AsyncSandbox
     id: str
     next_step: int
 
-    def _exec(self, cmd: Command, step: Optional[int], options: ExecOptions) -> api.Plan[ExecResult]:
+    def _exec(self, cmd: Command, step: int | None, options: ExecOptions) -> api.Plan[ExecResult]:
         n = self.next_step if step is None else step
         timeout = self.sandbox.client.exec_timeout
         call = api.exec(self.sandbox.id, cmd, timeout, trajectory=self.id, step=n, **options)
@@ -76,13 +77,16 @@ class Trajectory(_TrajectoryPlans):
     the caller decides whether to re-send it as a different action.
     """
 
-    def __init__(self, sandbox: Sandbox, trajectory_id: str, *, client: Optional[Client] = None) -> None:
+    sandbox: Sandbox
+    client: Client
+
+    def __init__(self, sandbox: Sandbox, trajectory_id: str, *, client: Client | None = None) -> None:
         self.sandbox = sandbox
         self.id = trajectory_id
         self.client = client or sandbox.client
         self.next_step = 1
 
-    def exec(self, cmd: Command, *, step: Optional[int] = None, **options: Unpack[ExecOptions]) -> ExecResult:
+    def exec(self, cmd: Command, *, step: int | None = None, **options: Unpack[ExecOptions]) -> ExecResult:
         """Run ``cmd`` as the next step (or as ``step``)."""
         return self.sandbox.client._run(self._exec(cmd, step, options))
 
@@ -94,7 +98,7 @@ class Trajectory(_TrajectoryPlans):
         """Counters: intents, results (acknowledged), unknown outcomes, annotations."""
         return self.client.get_trajectory(self.id)
 
-    def steps(self, *, from_step: Optional[int] = None) -> Iterator[Dict[str, Any]]:
+    def steps(self, *, from_step: int | None = None) -> Iterator[dict[str, Any]]:
         """The log records (intent, result, annotation), in log order, page by page."""
         return self.client.trajectory_records(self.id, from_step=from_step)
 
@@ -107,7 +111,7 @@ class Trajectory(_TrajectoryPlans):
         """Mark it finished: it will not be resumed, and its records may be compacted away."""
         self.client._send(api.finish_trajectory(self.id))
 
-    def export(self, *, label: Optional[str] = None, min_reward: Optional[float] = None) -> List[Dict[str, Any]]:
+    def export(self, *, label: str | None = None, min_reward: float | None = None) -> list[dict[str, Any]]:
         """Training rows (action, observation, status, timings, annotations) per step."""
         return self.client.export_trajectory(self.id, label=label, min_reward=min_reward)
 
@@ -115,18 +119,21 @@ class Trajectory(_TrajectoryPlans):
 class AsyncTrajectory(_TrajectoryPlans):
     """:class:`Trajectory` for an :class:`~dsec.AsyncSandbox`; the same methods, awaited::
 
-        traj = dsec.AsyncTrajectory(sb, "ep-17")
-        r = await traj.exec("python3 step.py")            # step 1
-        report = await dsec.AsyncTrajectory(sb, "ep-17").resume(actions)
+    traj = dsec.AsyncTrajectory(sb, "ep-17")
+    r = await traj.exec("python3 step.py")            # step 1
+    report = await dsec.AsyncTrajectory(sb, "ep-17").resume(actions)
     """
 
-    def __init__(self, sandbox: AsyncSandbox, trajectory_id: str, *, client: Optional[AsyncClient] = None) -> None:
+    sandbox: AsyncSandbox
+    client: AsyncClient
+
+    def __init__(self, sandbox: AsyncSandbox, trajectory_id: str, *, client: AsyncClient | None = None) -> None:
         self.sandbox = sandbox
         self.id = trajectory_id
         self.client = client or sandbox.client
         self.next_step = 1
 
-    async def exec(self, cmd: Command, *, step: Optional[int] = None, **options: Unpack[ExecOptions]) -> ExecResult:
+    async def exec(self, cmd: Command, *, step: int | None = None, **options: Unpack[ExecOptions]) -> ExecResult:
         return await self.sandbox.client._run(self._exec(cmd, step, options))
 
     async def resume(self, steps: Iterable[Step]) -> ResumeReport:
@@ -135,7 +142,7 @@ class AsyncTrajectory(_TrajectoryPlans):
     async def info(self) -> TrajectoryInfo:
         return await self.client.get_trajectory(self.id)
 
-    def steps(self, *, from_step: Optional[int] = None) -> AsyncIterator[Dict[str, Any]]:
+    def steps(self, *, from_step: int | None = None) -> AsyncIterator[dict[str, Any]]:
         return self.client.trajectory_records(self.id, from_step=from_step)
 
     async def annotate(self, **annotation: Unpack[Annotation]) -> int:
@@ -144,5 +151,5 @@ class AsyncTrajectory(_TrajectoryPlans):
     async def finish(self) -> None:
         await self.client._send(api.finish_trajectory(self.id))
 
-    async def export(self, *, label: Optional[str] = None, min_reward: Optional[float] = None) -> List[Dict[str, Any]]:
+    async def export(self, *, label: str | None = None, min_reward: float | None = None) -> list[dict[str, Any]]:
         return await self.client.export_trajectory(self.id, label=label, min_reward=min_reward)

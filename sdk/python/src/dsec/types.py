@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Generic, Iterator, List, Literal, Mapping, Optional, Protocol, Sequence, TypeVar, Union, cast
+from typing import (
+    Any,
+    Generic,
+    Literal,
+    Protocol,
+    TypeVar,
+    Union,
+    cast,
+)
 
 from typing_extensions import TypedDict, Unpack
 
@@ -45,7 +54,7 @@ Command = Union[str, Sequence[str]]
 SandboxState = Literal["creating", "ready", "running", "resetting", "stopping", "stopped", "failed"]
 
 #: states a sandbox never leaves
-FINAL_STATES: FrozenSet[SandboxState] = frozenset({"stopped", "failed"})
+FINAL_STATES: frozenset[SandboxState] = frozenset({"stopped", "failed"})
 
 #: how a sandbox is isolated: namespaces and cgroups, a QEMU microVM, or a QEMU q35 VM
 Substrate = Literal["container", "microvm", "vm"]
@@ -77,16 +86,16 @@ class CreateOptions(TypedDict, total=False):
             (created cold: never from a warm pool).
     """
 
-    template: Optional[str]
-    substrate: Optional[Substrate]
-    limits: Optional[Mapping[str, Any]]
-    env: Optional[Mapping[str, str]]
-    secret_env: Optional[Mapping[str, str]]
-    labels: Optional[Mapping[str, str]]
-    ttl_ms: Optional[int]
-    lease_ms: Optional[int]
-    writable_root: Optional[bool]
-    userns: Optional[bool]
+    template: str | None
+    substrate: Substrate | None
+    limits: Mapping[str, Any] | None
+    env: Mapping[str, str] | None
+    secret_env: Mapping[str, str] | None
+    labels: Mapping[str, str] | None
+    ttl_ms: int | None
+    lease_ms: int | None
+    writable_root: bool | None
+    userns: bool | None
 
 
 class ExecOptions(TypedDict, total=False):
@@ -101,12 +110,12 @@ class ExecOptions(TypedDict, total=False):
         output_limit: bytes of stdout/stderr kept (and the hard bound that kills the command).
     """
 
-    env: Optional[Mapping[str, str]]
-    cwd: Optional[str]
-    timeout_ms: Optional[int]
-    stdin: Union[str, bytes, None]
-    cpu_limit_ms: Optional[int]
-    output_limit: Optional[int]
+    env: Mapping[str, str] | None
+    cwd: str | None
+    timeout_ms: int | None
+    stdin: str | bytes | None
+    cpu_limit_ms: int | None
+    output_limit: int | None
 
 
 class WriteOptions(TypedDict, total=False):
@@ -119,10 +128,10 @@ class WriteOptions(TypedDict, total=False):
         step: its step number (default: the next one).
     """
 
-    mode: Optional[int]
+    mode: int | None
     parents: bool
-    trajectory: Optional[str]
-    step: Optional[int]
+    trajectory: str | None
+    step: int | None
 
 
 class SandboxQuery(TypedDict, total=False):
@@ -135,26 +144,26 @@ class SandboxQuery(TypedDict, total=False):
         tenant: another tenant's id (admin only).
     """
 
-    state: Optional[SandboxState]
-    labels: Optional[Mapping[str, str]]
-    page_size: Optional[int]
-    tenant: Optional[str]
+    state: SandboxState | None
+    labels: Mapping[str, str] | None
+    page_size: int | None
+    tenant: str | None
 
 
 class Annotation(TypedDict, total=False):
     """A trajectory annotation: of the whole trajectory, or of one ``step``."""
 
-    step: Optional[int]
-    reward: Optional[float]
-    labels: Optional[Sequence[str]]
-    data: Optional[Mapping[str, Any]]
+    step: int | None
+    reward: float | None
+    labels: Sequence[str] | None
+    data: Mapping[str, Any] | None
 
 
 class TenantQuota(TypedDict, total=False):
     """A tenant's quota; a key left out or ``None`` is unlimited."""
 
-    max_sandboxes: Optional[int]
-    max_memory_bytes: Optional[int]
+    max_sandboxes: int | None
+    max_memory_bytes: int | None
 
 
 class RequestOptions(TypedDict, total=False):
@@ -171,10 +180,10 @@ class RequestOptions(TypedDict, total=False):
 
     params: Any
     json: Any
-    content: Optional[bytes]
-    headers: Optional[Mapping[str, str]]
-    idempotency_key: Optional[str]
-    timeout: Optional[float]
+    content: bytes | None
+    headers: Mapping[str, str] | None
+    idempotency_key: str | None
+    timeout: float | None
 
 
 def check_keys(options: Mapping[str, Any], allowed: Any) -> None:
@@ -200,16 +209,16 @@ def decode_data(data: Any) -> bytes:
 def exec_body(
     cmd: Command,
     *,
-    trajectory: Optional[str] = None,
-    step: Optional[int] = None,
+    trajectory: str | None = None,
+    step: int | None = None,
     **options: Unpack[ExecOptions],
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Build the JSON body of an exec (also used for background processes)."""
     check_keys(options, ExecOptions)
     env, cwd, stdin = options.get("env"), options.get("cwd"), options.get("stdin")
     timeout_ms, cpu_limit_ms = options.get("timeout_ms"), options.get("cpu_limit_ms")
     output_limit = options.get("output_limit")
-    body: Dict[str, Any] = {}
+    body: dict[str, Any] = {}
     if isinstance(cmd, str):
         body["shell"] = cmd
     else:
@@ -250,25 +259,25 @@ class ExecResult:
     """
 
     status: ExecStatus
-    exit_code: Optional[int] = None
-    signal: Optional[int] = None
+    exit_code: int | None = None
+    signal: int | None = None
     stdout: bytes = b""
     stderr: bytes = b""
     stdout_total: int = 0
     stderr_total: int = 0
     stdout_truncated: bool = False
     stderr_truncated: bool = False
-    wall_us: Optional[int] = None
-    cpu_us: Optional[int] = None
-    peak_rss_kb: Optional[int] = None
+    wall_us: int | None = None
+    cpu_us: int | None = None
+    peak_rss_kb: int | None = None
     #: the trajectory step this exec was logged as (``Dsec-Step``), if it was one
-    step: Optional[int] = None
+    step: int | None = None
     #: True when the node answered a re-sent step from its log without running it
     replayed: bool = False
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_response(cls, resp: Any) -> "ExecResult":
+    def from_response(cls, resp: Any) -> ExecResult:
         """From an HTTP answer: the body plus the trajectory headers."""
         r = cls.from_json(resp.json())
         step = resp.headers.get("dsec-step")
@@ -277,7 +286,7 @@ class ExecResult:
         return r
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ExecResult":
+    def from_json(cls, d: Mapping[str, Any]) -> ExecResult:
         out = d.get("stdout") or {}
         err = d.get("stderr") or {}
         stdout = decode_data(out.get("data"))
@@ -329,8 +338,8 @@ class ExecEvent:
 
     type: str
     data: bytes = b""
-    result: Optional[ExecResult] = None
-    error: Optional[DsecError] = None
+    result: ExecResult | None = None
+    error: DsecError | None = None
     raw: Any = None
 
     @property
@@ -344,11 +353,11 @@ class ProcessStatus:
     """Whether a background process is still running."""
 
     running: bool
-    pid: Optional[int] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    pid: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ProcessStatus":
+    def from_json(cls, d: Mapping[str, Any]) -> ProcessStatus:
         return cls(running=bool(d.get("running")), pid=d.get("pid"), raw=dict(d))
 
 
@@ -361,11 +370,11 @@ class FileEntry:
     size: int = 0
     mode: int = 0
     mtime: Any = None
-    link_target: Optional[str] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    link_target: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "FileEntry":
+    def from_json(cls, d: Mapping[str, Any]) -> FileEntry:
         return cls(
             name=str(d.get("name", "")),
             kind=str(d.get("kind", "")),
@@ -390,13 +399,13 @@ class Template:
     """A template: named, ordered image layers."""
 
     name: str
-    layers: List[Any] = field(default_factory=list)
+    layers: list[Any] = field(default_factory=list)
     source: Any = None
-    created_at: Optional[str] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    created_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Template":
+    def from_json(cls, d: Mapping[str, Any]) -> Template:
         return cls(
             name=str(d.get("name")),
             layers=list(d.get("layers") or []),
@@ -420,12 +429,12 @@ class PoolStats:
     misses: int = 0
     hit_rate: float = 0.0
     acquire_rate: float = 0.0
-    refill_ms: Optional[float] = None
-    peak: Optional[float] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    refill_ms: float | None = None
+    peak: float | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PoolStats":
+    def from_json(cls, d: Mapping[str, Any]) -> PoolStats:
         return cls(
             template=str(d.get("template")),
             min=int(d.get("min") or 0),
@@ -452,16 +461,16 @@ class Tenant:
 
     id: str
     name: str
-    api_key: Optional[str] = None
-    max_sandboxes: Optional[int] = None
-    max_memory_bytes: Optional[int] = None
-    usage: Optional[Dict[str, Any]] = None
+    api_key: str | None = None
+    max_sandboxes: int | None = None
+    max_memory_bytes: int | None = None
+    usage: dict[str, Any] | None = None
     admin: bool = False
-    created_at_ms: Optional[int] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    created_at_ms: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Tenant":
+    def from_json(cls, d: Mapping[str, Any]) -> Tenant:
         usage = d.get("usage")
         if usage is None and ("sandboxes" in d or "memory_bytes" in d):
             usage = {"sandboxes": d.get("sandboxes"), "memory_bytes": d.get("memory_bytes")}
@@ -484,7 +493,7 @@ class BatchDeleteItem:
 
     id: str
     ok: bool
-    error: Optional[DsecError] = None
+    error: DsecError | None = None
 
 
 @dataclass
@@ -492,16 +501,16 @@ class TrajectoryInfo:
     """Counters of one trajectory in the node's log."""
 
     id: str
-    last_step: Optional[int] = None
+    last_step: int | None = None
     intents: int = 0
     results: int = 0
     acknowledged: int = 0
     unknown: int = 0
     annotations: int = 0
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryInfo":
+    def from_json(cls, d: Mapping[str, Any]) -> TrajectoryInfo:
         return cls(
             id=str(d.get("id")),
             last_step=d.get("last_step"),
@@ -514,12 +523,14 @@ class TrajectoryInfo:
         )
 
 
-class _HasId(Protocol):
+class HasId(Protocol):
+    """Anything with a sandbox id."""
+
     @property
     def id(self) -> str: ...
 
 
-S = TypeVar("S", bound=_HasId)
+S = TypeVar("S", bound=HasId)
 
 
 @dataclass
@@ -529,8 +540,8 @@ class BatchCreateResult(Generic[S]):
     Iterating it yields the sandboxes; ``len()`` counts them.
     """
 
-    sandboxes: List[S] = field(default_factory=list)
-    errors: List[DsecError] = field(default_factory=list)
+    sandboxes: list[S] = field(default_factory=list)
+    errors: list[DsecError] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[S]:
         return iter(self.sandboxes)
@@ -539,5 +550,5 @@ class BatchCreateResult(Generic[S]):
         return len(self.sandboxes)
 
     @property
-    def ids(self) -> List[str]:
+    def ids(self) -> list[str]:
         return [s.id for s in self.sandboxes]
