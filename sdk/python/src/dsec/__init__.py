@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .client import AsyncClient, BatchCreateResult, Client
+from .client import AsyncClient, Client
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .sandbox import (
-    FINAL_STATES,
     AsyncFiles,
     AsyncProcess,
     AsyncSandbox,
@@ -29,28 +28,8 @@ from .sandbox import (
     Session,
 )
 from .trajectory import AsyncTrajectory, ResumeReport, Trajectory
-from .types import (
-    Annotation,
-    BatchDeleteItem,
-    CreateOptions,
-    ExecEvent,
-    ExecOptions,
-    ExecResult,
-    ExecStatus,
-    FileEntry,
-    PoolStats,
-    ProcessStatus,
-    RequestOptions,
-    SandboxQuery,
-    SandboxState,
-    SessionKind,
-    Substrate,
-    Template,
-    Tenant,
-    TenantQuota,
-    TrajectoryInfo,
-    WriteOptions,
-)
+from .types import *  # noqa: F403
+from .types import __all__ as _types_all
 
 __version__ = "0.1.0"
 
@@ -78,7 +57,6 @@ def run_codes(requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -
 __all__ = [
     "Client",
     "AsyncClient",
-    "BatchCreateResult",
     "Sandbox",
     "AsyncSandbox",
     "Process",
@@ -87,31 +65,11 @@ __all__ = [
     "AsyncSession",
     "Files",
     "AsyncFiles",
-    "FINAL_STATES",
-    "ExecResult",
-    "ExecEvent",
-    "ProcessStatus",
-    "FileEntry",
-    "Template",
-    "PoolStats",
-    "Tenant",
-    "TrajectoryInfo",
     "Trajectory",
     "AsyncTrajectory",
     "ResumeReport",
-    "SandboxState",
-    "Substrate",
-    "ExecStatus",
-    "SessionKind",
-    "CreateOptions",
-    "ExecOptions",
-    "WriteOptions",
-    "SandboxQuery",
-    "Annotation",
-    "TenantQuota",
-    "RequestOptions",
     "run_code",
     "run_codes",
-    "BatchDeleteItem",
+    *_types_all,
     *_errors_all,
 ]

@@ -99,23 +99,9 @@ class StreamCall(Generic[T]):
     """A request answered with Server-Sent Events: ``decode`` turns each into an item (``None``
     skips it); the stream ends after an item ``last`` is true of."""
 
-    method: str
-    path: str
+    request: Call[None]
     decode: Callable[[SseEvent], T | None]
     last: Callable[[T], bool] = _never
-    params: t.Params = None
-    json: Any = None
-    headers: Mapping[str, str] | None = None
-    min_timeout: float = 0.0
-
-    def options(self, timeout: float) -> dict[str, Any]:
-        """The keywords of ``Client.stream`` for this call under a client ``timeout``."""
-        return {
-            "params": self.params,
-            "json": self.json,
-            "headers": self.headers,
-            "timeout": max(timeout, self.min_timeout),
-        }
 
 
 #: what takes several requests: yields calls (answered with their parsed answers, or with the
@@ -369,16 +355,16 @@ def _exec_ended(ev: ExecEvent) -> bool:
 def exec_stream(
     sandbox_id: str, cmd: Command, exec_timeout: float, **options: Unpack[ExecOptions]
 ) -> StreamCall[ExecEvent]:
-    return StreamCall(
+    request = Call(
         "POST",
         sandbox_path(sandbox_id, "/exec"),
-        _exec_event,
-        _exec_ended,
+        no_body,
         params={"stream": "true"},
         json=exec_body(cmd, **options),
         headers={"Accept": "text/event-stream"},
         min_timeout=deadline(options.get("timeout_ms"), exec_timeout),
     )
+    return StreamCall(request, _exec_event, _exec_ended)
 
 
 def spawn(sandbox_id: str, cmd: Command, **options: Unpack[ExecOptions]) -> Call[Record]:
@@ -642,7 +628,7 @@ def export_trajectory(trajectory: str, label: str | None, min_reward: float | No
 
 
 def follow_trajectory(trajectory: str) -> StreamCall[Record]:
-    return StreamCall("GET", trajectory_path(trajectory, "/stream"), sse_json)
+    return StreamCall(Call("GET", trajectory_path(trajectory, "/stream"), no_body), sse_json)
 
 
 def finish_trajectory(trajectory: str) -> Call[Any]:
@@ -671,4 +657,4 @@ def metrics() -> Call[str]:
 
 
 def events() -> StreamCall[Record]:
-    return StreamCall("GET", "/v1/events", sse_json)
+    return StreamCall(Call("GET", "/v1/events", no_body), sse_json)

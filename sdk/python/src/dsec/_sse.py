@@ -58,25 +58,23 @@ class SseDecoder:
         return ev
 
 
+def _some(ev: SseEvent | None) -> list[SseEvent]:
+    return [] if ev is None else [ev]
+
+
 def iter_sse(lines: Iterable[str]) -> Iterator[SseEvent]:
     """Parse an iterable of lines into events."""
     dec = SseDecoder()
     for line in lines:
-        ev = dec.feed(line)
-        if ev is not None:
-            yield ev
-    ev = dec.flush()
-    if ev is not None:
-        yield ev
+        yield from _some(dec.feed(line))
+    yield from _some(dec.flush())
 
 
 async def aiter_sse(lines: AsyncIterable[str]) -> AsyncIterator[SseEvent]:
     """Parse an async iterable of lines into events."""
     dec = SseDecoder()
     async for line in lines:
-        ev = dec.feed(line)
-        if ev is not None:
+        for ev in _some(dec.feed(line)):
             yield ev
-    ev = dec.flush()
-    if ev is not None:
+    for ev in _some(dec.flush()):
         yield ev

@@ -191,7 +191,8 @@ class Client(_ClientBase[httpx.BaseTransport]):
             call = page.next
 
     def _events(self, call: api.StreamCall[T]) -> Iterator[T]:
-        with self.stream(call.method, call.path, **call.options(self.timeout)) as resp:
+        req = call.request
+        with self.stream(req.method, req.path, **req.options(self.timeout)) as resp:
             for ev in self.iter_sse(resp):
                 item = call.decode(ev)
                 if item is not None:
@@ -202,18 +203,20 @@ class Client(_ClientBase[httpx.BaseTransport]):
     def _run(self, plan: api.Plan[T]) -> T:
         run = api.Run(plan)
         while run.pending is not None:
-            step = run.pending
-            if not isinstance(step, api.Call):
-                time.sleep(step)
-                run.answer(None)
-                continue
             try:
-                reply = self._send(step)
+                reply = self._step(run.pending)
             except DsecError as e:
                 run.fail(e)
             else:
                 run.answer(reply)
         return run.result()
+
+    def _step(self, step: api.Call[Any] | float) -> Any:
+        """Send a call, or pause."""
+        if isinstance(step, api.Call):
+            return self._send(step)
+        time.sleep(step)
+        return None
 
     def _sandbox(self, data: Record) -> Sandbox:
         from .sandbox import Sandbox
@@ -437,7 +440,8 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
             call = page.next
 
     async def _events(self, call: api.StreamCall[T]) -> AsyncIterator[T]:
-        async with self.stream(call.method, call.path, **call.options(self.timeout)) as resp:
+        req = call.request
+        async with self.stream(req.method, req.path, **req.options(self.timeout)) as resp:
             async for ev in self.iter_sse(resp):
                 item = call.decode(ev)
                 if item is not None:
@@ -448,18 +452,19 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
     async def _run(self, plan: api.Plan[T]) -> T:
         run = api.Run(plan)
         while run.pending is not None:
-            step = run.pending
-            if not isinstance(step, api.Call):
-                await asyncio.sleep(step)
-                run.answer(None)
-                continue
             try:
-                reply = await self._send(step)
+                reply = await self._step(run.pending)
             except DsecError as e:
                 run.fail(e)
             else:
                 run.answer(reply)
         return run.result()
+
+    async def _step(self, step: api.Call[Any] | float) -> Any:
+        if isinstance(step, api.Call):
+            return await self._send(step)
+        await asyncio.sleep(step)
+        return None
 
     def _sandbox(self, data: Record) -> AsyncSandbox:
         from .sandbox import AsyncSandbox

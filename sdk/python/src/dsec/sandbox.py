@@ -12,22 +12,10 @@ from typing import IO, Any, Callable, Optional, Union, cast
 from typing_extensions import Self, Unpack
 
 from . import _api as api
+from . import types as ty
 from .client import AsyncClient, Client
 from .errors import DsecError, NotFound, SandboxNotFound
-from .types import (
-    FINAL_STATES,
-    Command,
-    CreateOptions,
-    ExecEvent,
-    ExecOptions,
-    ExecResult,
-    FileEntry,
-    ProcessStatus,
-    SandboxState,
-    SessionKind,
-    Substrate,
-    WriteOptions,
-)
+from .types import FINAL_STATES  # re-exported: dsec.sandbox.FINAL_STATES
 
 __all__ = [
     "Sandbox",
@@ -88,8 +76,8 @@ class _SandboxData:
         return str(self.data["id"])
 
     @property
-    def state(self) -> SandboxState:
-        return cast(SandboxState, str(self.data.get("state")))
+    def state(self) -> ty.SandboxState:
+        return cast(ty.SandboxState, str(self.data.get("state")))
 
     @property
     def version(self) -> int:
@@ -100,8 +88,8 @@ class _SandboxData:
         return self.data.get("template")
 
     @property
-    def substrate(self) -> Substrate | None:
-        return cast(Optional[Substrate], self.data.get("substrate"))
+    def substrate(self) -> ty.Substrate | None:
+        return cast(Optional[ty.Substrate], self.data.get("substrate"))
 
     @property
     def tenant(self) -> str | None:
@@ -174,12 +162,12 @@ class _ProcessData:
     def __init__(self, data: Mapping[str, Any]) -> None:
         self.handle: int = int(data["handle"])
         self.pid: int | None = data.get("pid")
-        self.result: ExecResult | None = None
+        self.result: ty.ExecResult | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(handle={self.handle}, pid={self.pid})"
 
-    def _ended(self, result: ExecResult | None) -> ExecResult | None:
+    def _ended(self, result: ty.ExecResult | None) -> ty.ExecResult | None:
         if result is not None:
             self.result = result
         return result
@@ -218,7 +206,7 @@ class Sandbox(_SandboxData):
 
     @classmethod
     def create(
-        cls, client: Client | None = None, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
+        cls, client: Client | None = None, *, idempotency_key: str | None = None, **spec: Unpack[ty.CreateOptions]
     ) -> Sandbox:
         """Create a sandbox and return it running.
 
@@ -256,7 +244,7 @@ class Sandbox(_SandboxData):
         """Re-read the sandbox record."""
         return self._set(self.client._send(api.refresh(self.id)))
 
-    def wait(self, state: SandboxState, timeout_ms: int = 30_000) -> Sandbox:
+    def wait(self, state: ty.SandboxState, timeout_ms: int = 30_000) -> Sandbox:
         """Long-poll until the sandbox is in ``state`` (or in a final state) or the time is up.
 
         Returns the sandbox as it then is; check :attr:`state`. Waits longer than the server's
@@ -287,12 +275,12 @@ class Sandbox(_SandboxData):
 
     def exec(
         self,
-        cmd: Command,
+        cmd: ty.Command,
         *,
         trajectory: str | None = None,
         step: int | None = None,
-        **options: Unpack[ExecOptions],
-    ) -> ExecResult:
+        **options: Unpack[ty.ExecOptions],
+    ) -> ty.ExecResult:
         """Run a command to completion.
 
         ``cmd`` is an argv list or a shell string (run by ``/bin/sh -c``); ``options`` are
@@ -308,7 +296,7 @@ class Sandbox(_SandboxData):
         call = api.exec(self.id, cmd, self.client.exec_timeout, trajectory=trajectory, step=step, **options)
         return self.client._send(call)
 
-    def exec_stream(self, cmd: Command, **options: Unpack[ExecOptions]) -> Iterator[ExecEvent]:
+    def exec_stream(self, cmd: ty.Command, **options: Unpack[ty.ExecOptions]) -> Iterator[ty.ExecEvent]:
         """Run a command and yield its output as it comes.
 
         Yields :class:`ExecEvent` s: ``stdout``/``stderr`` chunks, then one ``exit`` (with the
@@ -316,12 +304,12 @@ class Sandbox(_SandboxData):
         """
         yield from self.client._events(api.exec_stream(self.id, cmd, self.client.exec_timeout, **options))
 
-    def spawn(self, cmd: Command, **options: Unpack[ExecOptions]) -> Process:
+    def spawn(self, cmd: ty.Command, **options: Unpack[ty.ExecOptions]) -> Process:
         """Start a command in the background; returns a :class:`Process` handle."""
         return Process(self, self.client._send(api.spawn(self.id, cmd, **options)))
 
     def session(
-        self, kind: SessionKind = "shell", *, env: Mapping[str, str] | None = None, cwd: str | None = None
+        self, kind: ty.SessionKind = "shell", *, env: Mapping[str, str] | None = None, cwd: str | None = None
     ) -> Session:
         """Open a persistent ``shell`` or ``python`` session whose state survives across inputs."""
         return Session(self, self.client._send(api.open_session(self.id, kind, env, cwd)))
@@ -334,7 +322,7 @@ class Process(_ProcessData):
         super().__init__(data)
         self.sandbox = sandbox
 
-    def status(self) -> ProcessStatus:
+    def status(self) -> ty.ProcessStatus:
         """Whether the process is still running."""
         return self.sandbox.client._send(api.process_status(self.sandbox.id, self.handle))
 
@@ -352,7 +340,7 @@ class Process(_ProcessData):
     def kill(self) -> None:
         self.signal(9)
 
-    def wait(self, timeout_ms: int = 30_000) -> ExecResult | None:
+    def wait(self, timeout_ms: int = 30_000) -> ty.ExecResult | None:
         """Wait up to ``timeout_ms`` for the process to end; its result, or ``None`` if still running."""
         return self._ended(self.sandbox.client._send(api.wait_process(self.sandbox.id, self.handle, timeout_ms)))
 
@@ -375,7 +363,7 @@ class Session(_SessionData):
 
     def run(
         self, input: str, *, timeout_ms: int | None = None, trajectory: str | None = None, step: int | None = None
-    ) -> ExecResult:
+    ) -> ty.ExecResult:
         """Feed one input (shell command line or Python code) and return its output.
 
         ``trajectory``/``step`` log it as a trajectory step, as :meth:`Sandbox.exec` does.
@@ -403,7 +391,7 @@ class Files:
     def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return self.read(path).decode(encoding)
 
-    def write(self, path: str, data: str | bytes, **options: Unpack[WriteOptions]) -> int | None:
+    def write(self, path: str, data: str | bytes, **options: Unpack[ty.WriteOptions]) -> int | None:
         """Write a whole file (``mode`` as an int, e.g. ``0o644``; missing parents are made
         unless ``parents=False``).
 
@@ -412,10 +400,10 @@ class Files:
         """
         return self._c._send(api.write_file(self.sandbox.id, path, data, options))
 
-    def list(self, path: str = "/") -> builtins.list[FileEntry]:
+    def list(self, path: str = "/") -> builtins.list[ty.FileEntry]:
         return self._c._send(api.list_files(self.sandbox.id, path))
 
-    def stat(self, path: str) -> FileEntry:
+    def stat(self, path: str) -> ty.FileEntry:
         return self._c._send(api.stat_file(self.sandbox.id, path))
 
     def exists(self, path: str) -> bool:
@@ -497,7 +485,7 @@ class AsyncSandbox(_SandboxData):
         client: AsyncClient | None = None,
         *,
         idempotency_key: str | None = None,
-        **spec: Unpack[CreateOptions],
+        **spec: Unpack[ty.CreateOptions],
     ) -> AsyncSandbox:
         """Create a sandbox; see :meth:`Sandbox.create`."""
         return await _aowning(client, lambda c: c.create_sandbox(idempotency_key=idempotency_key, **spec))
@@ -521,7 +509,7 @@ class AsyncSandbox(_SandboxData):
     async def refresh(self) -> AsyncSandbox:
         return self._set(await self.client._send(api.refresh(self.id)))
 
-    async def wait(self, state: SandboxState, timeout_ms: int = 30_000) -> AsyncSandbox:
+    async def wait(self, state: ty.SandboxState, timeout_ms: int = 30_000) -> AsyncSandbox:
         return self._set(await self.client._run(api.wait(self.id, state, timeout_ms)))
 
     async def wait_for_change(self, after_version: int | None = None, timeout_ms: int = 30_000) -> AsyncSandbox:
@@ -538,20 +526,25 @@ class AsyncSandbox(_SandboxData):
         return self._destroyed(await self.client.delete_sandbox(self.id))
 
     async def exec(
-        self, cmd: Command, *, trajectory: str | None = None, step: int | None = None, **options: Unpack[ExecOptions]
-    ) -> ExecResult:
+        self,
+        cmd: ty.Command,
+        *,
+        trajectory: str | None = None,
+        step: int | None = None,
+        **options: Unpack[ty.ExecOptions],
+    ) -> ty.ExecResult:
         call = api.exec(self.id, cmd, self.client.exec_timeout, trajectory=trajectory, step=step, **options)
         return await self.client._send(call)
 
-    async def exec_stream(self, cmd: Command, **options: Unpack[ExecOptions]) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, cmd: ty.Command, **options: Unpack[ty.ExecOptions]) -> AsyncIterator[ty.ExecEvent]:
         async for ev in self.client._events(api.exec_stream(self.id, cmd, self.client.exec_timeout, **options)):
             yield ev
 
-    async def spawn(self, cmd: Command, **options: Unpack[ExecOptions]) -> AsyncProcess:
+    async def spawn(self, cmd: ty.Command, **options: Unpack[ty.ExecOptions]) -> AsyncProcess:
         return AsyncProcess(self, await self.client._send(api.spawn(self.id, cmd, **options)))
 
     async def session(
-        self, kind: SessionKind = "shell", *, env: Mapping[str, str] | None = None, cwd: str | None = None
+        self, kind: ty.SessionKind = "shell", *, env: Mapping[str, str] | None = None, cwd: str | None = None
     ) -> AsyncSession:
         return AsyncSession(self, await self.client._send(api.open_session(self.id, kind, env, cwd)))
 
@@ -563,7 +556,7 @@ class AsyncProcess(_ProcessData):
         super().__init__(data)
         self.sandbox = sandbox
 
-    async def status(self) -> ProcessStatus:
+    async def status(self) -> ty.ProcessStatus:
         return await self.sandbox.client._send(api.process_status(self.sandbox.id, self.handle))
 
     async def write_stdin(self, data: str | bytes | None = None, *, eof: bool = False) -> None:
@@ -578,7 +571,7 @@ class AsyncProcess(_ProcessData):
     async def kill(self) -> None:
         await self.signal(9)
 
-    async def wait(self, timeout_ms: int = 30_000) -> ExecResult | None:
+    async def wait(self, timeout_ms: int = 30_000) -> ty.ExecResult | None:
         call = api.wait_process(self.sandbox.id, self.handle, timeout_ms)
         return self._ended(await self.sandbox.client._send(call))
 
@@ -601,7 +594,7 @@ class AsyncSession(_SessionData):
 
     async def run(
         self, input: str, *, timeout_ms: int | None = None, trajectory: str | None = None, step: int | None = None
-    ) -> ExecResult:
+    ) -> ty.ExecResult:
         c = self.sandbox.client
         call = api.session_run(self.sandbox.id, self.id, input, c.exec_timeout, timeout_ms, trajectory, step)
         return await c._send(call)
@@ -626,13 +619,13 @@ class AsyncFiles:
     async def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
-    async def write(self, path: str, data: str | bytes, **options: Unpack[WriteOptions]) -> int | None:
+    async def write(self, path: str, data: str | bytes, **options: Unpack[ty.WriteOptions]) -> int | None:
         return await self._c._send(api.write_file(self.sandbox.id, path, data, options))
 
-    async def list(self, path: str = "/") -> builtins.list[FileEntry]:
+    async def list(self, path: str = "/") -> builtins.list[ty.FileEntry]:
         return await self._c._send(api.list_files(self.sandbox.id, path))
 
-    async def stat(self, path: str) -> FileEntry:
+    async def stat(self, path: str) -> ty.FileEntry:
         return await self._c._send(api.stat_file(self.sandbox.id, path))
 
     async def exists(self, path: str) -> bool:

@@ -40,8 +40,13 @@ class _TrajectoryPlans:
     """The requests of a trajectory's steps, numbered, as plans either client can run."""
 
     sandbox: Sandbox | AsyncSandbox
-    id: str
-    next_step: int
+    client: Client | AsyncClient
+
+    def __init__(self, sandbox: Sandbox | AsyncSandbox, trajectory_id: str, client: Client | AsyncClient) -> None:
+        self.sandbox = sandbox
+        self.id = trajectory_id
+        self.client = client
+        self.next_step = 1
 
     def _exec(self, cmd: Command, step: int | None, options: ExecOptions) -> api.Plan[ExecResult]:
         n = self.next_step if step is None else step
@@ -81,10 +86,7 @@ class Trajectory(_TrajectoryPlans):
     client: Client
 
     def __init__(self, sandbox: Sandbox, trajectory_id: str, *, client: Client | None = None) -> None:
-        self.sandbox = sandbox
-        self.id = trajectory_id
-        self.client = client or sandbox.client
-        self.next_step = 1
+        super().__init__(sandbox, trajectory_id, client or sandbox.client)
 
     def exec(self, cmd: Command, *, step: int | None = None, **options: Unpack[ExecOptions]) -> ExecResult:
         """Run ``cmd`` as the next step (or as ``step``)."""
@@ -128,10 +130,7 @@ class AsyncTrajectory(_TrajectoryPlans):
     client: AsyncClient
 
     def __init__(self, sandbox: AsyncSandbox, trajectory_id: str, *, client: AsyncClient | None = None) -> None:
-        self.sandbox = sandbox
-        self.id = trajectory_id
-        self.client = client or sandbox.client
-        self.next_step = 1
+        super().__init__(sandbox, trajectory_id, client or sandbox.client)
 
     async def exec(self, cmd: Command, *, step: int | None = None, **options: Unpack[ExecOptions]) -> ExecResult:
         return await self.sandbox.client._run(self._exec(cmd, step, options))
