@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import io
 import os
 import tarfile
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
-from typing import IO, Any, Callable, Optional, Union, cast
+from typing import IO, Any, Callable, Generic, Optional, TypeVar, Union, cast, overload
 
 from typing_extensions import Self, Unpack
 
@@ -66,10 +67,40 @@ def _untar_to(data: bytes, local_dir: str | os.PathLike[str]) -> None:
         tf.extractall(root, members=members)  # noqa: S202 - members checked above
 
 
+V = TypeVar("V")
+
+
+class _Field(Generic[V]):
+    """A field of the sandbox record as a read-only attribute (``None`` when absent)."""
+
+    def __init__(self, doc: str | None = None) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Field[V]: ...
+
+    @overload
+    def __get__(self, obj: _SandboxData, owner: type) -> V | None: ...
+
+    def __get__(self, obj: _SandboxData | None, owner: type) -> _Field[V] | V | None:
+        if obj is None:
+            return self
+        return cast(Optional[V], obj.data.get(self.name))
+
+    def __set__(self, obj: _SandboxData, value: object) -> None:
+        raise AttributeError(f"can't set attribute {self.name!r}")
+
+
 class _SandboxData:
     """Accessors over a sandbox record as the server answered it."""
 
-    data: dict[str, Any]
+    def __init__(self, data: Mapping[str, Any], owns_client: bool) -> None:
+        self.data = dict(data)
+        self._owns_client = owns_client
 
     @property
     def id(self) -> str:
@@ -83,17 +114,10 @@ class _SandboxData:
     def version(self) -> int:
         return int(self.data.get("version") or 0)
 
-    @property
-    def template(self) -> str | None:
-        return self.data.get("template")
+    template = _Field[str]()
+    substrate = _Field[ty.Substrate]()
 
-    @property
-    def substrate(self) -> ty.Substrate | None:
-        return cast(Optional[ty.Substrate], self.data.get("substrate"))
-
-    @property
-    def tenant(self) -> str | None:
-        return self.data.get("tenant")
+    tenant = _Field[str]()
 
     @property
     def labels(self) -> dict[str, str]:
@@ -112,32 +136,19 @@ class _SandboxData:
     def env_keys(self) -> list[str]:
         return list(self.data.get("env_keys") or [])
 
-    @property
-    def created_at(self) -> str | None:
-        return self.data.get("created_at")
-
-    @property
-    def acquired_at(self) -> str | None:
-        """When the tenant got the sandbox (a pooled one was created earlier); RFC 3339."""
-        return self.data.get("acquired_at")
-
-    @property
-    def expires_at(self) -> str | None:
-        return self.data.get("expires_at")
-
-    @property
-    def lease_expires_at(self) -> str | None:
-        return self.data.get("lease_expires_at")
+    created_at = _Field[str]()
+    acquired_at = _Field[str]("When the tenant got the sandbox (a pooled one was created earlier); RFC 3339.")
+    expires_at = _Field[str]()
+    lease_expires_at = _Field[str]()
 
     @property
     def pooled(self) -> bool:
         return bool(self.data.get("pooled"))
 
-    @property
-    def phase(self) -> str | None:
-        """What a ``creating`` sandbox waits for: ``"preparing"`` while the node makes the VM
-        snapshot it is restored from (the first VM of a template on a host), else ``None``."""
-        return self.data.get("phase")
+    phase = _Field[str](
+        'What a ``creating`` sandbox waits for: ``"preparing"`` while the node makes the VM snapshot it is'
+        " restored from (the first VM of a template on a host), else ``None``."
+    )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.data.get('id')!r}, state={self.data.get('state')!r})"
@@ -197,9 +208,8 @@ class Sandbox(_SandboxData):
     """
 
     def __init__(self, client: Client, data: Mapping[str, Any], *, owns_client: bool = False) -> None:
+        super().__init__(data, owns_client)
         self.client = client
-        self.data = dict(data)
-        self._owns_client = owns_client
         self.files = Files(self)
 
     # -- construction --------------------------------------------------------------------------
@@ -231,9 +241,8 @@ class Sandbox(_SandboxData):
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.destroy()
-        except SandboxNotFound:
-            pass
+            with contextlib.suppress(SandboxNotFound):
+                self.destroy()
         finally:
             if self._owns_client:
                 self.client.close()
@@ -356,10 +365,8 @@ class Session(_SessionData):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
+        with contextlib.suppress(DsecError):
             self.close()
-        except DsecError:
-            pass
 
     def run(
         self, input: str, *, timeout_ms: int | None = None, trajectory: str | None = None, step: int | None = None
@@ -375,11 +382,18 @@ class Session(_SessionData):
         self.sandbox.client._send(api.close_session(self.sandbox.id, self.id))
 
 
-class Files:
-    """File operations inside a sandbox; every path is resolved inside the sandbox root."""
+SB = TypeVar("SB", "Sandbox", "AsyncSandbox")
 
-    def __init__(self, sandbox: Sandbox) -> None:
-        self.sandbox = sandbox
+
+class _FilesOf(Generic[SB]):
+    """The files of one sandbox."""
+
+    def __init__(self, sandbox: SB) -> None:
+        self.sandbox: SB = sandbox
+
+
+class Files(_FilesOf["Sandbox"]):
+    """File operations inside a sandbox; every path is resolved inside the sandbox root."""
 
     @property
     def _c(self) -> Client:
@@ -474,9 +488,8 @@ class AsyncSandbox(_SandboxData):
     """
 
     def __init__(self, client: AsyncClient, data: Mapping[str, Any], *, owns_client: bool = False) -> None:
+        super().__init__(data, owns_client)
         self.client = client
-        self.data = dict(data)
-        self._owns_client = owns_client
         self.files = AsyncFiles(self)
 
     @classmethod
@@ -499,9 +512,8 @@ class AsyncSandbox(_SandboxData):
 
     async def __aexit__(self, *exc: object) -> None:
         try:
-            await self.destroy()
-        except SandboxNotFound:
-            pass
+            with contextlib.suppress(SandboxNotFound):
+                await self.destroy()
         finally:
             if self._owns_client:
                 await self.client.aclose()
@@ -587,10 +599,8 @@ class AsyncSession(_SessionData):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        try:
+        with contextlib.suppress(DsecError):
             await self.close()
-        except DsecError:
-            pass
 
     async def run(
         self, input: str, *, timeout_ms: int | None = None, trajectory: str | None = None, step: int | None = None
@@ -603,11 +613,8 @@ class AsyncSession(_SessionData):
         await self.sandbox.client._send(api.close_session(self.sandbox.id, self.id))
 
 
-class AsyncFiles:
+class AsyncFiles(_FilesOf["AsyncSandbox"]):
     """Async twin of :class:`Files`."""
-
-    def __init__(self, sandbox: AsyncSandbox) -> None:
-        self.sandbox = sandbox
 
     @property
     def _c(self) -> AsyncClient:

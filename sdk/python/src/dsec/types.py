@@ -193,6 +193,11 @@ def check_keys(options: Mapping[str, Any], allowed: Any) -> None:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
 
 
+def _counts(d: Mapping[str, Any], *keys: str) -> dict[str, int]:
+    """Integer fields of an answer (0 when absent or null)."""
+    return {k: int(d.get(k) or 0) for k in keys}
+
+
 def decode_data(data: Any) -> bytes:
     """Decode an output capture's ``data``: a string (valid UTF-8) or a list of byte values."""
     if data is None:
@@ -378,8 +383,7 @@ class FileEntry:
         return cls(
             name=str(d.get("name", "")),
             kind=str(d.get("kind", "")),
-            size=int(d.get("size") or 0),
-            mode=int(d.get("mode") or 0),
+            **_counts(d, "size", "mode"),
             mtime=d.get("mtime"),
             link_target=d.get("link_target"),
             raw=dict(d),
@@ -437,13 +441,7 @@ class PoolStats:
     def from_json(cls, d: Mapping[str, Any]) -> PoolStats:
         return cls(
             template=str(d.get("template")),
-            min=int(d.get("min") or 0),
-            max=int(d.get("max") or 0),
-            target=int(d.get("target") or 0),
-            ready=int(d.get("ready") or 0),
-            creating=int(d.get("creating") or 0),
-            hits=int(d.get("hits") or 0),
-            misses=int(d.get("misses") or 0),
+            **_counts(d, "min", "max", "target", "ready", "creating", "hits", "misses"),
             hit_rate=float(d.get("hit_rate") or 0.0),
             acquire_rate=float(d.get("acquire_rate") or 0.0),
             refill_ms=d.get("refill_ms"),
@@ -514,11 +512,7 @@ class TrajectoryInfo:
         return cls(
             id=str(d.get("id")),
             last_step=d.get("last_step"),
-            intents=int(d.get("intents") or 0),
-            results=int(d.get("results") or 0),
-            acknowledged=int(d.get("acknowledged") or 0),
-            unknown=int(d.get("unknown") or 0),
-            annotations=int(d.get("annotations") or 0),
+            **_counts(d, "intents", "results", "acknowledged", "unknown", "annotations"),
             raw=dict(d),
         )
 
