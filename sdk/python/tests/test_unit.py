@@ -210,3 +210,60 @@ async def test_async_retry_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
         assert sb.id == "sb-9" and len(keys) == 2 and keys[0] == keys[1]
         evs = [e async for e in sb.exec_stream("echo hi")]
     assert [e.type for e in evs] == ["stdout", "exit"] and evs[0].data == b"hi"
+
+
+def _trajectory_node(unknown_at: int):
+    """A mock node's exec answers: steps below 3 replayed, ``unknown_at`` an unknown outcome."""
+    sent = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        sent.append((req.url.path, body))
+        step = body["step"]
+        if step == unknown_at:
+            return httpx.Response(409, json={"code": "unknown_outcome", "status": 409})
+        headers = {"dsec-step": str(step), "dsec-replayed": "true" if step < 3 else "false"}
+        return httpx.Response(200, json={"status": "ok", "exit_code": 0}, headers=headers)
+
+    return handler, sent
+
+
+def test_trajectory_resume_stops_at_unknown_outcome() -> None:
+    handler, sent = _trajectory_node(unknown_at=4)
+    with _mock_client(handler) as c:
+        traj = dsec.Trajectory(dsec.Sandbox(c, {"id": "sb-1"}), "t1")
+        report = traj.resume(["a", ("b", {"cwd": "/w"}), "c", "d", "e"])
+    assert report.replayed == [1, 2] and report.live == [3] and report.unknown == [4]
+    assert len(report.results) == 3 and traj.next_step == 4
+    assert [b["step"] for _, b in sent] == [1, 2, 3, 4] and sent[1][1]["cwd"] == "/w"
+    assert {p for p, _ in sent} == {"/v1/sandboxes/sb-1/exec"}
+
+
+@pytest.mark.asyncio
+async def test_async_trajectory_resume_mirrors_the_sync_one() -> None:
+    handler, sent = _trajectory_node(unknown_at=4)
+    async with dsec.AsyncClient("http://dsec.test", transport=httpx.MockTransport(handler)) as c:
+        traj = dsec.AsyncTrajectory(dsec.AsyncSandbox(c, {"id": "sb-1"}), "t1")
+        report = await traj.resume(["a", ("b", {"cwd": "/w"}), "c", "d", "e"])
+        assert report.replayed == [1, 2] and report.live == [3] and report.unknown == [4]
+        assert traj.next_step == 4
+        r = await traj.exec("x", step=7)
+        assert r.step == 7 and traj.next_step == 8
+        with pytest.raises(TypeError):
+            await traj.exec("x", timeout=5)  # type: ignore[call-arg]
+    assert [b["step"] for _, b in sent] == [1, 2, 3, 4, 7]
+
+
+@pytest.mark.asyncio
+async def test_async_wait_polls_until_the_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    states = iter(["creating", "creating", "running"])
+    polls = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        polls.append(dict(req.url.params))
+        return httpx.Response(200, json={"id": "sb-1", "state": next(states), "version": len(polls)})
+
+    async with dsec.AsyncClient("http://dsec.test", transport=httpx.MockTransport(handler)) as c:
+        sb = await dsec.AsyncSandbox(c, {"id": "sb-1", "state": "creating"}).wait("running", 5_000)
+        assert sb.state == "running" and sb.version == 3
+    assert len(polls) == 3 and all(p["wait"] == "running" for p in polls)
