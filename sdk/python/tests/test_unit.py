@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 
 import httpx
@@ -267,3 +268,100 @@ async def test_async_wait_polls_until_the_state(monkeypatch: pytest.MonkeyPatch)
         sb = await dsec.AsyncSandbox(c, {"id": "sb-1", "state": "creating"}).wait("running", 5_000)
         assert sb.state == "running" and sb.version == 3
     assert len(polls) == 3 and all(p["wait"] == "running" for p in polls)
+
+
+def _any_answer(req: httpx.Request) -> httpx.Response:
+    """A mock node that answers every call with something its parser accepts."""
+    p = req.url.path
+    if req.url.params.get("stream") == "true" or p.endswith("/stream") or p == "/v1/events":
+        sse = b'event: stdout\ndata: {"data":"hi"}\n\nevent: exit\ndata: {"status":"ok"}\n\n'
+        return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+    if p.endswith("/export") or p == "/metrics" or (req.method == "GET" and p.endswith(("/files", "/tar"))):
+        return httpx.Response(200, content=b'{"step": 1}\n', headers={"dsec-step": "3"})
+    body = {"id": "sb-1", "name": "n", "template": "host", "state": "running", "version": 1, "items": [],
+            "entries": [], "handle": 1, "session": 1, "lsn": 1, "status": "ok", "kind": "file"}
+    return httpx.Response(200, json=body, headers={"dsec-step": "2"})
+
+
+# (target, method, args, kwargs): the same calls through the sync and the async classes
+_PARITY_CALLS = [
+    ("client", "create_sandbox", (), {"template": "t", "labels": {"a": "b"}, "substrate": "vm", "secret_env": {"S": "v"}}),
+    ("client", "get_sandbox", ("sb-1",), {}),
+    ("client", "list_sandboxes", (), {"state": "ready", "labels": {"a": "1"}, "page_size": 2}),
+    ("client", "create_sandboxes", (2,), {"labels": {"j": "1"}, "idempotency_key": "k"}),
+    ("client", "delete_sandboxes", (["sb-1"],), {}),
+    ("client", "delete_sandbox", ("sb-1",), {}),
+    ("client", "upload_template", ("t", b"tar"), {}),
+    ("client", "delete_template", ("t",), {}),
+    ("client", "set_pool", ("host",), {"min": 1, "max": 2}),
+    ("client", "run_code", ("print(1)",), {"memory_limit_mb": 5}),
+    ("client", "run_codes", ([{"code": "x"}],), {"concurrency": 3}),
+    ("client", "languages", ("host",), {}),
+    ("client", "trajectory_records", ("t1",), {"from_step": 2}),
+    ("client", "annotate_trajectory", ("t1",), {"step": 1, "reward": 0.5, "labels": ["x"], "data": {"d": 1}}),
+    ("client", "export_trajectory", ("t1",), {"label": "l", "min_reward": 0.1}),
+    ("client", "follow_trajectory", ("t1",), {}),
+    ("client", "create_tenant", ("a",), {"max_sandboxes": 3}),
+    ("client", "tenant", (), {}),
+    ("client", "metrics", (), {}),
+    ("client", "events", (), {}),
+    ("sandbox", "refresh", (), {}),
+    ("sandbox", "wait", ("running",), {"timeout_ms": 1000}),
+    ("sandbox", "heartbeat", (500,), {}),
+    ("sandbox", "reset", (), {}),
+    ("sandbox", "exec", (["a", "b"],), {"env": {"E": "1"}, "timeout_ms": 100, "stdin": b"\x01", "trajectory": "t"}),
+    ("sandbox", "exec_stream", ("echo",), {"cwd": "/", "output_limit": 9}),
+    ("sandbox", "spawn", ("cat",), {"cpu_limit_ms": 3}),
+    ("sandbox", "session", ("python",), {"env": {"A": "b"}}),
+    ("files", "read", ("/a",), {"max_bytes": 4}),
+    ("files", "write", ("/a", "txt"), {"mode": 0o644, "parents": False, "trajectory": "t", "step": 3}),
+    ("files", "list", ("/x",), {}),
+    ("files", "stat", ("/a",), {}),
+    ("files", "exists", ("/a",), {}),
+    ("files", "remove", ("/a",), {"recursive": True}),
+    ("files", "mkdir", ("/d",), {"parents": True}),
+    ("files", "upload_tar", ("/d", b"tarbytes"), {}),
+    ("files", "download_tar", ("/d",), {}),
+    ("sandbox", "destroy", (), {}),
+]
+
+
+async def _call(obj: object, name: str, args: tuple, kwargs: dict) -> str:
+    out = getattr(obj, name)(*args, **kwargs)
+    if inspect.isawaitable(out):
+        out = await out
+    if hasattr(out, "__aiter__"):
+        out = [x async for x in out]
+    elif inspect.isgenerator(out):
+        out = list(out)
+    return repr(out).replace("Async", "")
+
+
+@pytest.mark.asyncio
+async def test_sync_and_async_classes_send_the_same_requests() -> None:
+    sent: dict = {"sync": [], "async": []}
+    side = ["sync"]
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        key = req.headers.get("idempotency-key")
+        sent[side[0]].append((req.method, str(req.url), req.content, req.headers.get("content-type"),
+                              req.headers.get("accept"), key if key == "k" else key is not None,
+                              req.extensions.get("timeout")))
+        return _any_answer(req)
+
+    c = dsec.Client("http://dsec.test", transport=httpx.MockTransport(handler))
+    ac = dsec.AsyncClient("http://dsec.test", transport=httpx.MockTransport(handler))
+    sb, asb = dsec.Sandbox(c, {"id": "sb-1"}), dsec.AsyncSandbox(ac, {"id": "sb-1"})
+    targets = {"sync": {"client": c, "sandbox": sb, "files": sb.files},
+               "async": {"client": ac, "sandbox": asb, "files": asb.files}}
+    for target, name, args, kwargs in _PARITY_CALLS:
+        side[0] = "sync"
+        want = await _call(targets["sync"][target], name, args, kwargs)
+        side[0] = "async"
+        got = await _call(targets["async"][target], name, args, kwargs)
+        assert got == want, name
+        assert sent["async"] == sent["sync"] and sent["sync"], name
+        sent["sync"].clear()
+        sent["async"].clear()
+    c.close()
+    await ac.aclose()
