@@ -8,7 +8,6 @@ use std::time::Instant;
 use super::pools::pool_key;
 use super::{failpoint, step, Entry, Error, Node, Result};
 use crate::clock::now_ms;
-use crate::log;
 use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
 
@@ -308,7 +307,7 @@ impl Node {
                     Ok(())
                 });
                 self.remove(&e.id);
-                log::warn("create failed", &[("sandbox", &e.id), ("error", &detail)]);
+                tracing::warn!(sandbox = %e.id, error = %detail, "create failed");
                 Err(err)
             }
         }

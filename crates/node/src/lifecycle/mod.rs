@@ -38,7 +38,6 @@ use serde::Serialize;
 use tokio::sync::broadcast;
 
 use crate::clock::now_ms;
-use crate::log;
 use crate::sandbox::State;
 use crate::store::{SandboxRecord, Store, Tenant};
 use crate::substrate::ContainerRuntime;
@@ -63,7 +62,7 @@ pub fn failpoint(name: &str) {
         return;
     }
     if point == name {
-        log::warn("failpoint hit", &[("point", name)]);
+        tracing::warn!(point = %name, "failpoint hit");
         let _ =
             rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
     }

@@ -7,7 +7,6 @@ use std::time::Instant;
 use super::destroy::reap_orphan;
 use super::{step, Node};
 use crate::clock::now_ms;
-use crate::log;
 use crate::sandbox::State;
 
 /// Failed destroys the sweeper retries before it leaves a sandbox `failed` for an operator
@@ -30,7 +29,7 @@ impl Node {
             let r = e.record();
             if let Some(why) = death.filter(|_| matches!(r.state, State::Running | State::Ready)) {
                 self.metrics.died.inc();
-                log::warn("sandbox died", &[("sandbox", &r.id), ("why", &why)]);
+                tracing::warn!(sandbox = %r.id, why = %why, "sandbox died");
                 let _ = self.update(&e, |r| {
                     step(r, State::Failed)?;
                     r.error = Some(format!("the sandbox died: {why}"));
@@ -53,18 +52,16 @@ impl Node {
                     n += 1;
                     if expired {
                         self.metrics.expired.inc();
-                        log::info("sandbox expired", &[("sandbox", &r.id)]);
+                        tracing::info!(sandbox = %r.id, "sandbox expired");
                     }
                 }
                 Err(err) => {
                     let tries = e.sweep_failures.fetch_add(1, Ordering::Relaxed) + 1;
-                    log::warn(
+                    tracing::warn!(
+                        sandbox = %r.id,
+                        error = %err.detail(),
+                        attempt = %tries,
                         "destroy failed",
-                        &[
-                            ("sandbox", &r.id),
-                            ("error", &err.detail()),
-                            ("attempt", &tries.to_string()),
-                        ],
                     );
                 }
             }
@@ -79,7 +76,7 @@ impl Node {
                 let rt = Arc::clone(&self.rt);
                 let oid = id.clone();
                 let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
-                log::warn("orphan removed", &[("sandbox", &id)]);
+                tracing::warn!(sandbox = %id, "orphan removed");
             }
             self.sweep_orphan_cgroups().await;
         }
@@ -114,7 +111,7 @@ impl Node {
                 .await
                 .unwrap_or(false);
             if gone {
-                log::warn("orphan cgroup removed", &[("sandbox", &id)]);
+                tracing::warn!(sandbox = %id, "orphan cgroup removed");
                 removed.push(id);
             }
         }

@@ -28,8 +28,8 @@ use std::future::IntoFuture as _;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
+use crate::store;
 use crate::substrate::{ContainerRuntime, RuntimeConfig};
-use crate::{log, store};
 
 pub use crate::lifecycle::{Node, PoolSize};
 
@@ -83,18 +83,17 @@ pub enum ServerError {
 /// template says so: the first VM create of a host takes a minute or more).
 fn log_vm_preparation(template: &str, e: crate::substrate::vm::Event) {
     match e {
-        crate::substrate::vm::Event::Start(p) => log::info(
-            "vm: preparing",
-            &[("template", template), ("phase", p.name())],
-        ),
-        crate::substrate::vm::Event::Done(p, took) => log::info(
-            "vm: prepared",
-            &[
-                ("template", template),
-                ("phase", p.name()),
-                ("took_ms", &took.as_millis().to_string()),
-            ],
-        ),
+        crate::substrate::vm::Event::Start(p) => {
+            tracing::info!(template = %template, phase = %p.name(), "vm: preparing")
+        }
+        crate::substrate::vm::Event::Done(p, took) => {
+            tracing::info!(
+                template = %template,
+                phase = %p.name(),
+                took_ms = %took.as_millis(),
+                "vm: prepared",
+            )
+        }
         crate::substrate::vm::Event::Progress(..) => {}
     }
 }
@@ -105,6 +104,7 @@ pub fn run(
     cfg: ServerConfig,
     on_ready: impl FnOnce(SocketAddr, Option<String>) + Send + 'static,
 ) -> Result<(), ServerError> {
+    crate::log::init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(1024)
@@ -179,15 +179,13 @@ async fn serve(
     }
     let report = app.recover().await;
     app.kick_pools();
-    log::info(
+    tracing::info!(
+        adopted = %report.adopted.len(),
+        reaped = %report.reaped.len(),
+        orphans = %report.orphans.len(),
+        orphan_cgroups = %report.orphan_cgroups.len(),
+        took_ms = %report.took_ms,
         "recovered",
-        &[
-            ("adopted", &report.adopted.len().to_string()),
-            ("reaped", &report.reaped.len().to_string()),
-            ("orphans", &report.orphans.len().to_string()),
-            ("orphan_cgroups", &report.orphan_cgroups.len().to_string()),
-            ("took_ms", &report.took_ms.to_string()),
-        ],
     );
     tokio::spawn(run::start(Arc::clone(&state.runner)));
     let listener = tokio::net::TcpListener::bind(cfg.listen)
@@ -219,7 +217,7 @@ async fn serve(
         async move {
             wait_for_signal().await;
             app.draining.store(true, Ordering::Relaxed);
-            log::info("draining", &[("in_flight", &app.in_flight().to_string())]);
+            tracing::info!(in_flight = %app.in_flight(), "draining");
             let deadline = tokio::time::Instant::now() + drain;
             while app.in_flight() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -227,7 +225,7 @@ async fn serve(
         }
     };
     on_ready(addr, admin_key);
-    log::info("listening", &[("addr", &addr.to_string())]);
+    tracing::info!(addr = %addr, "listening");
     let server = axum::serve(listener, http::router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .into_future();
@@ -244,7 +242,7 @@ async fn serve(
     let result = tokio::select! {
         r = server => r.map_err(|e| ServerError::Other(format!("serve: {e}"))),
         () = watchdog => {
-            log::warn("drain deadline passed; closing open connections", &[]);
+            tracing::warn!("drain deadline passed; closing open connections");
             Ok(())
         }
     };
@@ -254,7 +252,7 @@ async fn serve(
         destroy_all(&app).await;
     }
     result?;
-    log::info("stopped", &[]);
+    tracing::info!("stopped");
     Ok(())
 }
 
@@ -271,9 +269,9 @@ async fn open_trajectories(cfg: &ServerConfig) -> Result<trajectory::Trajectorie
     .map_err(|e| ServerError::Other(e.to_string()))?
     .map_err(ServerError::Other)?;
     if trajectories.recovery.is_corrupt() {
-        log::warn(
+        tracing::warn!(
+            report = %format!("{:?}", trajectories.recovery),
             "trajectory log: corruption found; serving its valid prefix (damaged segments kept as *.corrupt-*)",
-            &[("report", &format!("{:?}", trajectories.recovery))],
         );
     }
     Ok(trajectories)
@@ -298,25 +296,17 @@ async fn destroy_all(app: &Arc<Node>) {
             match done {
                 Ok((_, Ok(_))) => destroyed += 1,
                 Ok((id, Err(e))) => {
-                    log::warn(
-                        "shutdown: destroy failed",
-                        &[("sandbox_id", &id), ("error", &e.to_string())],
-                    );
+                    tracing::warn!(sandbox_id = %id, error = %e, "shutdown: destroy failed");
                 }
-                Err(e) => log::warn(
-                    "shutdown: destroy task failed",
-                    &[("error", &e.to_string())],
-                ),
+                Err(e) => tracing::warn!(error = %e, "shutdown: destroy task failed"),
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    log::info(
+    tracing::info!(
+        destroyed = %destroyed,
+        left = %app.entries().len(),
         "shutdown: sandboxes destroyed",
-        &[
-            ("destroyed", &destroyed.to_string()),
-            ("left", &app.entries().len().to_string()),
-        ],
     );
 }
 

@@ -1,6 +1,7 @@
 //! Request ids, authentication and idempotency: the middleware every request passes.
 
 use super::*;
+use tracing::Instrument as _;
 
 pub(super) async fn request_id(
     AxState(app): AxState<AppState>,
@@ -19,21 +20,21 @@ pub(super) async fn request_id(
     if let Some((_, tail)) = path.strip_prefix("/t/").and_then(|r| r.split_once('/')) {
         path = format!("/t/<key>/{tail}");
     }
+    let span = tracing::info_span!("request", request_id = %id);
     let mut resp = REQUEST_ID
         .scope(id.clone(), async move {
             let resp = next.run(req).await;
             if resp.status().is_server_error() {
-                log::warn(
+                tracing::warn!(
+                    method = %method,
+                    path = %path,
+                    status = %resp.status().as_str(),
                     "request failed",
-                    &[
-                        ("method", method.as_str()),
-                        ("path", &path),
-                        ("status", resp.status().as_str()),
-                    ],
                 );
             }
             resp
         })
+        .instrument(span)
         .await;
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert("x-request-id", v);

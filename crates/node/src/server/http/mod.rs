@@ -31,7 +31,6 @@ use super::error::{ApiError, ApiResult};
 use super::state::AppState;
 use crate::clock::now_ms;
 use crate::lifecycle::{CreateRequest, Entry, PoolSize};
-use crate::log;
 use crate::log::REQUEST_ID;
 use crate::store::{IdemOutcome, SandboxRecord, Tenant};
 

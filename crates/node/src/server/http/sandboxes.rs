@@ -163,10 +163,7 @@ pub(super) async fn create_sandbox(
     req.idem = idem.map(|Extension(IdemKey(k))| k);
     let rec = app.node.create(&t, req).await?;
     crate::lifecycle::failpoint("create:before_answer");
-    log::info(
-        "sandbox created",
-        &[("sandbox", &rec.id), ("tenant", &t.id)],
-    );
+    tracing::info!(sandbox = %rec.id, tenant = %t.id, "sandbox created");
     Ok((StatusCode::CREATED, Json(view(&rec))).into_response())
 }
 
@@ -339,12 +336,10 @@ pub(super) async fn delete_sandbox(
 ) -> ApiResult<Json<Value>> {
     let e = app.node.owned_or_admin(&t, &id)?;
     let rec = app.node.destroy(&e).await?;
-    log::info(
+    tracing::info!(
+        sandbox = %rec.id,
+        tenant = %rec.tenant.as_deref().unwrap_or("-"),
         "sandbox destroyed",
-        &[
-            ("sandbox", &rec.id),
-            ("tenant", rec.tenant.as_deref().unwrap_or("-")),
-        ],
     );
     Ok(Json(view(&rec)))
 }

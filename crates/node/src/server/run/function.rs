@@ -4,7 +4,6 @@
 //! demoted to the lowest CPU weight.
 
 use crate::lifecycle::Entry;
-use crate::log;
 use crate::sandbox::Limits;
 use crate::server::error::{ApiError, ApiResult};
 use base64::Engine as _;
@@ -298,11 +297,8 @@ pub(super) async fn new_zygote(app: &Arc<Runner>, template: &str) -> ApiResult<Z
         Err(err) if userns => {
             let e = runner_sandbox_with(app, template, limits, false).await?;
             if !runner.userns_failed.swap(true, Ordering::Relaxed) {
-                log::warn(
-                    "zygote sandboxes run without a user namespace: a call's process limit \
-                     is then checked only after its forks are copied",
-                    &[("error", &err.detail)],
-                );
+                tracing::warn!(error = %err.detail, "zygote sandboxes run without a user namespace: a call's process limit \
+                     is then checked only after its forks are copied");
             }
             e
         }
@@ -350,10 +346,7 @@ pub(super) async fn recycle_zygote(app: Arc<Runner>, pool: Arc<ZygotePool>, z: Z
     match again {
         Ok(z) => pool.put(z),
         Err(err) => {
-            log::warn(
-                "zygote replacement failed",
-                &[("sandbox", &e.id), ("error", &err.detail)],
-            );
+            tracing::warn!(sandbox = %e.id, error = %err.detail, "zygote replacement failed");
             let _ = app.node.destroy(&e).await;
         }
     }
@@ -415,9 +408,10 @@ pub(super) fn fill_zygotes(app: &Arc<Runner>, template: &str, pool: &Arc<ZygoteP
             match new_zygote(&app, &template).await {
                 Ok(z) => pool.put(z),
                 Err(err) => {
-                    log::warn(
+                    tracing::warn!(
+                        template = %template,
+                        error = %err.detail,
                         "zygote start failed",
-                        &[("template", &template), ("error", &err.detail)],
                     );
                     break;
                 }
