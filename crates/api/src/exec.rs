@@ -243,6 +243,46 @@ mod bytes_as_array_or_string {
     }
 }
 
+/// The body of `POST /v1/sandboxes/{id}/exec`: a command (argv or shell), its environment,
+/// limits and stdin, and optionally the trajectory step it is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecBody {
+    /// The trajectory this command is a step of.
+    #[serde(default, alias = "trajectory_id")]
+    pub trajectory: Option<String>,
+    /// Its step number (a replay when already logged).
+    #[serde(default)]
+    pub step: Option<u64>,
+    /// The command as an argument vector.
+    #[serde(default)]
+    pub argv: Option<Vec<String>>,
+    /// The command as a `sh -c` script.
+    #[serde(default)]
+    pub shell: Option<String>,
+    /// Environment added for this command.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Wall-clock limit, ms.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// CPU-time limit, ms.
+    #[serde(default)]
+    pub cpu_limit_ms: Option<u64>,
+    /// Most bytes of output kept per stream.
+    #[serde(default)]
+    pub output_limit: Option<u64>,
+    /// Standard input as text.
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Standard input as base64.
+    #[serde(default)]
+    pub stdin_b64: Option<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,8 @@
 //!   length is bounded and every failure is a typed [`frame::FrameError`].
 //! * [`agent`]: the request/event messages carried inside frames.
 //! * [`exec`]: exec requests and results, the same types the HTTP API exposes.
+//! * [`sandbox`]: the sandbox API's types: substrates, states, the create spec, the sandbox view.
+//! * [`problem`]: the problem document every API error is answered with.
 //! * [`error`]: stable error codes that a trainer can act on without parsing text.
 //!
 //! This crate depends on serde only (no tokio) so that the static agent stays small.
@@ -15,5 +17,7 @@ pub mod agent;
 pub mod error;
 pub mod exec;
 pub mod frame;
+pub mod problem;
+pub mod sandbox;
 
 pub use error::ErrorCode;

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use dsec_sys::cgroup::CgroupLimits;
 use serde::{Deserialize, Serialize};
 
+pub use dsec_api::sandbox::{InvalidTransition, State, Substrate};
+
 /// Resource limits of one sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -159,45 +161,6 @@ pub enum LimitsError {
     },
 }
 
-/// How a sandbox is isolated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Substrate {
-    /// Namespaces, cgroups, seccomp and overlayfs.
-    #[default]
-    Container,
-    /// A QEMU microVM (`-M microvm`).
-    Microvm,
-    /// A QEMU q35 virtual machine (PCI, ACPI, more vCPUs).
-    Vm,
-}
-
-impl Substrate {
-    /// The API name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Substrate::Container => "container",
-            Substrate::Microvm => "microvm",
-            Substrate::Vm => "vm",
-        }
-    }
-
-    /// Parses an API name (`function` is not a sandbox substrate: it is served by `/v1/run`).
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "container" => Some(Substrate::Container),
-            "microvm" => Some(Substrate::Microvm),
-            "vm" => Some(Substrate::Vm),
-            _ => None,
-        }
-    }
-
-    /// Whether this is a VM substrate.
-    pub fn is_vm(self) -> bool {
-        self != Substrate::Container
-    }
-}
-
 /// What to create.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -237,71 +200,9 @@ impl Default for SandboxSpec {
     }
 }
 
-/// Lifecycle state of a sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum State {
-    /// Being created.
-    Creating,
-    /// Created, idle (in a pool or not yet acquired).
-    Ready,
-    /// Acquired by a user.
-    Running,
-    /// Tree being killed and writable layer replaced.
-    Resetting,
-    /// Being destroyed.
-    Stopping,
-    /// Destroyed; nothing left on the machine.
-    Stopped,
-    /// Something failed; must be destroyed.
-    Failed,
-}
-
-/// A refused state change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("invalid transition from {from:?} to {to:?}")]
-pub struct InvalidTransition {
-    /// Current state.
-    pub from: State,
-    /// Requested state.
-    pub to: State,
-}
-
-impl State {
-    /// The exhaustive transition function.
-    pub fn transition(self, to: State) -> Result<State, InvalidTransition> {
-        use State::*;
-        let ok = match (self, to) {
-            (Creating, Ready | Failed | Stopping) => true,
-            (Ready, Running | Stopping | Failed) => true,
-            (Running, Resetting | Stopping | Failed) => true,
-            (Resetting, Ready | Running | Failed | Stopping) => true,
-            (Stopping, Stopped | Failed) => true,
-            (Failed, Stopping) => true,
-            (Creating | Ready | Running | Resetting | Stopping | Stopped | Failed, _) => false,
-        };
-        if ok {
-            Ok(to)
-        } else {
-            Err(InvalidTransition { from: self, to })
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn transitions() {
-        assert_eq!(State::Creating.transition(State::Ready), Ok(State::Ready));
-        assert!(State::Stopped.transition(State::Running).is_err());
-        assert!(State::Ready.transition(State::Resetting).is_err());
-        assert_eq!(
-            State::Failed.transition(State::Stopping),
-            Ok(State::Stopping)
-        );
-    }
 
     #[test]
     fn default_limits_validate() {

@@ -59,8 +59,6 @@ pub struct SandboxRecord {
     pub version: u64,
     /// What the runtime created it with.
     pub spec: SandboxSpec,
-    /// The substrate (`container`).
-    pub substrate: String,
     /// Labels.
     pub labels: BTreeMap<String, String>,
     /// Environment added to every command (kept out of listings).
@@ -483,7 +481,6 @@ mod tests {
             state,
             version: 1,
             spec: SandboxSpec::default(),
-            substrate: "container".into(),
             labels: BTreeMap::from([("k".into(), "v".into())]),
             env: BTreeMap::new(),
             created_at_ms: 1,

@@ -139,7 +139,6 @@ impl Node {
                             userns: req.userns,
                             ..SandboxSpec::default()
                         },
-                        substrate: req.substrate.name().into(),
                         labels: BTreeMap::new(),
                         env: BTreeMap::new(),
                         created_at_ms: now,
@@ -249,7 +248,8 @@ impl Node {
                 failpoint("create:after_launch");
                 let us = |v: u64| std::time::Duration::from_micros(v);
                 match sb.substrate() {
-                    Substrate::Container => {
+                    // (A function call's sandbox is a container.)
+                    Substrate::Container | Substrate::Function => {
                         self.metrics
                             .phase_launch
                             .observe_duration(us(phases.launch_us));

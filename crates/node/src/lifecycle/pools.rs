@@ -185,7 +185,6 @@ impl Node {
                 substrate,
                 ..SandboxSpec::default()
             },
-            substrate: substrate.name().into(),
             labels: BTreeMap::new(),
             env: BTreeMap::new(),
             created_at_ms: now_ms(),

@@ -3,7 +3,6 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use dsec_api::ErrorCode;
-use serde::Serialize;
 
 use crate::agent_client::AgentError;
 use crate::substrate::RuntimeError;
@@ -23,23 +22,7 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
-/// The problem document.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct Problem {
-    /// `https://dsec.dev/errors/<code>`.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// Short summary of the code.
-    pub title: String,
-    /// HTTP status.
-    pub status: u16,
-    /// Stable code.
-    pub code: ErrorCode,
-    /// Detail.
-    pub detail: String,
-    /// Request id.
-    pub request_id: String,
-}
+pub use dsec_api::problem::Problem;
 
 impl ApiError {
     /// An error with a code and a detail.

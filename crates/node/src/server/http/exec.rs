@@ -1,6 +1,7 @@
 //! Running things in a sandbox: commands, background processes, sessions; the trajectory log of each step.
 
 use super::*;
+use dsec_api::exec::ExecBody;
 
 /// Runs `f` on the sandbox's agent on the blocking pool, holding the sandbox exclusively.
 pub(super) async fn with_sandbox<T: Send + 'static>(
@@ -24,33 +25,6 @@ pub(super) async fn with_sandbox<T: Send + 'static>(
     })
     .await
     .map_err(|err| ApiError::internal(err.to_string()))?
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct ExecBody {
-    #[serde(default, alias = "trajectory_id")]
-    trajectory: Option<String>,
-    #[serde(default)]
-    step: Option<u64>,
-    #[serde(default)]
-    argv: Option<Vec<String>>,
-    #[serde(default)]
-    shell: Option<String>,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-    #[serde(default)]
-    cwd: Option<String>,
-    #[serde(default)]
-    timeout_ms: Option<u64>,
-    #[serde(default)]
-    cpu_limit_ms: Option<u64>,
-    #[serde(default)]
-    output_limit: Option<u64>,
-    #[serde(default)]
-    stdin: Option<String>,
-    #[serde(default)]
-    stdin_b64: Option<String>,
 }
 
 pub(super) fn exec_request(

@@ -1,29 +1,32 @@
 //! Sandboxes: create (one and batch), get, list, delete, lease, reset; the sandbox view.
 
 use super::*;
+use dsec_api::sandbox::{CreateSpec, SandboxView};
 
 /// The public view of a sandbox record.
-pub fn view(r: &SandboxRecord) -> Value {
-    json!({
-        "id": r.id,
-        "tenant": r.tenant,
-        "template": r.spec.template,
-        "substrate": r.substrate,
-        "state": r.state,
-        "labels": r.labels,
-        "limits": r.spec.limits,
-        "writable_root": r.spec.writable_root,
-        "userns": r.spec.userns,
-        "env_keys": r.env.keys().collect::<Vec<_>>(),
-        "created_at": rfc3339(r.created_at_ms),
-        "acquired_at": r.acquired_at_ms.map(rfc3339),
-        "expires_at": r.expires_at_ms.map(rfc3339),
-        "lease_expires_at": r.lease_expires_at_ms.map(rfc3339),
-        "version": r.version,
-        "pooled": r.pooled,
-        "error": r.error,
-        "phase": r.phase,
-    })
+pub fn view(r: &SandboxRecord) -> SandboxView {
+    SandboxView {
+        id: r.id.clone(),
+        tenant: r.tenant.clone(),
+        template: r.spec.template.clone(),
+        substrate: r.spec.substrate,
+        state: r.state,
+        labels: r.labels.clone(),
+        limits: serde_json::to_value(&r.spec.limits).unwrap_or_default(),
+        writable_root: r.spec.writable_root,
+        userns: r.spec.userns,
+        env_keys: r.env.keys().cloned().collect(),
+        created_at: rfc3339(r.created_at_ms),
+        acquired_at: r.acquired_at_ms.map(rfc3339),
+        expires_at: r.expires_at_ms.map(rfc3339),
+        lease_expires_at: r.lease_expires_at_ms.map(rfc3339),
+        version: r.version,
+        pooled: r.pooled,
+        error: r.error.clone(),
+        phase: r.phase.clone(),
+        supervisor_pid: None,
+        init_pid: None,
+    }
 }
 
 /// RFC 3339 UTC time of `ms` since the epoch.
@@ -50,32 +53,7 @@ pub fn rfc3339(ms: u64) -> String {
     )
 }
 
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub(super) struct CreateBody {
-    #[serde(default)]
-    template: Option<String>,
-    #[serde(default)]
-    substrate: Option<String>,
-    #[serde(default)]
-    limits: Option<Value>,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-    #[serde(default)]
-    secret_env: BTreeMap<String, String>,
-    #[serde(default)]
-    labels: BTreeMap<String, String>,
-    #[serde(default)]
-    ttl_ms: Option<u64>,
-    #[serde(default)]
-    lease_ms: Option<u64>,
-    #[serde(default)]
-    writable_root: bool,
-    #[serde(default)]
-    userns: bool,
-}
-
-pub(super) fn create_request(b: CreateBody) -> ApiResult<CreateRequest> {
+pub(super) fn create_request(b: CreateSpec) -> ApiResult<CreateRequest> {
     let substrate = match b.substrate.as_deref() {
         None => Substrate::Container,
         Some("function") => {
@@ -213,7 +191,7 @@ pub(super) async fn get_sandbox(
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
     Query(q): Query<GetQuery>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SandboxView>> {
     let Some(e) = app.node.entry(&id) else {
         // Destroyed sandboxes stay readable for a while.
         return match app.node.store.sandbox(&id)? {
@@ -228,8 +206,8 @@ pub(super) async fn get_sandbox(
         let mut v = view(&e.record());
         if t.admin {
             if let Some((sup, init)) = e.pids() {
-                v["supervisor_pid"] = sup.into();
-                v["init_pid"] = init.into();
+                v.supervisor_pid = Some(sup);
+                v.init_pid = Some(init);
             }
         }
         v
@@ -333,7 +311,7 @@ pub(super) async fn delete_sandbox(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SandboxView>> {
     let e = app.node.owned_or_admin(&t, &id)?;
     let rec = app.node.destroy(&e).await?;
     tracing::info!(
@@ -363,11 +341,11 @@ pub(super) async fn batch_create(
     if !(1..=1000).contains(&b.count) {
         return Err(ApiError::invalid("count must be in 1..=1000"));
     }
-    let spec: CreateBody = match b.spec {
+    let spec: CreateSpec = match b.spec {
         Some(v) => {
             serde_json::from_value(v).map_err(|e| ApiError::invalid(format!("spec: {e}")))?
         }
-        None => CreateBody::default(),
+        None => CreateSpec::default(),
     };
     let req = create_request(spec)?;
     let mut set = tokio::task::JoinSet::new();
@@ -481,7 +459,7 @@ pub(super) async fn lease(
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
     body: Bytes,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SandboxView>> {
     let b: LeaseBody = json_body(&body)?;
     if b.lease_ms
         .is_some_and(|v| v == 0 || v > 30 * 24 * 3600 * 1000)
@@ -496,7 +474,7 @@ pub(super) async fn reset(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SandboxView>> {
     let e = app.node.owned(&t, &id)?;
     Ok(Json(view(&app.node.reset(&e).await?)))
 }

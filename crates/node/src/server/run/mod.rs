@@ -10,6 +10,7 @@
 //! Sandboxes of the runner belong to the internal `run` tenant; they are counted against the
 //! node's `--max-sandboxes` like any other.
 
+use dsec_api::sandbox::Substrate;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -120,16 +121,6 @@ impl Default for RunConfig {
     }
 }
 
-/// Where a run goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Substrate {
-    /// A forked child of a warm zygote (Python only).
-    Function,
-    /// A fresh process in a pooled container sandbox.
-    Container,
-}
-
 /// The verdict of one phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Verdict {
@@ -181,15 +172,6 @@ pub struct RunOutcome {
     /// (`run_timeout`, `compile_timeout`: at most [`MAX_TIMEOUT_S`], negative ones 0;
     /// `memory_limit_MB`: at most [`MAX_MEMORY_MB`]).
     pub clamped: BTreeMap<&'static str, f64>,
-}
-
-impl Serialize for Substrate {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(match self {
-            Substrate::Function => "function",
-            Substrate::Container => "container",
-        })
-    }
 }
 
 /// The runner's live state (one per node).
@@ -367,6 +349,11 @@ async fn execute(app: &Arc<Runner>, spec: &RunSpec) -> ApiResult<RunOutcome> {
         None => match spec.substrate {
             Substrate::Function => run_function(app, spec).await?,
             Substrate::Container => container::run_container(app, spec).await?,
+            Substrate::Microvm | Substrate::Vm => {
+                return Err(ApiError::invalid(
+                    "the code runner runs on the function or container substrate",
+                ))
+            }
         },
     };
     out.server_us = t0.elapsed().as_micros() as u64;

@@ -436,11 +436,16 @@ pub fn validate(m: &Map<String, Value>, fields: Fields, template: &str) -> Resul
                 &json!("function"),
             ))
         }
-        (Some(Substrate::Container) | None, _) => Substrate::Container,
+        // (The parse above gives no VM substrate: the runner runs on these two.)
+        (Some(Substrate::Container | Substrate::Microvm | Substrate::Vm) | None, _) => {
+            Substrate::Container
+        }
     };
     let cap_max = match substrate {
         Substrate::Function => FUNCTION_OUTPUT_MAX,
-        Substrate::Container => dsec_api::exec::MAX_OUTPUT_LIMIT,
+        Substrate::Container | Substrate::Microvm | Substrate::Vm => {
+            dsec_api::exec::MAX_OUTPUT_LIMIT
+        }
     };
     let output_limit = match integer(m, "output_limit")? {
         None => FUNCTION_OUTPUT_MAX,

@@ -266,7 +266,7 @@ impl ContainerRuntime {
         let kind = match spec.substrate {
             Substrate::Microvm => VmKind::Microvm,
             Substrate::Vm => VmKind::Vm,
-            Substrate::Container => {
+            Substrate::Container | Substrate::Function => {
                 return Err(RuntimeError::Invalid("not a VM substrate".into()));
             }
         };
