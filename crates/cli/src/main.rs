@@ -784,6 +784,6 @@ fn local_exit_code(e: &anyhow::Error) -> u8 {
                         .map(TemplateError::code)
                 })
         })
-        .and_then(|code| client::exit_for_code(code.as_str()))
+        .and_then(client::exit_for_code)
         .unwrap_or(client::EXIT_INTERNAL)
 }
