@@ -7,104 +7,12 @@ use std::collections::BTreeMap;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use super::{dist, emit, us, BenchArgs, Dist};
 use anyhow::Context;
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::container::{ContainerRuntime, Sandbox};
 use dsec_node::pool::{Pool, PoolConfig};
 use dsec_node::sandbox::SandboxSpec;
-use serde::Serialize;
-
-/// Arguments of `dsec bench`.
-#[derive(Debug, clap::Args)]
-pub struct BenchArgs {
-    /// What to measure: `container` (the substrate, in process), `api` (the daemon over HTTP),
-    /// `run` (the code runner: function vs container substrate vs `python3 -c`) or
-    /// `log` (the trajectory log's durable appends and replay, with SQLite as the peer).
-    pub what: String,
-    /// Iterations per latency figure.
-    #[arg(long, default_value_t = 200)]
-    pub iterations: usize,
-    /// Idle sandboxes to hold at once for the density figure (0 skips it).
-    #[arg(long, default_value_t = 1000)]
-    pub idle: usize,
-    /// Pause before each measured cold create, so that background work of the previous one
-    /// (shell refill, namespace teardown) does not count against it.
-    #[arg(long, default_value_t = 20)]
-    pub settle_ms: u64,
-    /// Write the JSON here as well as to stdout.
-    #[arg(long)]
-    pub out: Option<std::path::PathBuf>,
-}
-
-/// Adds what every bench report says about the machine and the build: kernel, CPUs, commit.
-pub(crate) fn with_machine(mut doc: serde_json::Value) -> serde_json::Value {
-    if let Some(o) = doc.as_object_mut() {
-        o.insert(
-            "kernel".into(),
-            std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .unwrap_or_default()
-                .trim()
-                .into(),
-        );
-        o.insert(
-            "cpus".into(),
-            std::thread::available_parallelism()
-                .map_or(0, |n| n.get())
-                .into(),
-        );
-        o.insert(
-            "commit".into(),
-            Command::new("git")
-                .args(["rev-parse", "--short", "HEAD"])
-                .output()
-                .ok()
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .into(),
-        );
-    }
-    doc
-}
-
-/// Prints a bench report (with [`with_machine`]'s fields) and writes it to `--out`.
-pub(crate) fn emit(args: &BenchArgs, doc: serde_json::Value) -> anyhow::Result<ExitCode> {
-    let text = serde_json::to_string_pretty(&with_machine(doc))?;
-    println!("{text}");
-    if let Some(p) = &args.out {
-        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-#[derive(Debug, Serialize)]
-pub(crate) struct Dist {
-    pub(crate) count: usize,
-    pub(crate) p50_us: u64,
-    pub(crate) p90_us: u64,
-    pub(crate) p99_us: u64,
-    pub(crate) max_us: u64,
-}
-
-pub(crate) fn dist(mut v: Vec<u64>) -> Dist {
-    v.sort_unstable();
-    let q = |p: f64| -> u64 {
-        if v.is_empty() {
-            return 0;
-        }
-        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-        v[i.min(v.len() - 1)]
-    };
-    Dist {
-        count: v.len(),
-        p50_us: q(0.5),
-        p90_us: q(0.9),
-        p99_us: q(0.99),
-        max_us: v.last().copied().unwrap_or(0),
-    }
-}
-
-pub(crate) fn us(t: Instant) -> u64 {
-    t.elapsed().as_micros() as u64
-}
 
 fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<u64> {
     let r = sb.exec(rt, &ExecRequest::argv(argv.iter().copied()), &[], |_, _| {})?;
@@ -206,11 +114,6 @@ pub fn run(
     args: &BenchArgs,
     rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
 ) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(
-        args.what == "container",
-        "unknown benchmark {:?} (available: container, api, log)",
-        args.what
-    );
     let rt = rt()?;
     let n = args.iterations.max(10);
     let spec = SandboxSpec::default();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
+use super::{dist, emit, us, BenchArgs};
 
 /// A `dsec server` child on fresh state dirs (benches of the daemon share it).
 pub(crate) struct Daemon {

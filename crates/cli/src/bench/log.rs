@@ -28,7 +28,7 @@ use dsec_node::trajlog::{Config, Record, RecordKind, TrajLog};
 use rusqlite::{params, TransactionBehavior};
 use serde_json::{json, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
+use super::{dist, emit, us, BenchArgs};
 
 /// The longest one append configuration runs.
 const RUN_LIMIT: Duration = Duration::from_secs(4);
@@ -278,7 +278,7 @@ fn bench_sqlite(parent: &Path, w: Workload) -> anyhow::Result<Value> {
 }
 
 /// One 200 B append + `fdatasync` to a plain file: the disk's floor for one durable record.
-fn bench_fdatasync(parent: &Path, n: usize) -> anyhow::Result<crate::bench::Dist> {
+fn bench_fdatasync(parent: &Path, n: usize) -> anyhow::Result<super::Dist> {
     let mut f = tempfile::tempfile_in(parent)?;
     let body = payload(SMALL);
     let deadline = Instant::now() + RUN_LIMIT;

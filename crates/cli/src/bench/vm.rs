@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
-use crate::bench_api::{start_daemon, Client};
+use super::api::{start_daemon, Client};
+use super::{dist, emit, us, BenchArgs};
 
 /// Target: create from snapshot, p50.
 const TARGET_CREATE_P50_MS: f64 = 150.0;
