@@ -63,7 +63,7 @@ fn exec_true(c: &Client, id: &str) -> anyhow::Result<u64> {
 /// The daemon, its client, and every sandbox created and not yet deleted.
 struct Bench {
     c: Client,
-    /// `<base>/r/sandboxes` of [`start_daemon`]: `<id>/qemu.pid` lives there.
+    /// The daemon's `<run dir>/sandboxes`: `<id>/qemu.pid` lives there.
     sandboxes_dir: PathBuf,
     live: Vec<String>,
 }
@@ -712,11 +712,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         .map_or_else(|| dsec_node::vm::DEFAULT_CACHE.into(), PathBuf::from);
     let host_qemus_before = count_qemus();
     let d = start_daemon("vm", &[])?;
-    // start_daemon's layout: `<base>/r` is the run dir, VM sandboxes under `sandboxes/`.
+    // start_daemon's layout: the state dirs below `<base>`, VM sandboxes under `<run>/sandboxes/`.
     let base = format!("/tmp/dsec-bench-vm-{}", std::process::id());
     let mut b = Bench {
         c: Client::new(&d.url, &d.key, Duration::from_secs(180)),
-        sandboxes_dir: Path::new(&base).join("r/sandboxes"),
+        sandboxes_dir: d.run.join("sandboxes"),
         live: Vec::new(),
     };
     let mut out = Map::new();
