@@ -5,28 +5,16 @@
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
 use dsec_testkit as testkit;
 use serde_json::Value;
 
-/// A daemon of these tests, driven through the `dsec` client.
-struct Daemon(testkit::Daemon);
-
-impl Deref for Daemon {
-    type Target = testkit::Daemon;
-    fn deref(&self) -> &testkit::Daemon {
-        &self.0
-    }
-}
-
-impl DerefMut for Daemon {
-    fn deref_mut(&mut self) -> &mut testkit::Daemon {
-        &mut self.0
-    }
-}
+testkit::daemon_type!(
+    /// A daemon of these tests, driven through the `dsec` client.
+    struct Daemon
+);
 
 /// What one `dsec` invocation did.
 struct Out {

@@ -7,7 +7,6 @@
 //! machine meanwhile, so cgroup checks look at what appeared during a test, not at the total.
 
 use std::collections::BTreeSet;
-use std::ops::Deref;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime};
@@ -26,15 +25,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// A daemon of these tests.
-struct Daemon(testkit::Daemon);
-
-impl Deref for Daemon {
-    type Target = testkit::Daemon;
-    fn deref(&self) -> &testkit::Daemon {
-        &self.0
-    }
-}
+testkit::daemon_type!(
+    /// A daemon of these tests.
+    struct Daemon
+);
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {

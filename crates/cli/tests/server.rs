@@ -6,7 +6,6 @@
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
-use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -14,21 +13,10 @@ use std::time::{Duration, Instant};
 use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-/// A daemon of these tests, with the checks they end on.
-struct Daemon(testkit::Daemon);
-
-impl Deref for Daemon {
-    type Target = testkit::Daemon;
-    fn deref(&self) -> &testkit::Daemon {
-        &self.0
-    }
-}
-
-impl DerefMut for Daemon {
-    fn deref_mut(&mut self) -> &mut testkit::Daemon {
-        &mut self.0
-    }
-}
+testkit::daemon_type!(
+    /// A daemon of these tests, with the checks they end on.
+    struct Daemon
+);
 
 impl Daemon {
     fn start(data: &Path, run: &Path, env: &[(&str, &str)]) -> Self {

@@ -3,28 +3,16 @@
 //! reported as `unknown_outcome`. Needs root; CI runs as root.
 
 use std::collections::BTreeMap;
-use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::time::Duration;
 
 use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-/// A daemon of these tests.
-struct Daemon(testkit::Daemon);
-
-impl Deref for Daemon {
-    type Target = testkit::Daemon;
-    fn deref(&self) -> &testkit::Daemon {
-        &self.0
-    }
-}
-
-impl DerefMut for Daemon {
-    fn deref_mut(&mut self) -> &mut testkit::Daemon {
-        &mut self.0
-    }
-}
+testkit::daemon_type!(
+    /// A daemon of these tests.
+    struct Daemon
+);
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {

@@ -4,22 +4,16 @@
 //!
 //! Needs root (cgroups, QEMU); CI runs as root.
 
-use std::ops::Deref;
 use std::path::Path;
 use std::time::Duration;
 
 use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-/// A daemon of these tests on its own state dirs (removed when it drops).
-struct Daemon(testkit::Daemon);
-
-impl Deref for Daemon {
-    type Target = testkit::Daemon;
-    fn deref(&self) -> &testkit::Daemon {
-        &self.0
-    }
-}
+testkit::daemon_type!(
+    /// A daemon of these tests on its own state dirs (removed when it drops).
+    struct Daemon
+);
 
 impl Daemon {
     fn start(tag: &str) -> Self {

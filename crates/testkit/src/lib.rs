@@ -330,6 +330,36 @@ impl Drop for Daemon {
     }
 }
 
+/// Declares `struct NAME(dsec_testkit::Daemon)` that derefs, mutably too, to the fixture: a
+/// test file's (or bench's) daemon, with that file's own helpers in an `impl NAME`.
+///
+/// ```ignore
+/// dsec_testkit::daemon_type!(
+///     /// A daemon of these tests.
+///     struct Daemon
+/// );
+/// ```
+#[macro_export]
+macro_rules! daemon_type {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident) => {
+        $(#[$meta])*
+        $vis struct $name($crate::Daemon);
+
+        impl ::std::ops::Deref for $name {
+            type Target = $crate::Daemon;
+            fn deref(&self) -> &$crate::Daemon {
+                &self.0
+            }
+        }
+
+        impl ::std::ops::DerefMut for $name {
+            fn deref_mut(&mut self) -> &mut $crate::Daemon {
+                &mut self.0
+            }
+        }
+    };
+}
+
 /// `{"transport_error": what}`: the answer of a call that got none.
 pub(crate) fn transport_error(e: &ureq::Error) -> Value {
     json!({"transport_error": e.to_string()})

@@ -6,7 +6,6 @@
 //! delete, and the daemon's RSS. The peer measured in the same run is the HTTP floor: a
 //! `GET /livez` round trip on the same connection pool.
 
-use std::ops::Deref;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,16 +17,11 @@ use serde_json::{json, Map, Value};
 
 use super::{dist, emit, us, BenchArgs, Dist};
 
-/// A `dsec server` child on fresh state dirs (benches of the daemon share it). Dropped, it
-/// destroys every sandbox the bench made, then stops and its dirs go.
-pub(crate) struct Daemon(testkit::Daemon);
-
-impl Deref for Daemon {
-    type Target = testkit::Daemon;
-    fn deref(&self) -> &testkit::Daemon {
-        &self.0
-    }
-}
+testkit::daemon_type!(
+    /// A `dsec server` child on fresh state dirs (benches of the daemon share it). Dropped, it
+    /// destroys every sandbox the bench made, then stops and its dirs go.
+    pub(crate) struct Daemon
+);
 
 impl Daemon {
     /// Destroys every sandbox the bench made (sandboxes outlive their daemon by design, so a
@@ -123,16 +117,18 @@ impl Client {
         Ok((id, v["pooled"] == true))
     }
 
-    fn exec_true(&self, id: &str) -> anyhow::Result<()> {
+    /// Runs `/bin/true` in `id`; returns the process's own wall time as the sandbox measured
+    /// it (spawn to exit, microseconds; 0 when not reported).
+    pub(crate) fn exec_true(&self, id: &str) -> anyhow::Result<u64> {
         let v = self.ok(
             "POST",
             &format!("/v1/sandboxes/{id}/exec"),
             Some(&json!({"argv": ["/bin/true"]})),
         )?;
         if v["status"] != "ok" {
-            bail!("exec true: {v}");
+            bail!("exec true in {id}: {v}");
         }
-        Ok(())
+        Ok(v["wall_us"].as_u64().unwrap_or(0))
     }
 
     fn set_pool(&self, min: usize, max: usize) -> anyhow::Result<()> {

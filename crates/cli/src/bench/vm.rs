@@ -46,20 +46,6 @@ const BOOT_MARKER: &[u8] = b"Kernel panic";
 /// that matters here).
 const USER_HZ: u64 = 100;
 
-/// Runs `/bin/true` in `id`; returns the process's own wall time as the sandbox measured it
-/// (spawn to exit, microseconds; 0 when not reported).
-fn exec_true(c: &Client, id: &str) -> anyhow::Result<u64> {
-    let v = c.ok(
-        "POST",
-        &format!("/v1/sandboxes/{id}/exec"),
-        Some(&json!({"argv": ["/bin/true"]})),
-    )?;
-    if v["status"] != "ok" {
-        bail!("exec true in {id}: {v}");
-    }
-    Ok(v["wall_us"].as_u64().unwrap_or(0))
-}
-
 /// The daemon, its client, and every sandbox created and not yet deleted.
 struct Bench {
     c: Client,
@@ -306,7 +292,7 @@ fn cold_snapshot(
         "limits": {"memory_max": memory_mib << 20},
     }))?;
     let t = Instant::now();
-    exec_true(&b.c, &id)?;
+    b.c.exec_true(&id)?;
     let exec = us(t);
     b.delete(&id)?;
     let wall_ms = wall / 1000;
@@ -337,7 +323,7 @@ fn cold_snapshot(
 fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow::Result<Value> {
     let body = json!({"substrate": substrate});
     let (id, warm) = b.create(&body)?;
-    exec_true(&b.c, &id)?;
+    b.c.exec_true(&id)?;
     b.delete(&id)?;
     let (mut create, mut first_exec, mut first_wall, mut delete) = (vec![], vec![], vec![], vec![]);
     for _ in 0..n {
@@ -345,7 +331,7 @@ fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow
         let (id, took) = b.create(&body)?;
         create.push(took);
         let t = Instant::now();
-        first_wall.push(exec_true(&b.c, &id)?);
+        first_wall.push(b.c.exec_true(&id)?);
         first_exec.push(us(t));
         delete.push(b.delete(&id)?);
     }
@@ -376,7 +362,7 @@ fn pooled(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
             let (id, took) = b.create(&json!({"substrate": "microvm"}))?;
             acquire.push(took);
             let t = Instant::now();
-            first_wall.push(exec_true(&b.c, &id)?);
+            first_wall.push(b.c.exec_true(&id)?);
             first_exec.push(us(t));
             b.delete(&id)?;
         }
@@ -401,7 +387,7 @@ fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
     for s in subs {
         let (id, _) = b.create(&json!({"substrate": s}))?;
         for _ in 0..3 {
-            exec_true(&b.c, &id)?;
+            b.c.exec_true(&id)?;
         }
         ids.push(id);
     }
@@ -411,7 +397,7 @@ fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
     for _ in 0..n {
         for (i, id) in ids.iter().enumerate() {
             let t = Instant::now();
-            wall[i].push(exec_true(&b.c, id)?);
+            wall[i].push(b.c.exec_true(id)?);
             lat[i].push(us(t));
         }
         let t = Instant::now();
@@ -486,7 +472,7 @@ fn density(b: &mut Bench, k: usize, out: &mut Map<String, Value>) -> anyhow::Res
     let mut failed = 0;
     for id in &held {
         let t = Instant::now();
-        match exec_true(&b.c, id) {
+        match b.c.exec_true(id) {
             Ok(_) => exec.push(us(t)),
             Err(_) => failed += 1,
         }
@@ -669,7 +655,7 @@ fn measure(
         let dirs = ["snap", "initrd", "root"];
         let before: Vec<_> = dirs.iter().map(|d| entries(cache, d)).collect();
         let (id, took) = b.create(&json!({"substrate": s}))?;
-        exec_true(&b.c, &id)?;
+        b.c.exec_true(&id)?;
         b.delete(&id)?;
         let mut v = json!({"wall_ms": took / 1000});
         // What this create had to build first (the rest of the wall time is the boot).
