@@ -114,15 +114,20 @@ type Results = BTreeMap<&'static str, Dist>;
 /// What a run noted besides distributions.
 type Notes = BTreeMap<&'static str, serde_json::Value>;
 
+/// What every measurement of a run works with.
+struct Run<'a> {
+    rt: &'a ContainerRuntime,
+    spec: &'a SandboxSpec,
+    /// Iterations per figure.
+    n: usize,
+    /// Pause before a settled measurement.
+    settle_ms: u64,
+}
+
 /// Cold creates + exec from a settled node (with their phases), back to back, and with a user
 /// namespace.
-fn cold_creates(
-    rt: &ContainerRuntime,
-    spec: &SandboxSpec,
-    n: usize,
-    settle_ms: u64,
-    res: &mut Results,
-) -> anyhow::Result<()> {
+fn cold_creates(r: &Run<'_>, res: &mut Results) -> anyhow::Result<()> {
+    let (rt, spec, n, settle_ms) = (r.rt, r.spec, r.n, r.settle_ms);
     let (mut create, mut launch, mut create_exec, mut destroy) = (vec![], vec![], vec![], vec![]);
     let (mut cg, mut clone_exec) = (vec![], vec![]);
     let (mut first_exec, mut second_exec) = (vec![], vec![]);
@@ -222,13 +227,8 @@ fn bwrap_peer(n: usize, settle_ms: u64, res: &mut Results, notes: &mut Notes) {
 }
 
 /// Exec in a running sandbox (`true`, python inside vs outside), then its resets.
-fn execs_and_resets(
-    rt: &ContainerRuntime,
-    spec: &SandboxSpec,
-    n: usize,
-    settle_ms: u64,
-    res: &mut Results,
-) -> anyhow::Result<()> {
+fn execs_and_resets(r: &Run<'_>, res: &mut Results) -> anyhow::Result<()> {
+    let (rt, spec, n, settle_ms) = (r.rt, r.spec, r.n, r.settle_ms);
     // Exec in a running sandbox, python inside vs outside.
     let (mut sb, _) = rt.create(spec)?;
     let mut v = vec![];
@@ -442,9 +442,15 @@ pub fn run(
         exec_ok(&mut sb, &rt, &["/bin/true"])?;
         sb.destroy(&rt)?;
     }
-    cold_creates(&rt, &spec, n, args.settle_ms, &mut res)?;
+    let r = Run {
+        rt: &rt,
+        spec: &spec,
+        n,
+        settle_ms: args.settle_ms,
+    };
+    cold_creates(&r, &mut res)?;
     bwrap_peer(n, args.settle_ms, &mut res, &mut notes);
-    execs_and_resets(&rt, &spec, n, args.settle_ms, &mut res)?;
+    execs_and_resets(&r, &mut res)?;
     warm_acquire(&rt, &spec, n, &mut res)?;
     if args.idle > 0 {
         density(&rt, &spec, args.idle, &mut notes)?;
