@@ -317,7 +317,15 @@ def code_map_problems(root: Path, files: list[Path]) -> list[str]:
         if not line.startswith("|") or line.startswith("|---"):
             continue
         first = line.split("|")[1]
-        named += [t for t in re.findall(r"`([^`]+)`", first) if "/" in t]
+        # A cell names its first path in full; the next may be short, relative to its folder
+        # (`crates/x/src/a.rs`, `b.rs`, `b/c.rs`).
+        base = ""
+        for t in re.findall(r"`([^`]+)`", first):
+            if t.startswith("crates/") or t.startswith("sdk/") or t.startswith("scripts/"):
+                base = t if t.endswith("/") else t.rsplit("/", 1)[0] + "/"
+                named.append(t)
+            elif base and (t.endswith(".rs") or t.endswith(".py") or t.endswith("/")):
+                named.append(base + t)
     problems = []
     for t in named:
         if not (root / t).exists():

@@ -17,8 +17,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::capacity::NodeCapacity;
-use dsec_node::container::{ContainerRuntime, RuntimeConfig};
 use dsec_node::sandbox::{Limits, SandboxSpec, Substrate};
+use dsec_node::substrate::{ContainerRuntime, RuntimeConfig};
 
 /// dsec: elastic sandboxes for agentic training.
 #[derive(Debug, Parser)]
@@ -326,7 +326,7 @@ fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
         } => vm_prepare(cli, template, substrates, *memory),
         VmCmd::Gc { max_bytes } => {
             let cache = ContainerRuntime::vm_cache_dir();
-            let report = dsec_node::vm::gc_unused(&cache, *max_bytes)
+            let report = dsec_node::substrate::vm::gc_unused(&cache, *max_bytes)
                 .with_context(|| format!("garbage-collect {}", cache.display()))?;
             let out = serde_json::json!({
                 "cache": cache,
@@ -439,7 +439,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     if spec.substrate.is_vm() {
         // The first VM of a host prepares its template (a minute or more): say so as it goes.
         let report = output::PhaseReport::new(spec.substrate.name());
-        rt.set_vm_settings(dsec_node::container::VmSettings {
+        rt.set_vm_settings(dsec_node::substrate::VmSettings {
             cache_max_bytes: None,
             observer: Some(std::sync::Arc::new(move |_: &str, e| report.event(e))),
         });
@@ -763,7 +763,7 @@ fn main() -> ExitCode {
 /// the code of the runtime or template error in its chain, mapped by the table of the daemon's
 /// commands (a missing template exits 3, an invalid image 2), else 70.
 fn local_exit_code(e: &anyhow::Error) -> u8 {
-    use dsec_node::container::RuntimeError;
+    use dsec_node::substrate::RuntimeError;
     use dsec_node::template::TemplateError;
     e.chain()
         .find_map(|cause| {

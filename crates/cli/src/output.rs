@@ -153,8 +153,8 @@ impl PhaseReport {
     }
 
     /// Reports `e`.
-    pub fn event(&self, e: dsec_node::vm::Event) {
-        use dsec_node::vm::Event;
+    pub fn event(&self, e: dsec_node::substrate::vm::Event) {
+        use dsec_node::substrate::vm::Event;
         let mut drawn = self.drawn.lock().unwrap_or_else(|p| p.into_inner());
         let line = match e {
             Event::Start(p) => {

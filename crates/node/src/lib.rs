@@ -5,11 +5,10 @@
 pub mod agent_client;
 pub mod autoscale;
 pub mod capacity;
-pub mod container;
 pub mod metrics;
 pub mod pool;
 pub mod sandbox;
 pub mod server;
+pub mod substrate;
 pub mod template;
 pub mod trajlog;
-pub mod vm;

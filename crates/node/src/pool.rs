@@ -8,8 +8,8 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-use crate::container::{ContainerRuntime, RuntimeError, Sandbox};
 use crate::sandbox::SandboxSpec;
+use crate::substrate::{ContainerRuntime, RuntimeError, Sandbox};
 
 /// Sizing of a pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,8 +15,8 @@ use common::{
 use dsec_api::exec::{ExecRequest, ExecStatus, MAX_ARGS, MAX_COMMAND_BYTES};
 use dsec_api::ErrorCode;
 use dsec_node::agent_client::AgentError;
-use dsec_node::container::RuntimeError;
 use dsec_node::sandbox::{Limits, SandboxSpec};
+use dsec_node::substrate::RuntimeError;
 
 /// Runs `true` in `sb` and returns how long it took (asserting it worked).
 fn time_true(sb: &mut SbGuard) -> Duration {

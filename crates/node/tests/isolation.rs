@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use dsec_api::agent::Request;
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
-use dsec_node::container::{ContainerRuntime, RuntimeConfig, Sandbox};
 use dsec_node::sandbox::SandboxSpec;
+use dsec_node::substrate::{ContainerRuntime, RuntimeConfig, Sandbox};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 

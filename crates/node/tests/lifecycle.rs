@@ -15,8 +15,8 @@ use std::time::Duration;
 use common::{create, create_spec, small_limits, stderr, stdout, LeakSnapshot};
 use dsec_api::agent::{Event, Request, SessionKind};
 use dsec_api::exec::{ExecRequest, ExecStatus};
-use dsec_node::container::{ContainerRuntime, RuntimeConfig};
 use dsec_node::sandbox::{Limits, SandboxSpec};
+use dsec_node::substrate::{ContainerRuntime, RuntimeConfig};
 use sha2::{Digest, Sha256};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -597,7 +597,7 @@ fn lifecycle_supervisors_run_without_the_malloc_cache_and_sandboxes_do_not_inher
     let mut sb = create(small_limits());
     let tunable = format!(
         "GLIBC_TUNABLES={}",
-        dsec_node::container::SPAWNER_MALLOC_TUNABLES
+        dsec_node::substrate::SPAWNER_MALLOC_TUNABLES
     );
     let sup = environ(sb.supervisor_pid());
     assert!(sup.contains(&tunable), "{sup:?}");

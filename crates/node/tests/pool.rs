@@ -17,9 +17,9 @@ use std::time::Duration;
 use common::{fixture, rt, stdout, LeakSnapshot};
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
 use dsec_api::ErrorCode;
-use dsec_node::container::{RuntimeError, Sandbox};
 use dsec_node::pool::{Pool, PoolConfig, PoolStats};
 use dsec_node::sandbox::{SandboxSpec, State};
+use dsec_node::substrate::{RuntimeError, Sandbox};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use super::{dist, emit, us, BenchArgs, Dist};
 use anyhow::Context;
 use dsec_api::exec::{ExecRequest, ExecStatus};
-use dsec_node::container::{ContainerRuntime, Sandbox};
 use dsec_node::pool::{Pool, PoolConfig};
 use dsec_node::sandbox::SandboxSpec;
+use dsec_node::substrate::{ContainerRuntime, Sandbox};
 
 fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<u64> {
     let r = sb.exec(rt, &ExecRequest::argv(argv.iter().copied()), &[], |_, _| {})?;

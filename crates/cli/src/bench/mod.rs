@@ -7,7 +7,7 @@ use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use anyhow::Context;
-use dsec_node::container::ContainerRuntime;
+use dsec_node::substrate::ContainerRuntime;
 use serde::Serialize;
 
 mod api;

@@ -694,8 +694,10 @@ fn measure(
 
 /// Runs the VM benchmark.
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let cache = std::env::var_os(dsec_node::vm::CACHE_ENV)
-        .map_or_else(|| dsec_node::vm::DEFAULT_CACHE.into(), PathBuf::from);
+    let cache = std::env::var_os(dsec_node::substrate::vm::CACHE_ENV).map_or_else(
+        || dsec_node::substrate::vm::DEFAULT_CACHE.into(),
+        PathBuf::from,
+    );
     let host_qemus_before = count_qemus();
     let d = start_daemon("vm", &[])?;
     // start_daemon's layout: the state dirs below `<base>`, VM sandboxes under `<run>/sandboxes/`.

@@ -14,8 +14,8 @@ use dsec_api::ErrorCode;
 use serde::Serialize;
 use tokio::sync::{broadcast, watch, OwnedMutexGuard};
 
-use crate::container::{ContainerRuntime, Sandbox};
 use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
+use crate::substrate::{ContainerRuntime, Sandbox};
 
 use super::error::{ApiError, ApiResult};
 use super::log;
@@ -724,7 +724,7 @@ impl App {
                             )
                         });
                     }
-                    let id = crate::container::new_id();
+                    let id = crate::substrate::new_id();
                     let mut rec = SandboxRecord {
                         id: id.clone(),
                         tenant: None,
@@ -1124,7 +1124,7 @@ impl App {
     async fn fill_one(self: &Arc<Self>, pool: &str) -> ApiResult<String> {
         let (template, substrate) = parse_pool_name(pool)
             .ok_or_else(|| ApiError::invalid(format!("bad pool name {pool:?}")))?;
-        let id = crate::container::new_id();
+        let id = crate::substrate::new_id();
         let rec = SandboxRecord {
             id: id.clone(),
             tenant: None,
@@ -1258,7 +1258,7 @@ impl App {
     /// Removes the sandbox cgroups (`dsec/sb-*`, every hierarchy) that no live sandbox of this
     /// node has: those of sandboxes this node recorded (whatever is left in them is killed),
     /// and empty ones no record names that are older than
-    /// [`ORPHAN_CGROUP_GRACE`](crate::container::ORPHAN_CGROUP_GRACE) (another node process on
+    /// [`ORPHAN_CGROUP_GRACE`](crate::substrate::ORPHAN_CGROUP_GRACE) (another node process on
     /// this host may own a cgroup that is in use or being set up). Returns their names.
     pub async fn sweep_orphan_cgroups(self: &Arc<Self>) -> Vec<String> {
         let rt = Arc::clone(&self.rt);

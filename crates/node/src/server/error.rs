@@ -6,7 +6,7 @@ use dsec_api::ErrorCode;
 use serde::Serialize;
 
 use crate::agent_client::AgentError;
-use crate::container::RuntimeError;
+use crate::substrate::RuntimeError;
 
 use super::store::StoreError;
 

@@ -378,7 +378,7 @@ async fn readyz(AxState(app): AxState<AppState>) -> Response {
     let vms = app.rt.vms_started();
     let vm_info = json!({
         "started": vms.is_some(),
-        "accel": vms.as_ref().map_or_else(|| crate::vm::detect_accel().name(), |v| v.accel().name()),
+        "accel": vms.as_ref().map_or_else(|| crate::substrate::vm::detect_accel().name(), |v| v.accel().name()),
         "qemu": vms.as_ref().map(|v| v.qemu_version().to_owned()),
         "kernel": vms.as_ref().map(|v| v.kernel_version().to_owned()),
     });
@@ -976,7 +976,7 @@ async fn reset(
 async fn with_sandbox<T: Send + 'static>(
     app: &AppState,
     e: &Arc<Entry>,
-    f: impl FnOnce(&crate::container::ContainerRuntime, &mut crate::container::Sandbox) -> ApiResult<T>
+    f: impl FnOnce(&crate::substrate::ContainerRuntime, &mut crate::substrate::Sandbox) -> ApiResult<T>
         + Send
         + 'static,
 ) -> ApiResult<T> {
@@ -1245,7 +1245,7 @@ fn count_kills(app: &App, r: &ExecResult) {
 }
 
 fn agent_event(
-    sb: &mut crate::container::Sandbox,
+    sb: &mut crate::substrate::Sandbox,
     req: &AgentReq,
     body: &[u8],
     timeout: Option<Duration>,

@@ -30,7 +30,7 @@ use std::future::IntoFuture as _;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
-use crate::container::{ContainerRuntime, RuntimeConfig};
+use crate::substrate::{ContainerRuntime, RuntimeConfig};
 
 pub use app::{App, PoolSize};
 
@@ -71,7 +71,7 @@ pub struct ServerConfig {
 pub enum ServerError {
     /// The runtime could not start.
     #[error("runtime: {0}")]
-    Runtime(#[from] crate::container::RuntimeError),
+    Runtime(#[from] crate::substrate::RuntimeError),
     /// The store could not be opened.
     #[error(transparent)]
     Store(#[from] store::StoreError),
@@ -82,13 +82,13 @@ pub enum ServerError {
 
 /// Logs a VM preparation step (a create that must fetch the kernel, build images or boot a
 /// template says so: the first VM create of a host takes a minute or more).
-fn log_vm_preparation(template: &str, e: crate::vm::Event) {
+fn log_vm_preparation(template: &str, e: crate::substrate::vm::Event) {
     match e {
-        crate::vm::Event::Start(p) => log::info(
+        crate::substrate::vm::Event::Start(p) => log::info(
             "vm: preparing",
             &[("template", template), ("phase", p.name())],
         ),
-        crate::vm::Event::Done(p, took) => log::info(
+        crate::substrate::vm::Event::Done(p, took) => log::info(
             "vm: prepared",
             &[
                 ("template", template),
@@ -96,7 +96,7 @@ fn log_vm_preparation(template: &str, e: crate::vm::Event) {
                 ("took_ms", &took.as_millis().to_string()),
             ],
         ),
-        crate::vm::Event::Progress(..) => {}
+        crate::substrate::vm::Event::Progress(..) => {}
     }
 }
 
@@ -128,7 +128,7 @@ async fn serve(
     let runtime = tokio::task::spawn_blocking(move || ContainerRuntime::start(runtime_cfg))
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
-    runtime.set_vm_settings(crate::container::VmSettings {
+    runtime.set_vm_settings(crate::substrate::VmSettings {
         cache_max_bytes: cfg.vm_cache_max_bytes,
         observer: Some(std::sync::Arc::new(log_vm_preparation)),
     });

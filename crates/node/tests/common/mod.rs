@@ -20,8 +20,8 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dsec_api::exec::{ExecRequest, ExecResult};
-use dsec_node::container::{ContainerRuntime, RuntimeConfig, RuntimeError, Sandbox};
 use dsec_node::sandbox::{Limits, SandboxSpec};
+use dsec_node::substrate::{ContainerRuntime, RuntimeConfig, RuntimeError, Sandbox};
 
 /// The runtime shared by every test of one test binary.
 pub struct Fixture {

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use dsec_sys::ipc::{self, PidFd};
 
 use super::proto::{LaunchConfig, NodeMsg, SpawnRequest, SupervisorMsg, MAX_MSG};
-use super::{ContainerRuntime, Reply, RuntimeError, Sandbox};
+use super::spawner::Reply;
 use crate::agent_client::AgentConn;
 use crate::sandbox::{Limits, SandboxSpec, State};
+use crate::substrate::{Backend, ContainerRuntime, RuntimeError, Sandbox};
 
 type Env = Vec<(String, String)>;
 
@@ -211,10 +212,9 @@ impl ContainerRuntime {
             spec: spec.clone(),
             state: State::Creating,
             agent: AgentConn::new(agent_fd),
-            control: Some(control),
+            backend: Backend::Container { control },
             sup,
             init_pid,
-            vm: None,
             run_dir,
             oom_kills: 0,
             uses: 0,

@@ -17,6 +17,7 @@ pub mod cache;
 pub mod image;
 pub mod qemu;
 pub mod rootfs;
+pub mod sandbox;
 
 use std::collections::HashMap;
 use std::fs;

@@ -12,9 +12,9 @@ use std::time::Duration;
 use dsec_sys::ipc::{self, PidFd};
 
 use super::proto::{SupervisorMsg, MAX_MSG};
-use super::{ContainerRuntime, RuntimeError, Sandbox};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State};
+use crate::substrate::{Backend, ContainerRuntime, RuntimeError, Sandbox};
 
 /// How long a supervisor gets to answer a reconnect.
 const ADOPT_DEADLINE: Duration = Duration::from_secs(5);
@@ -128,8 +128,7 @@ impl ContainerRuntime {
             spec,
             state,
             agent: AgentConn::adopted(agent_fd),
-            control: Some(control),
-            vm: None,
+            backend: Backend::Container { control },
             sup,
             init_pid,
             run_dir,

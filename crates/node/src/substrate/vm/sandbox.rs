@@ -16,11 +16,12 @@ use std::time::{Duration, Instant};
 use dsec_sys::cgroup::{Cgroup, CgroupLimits};
 use dsec_sys::ipc::PidFd;
 
-use super::{ContainerRuntime, Phases, RuntimeError, Sandbox};
+use super::{self as vm, Snapshot, SnapshotKey, TemplateRoot, VmError, VmKind, VmRuntime};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State, Substrate};
+use crate::substrate::container::create::SCRATCH_DIRS;
+use crate::substrate::{Backend, ContainerRuntime, Phases, RuntimeError, Sandbox};
 use crate::template::unpack::{is_opaque, is_whiteout};
-use crate::vm::{self, Snapshot, SnapshotKey, TemplateRoot, VmError, VmKind, VmRuntime};
 
 /// Memory the QEMU process may use beyond guest RAM (its heap, the TCG translation cache).
 const QEMU_OVERHEAD: u64 = 256 << 20;
@@ -106,7 +107,7 @@ fn mask_fingerprint(mask: &std::path::Path) -> String {
     }
     let mut out = Vec::new();
     walk(mask, "", 0, &mut out);
-    crate::vm::image::image_key(&out.iter().map(String::as_str).collect::<Vec<_>>())
+    crate::substrate::vm::image::image_key(&out.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 impl ContainerRuntime {
@@ -410,11 +411,10 @@ impl VmBinding {
             spec,
             state,
             agent,
-            control: None,
             init_pid: sup.pid(),
             sup,
             run_dir: self.rt.run_dir(id),
-            vm: Some(self),
+            backend: Backend::Vm(self),
             oom_kills: 0,
             uses: u32::from(acquired),
             busy: Duration::ZERO,
@@ -440,7 +440,7 @@ fn start_vm(
         })
         .map_err(vm_err(id))?;
     let ready = (|| -> Result<(), VmError> {
-        vm::identify(&mut agent, id, spec, super::create::SCRATCH_DIRS)?;
+        vm::identify(&mut agent, id, spec, SCRATCH_DIRS)?;
         agent.call_ok(
             &dsec_api::agent::Request::Configure {
                 env: env.to_vec(),
@@ -459,30 +459,22 @@ fn start_vm(
 }
 
 impl Sandbox {
-    /// The substrate of this sandbox.
-    pub fn substrate(&self) -> Substrate {
-        self.spec.substrate
-    }
-
-    /// Prepares a sandbox that waits in a pool for its first command. A restored QEMU starts
-    /// with an empty translation cache (TCG): its first command costs ~100 ms more than the
-    /// next, so a pooled VM runs `/bin/true` once, off the acquire path (it leaves nothing
-    /// behind). Containers need nothing.
-    pub fn warm_up(&mut self, rt: &ContainerRuntime) {
-        if self.vm.is_some() {
-            let _ = self.exec(
-                rt,
-                &dsec_api::exec::ExecRequest::argv(["/bin/true"]),
-                &[],
-                |_, _| {},
-            );
-        }
+    /// A restored QEMU starts with an empty translation cache (TCG): its first command costs
+    /// ~100 ms more than the next, so a pooled VM runs `/bin/true` once, off the acquire path
+    /// (it leaves nothing behind).
+    pub(crate) fn warm_up_vm(&mut self, rt: &ContainerRuntime) {
+        let _ = self.exec(
+            rt,
+            &dsec_api::exec::ExecRequest::argv(["/bin/true"]),
+            &[],
+            |_, _| {},
+        );
     }
 
     /// Reset of a VM: a fresh QEMU restored from the snapshot again replaces the old one (in
     /// the same cgroup); nothing of the old guest survives.
     pub(crate) fn reset_vm(&mut self) -> Result<(), RuntimeError> {
-        let Some(b) = self.vm.as_ref() else {
+        let Backend::Vm(b) = &self.backend else {
             return Err(RuntimeError::Invalid("not a VM sandbox".into()));
         };
         vm::kill(&self.sup);
@@ -496,10 +488,10 @@ impl Sandbox {
     /// Destroys a VM sandbox: QEMU, cgroup, run directory.
     pub(crate) fn destroy_vm(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
         vm::kill(&self.sup);
-        if let Some(b) = self.vm.take() {
+        if let Backend::Vm(b) = &self.backend {
             let _ = b.cgroup.kill_all();
-            let _ = b.cgroup.remove();
         }
+        // The VM's cgroup is named after the sandbox: removed with the run directory.
         let clean = rt.cleanup_leftovers(&self.id, &self.run_dir) && !self.sup.is_alive();
         self.state = self.state.transition(State::Stopped)?;
         if clean {

@@ -1,0 +1,204 @@
+//! The substrates a sandbox runs on, behind one [`Sandbox`] type: `container` (namespaces +
+//! cgroups + seccomp + overlayfs, one `dsec-agent` per sandbox as PID 1, supervised by its own
+//! `dsec-shim`) and `microvm`/`vm` (QEMU restored from a template's snapshot, the same agent in
+//! the guest).
+//!
+//! [`ContainerRuntime`] owns the spawner process and the VM runtime and hands out [`Sandbox`]es;
+//! what differs per substrate lives in [`container`] and [`vm`], each with the same shape
+//! (create, adopt after a node restart, reset, destroy).
+
+pub mod container;
+pub mod vm;
+
+mod error;
+mod exec;
+mod runtime;
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dsec_sys::cgroup::CgroupManager;
+use dsec_sys::ipc::PidFd;
+
+use crate::agent_client::AgentConn;
+use crate::capacity::NodeCapacity;
+use crate::sandbox::{SandboxSpec, State, Substrate};
+use crate::template::TemplateStore;
+
+pub use container::spawner::SPAWNER_MALLOC_TUNABLES;
+pub use container::{new_id, valid_id, Phases, ORPHAN_CGROUP_GRACE};
+pub use error::RuntimeError;
+pub use runtime::{find_binary, RuntimeConfig};
+pub use vm::sandbox::VmSettings;
+
+/// The runtime of one node's sandboxes: the container substrate's spawner, and the VM
+/// substrates (started on first use).
+/// The container substrate of one node.
+pub struct ContainerRuntime {
+    cfg: RuntimeConfig,
+    templates: TemplateStore,
+    cgroups: CgroupManager,
+    capacity: NodeCapacity,
+    spawner: Arc<container::spawner::SpawnerLink>,
+    next_req: AtomicU64,
+    stage: PathBuf,
+    host_mask: PathBuf,
+    /// The host mask layer where it is built (the VM substrates build root images from it).
+    host_mask_src: PathBuf,
+    favordynmods: bool,
+    /// The VM substrates, started on first use.
+    vms: Mutex<Option<Arc<vm::VmRuntime>>>,
+    /// How the VM substrates are run (set before their first use).
+    vm_settings: Mutex<VmSettings>,
+}
+
+impl std::fmt::Debug for ContainerRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContainerRuntime")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What runs a sandbox, per substrate.
+#[derive(Debug)]
+enum Backend {
+    /// A container: its supervisor's control socket.
+    Container {
+        /// The control socket.
+        control: OwnedFd,
+    },
+    /// A VM: what it is restored from.
+    Vm(vm::sandbox::VmBinding),
+}
+
+/// One live sandbox, of any substrate. Owned by exactly one caller at a time.
+#[derive(Debug)]
+pub struct Sandbox {
+    id: String,
+    spec: SandboxSpec,
+    state: State,
+    agent: AgentConn,
+    backend: Backend,
+    /// The supervisor (containers) or the QEMU process (VMs).
+    sup: PidFd,
+    init_pid: i32,
+    run_dir: PathBuf,
+    oom_kills: u64,
+    uses: u32,
+    busy: Duration,
+    acquired_at: Option<Instant>,
+}
+
+impl Sandbox {
+    /// The sandbox id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The current state.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// The spec it was created from.
+    pub fn spec(&self) -> &SandboxSpec {
+        &self.spec
+    }
+
+    /// The substrate of this sandbox.
+    pub fn substrate(&self) -> Substrate {
+        self.spec.substrate
+    }
+
+    /// Host pid of the supervisor (containers) or of QEMU (VMs).
+    pub fn supervisor_pid(&self) -> i32 {
+        self.sup.pid()
+    }
+
+    /// Host pid of the sandbox init (the agent; QEMU for VMs).
+    pub fn init_pid(&self) -> i32 {
+        self.init_pid
+    }
+
+    /// Marks the sandbox acquired (pool → user).
+    pub fn mark_acquired(&mut self) -> Result<(), RuntimeError> {
+        self.state = self.state.transition(State::Running)?;
+        self.uses += 1;
+        self.acquired_at = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Whether the reuse limits say this sandbox must be recycled instead of reset.
+    pub fn needs_recycle(&self) -> bool {
+        let current = self.acquired_at.map_or(Duration::ZERO, |t| t.elapsed());
+        self.uses >= self.spec.max_uses
+            || (self.busy + current).as_millis() as u64 >= self.spec.max_busy_ms
+    }
+
+    /// Whether the sandbox is whole: its supervisor (or QEMU) lives and, for a container, has
+    /// not reported the end of the sandbox init. Does not talk to the agent.
+    pub fn is_alive(&self) -> bool {
+        self.death().is_none()
+    }
+
+    /// Why the sandbox is not whole any more ([`Sandbox::is_alive`]), if it is not.
+    pub fn death(&self) -> Option<String> {
+        match &self.backend {
+            Backend::Vm(_) => (!self.sup.is_alive()).then(|| "its QEMU process exited".into()),
+            Backend::Container { control } => self.container_death(control),
+        }
+    }
+
+    /// Liveness check of the agent.
+    pub fn ping(&mut self) -> Result<(), RuntimeError> {
+        let id = self.id.clone();
+        self.agent
+            .ping()
+            .map_err(|source| RuntimeError::Agent { id, source })
+    }
+
+    /// Direct access to the agent connection (files, sessions, background processes).
+    pub fn agent(&mut self) -> &mut AgentConn {
+        &mut self.agent
+    }
+
+    /// Kills every process in the sandbox and starts afresh (a container: a fresh init on a
+    /// fresh writable layer; a VM: a fresh QEMU from the snapshot); returns when the new agent
+    /// answered.
+    pub fn reset(&mut self) -> Result<(), RuntimeError> {
+        self.state = self.state.transition(State::Resetting)?;
+        if let Some(t) = self.acquired_at.take() {
+            self.busy += t.elapsed();
+        }
+        let result = match &self.backend {
+            Backend::Vm(_) => self.reset_vm(),
+            Backend::Container { .. } => self.reset_container(),
+        };
+        self.state = match result {
+            Ok(()) => self.state.transition(State::Ready)?,
+            Err(_) => self.state.transition(State::Failed)?,
+        };
+        result
+    }
+
+    /// Destroys the sandbox: every process, its cgroup, mounts and runtime directory.
+    pub fn destroy(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
+        self.state = self.state.transition(State::Stopping)?;
+        match &self.backend {
+            Backend::Vm(_) => self.destroy_vm(rt),
+            Backend::Container { .. } => self.destroy_container(rt),
+        }
+    }
+
+    /// Prepares a sandbox that waits in a pool for its first command (see
+    /// [`vm::sandbox`]: a restored VM warms its translation cache). Containers need nothing.
+    pub fn warm_up(&mut self, rt: &ContainerRuntime) {
+        if matches!(self.backend, Backend::Vm(_)) {
+            self.warm_up_vm(rt);
+        }
+    }
+}
