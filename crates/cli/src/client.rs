@@ -4,6 +4,7 @@
 use std::io::{BufRead, Read};
 use std::time::Duration;
 
+use dsec_api::ErrorCode;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
@@ -48,22 +49,60 @@ pub const EXIT_INTERNAL: u8 = 70;
 /// Exit code: a local file could not be read or written.
 pub const EXIT_LOCAL: u8 = 1;
 
+/// A problem's error code: one of [`ErrorCode`], or one a newer daemon answers that this client
+/// does not know (kept as its wire name).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Code {
+    /// A code of this build's API.
+    Known(ErrorCode),
+    /// A code this client does not know.
+    Unknown(String),
+}
+
+impl Code {
+    /// The code of its wire name.
+    pub fn parse(s: &str) -> Self {
+        serde_json::from_value(Value::String(s.to_owned()))
+            .unwrap_or_else(|_| Self::Unknown(s.to_owned()))
+    }
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Known(c) => f.write_str(c.as_str()),
+            Self::Unknown(s) => f.write_str(s),
+        }
+    }
+}
+
 /// The exit code of a stable error code (the table of [`EXIT_CODES`]), for the daemon's answers
 /// and for the errors of the commands that run locally (`dsec run`, `dsec template import`);
-/// `None` for a code this client does not know.
-pub fn exit_for_code(code: &str) -> Option<u8> {
+/// `None` for a code the table does not name.
+pub fn exit_for_code(code: ErrorCode) -> Option<u8> {
+    use ErrorCode as E;
     Some(match code {
-        "invalid_request" | "path_escape" | "wrong_file_type" | "permission_denied"
-        | "spawn_failed" | "too_large" | "template_invalid" => EXIT_USAGE,
-        "sandbox_not_found" | "template_not_found" | "not_found" | "handle_not_found" => {
+        E::InvalidRequest
+        | E::PathEscape
+        | E::WrongFileType
+        | E::PermissionDenied
+        | E::SpawnFailed
+        | E::TooLarge
+        | E::TemplateInvalid => EXIT_USAGE,
+        E::SandboxNotFound | E::TemplateNotFound | E::NotFound | E::HandleNotFound => {
             EXIT_NOT_FOUND
         }
-        "unauthorized" | "forbidden" => EXIT_AUTH,
-        "quota_exceeded" | "resource_exhausted" | "no_space" | "draining" => EXIT_RESOURCE,
-        "invalid_transition" | "idempotency_conflict" => EXIT_CONFLICT,
-        "internal" | "agent_unavailable" => EXIT_INTERNAL,
-        "exec_timeout" => 124,
-        _ => return None,
+        E::Unauthorized | E::Forbidden => EXIT_AUTH,
+        E::QuotaExceeded | E::ResourceExhausted | E::NoSpace | E::Draining => EXIT_RESOURCE,
+        E::InvalidTransition | E::IdempotencyConflict => EXIT_CONFLICT,
+        E::Internal | E::AgentUnavailable => EXIT_INTERNAL,
+        E::ExecTimeout => 124,
+        E::UnsupportedVersion
+        | E::UnknownOutcome
+        | E::TrajectoryDiverged
+        | E::TrajectoryNotFound
+        | E::MethodNotAllowed => return None,
     })
 }
 
@@ -96,7 +135,7 @@ pub enum ClientError {
         /// HTTP status.
         status: u16,
         /// Stable error code.
-        code: String,
+        code: Code,
         /// Human-readable detail.
         detail: String,
         /// The daemon's request id (for its logs).
@@ -140,7 +179,11 @@ impl ClientError {
             Self::Local { .. } => EXIT_LOCAL,
             Self::Usage { .. } => EXIT_USAGE,
             // A code newer than this client: fall back on the HTTP status class.
-            Self::Api { code, status, .. } => exit_for_code(code).unwrap_or(match status {
+            Self::Api { code, status, .. } => match code {
+                Code::Known(c) => exit_for_code(*c),
+                Code::Unknown(_) => None,
+            }
+            .unwrap_or(match status {
                 400 | 409 | 413 | 422 => EXIT_USAGE,
                 401 | 403 => EXIT_AUTH,
                 404 => EXIT_NOT_FOUND,
@@ -160,30 +203,37 @@ impl ClientError {
                 Some("the daemon may have stopped; check it is running and retry")
             }
             Self::Unexpected { .. } | Self::Local { .. } | Self::Usage { .. } => None,
-            Self::Api { code, .. } => match code.as_str() {
-                "unauthorized" => Some(
+            Self::Api {
+                code: Code::Known(code),
+                ..
+            } => match code {
+                ErrorCode::Unauthorized => Some(
                     "pass a valid API key with --api-key or DSEC_API_KEY (the admin key is in \
                      <data-dir>/admin.key on the daemon's machine)",
                 ),
-                "forbidden" => Some("this needs the admin tenant's key"),
-                "sandbox_not_found" => Some(
+                ErrorCode::Forbidden => Some("this needs the admin tenant's key"),
+                ErrorCode::SandboxNotFound => Some(
                     "`dsec sandbox list` shows your sandboxes; sandboxes of other tenants are \
                      not visible to your key",
                 ),
-                "template_not_found" => Some("import the template on the node first"),
-                "quota_exceeded" => Some(
+                ErrorCode::TemplateNotFound => Some("import the template on the node first"),
+                ErrorCode::QuotaExceeded => Some(
                     "remove sandboxes you no longer need (`dsec sandbox rm ID`, or `--all`), or \
                      ask an admin to raise the tenant's limits",
                 ),
-                "resource_exhausted" => {
+                ErrorCode::ResourceExhausted => {
                     Some("the node is full: retry later, or ask for less (--memory, --disk)")
                 }
-                "draining" => Some("the daemon is shutting down: retry once it is back"),
-                "invalid_transition" => {
+                ErrorCode::Draining => Some("the daemon is shutting down: retry once it is back"),
+                ErrorCode::InvalidTransition => {
                     Some("the sandbox is not running; `dsec sandbox get ID` shows its state")
                 }
                 _ => None,
             },
+            Self::Api {
+                code: Code::Unknown(_),
+                ..
+            } => None,
         }
     }
 }
@@ -205,7 +255,7 @@ pub fn report(e: &ClientError, prefix: &str) {
 /// The problem document of a failed request.
 #[derive(Deserialize)]
 struct Problem {
-    code: String,
+    code: Code,
     #[serde(default)]
     detail: String,
     #[serde(default)]
@@ -573,10 +623,25 @@ mod tests {
     }
 
     #[test]
+    fn codes_parse_with_a_fallback_for_newer_ones() {
+        assert_eq!(Code::parse("draining"), Code::Known(ErrorCode::Draining));
+        assert_eq!(
+            Code::parse("some_new_code"),
+            Code::Unknown("some_new_code".into())
+        );
+        for s in ["sandbox_not_found", "some_new_code"] {
+            assert_eq!(Code::parse(s).to_string(), s);
+        }
+        let p: Problem = serde_json::from_str(r#"{"code": "quota_exceeded", "detail": "d"}"#)
+            .expect("a problem");
+        assert_eq!(p.code, Code::Known(ErrorCode::QuotaExceeded));
+    }
+
+    #[test]
     fn exit_codes() {
         let api = |code: &str, status| ClientError::Api {
             status,
-            code: code.into(),
+            code: Code::parse(code),
             detail: String::new(),
             request_id: String::new(),
         };
@@ -585,6 +650,8 @@ mod tests {
         assert_eq!(api("quota_exceeded", 429).exit_code(), EXIT_RESOURCE);
         assert_eq!(api("internal", 500).exit_code(), EXIT_INTERNAL);
         assert_eq!(api("some_new_code", 404).exit_code(), EXIT_NOT_FOUND);
+        assert_eq!(api("exec_timeout", 504).exit_code(), 124);
+        assert_eq!(api("trajectory_not_found", 404).exit_code(), EXIT_NOT_FOUND);
         assert!(api("unauthorized", 401)
             .hint()
             .is_some_and(|h| h.contains("--api-key")));

@@ -3,10 +3,6 @@
 
 mod admin_cmd;
 mod bench;
-mod bench_api;
-mod bench_log;
-mod bench_run;
-mod bench_vm;
 mod client;
 mod output;
 mod sandbox_cmd;
@@ -752,11 +748,7 @@ fn main() -> ExitCode {
             command: TemplateCmd::Rm { name, local: false },
         } => return remote(&cli, |c| template_rm(c, name)),
         Command::Template { command } => template(&cli, command),
-        Command::Bench(args) if args.what == "api" => bench_api::run(args),
-        Command::Bench(args) if args.what == "run" => bench_run::run(args),
-        Command::Bench(args) if args.what == "vm" => bench_vm::run(args),
-        Command::Bench(args) if args.what == "log" => bench_log::run(args, &cli.data_dir),
-        Command::Bench(args) => bench::run(args, || runtime(&cli)),
+        Command::Bench(args) => bench::run(args, &cli.data_dir, || runtime(&cli)),
     };
     match result {
         Ok(code) => code,
@@ -784,6 +776,6 @@ fn local_exit_code(e: &anyhow::Error) -> u8 {
                         .map(TemplateError::code)
                 })
         })
-        .and_then(|code| client::exit_for_code(code.as_str()))
+        .and_then(client::exit_for_code)
         .unwrap_or(client::EXIT_INTERNAL)
 }

@@ -381,7 +381,7 @@ fn pairs(kv: &[(String, String)]) -> Value {
 fn item_error(p: &Value) -> ClientError {
     ClientError::Api {
         status: p["status"].as_u64().unwrap_or(0) as u16,
-        code: p["code"].as_str().unwrap_or("internal").to_owned(),
+        code: crate::client::Code::parse(p["code"].as_str().unwrap_or("internal")),
         detail: p["detail"].as_str().unwrap_or_default().to_owned(),
         request_id: p["request_id"].as_str().unwrap_or("-").to_owned(),
     }

@@ -5,20 +5,16 @@
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 
+use dsec_testkit as testkit;
 use serde_json::Value;
 
-mod common;
-
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    data: PathBuf,
-    run: PathBuf,
-}
+testkit::daemon_type!(
+    /// A daemon of these tests, driven through the `dsec` client.
+    struct Daemon
+);
 
 /// What one `dsec` invocation did.
 struct Out {
@@ -84,16 +80,12 @@ impl Daemon {
     }
 
     fn start_with(data: &Path, run: &Path, args: &[&str]) -> Self {
-        let mut all = vec!["--drain-seconds", "10"];
-        all.extend_from_slice(args);
-        let common::Started { child, url, key } = common::start_server(data, run, &[], &all);
-        Self {
-            child,
-            url,
-            key,
-            data: data.to_owned(),
-            run: run.to_owned(),
-        }
+        let d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
+            .args(&["--drain-seconds", "10"])
+            .args(args)
+            .start()
+            .expect("start dsec server");
+        Self(d)
     }
 
     /// `dsec ARGS` with the admin key.
@@ -120,59 +112,22 @@ impl Daemon {
             .collect()
     }
 
-    /// Runtime dirs of sandboxes on the machine for this node.
-    fn on_machine(&self) -> BTreeSet<String> {
-        common::sandbox_run_dirs(&self.run)
-    }
-
     /// Destroys the admin's sandboxes, checks nothing is left and stops the daemon (SIGTERM,
     /// exit 0).
     fn finish(mut self) {
         for id in self.listed(&self.key.clone()) {
             self.ok(&["sandbox", "kill", &id]);
         }
-        let left = self.on_machine();
+        let left = self.run_dirs();
         assert!(left.is_empty(), "left on the machine: {left:?}");
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
-        let st = self.child.wait().expect("wait");
-        assert!(st.success(), "exit after SIGTERM: {st:?}");
-        if let Some(base) = self.data.parent() {
-            let _ = std::fs::remove_dir_all(base);
-        }
-    }
-}
-
-impl Drop for Daemon {
-    /// After a failed assertion: destroy what the admin key can see (sandboxes outlive the
-    /// daemon), then kill it.
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let out = dsec_at(
-                &self.url,
-                Some(&self.key),
-                &["sandbox", "list", "--json"],
-                b"",
-            );
-            let ids: Vec<String> = serde_json::from_slice::<Value>(&out.stdout)
-                .ok()
-                .and_then(|v| v.as_array().cloned())
-                .unwrap_or_default()
-                .iter()
-                .filter_map(|s| s["id"].as_str().map(str::to_owned))
-                .collect();
-            for id in ids {
-                let _ = dsec_at(&self.url, Some(&self.key), &["sandbox", "kill", &id], b"");
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
+        self.remove_dirs();
     }
 }
 
 #[test]
 fn sandbox_lifecycle_output_and_exit_codes() {
-    let (data, run) = common::dirs("dcl", "life");
+    let (data, run) = testkit::dirs("dcl", "life");
     let d = Daemon::start(&data, &run);
 
     let id = d
@@ -423,7 +378,7 @@ fn sandbox_lifecycle_output_and_exit_codes() {
 
 #[test]
 fn failures_name_their_fix_and_exit_with_documented_codes() {
-    let (data, run) = common::dirs("dcl", "err");
+    let (data, run) = testkit::dirs("dcl", "err");
     let d = Daemon::start(&data, &run);
 
     let bad = dsec_at(&d.url, Some("not-a-key"), &["sandbox", "list"], b"");
@@ -549,11 +504,11 @@ fn layer_dirs(data: &Path) -> BTreeSet<String> {
 /// template's own layers go and a layer another template shares stays.
 #[test]
 fn template_rm_removes_the_layers_no_other_template_uses() {
-    let (data, run) = common::dirs("dcl", "tpl");
+    let (data, run) = testkit::dirs("dcl", "tpl");
     let d = Daemon::start(&data, &run);
     let base = data.parent().expect("base").to_owned();
-    let shared = common::rootfs_tarball(&base, "shared", "shared\n");
-    let own = common::rootfs_tarball(&base, "own", "own\n");
+    let shared = testkit::rootfs_tarball(&base, "shared", "shared\n");
+    let own = testkit::rootfs_tarball(&base, "own", "own\n");
     let before = layer_dirs(&data);
     // `push` tells a plain root filesystem from an image without --rootfs.
     for (name, tarball) in [("one", &shared), ("two", &shared), ("solo", &own)] {
@@ -607,7 +562,7 @@ fn template_rm_removes_the_layers_no_other_template_uses() {
 /// a stable code and an `Allow` header; an unknown path 404 `not_found`.
 #[test]
 fn wrong_methods_answer_problem_documents() {
-    let (data, run) = common::dirs("dcl", "405");
+    let (data, run) = testkit::dirs("dcl", "405");
     let d = Daemon::start(&data, &run);
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -686,7 +641,7 @@ fn wrong_methods_answer_problem_documents() {
 /// tenant; `dsec server --shutdown-sandboxes` destroys the rest (the pool's) on SIGTERM.
 #[test]
 fn list_ages_rm_all_and_shutdown_sandboxes() {
-    let (data, run) = common::dirs("dcl", "all");
+    let (data, run) = testkit::dirs("dcl", "all");
     let mut d = Daemon::start_with(
         &data,
         &run,
@@ -746,13 +701,10 @@ fn list_ages_rm_all_and_shutdown_sandboxes() {
 
     // One more of the admin's, plus the pool's: SIGTERM destroys them all, nothing is left.
     d.ok(&["sandbox", "create"]);
-    let mine = d.on_machine();
+    let mine = d.run_dirs();
     assert!(mine.len() >= 2, "the admin's and the pool's: {mine:?}");
-    let pid = rustix::process::Pid::from_raw(d.child.id() as i32).expect("pid");
-    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
-    let st = d.child.wait().expect("wait");
-    assert!(st.success(), "exit after SIGTERM: {st:?}");
-    let left = d.on_machine();
+    d.stop();
+    let left = d.run_dirs();
     assert!(
         left.is_empty(),
         "sandboxes left after --shutdown-sandboxes: {left:?}"

@@ -6,9 +6,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use dsec_testkit as testkit;
 use serde_json::{json, Value};
-
-mod common;
 
 fn set_wall_clock(t: SystemTime) {
     let d = t.duration_since(UNIX_EPOCH).expect("after the epoch");
@@ -35,30 +34,15 @@ impl Drop for Restore {
 
 #[test]
 fn f09_wall_clock_jumps_do_not_move_ttl_or_lease_expiry() {
-    let (data, run) = common::dirs("dclk", "f09");
-    let common::Started {
-        mut child,
-        url,
-        key,
-    } = common::start_server(&data, &run, &[], &["--pool-max", "0"]);
+    let (data, run) = testkit::dirs("dclk", "f09");
     let base = data.parent().expect("base dir").to_owned();
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .build()
-        .into();
+    let mut d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run)
+        .args(&["--pool-max", "0"])
+        .remove_on_drop(&base)
+        .start()
+        .expect("start dsec server");
     let call = |method: &str, path: &str, body: Option<Value>| -> Value {
-        let u = format!("{url}{path}");
-        let r = match method {
-            "GET" => agent.get(&u).header("X-API-Key", &key).call(),
-            "DELETE" => agent.delete(&u).header("X-API-Key", &key).call(),
-            _ => agent
-                .post(&u)
-                .header("X-API-Key", &key)
-                .send(body.unwrap_or(json!({})).to_string()),
-        };
-        let mut r = r.expect("http");
-        serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-            .unwrap_or(Value::Null)
+        d.http().call(method, path, body.as_ref()).expect("http").1
     };
     let ttl = call("POST", "/v1/sandboxes", Some(json!({"ttl_ms": 4000})))["id"]
         .as_str()
@@ -104,10 +88,5 @@ fn f09_wall_clock_jumps_do_not_move_ttl_or_lease_expiry() {
         took < Duration::from_secs(7),
         "expired about 4 s after creation, not by the jumped clock: {took:?}"
     );
-    if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-    }
-    let st = child.wait().expect("wait");
-    assert!(st.success(), "{st:?}");
-    let _ = std::fs::remove_dir_all(&base);
+    d.stop();
 }

@@ -7,14 +7,13 @@
 //! machine meanwhile, so cgroup checks look at what appeared during a test, not at the total.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime};
 
 use dsec_sys::cgroup::{CgroupLimits, CgroupManager};
+use dsec_testkit as testkit;
 use serde_json::{json, Value};
-
-mod common;
 
 /// The tests of this file run one at a time: one makes sandbox cgroups of no daemon, which the
 /// others would take for leaks, and their daemons' start-up sweeps would remove.
@@ -26,47 +25,18 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    run: PathBuf,
-}
+testkit::daemon_type!(
+    /// A daemon of these tests.
+    struct Daemon
+);
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {
-        let common::Started { child, url, key } =
-            common::start_server(data, run, &[], &["--pool-max", "0", "--drain-seconds", "5"]);
-        Self {
-            child,
-            url,
-            key,
-            run: run.to_owned(),
-        }
-    }
-
-    fn req(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(120)))
-            .build()
-            .into();
-        let url = format!("{}{path}", self.url);
-        let r = match (method, body) {
-            ("GET", _) => agent.get(&url).header("X-API-Key", &self.key).call(),
-            ("DELETE", _) => agent.delete(&url).header("X-API-Key", &self.key).call(),
-            (_, b) => agent
-                .post(&url)
-                .header("X-API-Key", &self.key)
-                .send(b.map(Value::to_string).unwrap_or_default()),
-        };
-        let mut resp = r.expect("the daemon answers");
-        let status = resp.status().as_u16();
-        let bytes = resp.body_mut().read_to_vec().unwrap_or_default();
-        (
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        )
+        let d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
+            .args(&["--pool-max", "0", "--drain-seconds", "5"])
+            .start()
+            .expect("start dsec server");
+        Self(d)
     }
 
     /// Every sandbox record of the node, stopped ones included.
@@ -88,30 +58,11 @@ impl Daemon {
         out
     }
 
-    fn run_dirs(&self) -> Vec<String> {
-        common::sandbox_run_dirs(&self.run).into_iter().collect()
-    }
-
     fn stop(mut self) {
         // Answering means it serves, its SIGTERM handler included.
         let (s, _) = self.req("GET", "/readyz", None);
         assert_eq!(s, 200);
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
-        let st = self.child.wait().expect("wait");
-        assert!(st.success(), "exit after SIGTERM: {st:?}");
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            for id in self.run_dirs() {
-                let _ = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.0.stop();
     }
 }
 
@@ -165,7 +116,7 @@ fn dsec(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
 #[test]
 fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
     let _serial = serial();
-    let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "bad");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dlm", "bad");
     let d = Daemon::start(&data, &run);
     let cap = dsec_node::capacity::NodeCapacity::detect().expect("capacity");
     let mem = mem_total();
@@ -232,7 +183,7 @@ fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
         "{stderr}"
     );
     assert_eq!(d.records(), Vec::<Value>::new(), "nothing recorded");
-    assert_eq!(d.run_dirs(), Vec::<String>::new(), "no runtime dir");
+    assert_eq!(d.run_dirs(), BTreeSet::<String>::new(), "no runtime dir");
     assert_eq!(leaked_since(&before), Vec::<String>::new(), "no cgroup");
     // At the machine's edge a sandbox is made.
     let (s, v) = d.req(
@@ -252,19 +203,15 @@ fn limits_beyond_the_kernel_or_the_machine_are_invalid_and_make_nothing() {
 #[test]
 fn a_create_that_fails_after_validation_leaves_nothing() {
     let _serial = serial();
-    let (data, run, dirs) = common::dirs_removed_on_drop("dlm", "fail");
+    let (data, run, dirs) = testkit::dirs_removed_on_drop("dlm", "fail");
     let d = Daemon::start(&data, &run);
-    let tarball = common::rootfs_tarball(&dirs.0, "rootfs", "broken\n");
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .build()
-        .into();
-    let resp = agent
-        .post(format!("{}/v1/templates?name=broken", d.url))
-        .header("X-API-Key", &d.key)
-        .send(std::fs::read(&tarball).expect("tarball"))
+    let tarball = testkit::rootfs_tarball(&dirs.0, "rootfs", "broken\n");
+    let tar = std::fs::read(&tarball).expect("tarball");
+    let resp = d
+        .http()
+        .send("POST", "/v1/templates?name=broken", Some(&tar), &[])
         .expect("import");
-    assert_eq!(resp.status().as_u16(), 201);
+    assert_eq!(resp.status, 201);
     // Its one layer disappears from under the store.
     let layers = data.join("layers");
     let mut removed = 0;
@@ -284,7 +231,7 @@ fn a_create_that_fails_after_validation_leaves_nothing() {
         );
         assert!(s >= 500, "the create fails: {s} {v}");
     }
-    assert_eq!(d.run_dirs(), Vec::<String>::new(), "no runtime dir");
+    assert_eq!(d.run_dirs(), BTreeSet::<String>::new(), "no runtime dir");
     assert_eq!(leaked_since(&before), Vec::<String>::new(), "no cgroup");
     let records = d.records();
     assert_eq!(records.len(), 3, "{records:?}");
@@ -347,7 +294,7 @@ fn test_cgroup(tag: u64, age: Duration) -> CgGuard {
 #[test]
 fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
     let _serial = serial();
-    let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "orph");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dlm", "orph");
     let d = Daemon::start(&data, &run);
     d.stop();
     let orphan = test_cgroup(1, Duration::from_secs(600));
@@ -387,7 +334,7 @@ fn a_restart_removes_sandbox_cgroups_without_a_sandbox() {
 #[test]
 fn dsec_run_refuses_limits_beyond_the_machine() {
     let _serial = serial();
-    let (data, run, _dirs) = common::dirs_removed_on_drop("dlm", "run");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dlm", "run");
     let (d, r) = (data.display().to_string(), run.display().to_string());
     let base = ["--data-dir", d.as_str(), "--run-dir", r.as_str(), "run"];
     let cap = dsec_node::capacity::NodeCapacity::detect().expect("capacity");

@@ -4,21 +4,16 @@
 //!
 //! Needs root (namespaces, cgroups, mounts); CI runs as root.
 
-use std::path::PathBuf;
-use std::process::Child;
 use std::time::Duration;
 
+use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-mod common;
-
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    base: PathBuf,
-    agent: ureq::Agent,
-}
+testkit::daemon_type!(
+    /// A daemon of these tests on its own state dirs (removed, with the runner's sandboxes,
+    /// when it drops).
+    struct Daemon
+);
 
 impl Daemon {
     fn start(tag: &str, args: &[&str]) -> Self {
@@ -28,58 +23,34 @@ impl Daemon {
     /// A daemon whose state dirs are under a directory of `mode`.
     fn start_in(tag: &str, args: &[&str], mode: u32) -> Self {
         use std::os::unix::fs::PermissionsExt as _;
-        let (data, run) = common::dirs("dsr", tag);
+        let (data, run) = testkit::dirs("dsr", tag);
         let base = data.parent().expect("base dir");
         std::fs::set_permissions(base, std::fs::Permissions::from_mode(mode)).expect("chmod");
-        let mut all = vec!["--pool-max", "0"];
-        all.extend_from_slice(args);
-        let common::Started { child, url, key } = common::start_server(&data, &run, &[], &all);
-        Self {
-            child,
-            url,
-            key,
-            base: data.parent().expect("base dir").to_owned(),
-            agent: ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(120)))
-                .build()
-                .into(),
-        }
+        let d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run)
+            .args(&["--pool-max", "0"])
+            .args(args)
+            .remove_on_drop(base)
+            .start()
+            .expect("start dsec server");
+        Self(d)
     }
 
     fn post(&self, path: &str, key: Option<&str>, body: &Value) -> (u16, Value) {
-        let send = || {
-            let mut b = self.agent.post(format!("{}{path}", self.url));
-            if let Some(k) = key {
-                b = b.header("X-API-Key", k);
-            }
-            b.send(body.to_string())
-        };
-        let mut r = match send() {
+        let http = self.http().with_key(key);
+        match http.call("POST", path, Some(body)) {
             Ok(r) => r,
             // A pooled keep-alive connection the server closed after its last answer (it
             // may after answering without reading a body, e.g. a 401): once more, on a new one.
             Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                send().expect("http")
+                http.call("POST", path, Some(body)).expect("http")
             }
             Err(e) => panic!("http: {e:?}"),
-        };
-        let status = r.status().as_u16();
-        let v = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-            .unwrap_or(Value::Null);
-        (status, v)
+        }
     }
 
     /// A GET with the admin key: the answer's JSON.
     fn get(&self, path: &str) -> Value {
-        let mut r = self
-            .agent
-            .get(format!("{}{path}", self.url))
-            .header("X-API-Key", &self.key)
-            .call()
-            .expect("http");
-        serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-            .unwrap_or(Value::Null)
+        self.http().call("GET", path, None).expect("http").1
     }
 
     fn run(&self, body: Value) -> Value {
@@ -90,36 +61,6 @@ impl Daemon {
 
     fn py(&self, code: &str) -> Value {
         self.run(json!({"code": code, "language": "python"}))["run_result"].clone()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // The runner's sandboxes outlive the daemon like any other: the admin destroys them.
-        std::thread::sleep(Duration::from_millis(300));
-        let url = format!("{}/v1/sandboxes?tenant=tn-run&limit=1000", self.url);
-        let listed: Value = self
-            .agent
-            .get(&url)
-            .header("X-API-Key", &self.key)
-            .call()
-            .ok()
-            .and_then(|mut r| serde_json::from_slice(&r.body_mut().read_to_vec().ok()?).ok())
-            .unwrap_or(Value::Null);
-        for sb in listed["items"].as_array().into_iter().flatten() {
-            if let Some(id) = sb["id"].as_str() {
-                let _ = self
-                    .agent
-                    .delete(format!("{}/v1/sandboxes/{id}", self.url))
-                    .header("X-API-Key", &self.key)
-                    .call();
-            }
-        }
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.base);
     }
 }
 
@@ -293,14 +234,12 @@ fn compiled_languages_and_bad_requests() {
     }
     let (s, v) = d.post("/v1/run", None, &json!({"code": "1", "language": "python"}));
     assert_eq!((s, v["code"].as_str()), (401, Some("unauthorized")), "{v}");
-    let mut r = d
-        .agent
-        .get(format!("{}/v1/languages", d.url))
-        .header("X-API-Key", &key)
-        .call()
-        .expect("http");
-    let langs: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-        .unwrap_or(Value::Null);
+    let langs = d
+        .http()
+        .with_key(Some(&key))
+        .call("GET", "/v1/languages", None)
+        .expect("http")
+        .1;
     let names: Vec<&str> = langs["items"]
         .as_array()
         .into_iter()
@@ -362,13 +301,12 @@ fn sandbox_fusion_shape_path_key_and_anonymous() {
     assert_eq!(s, 422, "{v}");
     assert_eq!(v["detail"][0]["loc"], json!(["body", "language"]), "{v}");
     // The anonymous tenant reaches the runner only.
-    let mut r = d
-        .agent
-        .get(format!("{}/v1/sandboxes", d.url))
-        .call()
+    let (s, _) = d
+        .http()
+        .with_key(None)
+        .call("GET", "/v1/sandboxes", None)
         .expect("http");
-    assert_eq!(r.status().as_u16(), 401);
-    let _ = r.body_mut().read_to_vec();
+    assert_eq!(s, 401);
 }
 
 /// What SandboxFusion's server does with what datasets and reward code send, `/run_code` does
@@ -453,15 +391,13 @@ fn sandbox_fusion_requests_answer_as_its_server_does() {
         assert_eq!(v["detail"][0]["type"], kind, "{body}: {v}");
         assert_eq!(v["detail"][0]["loc"], loc, "{body}: {v}");
     }
-    let mut r = d
-        .agent
-        .post(format!("{}/run_code", d.url))
-        .header("X-API-Key", &key)
-        .send("{\"code\": ")
+    let r = d
+        .http()
+        .with_key(Some(&key))
+        .send("POST", "/run_code", Some(b"{\"code\": "), &[])
         .expect("http");
-    assert_eq!(r.status().as_u16(), 422);
-    let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-        .unwrap_or(Value::Null);
+    assert_eq!(r.status, 422);
+    let v = r.json();
     assert_eq!(v["detail"][0]["type"], "json_invalid", "{v}");
 
     // No lean in Debian: the host template has none.

@@ -6,30 +6,17 @@
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-mod common;
-
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    data: PathBuf,
-    run: PathBuf,
-    agent: ureq::Agent,
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(120)))
-        .build()
-        .into()
-}
+testkit::daemon_type!(
+    /// A daemon of these tests, with the checks they end on.
+    struct Daemon
+);
 
 impl Daemon {
     fn start(data: &Path, run: &Path, env: &[(&str, &str)]) -> Self {
@@ -37,17 +24,13 @@ impl Daemon {
     }
 
     fn start_with(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]) -> Self {
-        let mut all = vec!["--drain-seconds", "10"];
-        all.extend_from_slice(args);
-        let common::Started { child, url, key } = common::start_server(data, run, env, &all);
-        Self {
-            child,
-            url,
-            key,
-            data: data.to_owned(),
-            run: run.to_owned(),
-            agent: agent(),
-        }
+        let d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
+            .args(&["--drain-seconds", "10"])
+            .args(args)
+            .envs(env)
+            .start()
+            .expect("start dsec server");
+        Self(d)
     }
 
     fn req(
@@ -67,50 +50,15 @@ impl Daemon {
         body: Option<Vec<u8>>,
         idem: Option<&str>,
     ) -> (u16, Value) {
-        let url = format!("{}{path}", self.url);
-        let r = match method {
-            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
-            "DELETE" => self
-                .agent
-                .delete(&url)
-                .header("X-API-Key", &self.key)
-                .call(),
-            m => {
-                let mut b = match m {
-                    "POST" => self.agent.post(&url),
-                    "PUT" => self.agent.put(&url),
-                    other => panic!("method {other}"),
-                }
-                .header("X-API-Key", &self.key);
-                if let Some(k) = idem {
-                    b = b.header("Idempotency-Key", k);
-                }
-                b.send(body.unwrap_or_default())
-            }
-        };
-        match r {
-            Ok(mut resp) => {
-                let status = resp.status().as_u16();
-                let bytes = resp
-                    .body_mut()
-                    .with_config()
-                    .limit(64 << 20)
-                    .read_to_vec()
-                    .unwrap_or_default();
-                let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-                (status, v)
-            }
+        let headers: Vec<(&str, &str)> = idem.map(|k| ("Idempotency-Key", k)).into_iter().collect();
+        match self.http().send(method, path, body.as_deref(), &headers) {
+            Ok(r) => (r.status, r.json()),
             Err(e) => (0, json!({"transport_error": e.to_string()})),
         }
     }
 
     fn metrics(&self) -> String {
-        self.agent
-            .get(format!("{}/metrics", self.url))
-            .call()
-            .ok()
-            .and_then(|mut r| r.body_mut().read_to_string().ok())
-            .unwrap_or_default()
+        self.http().text("/metrics")
     }
 
     fn create(&self, idem: Option<&str>) -> Value {
@@ -156,7 +104,7 @@ impl Daemon {
     /// Sandboxes on the machine for this node: runtime dirs, and cgroups of those ids or of
     /// ids the API knows.
     fn on_machine(&self, known: &BTreeSet<String>) -> BTreeSet<String> {
-        let mut out = common::sandbox_run_dirs(&self.run);
+        let mut out = self.run_dirs();
         let cgroups = cgroups();
         for id in known.iter().chain(out.clone().iter()) {
             if cgroups.contains(id) {
@@ -173,16 +121,6 @@ impl Daemon {
         listed
     }
 
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn sigterm(&mut self) {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
-    }
-
     /// Destroys every sandbox through the API and stops the daemon; checks nothing is left.
     fn finish(mut self) {
         for id in self.listed() {
@@ -197,26 +135,8 @@ impl Daemon {
             left = self.on_machine(&BTreeSet::new());
         }
         assert!(left.is_empty(), "left on the machine: {left:?}");
-        self.sigterm();
-        let st = self.child.wait().expect("wait");
-        assert!(st.success(), "exit after SIGTERM: {st:?}");
-        if let Some(base) = self.data.parent() {
-            let _ = std::fs::remove_dir_all(base);
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // A failed test must not leave sandboxes running (they outlive the daemon by design):
-        // the admin destroys whatever this node still has a runtime dir for.
-        if matches!(self.child.try_wait(), Ok(None)) {
-            for id in self.on_machine(&BTreeSet::new()) {
-                let _ = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None, None);
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
+        self.remove_dirs();
     }
 }
 
@@ -236,7 +156,7 @@ fn f01_kill9_at_each_create_step_then_retry_with_the_same_key() {
         "create:after_ready",
         "create:before_answer",
     ] {
-        let (data, run) = common::dirs("dst", "f01");
+        let (data, run) = testkit::dirs("dst", "f01");
         let mut d = Daemon::start(&data, &run, &[("DSEC_FAILPOINT", point)]);
         let key = format!("f01-{point}");
         let (s, v) = d.req("POST", "/v1/sandboxes", Some(json!({})), Some(&key));
@@ -271,7 +191,7 @@ fn f01_kill9_at_each_create_step_then_retry_with_the_same_key() {
 
 #[test]
 fn f02_kill9_six_times_with_50_sandboxes() {
-    let (data, run) = common::dirs("dst", "f02");
+    let (data, run) = testkit::dirs("dst", "f02");
     let mut d = Daemon::start(&data, &run, &[]);
     let (s, v) = d.req(
         "POST",
@@ -320,7 +240,7 @@ fn f02_kill9_six_times_with_50_sandboxes() {
 
 #[test]
 fn f03_killed_supervisor_is_reaped_and_recorded() {
-    let (data, run) = common::dirs("dst", "f03");
+    let (data, run) = testkit::dirs("dst", "f03");
     let d = Daemon::start(&data, &run, &[]);
     let id = d.create(None)["id"].as_str().expect("id").to_owned();
     let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None, None);
@@ -352,19 +272,19 @@ fn f03_killed_supervisor_is_reaped_and_recorded() {
 
 #[test]
 fn f04_sigterm_drains() {
-    let (data, run) = common::dirs("dst", "f04");
+    let (data, run) = testkit::dirs("dst", "f04");
     let mut d = Daemon::start(&data, &run, &[]);
     let id = d.create(None)["id"].as_str().expect("id").to_owned();
-    let url = format!("{}/v1/sandboxes/{id}/exec", d.url);
-    let key = d.key.clone();
+    let path = format!("/v1/sandboxes/{id}/exec");
+    let http = d.http().clone();
     let slow = std::thread::spawn(move || {
-        let mut r = agent()
-            .post(&url)
-            .header("X-API-Key", &key)
-            .send(json!({"shell": "sleep 1.5; echo done"}).to_string())
+        let (_, v) = http
+            .call(
+                "POST",
+                &path,
+                Some(&json!({"shell": "sleep 1.5; echo done"})),
+            )
             .expect("the in-flight exec is answered");
-        let v: Value =
-            serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
         v
     });
     // Wait until the exec is in flight (a loaded machine may take a while to send it).
@@ -399,7 +319,7 @@ fn f04_sigterm_drains() {
 
 #[test]
 fn f05_full_state_disk_is_resource_exhausted() {
-    let (data, run) = common::dirs("dst", "f05");
+    let (data, run) = testkit::dirs("dst", "f05");
     std::fs::create_dir_all(&data).expect("data dir");
     let st = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=8m", "dsec-f05"])
@@ -446,7 +366,7 @@ fn f05_full_state_disk_is_resource_exhausted() {
 
 #[test]
 fn f13_retry_storm_with_one_key_has_one_effect() {
-    let (data, run) = common::dirs("dst", "f13");
+    let (data, run) = testkit::dirs("dst", "f13");
     let d = Daemon::start(&data, &run, &[]);
     let ids: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..16)
@@ -475,7 +395,7 @@ fn f13_retry_storm_with_one_key_has_one_effect() {
 
 #[test]
 fn f15_destroy_during_create_wins() {
-    let (data, run) = common::dirs("dst", "f15");
+    let (data, run) = testkit::dirs("dst", "f15");
     let d = Daemon::start(
         &data,
         &run,
@@ -511,7 +431,7 @@ fn f15_destroy_during_create_wins() {
 
 #[test]
 fn ttl_and_lease_expire_on_the_node() {
-    let (data, run) = common::dirs("dst", "ttl");
+    let (data, run) = testkit::dirs("dst", "ttl");
     let d = Daemon::start(&data, &run, &[]);
     let a = d
         .req("POST", "/v1/sandboxes", Some(json!({"ttl_ms": 1500})), None)
@@ -561,7 +481,7 @@ fn ttl_and_lease_expire_on_the_node() {
 
 #[test]
 fn tenants_are_isolated_and_quotas_hold() {
-    let (data, run) = common::dirs("dst", "ten");
+    let (data, run) = testkit::dirs("dst", "ten");
     let d = Daemon::start(&data, &run, &[]);
     let (s, t) = d.req(
         "POST",
@@ -572,30 +492,17 @@ fn tenants_are_isolated_and_quotas_hold() {
     assert_eq!(s, 201, "{t}");
     let b_key = t["api_key"].as_str().expect("key").to_owned();
     let a_id = d.create(None)["id"].as_str().expect("id").to_owned();
+    let as_b = d.http().with_key(None);
+    let bearer = format!("Bearer {b_key}");
     let b = |method: &str, path: &str, body: Option<Value>| {
-        let url = format!("{}{path}", d.url);
-        let r = match method {
-            "GET" => d
-                .agent
-                .get(&url)
-                .header("Authorization", format!("Bearer {b_key}"))
-                .call(),
-            "DELETE" => d
-                .agent
-                .delete(&url)
-                .header("Authorization", format!("Bearer {b_key}"))
-                .call(),
-            _ => d
-                .agent
-                .post(&url)
-                .header("Authorization", format!("Bearer {b_key}"))
-                .send(body.unwrap_or(json!({})).to_string()),
+        let body = match method {
+            "GET" | "DELETE" => None,
+            _ => Some(body.unwrap_or(json!({})).to_string().into_bytes()),
         };
-        let mut r = r.expect("http");
-        let s = r.status().as_u16();
-        let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-            .unwrap_or(Value::Null);
-        (s, v)
+        let r = as_b
+            .send(method, path, body.as_deref(), &[("Authorization", &bearer)])
+            .expect("http");
+        (r.status, r.json())
     };
     for (m, p) in [
         ("GET", format!("/v1/sandboxes/{a_id}")),
@@ -651,7 +558,7 @@ fn tenants_are_isolated_and_quotas_hold() {
 
 #[test]
 fn bad_requests_get_typed_errors() {
-    let (data, run) = common::dirs("dst", "bad");
+    let (data, run) = testkit::dirs("dst", "bad");
     let d = Daemon::start(&data, &run, &[]);
     type Case<'a> = (&'a str, &'a str, Option<Vec<u8>>, u16, &'a str);
     let cases: Vec<Case> = vec![
@@ -779,7 +686,7 @@ fn bad_requests_get_typed_errors() {
 
 #[test]
 fn pool_serves_creates_refills_and_survives_a_restart() {
-    let (data, run) = common::dirs("dst", "pool");
+    let (data, run) = testkit::dirs("dst", "pool");
     let args = ["--pool-min", "2", "--pool-max", "8"];
     let mut d = Daemon::start_with(&data, &run, &[], &args);
     let pool = |d: &Daemon| d.req("GET", "/v1/pools/host", None, None).1;
@@ -836,7 +743,7 @@ fn pool_serves_creates_refills_and_survives_a_restart() {
 /// not `not_found` or 405), and it is a valid OpenAPI 3.1 skeleton.
 #[test]
 fn openapi_document_matches_the_router() {
-    let (data, run) = common::dirs("dst", "oapi");
+    let (data, run) = testkit::dirs("dst", "oapi");
     let d = Daemon::start(&data, &run, &[]);
     let (s, doc) = d.req("GET", "/openapi.json", None, None);
     assert_eq!(s, 200);
@@ -857,22 +764,20 @@ fn openapi_document_matches_the_router() {
                 op["summary"].is_string() && op["responses"].is_object(),
                 "{method} {path}"
             );
-            let url = format!("{}{concrete}", d.url);
             // A fresh connection each time: the server may close one whose request body it did
             // not read (it answers 401 before reading), and a pooled reuse would then fail.
-            let bare = agent();
-            let r = match method.as_str() {
-                "get" => bare.get(&url).call(),
-                "delete" => bare.delete(&url).call(),
-                "post" => bare.post(&url).send("{}"),
-                "put" => bare.put(&url).send("{}"),
+            let bare = testkit::Http::new(&d.url, None, Some(Duration::from_secs(120)));
+            let body = match method.as_str() {
+                "get" | "delete" => None,
+                "post" | "put" => Some(&b"{}"[..]),
                 other => panic!("method {other}"),
             };
-            let mut r = r.expect("http");
-            let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-                .unwrap_or(Value::Null);
+            let r = bare
+                .send(&method.to_uppercase(), &concrete, body, &[])
+                .expect("http");
+            let v = r.json();
             assert_eq!(
-                (r.status().as_u16(), v["code"].as_str()),
+                (r.status, v["code"].as_str()),
                 (401, Some("unauthorized")),
                 "{method} {path} is routed and authenticated"
             );
@@ -887,9 +792,9 @@ fn openapi_document_matches_the_router() {
 /// delete it while in use, delete it after.
 #[test]
 fn templates_import_use_and_delete() {
-    let (data, run) = common::dirs("dst", "tpl");
+    let (data, run) = testkit::dirs("dst", "tpl");
     let d = Daemon::start(&data, &run, &[]);
-    let tarball = common::rootfs_tarball(
+    let tarball = testkit::rootfs_tarball(
         data.parent().expect("base"),
         "rootfs",
         "from the template\n",
@@ -922,17 +827,16 @@ fn templates_import_use_and_delete() {
     );
     assert_eq!(s, 201, "{v}");
     let id = v["id"].as_str().expect("id").to_owned();
-    let url = format!("{}/v1/sandboxes/{id}/files?path=/etc/motd", d.url);
-    let mut r = d
-        .agent
-        .get(&url)
-        .header("X-API-Key", &d.key)
-        .call()
+    let r = d
+        .http()
+        .send(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path=/etc/motd"),
+            None,
+            &[],
+        )
         .expect("read");
-    assert_eq!(
-        r.body_mut().read_to_vec().expect("body"),
-        b"from the template\n"
-    );
+    assert_eq!(r.body, b"from the template\n");
     let (s, v) = d.req("DELETE", "/v1/templates/tiny", None, None);
     assert_eq!(
         (s, v["code"].clone()),
@@ -952,7 +856,7 @@ fn templates_import_use_and_delete() {
 /// mount table and the sandbox cgroups where they were.
 #[test]
 fn leak_counters_return_to_baseline() {
-    let (data, run) = common::dirs("dst", "leak");
+    let (data, run) = testkit::dirs("dst", "leak");
     let d = Daemon::start(&data, &run, &[]);
     let fds = || {
         std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
@@ -1020,13 +924,12 @@ fn leak_counters_return_to_baseline() {
 /// The lifecycle event stream and long-polls on the version counter.
 #[test]
 fn events_stream_and_long_poll() {
-    let (data, run) = common::dirs("dst", "evt");
+    let (data, run) = testkit::dirs("dst", "evt");
     let d = Daemon::start(&data, &run, &[]);
-    let url = format!("{}/v1/events", d.url);
-    let key = d.key.clone();
+    let http = d.http().clone();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
-        let Ok(mut r) = agent().get(&url).header("X-API-Key", &key).call() else {
+        let Ok(mut r) = http.get_streaming("/v1/events") else {
             return;
         };
         let reader = BufReader::new(r.body_mut().as_reader());
@@ -1045,20 +948,11 @@ fn events_stream_and_long_poll() {
     let version = v["version"].as_u64().expect("version");
     // A long-poll for a later version returns when the reset bumps it.
     let waiter = {
-        let url = format!(
-            "{}/v1/sandboxes/{id}?after_version={version}&timeout=10000",
-            d.url
-        );
-        let key = d.key.clone();
+        let path = format!("/v1/sandboxes/{id}?after_version={version}&timeout=10000");
+        let http = d.http().clone();
         std::thread::spawn(move || {
             let t = Instant::now();
-            let mut r = agent()
-                .get(&url)
-                .header("X-API-Key", &key)
-                .call()
-                .expect("poll");
-            let v: Value =
-                serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+            let (_, v) = http.call("GET", &path, None).expect("poll");
             (v, t.elapsed())
         })
     };
@@ -1092,7 +986,7 @@ fn events_stream_and_long_poll() {
 /// the node-wide limit answers `resource_exhausted`.
 #[test]
 fn orphans_are_reaped_and_the_node_limit_holds() {
-    let (data, run) = common::dirs("dst", "orph");
+    let (data, run) = testkit::dirs("dst", "orph");
     let mut d = Daemon::start_with(
         &data,
         &run,
@@ -1140,7 +1034,7 @@ fn orphans_are_reaped_and_the_node_limit_holds() {
 /// record with the reason, and leaves nothing behind.
 #[test]
 fn f14_whole_host_crash_closes_stale_records() {
-    let (data, run) = common::dirs("dst", "f14");
+    let (data, run) = testkit::dirs("dst", "f14");
     let mut d = Daemon::start(&data, &run, &[]);
     let mut ids = Vec::new();
     for _ in 0..3 {
@@ -1197,7 +1091,7 @@ fn f14_whole_host_crash_closes_stale_records() {
 /// times a second.
 #[test]
 fn userns_sandboxes_refuse_forks_before_the_copy() {
-    let (data, run) = common::dirs("dst", "uns");
+    let (data, run) = testkit::dirs("dst", "uns");
     let d = Daemon::start(&data, &run, &[]);
     let make = |userns: bool| -> String {
         let (s, v) = d.req(

@@ -3,28 +3,16 @@
 //! reported as `unknown_outcome`. Needs root; CI runs as root.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::path::Path;
 use std::time::Duration;
 
+use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-mod common;
-
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    run: PathBuf,
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(60)))
-        .build()
-        .into()
-}
+testkit::daemon_type!(
+    /// A daemon of these tests.
+    struct Daemon
+);
 
 impl Daemon {
     fn start(data: &Path, run: &Path) -> Self {
@@ -32,102 +20,43 @@ impl Daemon {
     }
 
     fn start_with(data: &Path, run: &Path, args: &[&str]) -> Self {
-        let mut all = vec!["--pool-max", "0"];
-        all.extend_from_slice(args);
-        let common::Started { child, url, key } = common::start_server(data, run, &[], &all);
-        Self {
-            child,
-            url,
-            key,
-            run: run.to_owned(),
-        }
+        let d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
+            .args(&["--pool-max", "0"])
+            .args(args)
+            .timeout(Duration::from_secs(60))
+            .start()
+            .expect("start dsec server");
+        Self(d)
     }
 
-    /// (status, headers of interest, body bytes); status 0 on a transport error.
+    /// (status, whether it is a replay, body bytes); status 0 on a transport error.
     fn post(&self, path: &str, body: &Value) -> (u16, bool, Vec<u8>) {
-        let r = agent()
-            .post(format!("{}{path}", self.url))
-            .header("X-API-Key", &self.key)
-            .send(body.to_string());
-        match r {
-            Ok(mut r) => {
-                let replayed = r.headers().get("dsec-replayed").is_some();
-                let status = r.status().as_u16();
-                (
-                    status,
-                    replayed,
-                    r.body_mut().read_to_vec().unwrap_or_default(),
-                )
-            }
+        let body = body.to_string();
+        match self.http().send("POST", path, Some(body.as_bytes()), &[]) {
+            Ok(r) => (r.status, r.headers.get("dsec-replayed").is_some(), r.body),
             Err(_) => (0, false, Vec::new()),
         }
     }
 
     fn get(&self, path: &str) -> Value {
-        let mut r = agent()
-            .get(format!("{}{path}", self.url))
-            .header("X-API-Key", &self.key)
-            .call()
-            .expect("get");
-        serde_json::from_slice(&r.body_mut().read_to_vec().unwrap_or_default())
-            .unwrap_or(Value::Null)
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.http().call("GET", path, None).expect("get").1
     }
 
     fn finish(mut self, ids: &[String]) {
         for id in ids {
-            let _ = agent()
-                .delete(format!("{}/v1/sandboxes/{id}", self.url))
-                .header("X-API-Key", &self.key)
-                .call();
+            let _ = self.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
         }
-        let left: Vec<_> = std::fs::read_dir(self.run.join("sandboxes"))
-            .map(|r| r.flatten().map(|e| e.file_name()).collect())
-            .unwrap_or_default();
+        let left = self.run_dirs();
         assert!(left.is_empty(), "left on the machine: {left:?}");
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let st = self.child.wait().expect("wait");
-        assert!(st.success(), "{st:?}");
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // A failed test must not leave sandboxes running (they outlive the daemon by design).
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let ids: Vec<String> = std::fs::read_dir(self.run.join("sandboxes"))
-                .map(|r| {
-                    r.flatten()
-                        .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default();
-            for id in ids {
-                let _ = agent()
-                    .delete(format!("{}/v1/sandboxes/{id}", self.url))
-                    .header("X-API-Key", &self.key)
-                    .call();
-            }
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
     }
 }
 
 fn create(d: &Daemon) -> String {
-    let r = agent()
-        .post(format!("{}/v1/sandboxes", d.url))
-        .header("X-API-Key", &d.key)
-        .send("{}");
-    let mut r = r.expect("create");
-    let v: Value =
-        serde_json::from_slice(&r.body_mut().read_to_vec().expect("body")).expect("json");
+    let (_, v) = d
+        .http()
+        .call("POST", "/v1/sandboxes", Some(&json!({})))
+        .expect("create");
     v["id"].as_str().expect("id").to_owned()
 }
 
@@ -156,7 +85,7 @@ fn step_body(step: u64, marker: &str) -> Value {
 
 #[test]
 fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
-    let (data, run, _dirs) = common::dirs_removed_on_drop("dtr", "l04");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dtr", "l04");
     let mut d = Daemon::start(&data, &run);
     let id = create(&d);
     let mut first = Vec::new();
@@ -200,21 +129,17 @@ fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
     );
     // Training export: JSONL rows and a Parquet file of the same steps.
     for (format, magic) in [("jsonl", &b"{"[..]), ("parquet", &b"PAR1"[..])] {
-        let mut r = agent()
-            .get(format!(
-                "{}/v1/trajectories/episode-1/export?format={format}",
-                d.url
-            ))
-            .header("X-API-Key", &d.key)
-            .call()
+        let r = d
+            .http()
+            .send(
+                "GET",
+                &format!("/v1/trajectories/episode-1/export?format={format}"),
+                None,
+                &[],
+            )
             .expect("export");
-        assert_eq!(r.status().as_u16(), 200);
-        let bytes = r
-            .body_mut()
-            .with_config()
-            .limit(64 << 20)
-            .read_to_vec()
-            .expect("body");
+        assert_eq!(r.status, 200);
+        let bytes = r.body;
         assert!(bytes.starts_with(magic), "{format}");
         if format == "jsonl" {
             let rows: Vec<Value> = bytes
@@ -234,7 +159,7 @@ fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
 
 #[test]
 fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
-    let (data, run, _dirs) = common::dirs_removed_on_drop("dtr", "l03");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dtr", "l03");
     let mut d = Daemon::start(&data, &run);
     let id = create(&d);
     let total: u64 = 40;
@@ -259,17 +184,15 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
         seed ^= seed >> 7;
         seed ^= seed << 17;
         let kill_after = Duration::from_millis(20 + seed % 150);
-        let (url, key, sid) = (d.url.clone(), d.key.clone(), id.clone());
+        let (http, sid) = (d.http().clone(), id.clone());
         let start = next;
         let client = std::thread::spawn(move || {
             let mut got = Vec::new();
             for step in start..=total {
-                let r = agent()
-                    .post(format!("{url}/v1/sandboxes/{sid}/exec"))
-                    .header("X-API-Key", &key)
-                    .send(step_body(step, &format!("s{step}")).to_string());
-                match r {
-                    Ok(r) if r.status().as_u16() == 200 => got.push(step),
+                let body = step_body(step, &format!("s{step}")).to_string();
+                let path = format!("/v1/sandboxes/{sid}/exec");
+                match http.send("POST", &path, Some(body.as_bytes()), &[]) {
+                    Ok(r) if r.status == 200 => got.push(step),
                     _ => break,
                 }
             }
@@ -379,7 +302,7 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
 /// A finished trajectory is compacted out of the log; the others stay, and replay still works.
 #[test]
 fn finished_trajectories_are_compacted_and_the_rest_replays() {
-    let (data, run, _dirs) = common::dirs_removed_on_drop("dtr", "cmp");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dtr", "cmp");
     let args = [
         "--log-segment-bytes",
         "4096",

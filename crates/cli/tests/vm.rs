@@ -5,87 +5,44 @@
 //! Needs root (cgroups, QEMU); CI runs as root.
 
 use std::path::Path;
-use std::process::Child;
 use std::time::Duration;
 
+use dsec_testkit as testkit;
 use serde_json::{json, Value};
 
-mod common;
-
-struct Daemon {
-    child: Child,
-    url: String,
-    key: String,
-    agent: ureq::Agent,
-    base: std::path::PathBuf,
-}
+testkit::daemon_type!(
+    /// A daemon of these tests on its own state dirs (removed when it drops).
+    struct Daemon
+);
 
 impl Daemon {
     fn start(tag: &str) -> Self {
-        let (data, run) = common::dirs("dvm", tag);
+        let (data, run) = testkit::dirs("dvm", tag);
         Self::of(
-            common::start_server(&data, &run, &[], &["--pool-max", "0"]),
+            testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run),
             &data,
         )
     }
 
-    /// The daemon `started` on the state dir `data`.
-    fn of(started: common::Started, data: &Path) -> Self {
-        let common::Started { child, url, key } = started;
-        Self {
-            child,
-            url,
-            key,
-            agent: ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(600)))
-                .build()
-                .into(),
-            base: data.parent().map(Path::to_owned).unwrap_or_default(),
-        }
+    /// The daemon `server` starts on the state dir `data`.
+    fn of(server: testkit::Server, data: &Path) -> Self {
+        let d = server
+            .args(&["--pool-max", "0"])
+            .timeout(Duration::from_secs(600))
+            .remove_on_drop(data.parent().unwrap_or(data))
+            .start()
+            .expect("start dsec server");
+        Self(d)
     }
 
+    /// [`testkit::Daemon::req`]; a POST without body sends `null`.
     fn req(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let url = format!("{}{path}", self.url);
-        let r = match method {
-            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
-            "DELETE" => self
-                .agent
-                .delete(&url)
-                .header("X-API-Key", &self.key)
-                .call(),
-            _ => self
-                .agent
-                .post(&url)
-                .header("X-API-Key", &self.key)
-                .send(body.unwrap_or(Value::Null).to_string()),
-        };
-        match r {
-            Ok(mut resp) => {
-                let status = resp.status().as_u16();
-                let bytes = resp.body_mut().read_to_vec().unwrap_or_default();
-                (
-                    status,
-                    serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-                )
-            }
-            Err(e) => (0, json!({"transport_error": e.to_string()})),
-        }
+        let body = body.or_else(|| (method == "POST").then_some(Value::Null));
+        self.0.req(method, path, body.as_ref())
     }
 
     fn stop(mut self) {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
-        let st = self.child.wait().expect("wait");
-        assert!(st.success(), "exit after SIGTERM: {st:?}");
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.base);
+        self.0.stop();
     }
 }
 
@@ -257,16 +214,12 @@ fn a_create_that_prepares_its_snapshot_shows_the_preparing_phase() {
             assert!(st.success(), "hard-link the shared {sub}");
         }
     }
-    let (data, run) = common::dirs("dvm", "phase");
+    let (data, run) = testkit::dirs("dvm", "phase");
     let cache_env = cache.display().to_string();
-    let started = common::start_server_logged(
-        &data,
-        &run,
-        &[("DSEC_VM_CACHE", cache_env.as_str())],
-        &["--pool-max", "0"],
-        &log,
-    );
-    let d = Daemon::of(started, &data);
+    let server = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run)
+        .env("DSEC_VM_CACHE", &cache_env)
+        .log_to(&log);
+    let d = Daemon::of(server, &data);
     let phases = std::thread::scope(|s| {
         let create = s.spawn(|| {
             d.req(

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
-use crate::bench_api::{start_daemon, Client};
+use super::api::{start_daemon, Client};
+use super::{dist, emit, us, BenchArgs};
 
 /// Target: create from snapshot, p50.
 const TARGET_CREATE_P50_MS: f64 = 150.0;
@@ -46,24 +46,10 @@ const BOOT_MARKER: &[u8] = b"Kernel panic";
 /// that matters here).
 const USER_HZ: u64 = 100;
 
-/// Runs `/bin/true` in `id`; returns the process's own wall time as the sandbox measured it
-/// (spawn to exit, microseconds; 0 when not reported).
-fn exec_true(c: &Client, id: &str) -> anyhow::Result<u64> {
-    let v = c.ok(
-        "POST",
-        &format!("/v1/sandboxes/{id}/exec"),
-        Some(&json!({"argv": ["/bin/true"]})),
-    )?;
-    if v["status"] != "ok" {
-        bail!("exec true in {id}: {v}");
-    }
-    Ok(v["wall_us"].as_u64().unwrap_or(0))
-}
-
 /// The daemon, its client, and every sandbox created and not yet deleted.
 struct Bench {
     c: Client,
-    /// `<base>/r/sandboxes` of [`start_daemon`]: `<id>/qemu.pid` lives there.
+    /// The daemon's `<run dir>/sandboxes`: `<id>/qemu.pid` lives there.
     sandboxes_dir: PathBuf,
     live: Vec<String>,
 }
@@ -306,7 +292,7 @@ fn cold_snapshot(
         "limits": {"memory_max": memory_mib << 20},
     }))?;
     let t = Instant::now();
-    exec_true(&b.c, &id)?;
+    b.c.exec_true(&id)?;
     let exec = us(t);
     b.delete(&id)?;
     let wall_ms = wall / 1000;
@@ -337,7 +323,7 @@ fn cold_snapshot(
 fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow::Result<Value> {
     let body = json!({"substrate": substrate});
     let (id, warm) = b.create(&body)?;
-    exec_true(&b.c, &id)?;
+    b.c.exec_true(&id)?;
     b.delete(&id)?;
     let (mut create, mut first_exec, mut first_wall, mut delete) = (vec![], vec![], vec![], vec![]);
     for _ in 0..n {
@@ -345,7 +331,7 @@ fn creates(b: &mut Bench, substrate: &str, n: usize, settle: Duration) -> anyhow
         let (id, took) = b.create(&body)?;
         create.push(took);
         let t = Instant::now();
-        first_wall.push(exec_true(&b.c, &id)?);
+        first_wall.push(b.c.exec_true(&id)?);
         first_exec.push(us(t));
         delete.push(b.delete(&id)?);
     }
@@ -376,7 +362,7 @@ fn pooled(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
             let (id, took) = b.create(&json!({"substrate": "microvm"}))?;
             acquire.push(took);
             let t = Instant::now();
-            first_wall.push(exec_true(&b.c, &id)?);
+            first_wall.push(b.c.exec_true(&id)?);
             first_exec.push(us(t));
             b.delete(&id)?;
         }
@@ -401,7 +387,7 @@ fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
     for s in subs {
         let (id, _) = b.create(&json!({"substrate": s}))?;
         for _ in 0..3 {
-            exec_true(&b.c, &id)?;
+            b.c.exec_true(&id)?;
         }
         ids.push(id);
     }
@@ -411,7 +397,7 @@ fn execs(b: &mut Bench, n: usize) -> anyhow::Result<Value> {
     for _ in 0..n {
         for (i, id) in ids.iter().enumerate() {
             let t = Instant::now();
-            wall[i].push(exec_true(&b.c, id)?);
+            wall[i].push(b.c.exec_true(id)?);
             lat[i].push(us(t));
         }
         let t = Instant::now();
@@ -486,7 +472,7 @@ fn density(b: &mut Bench, k: usize, out: &mut Map<String, Value>) -> anyhow::Res
     let mut failed = 0;
     for id in &held {
         let t = Instant::now();
-        match exec_true(&b.c, id) {
+        match b.c.exec_true(id) {
             Ok(_) => exec.push(us(t)),
             Err(_) => failed += 1,
         }
@@ -669,7 +655,7 @@ fn measure(
         let dirs = ["snap", "initrd", "root"];
         let before: Vec<_> = dirs.iter().map(|d| entries(cache, d)).collect();
         let (id, took) = b.create(&json!({"substrate": s}))?;
-        exec_true(&b.c, &id)?;
+        b.c.exec_true(&id)?;
         b.delete(&id)?;
         let mut v = json!({"wall_ms": took / 1000});
         // What this create had to build first (the rest of the wall time is the boot).
@@ -714,11 +700,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     );
     let host_qemus_before = count_qemus();
     let d = start_daemon("vm", &[])?;
-    // start_daemon's layout: `<base>/r` is the run dir, VM sandboxes under `sandboxes/`.
+    // start_daemon's layout: the state dirs below `<base>`, VM sandboxes under `<run>/sandboxes/`.
     let base = format!("/tmp/dsec-bench-vm-{}", std::process::id());
     let mut b = Bench {
         c: Client::new(&d.url, &d.key, Duration::from_secs(180)),
-        sandboxes_dir: Path::new(&base).join("r/sandboxes"),
+        sandboxes_dir: d.run.join("sandboxes"),
         live: Vec::new(),
     };
     let mut out = Map::new();

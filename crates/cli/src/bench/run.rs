@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use serde_json::{json, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
+use super::{dist, emit, us, BenchArgs};
 
 #[derive(Clone)]
 struct Client {
@@ -154,7 +154,7 @@ fn beside(c: &Client, call: &Value, abuse: &str, n: usize) -> anyhow::Result<Val
 
 /// Runs the runner benchmark.
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let d = crate::bench_api::start_daemon("run", &["--run-zygotes", "4"])?;
+    let d = super::api::start_daemon("run", &["--run-zygotes", "4"])?;
     let c = Client {
         agent: ureq::Agent::config_builder()
             .http_status_as_error(false)

@@ -7,104 +7,12 @@ use std::collections::BTreeMap;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use super::{dist, emit, us, BenchArgs, Dist};
 use anyhow::Context;
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::pool::{Pool, PoolConfig};
 use dsec_node::sandbox::SandboxSpec;
 use dsec_node::substrate::{ContainerRuntime, Sandbox};
-use serde::Serialize;
-
-/// Arguments of `dsec bench`.
-#[derive(Debug, clap::Args)]
-pub struct BenchArgs {
-    /// What to measure: `container` (the substrate, in process), `api` (the daemon over HTTP),
-    /// `run` (the code runner: function vs container substrate vs `python3 -c`) or
-    /// `log` (the trajectory log's durable appends and replay, with SQLite as the peer).
-    pub what: String,
-    /// Iterations per latency figure.
-    #[arg(long, default_value_t = 200)]
-    pub iterations: usize,
-    /// Idle sandboxes to hold at once for the density figure (0 skips it).
-    #[arg(long, default_value_t = 1000)]
-    pub idle: usize,
-    /// Pause before each measured cold create, so that background work of the previous one
-    /// (shell refill, namespace teardown) does not count against it.
-    #[arg(long, default_value_t = 20)]
-    pub settle_ms: u64,
-    /// Write the JSON here as well as to stdout.
-    #[arg(long)]
-    pub out: Option<std::path::PathBuf>,
-}
-
-/// Adds what every bench report says about the machine and the build: kernel, CPUs, commit.
-pub(crate) fn with_machine(mut doc: serde_json::Value) -> serde_json::Value {
-    if let Some(o) = doc.as_object_mut() {
-        o.insert(
-            "kernel".into(),
-            std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .unwrap_or_default()
-                .trim()
-                .into(),
-        );
-        o.insert(
-            "cpus".into(),
-            std::thread::available_parallelism()
-                .map_or(0, |n| n.get())
-                .into(),
-        );
-        o.insert(
-            "commit".into(),
-            Command::new("git")
-                .args(["rev-parse", "--short", "HEAD"])
-                .output()
-                .ok()
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .into(),
-        );
-    }
-    doc
-}
-
-/// Prints a bench report (with [`with_machine`]'s fields) and writes it to `--out`.
-pub(crate) fn emit(args: &BenchArgs, doc: serde_json::Value) -> anyhow::Result<ExitCode> {
-    let text = serde_json::to_string_pretty(&with_machine(doc))?;
-    println!("{text}");
-    if let Some(p) = &args.out {
-        std::fs::write(p, &text).with_context(|| format!("write {}", p.display()))?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-#[derive(Debug, Serialize)]
-pub(crate) struct Dist {
-    pub(crate) count: usize,
-    pub(crate) p50_us: u64,
-    pub(crate) p90_us: u64,
-    pub(crate) p99_us: u64,
-    pub(crate) max_us: u64,
-}
-
-pub(crate) fn dist(mut v: Vec<u64>) -> Dist {
-    v.sort_unstable();
-    let q = |p: f64| -> u64 {
-        if v.is_empty() {
-            return 0;
-        }
-        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-        v[i.min(v.len() - 1)]
-    };
-    Dist {
-        count: v.len(),
-        p50_us: q(0.5),
-        p90_us: q(0.9),
-        p99_us: q(0.99),
-        max_us: v.last().copied().unwrap_or(0),
-    }
-}
-
-pub(crate) fn us(t: Instant) -> u64 {
-    t.elapsed().as_micros() as u64
-}
 
 fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<u64> {
     let r = sb.exec(rt, &ExecRequest::argv(argv.iter().copied()), &[], |_, _| {})?;
@@ -201,29 +109,25 @@ fn run_peer(argv: &[&str], n: usize, settle: Duration) -> Option<Dist> {
     Some(dist(v))
 }
 
-/// Runs a benchmark.
-pub fn run(
-    args: &BenchArgs,
-    rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
-) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(
-        args.what == "container",
-        "unknown benchmark {:?} (available: container, api, log)",
-        args.what
-    );
-    let rt = rt()?;
-    let n = args.iterations.max(10);
-    let spec = SandboxSpec::default();
-    let mut res: BTreeMap<&str, Dist> = BTreeMap::new();
-    let mut notes: BTreeMap<&str, serde_json::Value> = BTreeMap::new();
+/// What a run measured: distributions by name.
+type Results = BTreeMap<&'static str, Dist>;
+/// What a run noted besides distributions.
+type Notes = BTreeMap<&'static str, serde_json::Value>;
 
-    // Warm-up: page cache, spawner, cgroup base dirs.
-    for _ in 0..5 {
-        let (mut sb, _) = rt.create(&spec)?;
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
-        sb.destroy(&rt)?;
-    }
+/// What every measurement of a run works with.
+struct Run<'a> {
+    rt: &'a ContainerRuntime,
+    spec: &'a SandboxSpec,
+    /// Iterations per figure.
+    n: usize,
+    /// Pause before a settled measurement.
+    settle_ms: u64,
+}
 
+/// Cold creates + exec from a settled node (with their phases), back to back, and with a user
+/// namespace.
+fn cold_creates(r: &Run<'_>, res: &mut Results) -> anyhow::Result<()> {
+    let (rt, spec, n, settle_ms) = (r.rt, r.spec, r.n, r.settle_ms);
     let (mut create, mut launch, mut create_exec, mut destroy) = (vec![], vec![], vec![], vec![]);
     let (mut cg, mut clone_exec) = (vec![], vec![]);
     let (mut first_exec, mut second_exec) = (vec![], vec![]);
@@ -232,22 +136,22 @@ pub fn run(
         // Measure each create from a quiet node: the spawner refills its pre-built shells and
         // the kernel tears the previous sandbox's namespaces down in the background; the
         // back-to-back figure below includes that work.
-        std::thread::sleep(Duration::from_millis(args.settle_ms));
+        std::thread::sleep(Duration::from_millis(settle_ms));
         let t = Instant::now();
-        let (mut sb, phases) = rt.create(&spec)?;
+        let (mut sb, phases) = rt.create(spec)?;
         create.push(us(t));
         let t_exec = Instant::now();
-        first_wall.push(exec_ok(&mut sb, &rt, &["/bin/true"])?);
+        first_wall.push(exec_ok(&mut sb, rt, &["/bin/true"])?);
         first_exec.push(us(t_exec));
         create_exec.push(us(t));
         let t_exec = Instant::now();
-        second_wall.push(exec_ok(&mut sb, &rt, &["/bin/true"])?);
+        second_wall.push(exec_ok(&mut sb, rt, &["/bin/true"])?);
         second_exec.push(us(t_exec));
         launch.push(phases.launch_us);
         cg.push(phases.cgroup_us);
         clone_exec.push(phases.clone_exec_us);
         let t = Instant::now();
-        sb.destroy(&rt)?;
+        sb.destroy(rt)?;
         destroy.push(us(t));
     }
     res.insert("cold_create_to_agent_ready", dist(create));
@@ -263,10 +167,10 @@ pub fn run(
     let mut b2b = vec![];
     for _ in 0..n {
         let t = Instant::now();
-        let (mut sb, _) = rt.create(&spec)?;
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        let (mut sb, _) = rt.create(spec)?;
+        exec_ok(&mut sb, rt, &["/bin/true"])?;
         b2b.push(us(t));
-        sb.destroy(&rt)?;
+        sb.destroy(rt)?;
     }
     res.insert("cold_create_exec_true_back_to_back", dist(b2b));
 
@@ -278,18 +182,22 @@ pub fn run(
     };
     let mut cold_userns = vec![];
     for _ in 0..n.min(100) {
-        std::thread::sleep(Duration::from_millis(args.settle_ms));
+        std::thread::sleep(Duration::from_millis(settle_ms));
         let t = Instant::now();
         let (mut sb, _) = rt.create(&userns)?;
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        exec_ok(&mut sb, rt, &["/bin/true"])?;
         cold_userns.push(us(t));
-        sb.destroy(&rt)?;
+        sb.destroy(rt)?;
     }
     res.insert("cold_create_exec_true_userns", dist(cold_userns));
 
-    // Peer: bubblewrap with every namespace, in the same run, under both conditions: back to
-    // back, and from a node as settled as the cold creates above (a process started on a
-    // quiet node pays for waking idle CPUs, whoever starts it).
+    Ok(())
+}
+
+/// Peer: bubblewrap with every namespace, in the same run, under both conditions: back to
+/// back, and from a node as settled as the cold creates (a process started on a quiet node
+/// pays for waking idle CPUs, whoever starts it).
+fn bwrap_peer(n: usize, settle_ms: u64, res: &mut Results, notes: &mut Notes) {
     let bwrap_argv = [
         "bwrap",
         "--unshare-all",
@@ -302,7 +210,7 @@ pub fn run(
         "/proc",
         "/bin/true",
     ];
-    let settle = Duration::from_millis(args.settle_ms);
+    let settle = Duration::from_millis(settle_ms);
     for (key, pause) in [
         ("peer_bwrap_true", Duration::ZERO),
         ("peer_bwrap_true_settled", settle),
@@ -316,13 +224,17 @@ pub fn run(
             }
         }
     }
+}
 
+/// Exec in a running sandbox (`true`, python inside vs outside), then its resets.
+fn execs_and_resets(r: &Run<'_>, res: &mut Results) -> anyhow::Result<()> {
+    let (rt, spec, n, settle_ms) = (r.rt, r.spec, r.n, r.settle_ms);
     // Exec in a running sandbox, python inside vs outside.
-    let (mut sb, _) = rt.create(&spec)?;
+    let (mut sb, _) = rt.create(spec)?;
     let mut v = vec![];
     for _ in 0..n {
         let t = Instant::now();
-        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        exec_ok(&mut sb, rt, &["/bin/true"])?;
         v.push(us(t));
     }
     res.insert("exec_true_running", dist(v));
@@ -330,7 +242,7 @@ pub fn run(
     let mut v = vec![];
     for _ in 0..py_n {
         let t = Instant::now();
-        exec_ok(&mut sb, &rt, &["/usr/bin/python3", "-c", "pass"])?;
+        exec_ok(&mut sb, rt, &["/usr/bin/python3", "-c", "pass"])?;
         v.push(us(t));
     }
     res.insert("python3_pass_inside", dist(v));
@@ -353,18 +265,18 @@ pub fn run(
             v.push(us(t));
             sb.mark_acquired()?;
             if i % 10 == 0 {
-                exec_ok(&mut sb, &rt, &["/bin/true"])?;
+                exec_ok(&mut sb, rt, &["/bin/true"])?;
             }
         }
         Ok(v)
     };
     let clean = clean_resets(Duration::ZERO)?;
-    let spaced = clean_resets(Duration::from_millis(args.settle_ms.max(SPARE_SETTLE_MS)))?;
+    let spaced = clean_resets(Duration::from_millis(settle_ms.max(SPARE_SETTLE_MS)))?;
     let mut dirty = vec![];
     for _ in 0..(n / 4).max(10) {
         exec_ok(
             &mut sb,
-            &rt,
+            rt,
             &[
                 "/bin/sh",
                 "-c",
@@ -379,9 +291,18 @@ pub fn run(
     res.insert("reset_clean", dist(spaced));
     res.insert("reset_clean_back_to_back", dist(clean));
     res.insert("reset_100_files", dist(dirty));
-    sb.destroy(&rt)?;
+    sb.destroy(rt)?;
 
-    // Warm acquire from a pool.
+    Ok(())
+}
+
+/// Warm acquire from a pool.
+fn warm_acquire(
+    rt: &ContainerRuntime,
+    spec: &SandboxSpec,
+    n: usize,
+    res: &mut Results,
+) -> anyhow::Result<()> {
     let pool_size = 50.min(n);
     let pool = Pool::new(
         spec.clone(),
@@ -392,7 +313,7 @@ pub fn run(
             low_watermark: pool_size / 5,
         },
     )?;
-    pool.refill(&rt)?;
+    pool.refill(rt)?;
     let mut v = vec![];
     let mut taken = vec![];
     for _ in 0..pool_size {
@@ -403,83 +324,94 @@ pub fn run(
     }
     res.insert("warm_acquire_from_pool", dist(v));
     for sb in taken {
-        sb.destroy(&rt)?;
+        sb.destroy(rt)?;
     }
 
-    // Density: idle sandboxes held at once, host memory per sandbox.
-    if args.idle > 0 {
-        let before = host_used_bytes();
-        let mi_before = meminfo();
-        let slab_before = slabinfo();
-        let mut held = Vec::with_capacity(args.idle);
-        let t = Instant::now();
-        for _ in 0..args.idle {
-            match rt.create(&spec) {
-                Ok((sb, _)) => held.push(sb),
-                Err(e) => {
-                    notes.insert("idle_stopped_by", format!("{e:#}").into());
-                    break;
-                }
-            }
-        }
-        let create_all_ms = t.elapsed().as_millis() as u64;
-        std::thread::sleep(Duration::from_millis(500));
-        let after = host_used_bytes();
-        let mi_after = meminfo();
-        let count = held.len();
-        let slab_top = slab_growth(&slab_before, &slabinfo(), count, 16);
-        // Where the memory went, per sandbox (kernel slabs, page tables, stacks, tmpfs, user).
-        let breakdown: BTreeMap<&str, i64> = [
-            "AnonPages",
-            "Shmem",
-            "Slab",
-            "SUnreclaim",
-            "PageTables",
-            "KernelStack",
-            "Percpu",
-        ]
-        .into_iter()
-        .map(|k| {
-            let d = mi_after.get(k).copied().unwrap_or(0) as i64
-                - mi_before.get(k).copied().unwrap_or(0) as i64;
-            (k, if count > 0 { d / count as i64 } else { 0 })
-        })
-        .collect();
-        let per = if count > 0 {
-            after.saturating_sub(before) / count as u64
-        } else {
-            0
-        };
-        // Everything still answers.
-        let mut alive = 0;
-        for sb in held.iter_mut() {
-            if sb.ping().is_ok() {
-                alive += 1;
-            }
-        }
-        let t = Instant::now();
-        for sb in held {
-            sb.destroy(&rt)?;
-        }
-        notes.insert(
-            "idle",
-            serde_json::json!({
-                "held": count,
-                "answering_ping": alive,
-                "host_memory_per_sandbox_bytes": per,
-                "per_sandbox_breakdown_bytes": breakdown,
-                "per_sandbox_slab_top_bytes": slab_top,
-                "create_all_ms": create_all_ms,
-                "destroy_all_ms": t.elapsed().as_millis() as u64,
-            }),
-        );
-    }
+    Ok(())
+}
 
+/// Density: `idle` idle sandboxes held at once, host memory per sandbox.
+fn density(
+    rt: &ContainerRuntime,
+    spec: &SandboxSpec,
+    idle: usize,
+    notes: &mut Notes,
+) -> anyhow::Result<()> {
+    let before = host_used_bytes();
+    let mi_before = meminfo();
+    let slab_before = slabinfo();
+    let mut held = Vec::with_capacity(idle);
+    let t = Instant::now();
+    for _ in 0..idle {
+        match rt.create(spec) {
+            Ok((sb, _)) => held.push(sb),
+            Err(e) => {
+                notes.insert("idle_stopped_by", format!("{e:#}").into());
+                break;
+            }
+        }
+    }
+    let create_all_ms = t.elapsed().as_millis() as u64;
+    std::thread::sleep(Duration::from_millis(500));
+    let after = host_used_bytes();
+    let mi_after = meminfo();
+    let count = held.len();
+    let slab_top = slab_growth(&slab_before, &slabinfo(), count, 16);
+    // Where the memory went, per sandbox (kernel slabs, page tables, stacks, tmpfs, user).
+    let breakdown: BTreeMap<&str, i64> = [
+        "AnonPages",
+        "Shmem",
+        "Slab",
+        "SUnreclaim",
+        "PageTables",
+        "KernelStack",
+        "Percpu",
+    ]
+    .into_iter()
+    .map(|k| {
+        let d = mi_after.get(k).copied().unwrap_or(0) as i64
+            - mi_before.get(k).copied().unwrap_or(0) as i64;
+        (k, if count > 0 { d / count as i64 } else { 0 })
+    })
+    .collect();
+    let per = if count > 0 {
+        after.saturating_sub(before) / count as u64
+    } else {
+        0
+    };
+    // Everything still answers.
+    let mut alive = 0;
+    for sb in held.iter_mut() {
+        if sb.ping().is_ok() {
+            alive += 1;
+        }
+    }
+    let t = Instant::now();
+    for sb in held {
+        sb.destroy(rt)?;
+    }
+    notes.insert(
+        "idle",
+        serde_json::json!({
+            "held": count,
+            "answering_ping": alive,
+            "host_memory_per_sandbox_bytes": per,
+            "per_sandbox_breakdown_bytes": breakdown,
+            "per_sandbox_slab_top_bytes": slab_top,
+            "create_all_ms": create_all_ms,
+            "destroy_all_ms": t.elapsed().as_millis() as u64,
+        }),
+    );
+    Ok(())
+}
+
+/// The ratios of like against like.
+fn ratios(res: &Results) -> serde_json::Value {
     let ratio = |a: &str, b: &str| -> Option<f64> {
         let (a, b) = (res.get(a)?, res.get(b)?);
         (b.p50_us > 0).then(|| a.p50_us as f64 / b.p50_us as f64)
     };
-    let ratios = serde_json::json!({
+    serde_json::json!({
         // Like against like: settled against settled, back to back against back to back.
         "cold_create_exec_true_vs_bwrap_p50":
             ratio("cold_create_exec_true", "peer_bwrap_true_settled"),
@@ -490,7 +422,40 @@ pub fn run(
         "python_inside_vs_outside_p50": ratio("python3_pass_inside", "python3_pass_outside"),
         "userns_vs_bwrap_p50": ratio("cold_create_exec_true_userns", "peer_bwrap_true_settled"),
         "userns_vs_default_p50": ratio("cold_create_exec_true_userns", "cold_create_exec_true"),
-    });
+    })
+}
+
+/// Runs the container benchmark.
+pub fn run(
+    args: &BenchArgs,
+    rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
+) -> anyhow::Result<ExitCode> {
+    let rt = rt()?;
+    let n = args.iterations.max(10);
+    let spec = SandboxSpec::default();
+    let mut res = Results::new();
+    let mut notes = Notes::new();
+
+    // Warm-up: page cache, spawner, cgroup base dirs.
+    for _ in 0..5 {
+        let (mut sb, _) = rt.create(&spec)?;
+        exec_ok(&mut sb, &rt, &["/bin/true"])?;
+        sb.destroy(&rt)?;
+    }
+    let r = Run {
+        rt: &rt,
+        spec: &spec,
+        n,
+        settle_ms: args.settle_ms,
+    };
+    cold_creates(&r, &mut res)?;
+    bwrap_peer(n, args.settle_ms, &mut res, &mut notes);
+    execs_and_resets(&r, &mut res)?;
+    warm_acquire(&rt, &spec, n, &mut res)?;
+    if args.idle > 0 {
+        density(&rt, &spec, args.idle, &mut notes)?;
+    }
+    let ratios = ratios(&res);
     let out = serde_json::json!({
         "benchmark": "container",
 

@@ -28,7 +28,7 @@ use dsec_node::trajlog::{Config, Record, RecordKind, TrajLog};
 use rusqlite::{params, TransactionBehavior};
 use serde_json::{json, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
+use super::{dist, emit, us, BenchArgs};
 
 /// The longest one append configuration runs.
 const RUN_LIMIT: Duration = Duration::from_secs(4);
@@ -74,6 +74,24 @@ struct Outcome {
 impl Outcome {
     fn per_s(&self, n: u64) -> f64 {
         n as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// The figures of workload `w` that made `appends`, and the fields of `extra`.
+    fn report(self, w: &Workload, appends: u64, extra: Value) -> Value {
+        let mut v = json!({
+            "writers": w.writers,
+            "payload_bytes": w.payload,
+            "appends": appends,
+            "seconds": (self.elapsed.as_secs_f64() * 1000.0).round() / 1000.0,
+            "appends_per_s": self.per_s(appends).round(),
+            "writer_appends_min_max": [self.per_writer.0, self.per_writer.1],
+            "stopped_at_time_limit": self.hit_limit,
+            "latency": dist(self.latencies),
+        });
+        if let (Some(o), Value::Object(extra)) = (v.as_object_mut(), extra) {
+            o.extend(extra);
+        }
+        v
     }
 }
 
@@ -187,20 +205,13 @@ fn bench_dsec(parent: &Path, w: Workload) -> anyhow::Result<Value> {
         "the log counted {appends} appends, the writers {}",
         out.latencies.len()
     );
-    Ok(json!({
-        "writers": w.writers,
-        "payload_bytes": w.payload,
-        "appends": appends,
-        "seconds": (out.elapsed.as_secs_f64() * 1000.0).round() / 1000.0,
-        "appends_per_s": out.per_s(appends).round(),
+    let extra = json!({
         "fsyncs": fsyncs,
         "fsyncs_per_s": out.per_s(fsyncs).round(),
         "appends_per_fsync": round1(appends as f64 / fsyncs.max(1) as f64),
         "mb_per_s": round1(out.per_s(after.bytes_written - before.bytes_written) / 1e6),
-        "writer_appends_min_max": [out.per_writer.0, out.per_writer.1],
-        "stopped_at_time_limit": out.hit_limit,
-        "latency": dist(out.latencies),
-    }))
+    });
+    Ok(out.report(&w, appends, extra))
 }
 
 fn sqlite_open(path: &Path) -> anyhow::Result<rusqlite::Connection> {
@@ -265,20 +276,11 @@ fn bench_sqlite(parent: &Path, w: Workload) -> anyhow::Result<Value> {
         stored as u64 == appends + 8,
         "sqlite holds {stored} rows, the writers made {appends} + 8"
     );
-    Ok(json!({
-        "writers": w.writers,
-        "payload_bytes": w.payload,
-        "appends": appends,
-        "seconds": (out.elapsed.as_secs_f64() * 1000.0).round() / 1000.0,
-        "appends_per_s": out.per_s(appends).round(),
-        "writer_appends_min_max": [out.per_writer.0, out.per_writer.1],
-        "stopped_at_time_limit": out.hit_limit,
-        "latency": dist(out.latencies),
-    }))
+    Ok(out.report(&w, appends, json!({})))
 }
 
 /// One 200 B append + `fdatasync` to a plain file: the disk's floor for one durable record.
-fn bench_fdatasync(parent: &Path, n: usize) -> anyhow::Result<crate::bench::Dist> {
+fn bench_fdatasync(parent: &Path, n: usize) -> anyhow::Result<super::Dist> {
     let mut f = tempfile::tempfile_in(parent)?;
     let body = payload(SMALL);
     let deadline = Instant::now() + RUN_LIMIT;

@@ -6,24 +6,22 @@
 //! delete, and the daemon's RSS. The peer measured in the same run is the HTTP floor: a
 //! `GET /livez` round trip on the same connection pool.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use serde_json::{json, Value};
+use dsec_testkit as testkit;
+use serde_json::{json, Map, Value};
 
-use crate::bench::{dist, emit, us, BenchArgs};
+use super::{dist, emit, us, BenchArgs, Dist};
 
-/// A `dsec server` child on fresh state dirs (benches of the daemon share it).
-pub(crate) struct Daemon {
-    pub(crate) child: Child,
-    pub(crate) url: String,
-    pub(crate) key: String,
-    base: std::path::PathBuf,
-}
+testkit::daemon_type!(
+    /// A `dsec server` child on fresh state dirs (benches of the daemon share it). Dropped, it
+    /// destroys every sandbox the bench made, then stops and its dirs go.
+    pub(crate) struct Daemon
+);
 
 impl Daemon {
     /// Destroys every sandbox the bench made (sandboxes outlive their daemon by design, so a
@@ -63,19 +61,7 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.destroy_everything();
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.base);
+        // Then the fixture's own drop: SIGTERM, SIGKILL after 30 s, the state dirs removed.
     }
 }
 
@@ -84,61 +70,23 @@ pub(crate) fn start_daemon(tag: &str, extra: &[&str]) -> anyhow::Result<Daemon> 
     let base = std::path::PathBuf::from(format!("/tmp/dsec-bench-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(&base)?;
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .arg("--data-dir")
-        .arg(base.join("d"))
-        .arg("--run-dir")
-        .arg(base.join("r"))
-        .args(["server", "--listen", "127.0.0.1:0", "--pool-max", "0"])
+    let d = testkit::Server::new(std::env::current_exe()?, &base.join("d"), &base.join("r"))
+        .args(&["--pool-max", "0"])
         .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
+        .remove_on_drop(&base)
+        .start()
         .context("start dsec server")?;
-    let out = child.stdout.take().context("stdout")?;
-    let mut url = None;
-    for line in BufReader::new(out).lines() {
-        let line = line?;
-        if let Some(u) = line.strip_prefix("dsec server listening on ") {
-            url = Some(u.to_owned());
-            break;
-        }
-    }
-    let url = url.context("the daemon did not start")?;
-    let key = std::fs::read_to_string(base.join("d/admin.key"))?
-        .trim()
-        .to_owned();
-    Ok(Daemon {
-        child,
-        url,
-        key,
-        base,
-    })
+    Ok(Daemon(d))
 }
 
 /// A blocking HTTP client of the bench's daemon (shared by the API and VM benches).
 #[derive(Clone)]
-pub(crate) struct Client {
-    agent: ureq::Agent,
-    url: String,
-    key: String,
-}
+pub(crate) struct Client(testkit::Http);
 
 impl Client {
     /// A client of `url` with API key `key`; every call gives up after `timeout`.
     pub(crate) fn new(url: &str, key: &str, timeout: Duration) -> Self {
-        Self {
-            agent: ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .max_idle_connections(256)
-                .max_idle_connections_per_host(256)
-                .timeout_global(Some(timeout))
-                .build()
-                .into(),
-            url: url.to_owned(),
-            key: key.to_owned(),
-        }
+        Self(testkit::Http::new(url, Some(key), Some(timeout)))
     }
 
     pub(crate) fn call(
@@ -147,32 +95,7 @@ impl Client {
         path: &str,
         body: Option<&Value>,
     ) -> anyhow::Result<(u16, Value)> {
-        let url = format!("{}{path}", self.url);
-        let r = match method {
-            "GET" => self.agent.get(&url).header("X-API-Key", &self.key).call(),
-            "DELETE" => self
-                .agent
-                .delete(&url)
-                .header("X-API-Key", &self.key)
-                .call(),
-            "PUT" => self
-                .agent
-                .put(&url)
-                .header("X-API-Key", &self.key)
-                .send(body.map(Value::to_string).unwrap_or_default()),
-            _ => self
-                .agent
-                .post(&url)
-                .header("X-API-Key", &self.key)
-                .send(body.map(Value::to_string).unwrap_or_default()),
-        };
-        let mut r = r?;
-        let status = r.status().as_u16();
-        let bytes = r.body_mut().with_config().limit(64 << 20).read_to_vec()?;
-        Ok((
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        ))
+        Ok(self.0.call(method, path, body)?)
     }
 
     pub(crate) fn ok(
@@ -194,16 +117,18 @@ impl Client {
         Ok((id, v["pooled"] == true))
     }
 
-    fn exec_true(&self, id: &str) -> anyhow::Result<()> {
+    /// Runs `/bin/true` in `id`; returns the process's own wall time as the sandbox measured
+    /// it (spawn to exit, microseconds; 0 when not reported).
+    pub(crate) fn exec_true(&self, id: &str) -> anyhow::Result<u64> {
         let v = self.ok(
             "POST",
             &format!("/v1/sandboxes/{id}/exec"),
             Some(&json!({"argv": ["/bin/true"]})),
         )?;
         if v["status"] != "ok" {
-            bail!("exec true: {v}");
+            bail!("exec true in {id}: {v}");
         }
-        Ok(())
+        Ok(v["wall_us"].as_u64().unwrap_or(0))
     }
 
     fn set_pool(&self, min: usize, max: usize) -> anyhow::Result<()> {
@@ -306,7 +231,6 @@ fn cycles(c: &Client, threads: usize, per_thread: usize) -> anyhow::Result<Value
     }))
 }
 
-/// Runs the API benchmark.
 /// Forks the pids controller refused (after copying the address space) in these sandboxes'
 /// cgroups so far: the sum of their `pids.events` `max` counts.
 fn forks_refused_after_copy(ids: &[String]) -> u64 {
@@ -319,25 +243,33 @@ fn forks_refused_after_copy(ids: &[String]) -> u64 {
 }
 
 /// A victim latency of one of the "beside" results, in ms.
-fn ms(out: &serde_json::Map<String, Value>, key: &str, q: &str) -> f64 {
+fn ms(out: &Map<String, Value>, key: &str, q: &str) -> f64 {
     out[key]["beside"][q].as_u64().unwrap_or(0) as f64 / 1000.0
 }
 
-pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let d = start_daemon("api", &[])?;
-    let c = Client::new(&d.url, &d.key, Duration::from_secs(120));
-    let n = args.iterations.max(20);
-    let mut out = serde_json::Map::new();
-    let rss_start = rss_kb(d.child.id());
+/// The ids of a batch create's answer.
+fn batch_ids(v: &Value) -> anyhow::Result<Vec<String>> {
+    Ok(v["items"]
+        .as_array()
+        .context("items")?
+        .iter()
+        .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
+        .collect())
+}
 
-    // Warm-up.
-    for _ in 0..5 {
-        let (id, _) = c.create()?;
-        c.exec_true(&id)?;
-        c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+/// `n` execs of `true` in `id`, back to back.
+fn quiet(c: &Client, id: &str, n: usize) -> anyhow::Result<Vec<u64>> {
+    let mut l = vec![];
+    for _ in 0..n {
+        let t = Instant::now();
+        c.exec_true(id)?;
+        l.push(us(t));
     }
+    Ok(l)
+}
 
-    // The HTTP floor (peer) and exec `true` on one sandbox, interleaved.
+/// The HTTP floor (peer) and exec `true` on one sandbox, interleaved; answers exec's figure.
+fn exec_vs_floor(c: &Client, n: usize, out: &mut Map<String, Value>) -> anyhow::Result<Dist> {
     let (id, _) = c.create()?;
     let (mut livez, mut exec) = (vec![], vec![]);
     for _ in 0..n {
@@ -356,8 +288,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         json!({"exec_true": &exec, "livez": &livez,
                "ratio_p50": exec.p50_us as f64 / livez.p50_us.max(1) as f64}),
     );
+    Ok(exec)
+}
 
-    // Pool hit: sequential acquires from a full pool, each followed by exec + delete.
+/// Pool hit: sequential acquires from a full pool, each followed by exec + delete.
+fn acquire_pool_hit(c: &Client, n: usize, out: &mut Map<String, Value>) -> anyhow::Result<()> {
     c.set_pool(8, 64)?;
     c.wait_pool(8)?;
     let mut acquire = vec![];
@@ -372,30 +307,31 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
     }
     out.insert("acquire_pool_hit".into(), json!(dist(acquire)));
+    Ok(())
+}
 
-    // Cycles at concurrency 1, 16, 64, with a pool (hits while it keeps up) and without.
-    let mut with_pool = serde_json::Map::new();
-    let mut without = serde_json::Map::new();
+/// Cycles at concurrency 1, 16, 64, with a pool (hits while it keeps up) and without.
+fn cycles_by_concurrency(c: &Client, n: usize, out: &mut Map<String, Value>) -> anyhow::Result<()> {
+    let mut with_pool = Map::new();
+    let mut without = Map::new();
     for conc in [1usize, 16, 64] {
         let per = (n / conc).clamp(3, 200);
         c.set_pool(conc.max(8), 128)?;
         c.wait_pool(conc.max(8) as u64)?;
-        with_pool.insert(conc.to_string(), cycles(&c, conc, per)?);
+        with_pool.insert(conc.to_string(), cycles(c, conc, per)?);
         c.set_pool(0, 0)?;
         c.wait_pool(0)?;
-        without.insert(conc.to_string(), cycles(&c, conc, per)?);
+        without.insert(conc.to_string(), cycles(c, conc, per)?);
     }
     out.insert("cycle_pool".into(), Value::Object(with_pool));
     out.insert("cycle_no_pool".into(), Value::Object(without));
+    Ok(())
+}
 
-    // Exec throughput over 64 sandboxes.
+/// Exec throughput over 64 sandboxes, one client thread each, for 5 s.
+fn exec_throughput(c: &Client, out: &mut Map<String, Value>) -> anyhow::Result<()> {
     let v = c.ok("POST", "/v1/sandboxes/batch", Some(&json!({"count": 64})))?;
-    let ids: Vec<String> = v["items"]
-        .as_array()
-        .context("items")?
-        .iter()
-        .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
-        .collect();
+    let ids = batch_ids(&v)?;
     let errors = AtomicU64::new(0);
     let dur = Duration::from_secs(5);
     let t0 = Instant::now();
@@ -433,31 +369,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "/v1/sandboxes/batch-delete",
         Some(&json!({"ids": ids})),
     )?;
+    Ok(())
+}
 
-    // R-13: exec latency on a quiet sandbox while 20 others abuse the node (CPU spin, fork
-    // bombs, memory bombs), against the same measurement without them.
-    let quiet = |c: &Client, id: &str| -> anyhow::Result<Vec<u64>> {
-        let mut l = vec![];
-        for _ in 0..n {
-            let t = Instant::now();
-            c.exec_true(id)?;
-            l.push(us(t));
-        }
-        Ok(l)
-    };
+/// R-13: exec latency on a quiet sandbox while 20 others abuse the node (CPU spin, fork bombs,
+/// memory bombs), against the same measurement without them. Answers the quiet sandbox (the
+/// victim, still running) and its calm figure.
+fn beside_abusers(
+    c: &Client,
+    n: usize,
+    out: &mut Map<String, Value>,
+) -> anyhow::Result<(String, Dist)> {
     let (victim, _) = c.create()?;
-    let calm = dist(quiet(&c, &victim)?);
+    let calm = dist(quiet(c, &victim, n)?);
     let v = c.ok(
         "POST",
         "/v1/sandboxes/batch",
         Some(&json!({"count": 20, "spec": {"labels": {"bench": "abuse"}, "limits": {"memory_max": 67108864, "pids_max": 64}}})),
     )?;
-    let abusers: Vec<String> = v["items"]
-        .as_array()
-        .context("items")?
-        .iter()
-        .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
-        .collect();
+    let abusers = batch_ids(&v)?;
     let mut abuse_start_errors = 0u32;
     for (i, id) in abusers.iter().enumerate() {
         let script = match i % 4 {
@@ -476,7 +406,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     std::thread::sleep(Duration::from_millis(500));
-    let abused = dist(quiet(&c, &victim)?);
+    let abused = dist(quiet(c, &victim, n)?);
     c.ok(
         "POST",
         "/v1/sandboxes/batch-delete",
@@ -489,9 +419,45 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
                "ratio_p50": abused.p50_us as f64 / calm.p50_us.max(1) as f64,
                "ratio_p99": abused.p99_us as f64 / calm.p99_us.max(1) as f64}),
     );
+    Ok((victim, calm))
+}
 
-    // G-23: the same victim beside 20 fork bombs, in sandboxes without and with a user
-    // namespace (where RLIMIT_NPROC refuses a fork before its address space is copied).
+/// The fork bombs' `pids_max` and `memory_max`.
+const BOMB_PIDS_MAX: u64 = 64;
+const BOMB_MEMORY_MAX: u64 = 256 << 20;
+
+/// `n` execs of `true` in `id`, one every 20 ms, that count their failures rather than stop at
+/// the first: the victim's latency (each call's), how many failed and the first failure, and
+/// the forks `bombs` had refused after the copy per second meanwhile.
+fn paced(c: &Client, id: &str, n: usize, bombs: &[String]) -> Value {
+    let refused_before = forks_refused_after_copy(bombs);
+    let t0 = Instant::now();
+    let (mut l, mut errors, mut first_error) = (vec![], 0u32, None);
+    for _ in 0..n {
+        let t = Instant::now();
+        if let Err(e) = c.exec_true(id) {
+            errors += 1;
+            first_error.get_or_insert_with(|| format!("{e:#}"));
+        }
+        l.push(us(t));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let refused_per_s =
+        (forks_refused_after_copy(bombs) - refused_before) as f64 / t0.elapsed().as_secs_f64();
+    json!({"victim": dist(l), "errors": errors, "first_error": first_error,
+           "forks_refused_after_copy_per_s": refused_per_s})
+}
+
+/// G-23: the victim beside 20 fork bombs, in sandboxes without and with a user namespace
+/// (where RLIMIT_NPROC refuses a fork before its address space is copied): back to back, then
+/// paced (one exec every 20 ms).
+fn beside_fork_bombs(
+    c: &Client,
+    n: usize,
+    victim: &str,
+    calm: &Dist,
+    out: &mut Map<String, Value>,
+) -> anyhow::Result<()> {
     for (key, userns) in [
         ("exec_true_beside_20_fork_bombs", false),
         ("exec_true_beside_20_fork_bombs_userns", true),
@@ -501,15 +467,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             "/v1/sandboxes/batch",
             Some(
                 &json!({"count": 20, "spec": {"labels": {"bench": "bombs"}, "userns": userns,
-                         "limits": {"memory_max": 268435456, "pids_max": 64}}}),
+                         "limits": {"memory_max": BOMB_MEMORY_MAX, "pids_max": BOMB_PIDS_MAX}}}),
             ),
         )?;
-        let bombs: Vec<String> = v["items"]
-            .as_array()
-            .context("items")?
-            .iter()
-            .filter_map(|i| i["sandbox"]["id"].as_str().map(str::to_owned))
-            .collect();
+        let bombs = batch_ids(&v)?;
         let mut start_errors = 0u32;
         for id in &bombs {
             let bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass";
@@ -526,9 +487,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(500));
         let refused_before = forks_refused_after_copy(&bombs);
         let t = Instant::now();
-        let beside = dist(quiet(&c, &victim)?);
+        let beside = dist(quiet(c, victim, n)?);
         let refused_per_s =
             (forks_refused_after_copy(&bombs) - refused_before) as f64 / t.elapsed().as_secs_f64();
+        let paced_20ms = paced(c, victim, n, &bombs);
         c.ok(
             "POST",
             "/v1/sandboxes/batch-delete",
@@ -536,18 +498,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         )?;
         out.insert(
             key.into(),
-            json!({"calm": &calm, "beside": &beside, "bombs": bombs.len(),
+            json!({"calm": calm, "beside": &beside, "bombs": bombs.len(),
                    "bombs_that_failed_to_start": start_errors,
+                   "pids_max": BOMB_PIDS_MAX, "memory_max": BOMB_MEMORY_MAX,
                    "forks_refused_after_copy_per_s": refused_per_s,
                    "ratio_p50": beside.p50_us as f64 / calm.p50_us.max(1) as f64,
-                   "ratio_p99": beside.p99_us as f64 / calm.p99_us.max(1) as f64}),
+                   "ratio_p99": beside.p99_us as f64 / calm.p99_us.max(1) as f64,
+                   "paced_20ms": paced_20ms}),
         );
     }
-    c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
+    Ok(())
+}
 
-    // 1,000 sandboxes: batch create, then batch delete.
+/// 1,000 sandboxes by batch create, then batch delete, and the daemon's RSS (`pid`) meanwhile.
+fn batch_1000(
+    c: &Client,
+    pid: u32,
+    rss_start: u64,
+    out: &mut Map<String, Value>,
+) -> anyhow::Result<()> {
     let count = 1000;
-    let rss_idle = rss_kb(d.child.id());
+    let rss_idle = rss_kb(pid);
     let t = Instant::now();
     let v = c.ok(
         "POST",
@@ -558,7 +529,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let made = v["items"]
         .as_array()
         .map_or(0, |a| a.iter().filter(|i| i["ok"] == true).count());
-    let rss_full = rss_kb(d.child.id());
+    let rss_full = rss_kb(pid);
     let t = Instant::now();
     let v = c.ok(
         "POST",
@@ -578,6 +549,32 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         json!({"start_kb": rss_start, "idle_kb": rss_idle, "with_1000_kb": rss_full,
                "per_sandbox_kb": (rss_full.saturating_sub(rss_idle)) as f64 / made.max(1) as f64}),
     );
+    Ok(())
+}
+
+/// Runs the API benchmark.
+pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let d = start_daemon("api", &[])?;
+    let c = Client::new(&d.url, &d.key, Duration::from_secs(120));
+    let n = args.iterations.max(20);
+    let mut out = Map::new();
+    let rss_start = rss_kb(d.child.id());
+
+    // Warm-up.
+    for _ in 0..5 {
+        let (id, _) = c.create()?;
+        c.exec_true(&id)?;
+        c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
+    }
+    let exec = exec_vs_floor(&c, n, &mut out)?;
+    acquire_pool_hit(&c, n, &mut out)?;
+    cycles_by_concurrency(&c, n, &mut out)?;
+    exec_throughput(&c, &mut out)?;
+    let (victim, calm) = beside_abusers(&c, n, &mut out)?;
+    beside_fork_bombs(&c, n, &victim, &calm, &mut out)?;
+    c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
+    batch_1000(&c, d.child.id(), rss_start, &mut out)?;
+
     let ratios = json!({
         "acquire_pool_hit_p50_ms": out["acquire_pool_hit"]["p50_us"].as_u64().unwrap_or(0) as f64 / 1000.0,
         "exec_true_p50_ms": exec.p50_us as f64 / 1000.0,
