@@ -9,7 +9,6 @@ pub mod clock;
 pub mod lifecycle;
 pub mod log;
 pub mod metrics;
-pub mod pool;
 pub mod sandbox;
 pub mod server;
 pub mod store;

@@ -5,13 +5,15 @@
 
 use std::collections::BTreeMap;
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{dist, emit, us, BenchArgs, Dist};
-use anyhow::Context;
 use dsec_api::exec::{ExecRequest, ExecStatus};
-use dsec_node::pool::{Pool, PoolConfig};
+use dsec_node::lifecycle::{CreateRequest, Node, PoolSize};
 use dsec_node::sandbox::SandboxSpec;
+use dsec_node::store::{Store, Tenant};
 use dsec_node::substrate::{ContainerRuntime, Sandbox};
 
 fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<u64> {
@@ -296,37 +298,56 @@ fn execs_and_resets(r: &Run<'_>, res: &mut Results) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Warm acquire from a pool.
-fn warm_acquire(
-    rt: &ContainerRuntime,
-    spec: &SandboxSpec,
-    n: usize,
-    res: &mut Results,
-) -> anyhow::Result<()> {
+/// Warm acquire from the daemon's pool: a create that the node's lifecycle serves from its
+/// warm pool of the `host` template (the quota check, the handover recorded in the store, the
+/// refill kicked off), as `POST /v1/sandboxes` does less its HTTP.
+fn warm_acquire(rt: &Arc<ContainerRuntime>, n: usize, res: &mut Results) -> anyhow::Result<()> {
     let pool_size = 50.min(n);
-    let pool = Pool::new(
-        spec.clone(),
-        PoolConfig {
-            min: 0,
-            max: pool_size,
-            target: pool_size,
-            low_watermark: pool_size / 5,
-        },
-    )?;
-    pool.refill(rt)?;
-    let mut v = vec![];
-    let mut taken = vec![];
-    for _ in 0..pool_size {
-        let t = Instant::now();
-        let sb = pool.try_acquire().context("pool unexpectedly empty")?;
-        v.push(us(t));
-        taken.push(sb);
-    }
-    res.insert("warm_acquire_from_pool", dist(v));
-    for sb in taken {
-        sb.destroy(rt)?;
-    }
-
+    let state = tempfile::tempdir()?;
+    let store = Store::open(&state.path().join("state.db"))?;
+    let tenant = Tenant {
+        id: "tn-bench".into(),
+        name: "bench".into(),
+        admin: false,
+        max_sandboxes: None,
+        max_memory_bytes: None,
+        created_at_ms: dsec_node::clock::now_ms(),
+    };
+    store.insert_tenant(&tenant)?;
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let node = Node::new(Arc::clone(rt), store, usize::MAX);
+    let size = PoolSize {
+        min: pool_size,
+        max: pool_size,
+    };
+    let measured = tokio.block_on(async {
+        node.configure_pool("host", size)?;
+        node.ready.store(true, Ordering::Relaxed);
+        node.kick_pools();
+        let filled = Instant::now();
+        while node.pool_stats().first().and_then(|p| p["ready"].as_u64()) < Some(pool_size as u64) {
+            anyhow::ensure!(
+                filled.elapsed() < Duration::from_secs(300),
+                "the pool did not fill"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut v = vec![];
+        for _ in 0..pool_size {
+            let t = Instant::now();
+            let rec = node.create(&tenant, CreateRequest::host()).await?;
+            v.push(us(t));
+            anyhow::ensure!(rec.pooled, "a create missed the full pool");
+        }
+        Ok(v)
+    });
+    // No refill beyond this point, and nothing of the node's left behind.
+    node.draining.store(true, Ordering::Relaxed);
+    tokio.block_on(node.destroy_all(Duration::from_secs(120)));
+    res.insert("warm_acquire_from_pool", dist(measured?));
     Ok(())
 }
 
@@ -430,7 +451,7 @@ pub fn run(
     args: &BenchArgs,
     rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
 ) -> anyhow::Result<ExitCode> {
-    let rt = rt()?;
+    let rt = Arc::new(rt()?);
     let n = args.iterations.max(10);
     let spec = SandboxSpec::default();
     let mut res = Results::new();
@@ -451,7 +472,7 @@ pub fn run(
     cold_creates(&r, &mut res)?;
     bwrap_peer(n, args.settle_ms, &mut res, &mut notes);
     execs_and_resets(&r, &mut res)?;
-    warm_acquire(&rt, &spec, n, &mut res)?;
+    warm_acquire(&rt, n, &mut res)?;
     if args.idle > 0 {
         density(&rt, &spec, args.idle, &mut notes)?;
     }

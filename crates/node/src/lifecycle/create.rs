@@ -39,6 +39,16 @@ pub struct CreateRequest {
     pub userns: bool,
 }
 
+impl CreateRequest {
+    /// A create of the `host` template with default limits (the one warm pools serve).
+    pub fn host() -> Self {
+        Self {
+            template: "host".into(),
+            ..Self::default()
+        }
+    }
+}
+
 impl Node {
     /// Creates (or takes from the pool) a sandbox for `tenant`.
     pub async fn create(

@@ -66,4 +66,39 @@ impl Node {
         self.remove(&e.id);
         Ok(rec)
     }
+
+    /// Destroys every sandbox of the node (`--shutdown-sandboxes`, the end of a benchmark),
+    /// again while a pool fill that was in flight adds one, for at most `within`. Returns how
+    /// many it destroyed.
+    pub async fn destroy_all(self: &Arc<Self>, within: std::time::Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut destroyed = 0usize;
+        loop {
+            let entries = self.entries();
+            if entries.is_empty() || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            let mut set = tokio::task::JoinSet::new();
+            for e in entries {
+                let node = Arc::clone(self);
+                set.spawn(async move { (e.id.clone(), node.destroy(&e).await) });
+            }
+            while let Some(done) = set.join_next().await {
+                match done {
+                    Ok((_, Ok(_))) => destroyed += 1,
+                    Ok((id, Err(e))) => {
+                        tracing::warn!(sandbox_id = %id, error = %e, "shutdown: destroy failed");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "shutdown: destroy task failed"),
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        tracing::info!(
+            destroyed = %destroyed,
+            left = %self.entries().len(),
+            "shutdown: sandboxes destroyed",
+        );
+        destroyed
+    }
 }

@@ -139,10 +139,10 @@ impl std::fmt::Debug for Node {
 
 impl Node {
     /// Wraps a started runtime and an open store.
-    pub fn new(rt: ContainerRuntime, store: Store, max_sandboxes: usize) -> Arc<Self> {
+    pub fn new(rt: Arc<ContainerRuntime>, store: Store, max_sandboxes: usize) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
-            rt: Arc::new(rt),
+            rt,
             store,
             entries: Mutex::new(HashMap::new()),
             pools: Mutex::new(HashMap::new()),

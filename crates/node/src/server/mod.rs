@@ -144,7 +144,7 @@ async fn serve(
     } else {
         None
     };
-    let app = Node::new(runtime, store, cfg.max_sandboxes);
+    let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
     let state = state::AppState {
         node: Arc::clone(&app),
         runner: Arc::new(run::Runner::new(
@@ -249,7 +249,7 @@ async fn serve(
     sweeper.abort();
     run::stop(&state.runner).await;
     if cfg.shutdown_sandboxes {
-        destroy_all(&app).await;
+        app.destroy_all(Duration::from_secs(60)).await;
     }
     result?;
     tracing::info!("stopped");
@@ -275,39 +275,6 @@ async fn open_trajectories(cfg: &ServerConfig) -> Result<trajectory::Trajectorie
         );
     }
     Ok(trajectories)
-}
-
-/// Destroys every sandbox of the node (`--shutdown-sandboxes`), again while a pool fill that
-/// was in flight adds one, for at most 60 s.
-async fn destroy_all(app: &Arc<Node>) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut destroyed = 0usize;
-    loop {
-        let entries = app.entries();
-        if entries.is_empty() || tokio::time::Instant::now() >= deadline {
-            break;
-        }
-        let mut set = tokio::task::JoinSet::new();
-        for e in entries {
-            let app = Arc::clone(app);
-            set.spawn(async move { (e.id.clone(), app.destroy(&e).await) });
-        }
-        while let Some(done) = set.join_next().await {
-            match done {
-                Ok((_, Ok(_))) => destroyed += 1,
-                Ok((id, Err(e))) => {
-                    tracing::warn!(sandbox_id = %id, error = %e, "shutdown: destroy failed");
-                }
-                Err(e) => tracing::warn!(error = %e, "shutdown: destroy task failed"),
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tracing::info!(
-        destroyed = %destroyed,
-        left = %app.entries().len(),
-        "shutdown: sandboxes destroyed",
-    );
 }
 
 async fn wait_for_signal() {
