@@ -701,7 +701,13 @@ fn list_ages_rm_all_and_shutdown_sandboxes() {
 
     // One more of the admin's, plus the pool's: SIGTERM destroys them all, nothing is left.
     d.ok(&["sandbox", "create"]);
-    let mine = d.run_dirs();
+    // The pool refills in the background: wait for its new sandbox.
+    let t0 = std::time::Instant::now();
+    let mut mine = d.run_dirs();
+    while mine.len() < 2 && t0.elapsed() < std::time::Duration::from_secs(20) {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        mine = d.run_dirs();
+    }
     assert!(mine.len() >= 2, "the admin's and the pool's: {mine:?}");
     d.stop();
     let left = d.run_dirs();
