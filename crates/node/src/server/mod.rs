@@ -212,10 +212,11 @@ async fn serve(
     let drain = cfg.drain_timeout;
     // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in
     // flight finish (bounded by the drain deadline), then stop accepting and close.
+    let signalled = on_signal();
     let shutdown = {
         let app = Arc::clone(&app);
         async move {
-            wait_for_signal().await;
+            signalled.await;
             app.draining.store(true, Ordering::Relaxed);
             tracing::info!(in_flight = %app.in_flight(), "draining");
             let deadline = tokio::time::Instant::now() + drain;
@@ -277,18 +278,23 @@ async fn open_trajectories(cfg: &ServerConfig) -> Result<trajectory::Trajectorie
     Ok(trajectories)
 }
 
-async fn wait_for_signal() {
+/// Registers for SIGTERM and SIGINT now (before the daemon says it is ready, so that a signal
+/// right after that is never the default action), and returns the wait for either.
+fn on_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
+    let signals = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    );
+    async move {
+        let (Ok(mut term), Ok(mut int)) = signals else {
+            std::future::pending::<()>().await;
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
 }
 

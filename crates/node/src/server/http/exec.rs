@@ -312,9 +312,8 @@ pub(super) async fn proc_stdin(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path((id, handle)): Path<(String, u64)>,
-    body: Bytes,
+    JsonBody(b): JsonBody<StdinBody>,
 ) -> ApiResult<StatusCode> {
-    let b: StdinBody = json_body(&body)?;
     let data = match (b.data, b.data_b64) {
         (Some(s), None) => s.into_bytes(),
         (None, Some(s)) => base64::engine::general_purpose::STANDARD
@@ -337,9 +336,8 @@ pub(super) async fn proc_signal(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path((id, handle)): Path<(String, u64)>,
-    body: Bytes,
+    JsonBody(b): JsonBody<SignalBody>,
 ) -> ApiResult<StatusCode> {
-    let b: SignalBody = json_body(&body)?;
     if !(1..=64).contains(&b.signal) {
         return Err(ApiError::invalid("signal must be in 1..=64"));
     }
@@ -361,9 +359,8 @@ pub(super) async fn proc_wait(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path((id, handle)): Path<(String, u64)>,
-    body: Bytes,
+    JsonBody(b): JsonBody<WaitBody>,
 ) -> ApiResult<Json<Value>> {
-    let b: WaitBody = json_body(&body)?;
     let timeout_ms = b.timeout_ms.unwrap_or(30_000).min(MAX_WAIT_MS);
     let e = app.node.owned(&t, &id)?;
     let ev = with_sandbox(&app, &e, move |_, sb| {
@@ -396,9 +393,8 @@ pub(super) async fn session_open(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
-    body: Bytes,
+    JsonBody(b): JsonBody<SessionBody>,
 ) -> ApiResult<Response> {
-    let b: SessionBody = json_body(&body)?;
     let e = app.node.owned(&t, &id)?;
     let mut env = e.record().env;
     env.extend(b.env);

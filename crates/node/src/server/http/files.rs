@@ -188,9 +188,8 @@ pub(super) async fn file_mkdir(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
-    body: Bytes,
+    JsonBody(b): JsonBody<MkdirBody>,
 ) -> ApiResult<StatusCode> {
-    let b: MkdirBody = json_body(&body)?;
     let req = AgentReq::Mkdir {
         path: b.path,
         parents: b.parents,

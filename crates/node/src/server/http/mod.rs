@@ -174,6 +174,27 @@ fn require_admin(t: &Tenant) -> ApiResult<()> {
     }
 }
 
+/// A JSON request body, parsed as [`json_body`] does. A body the transport refuses (too large)
+/// keeps axum's answer.
+struct JsonBody<T>(T);
+
+impl<T, S> axum::extract::FromRequest<S> for JsonBody<T>
+where
+    T: for<'de> Deserialize<'de>,
+    S: Send + Sync,
+{
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        json_body(&bytes)
+            .map(JsonBody)
+            .map_err(IntoResponse::into_response)
+    }
+}
+
 fn json_body<T: for<'de> Deserialize<'de>>(bytes: &Bytes) -> ApiResult<T> {
     let src: &[u8] = if bytes.is_empty() { b"{}" } else { bytes };
     serde_json::from_slice(src).map_err(|e| ApiError::invalid(format!("bad JSON body: {e}")))

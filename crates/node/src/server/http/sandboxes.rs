@@ -334,10 +334,9 @@ pub(super) async fn batch_create(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     idem: Option<Extension<IdemKey>>,
-    body: Bytes,
+    JsonBody(b): JsonBody<BatchCreate>,
 ) -> ApiResult<Json<Value>> {
     let idem = idem.map(|Extension(IdemKey(k))| k);
-    let b: BatchCreate = json_body(&body)?;
     if !(1..=1000).contains(&b.count) {
         return Err(ApiError::invalid("count must be in 1..=1000"));
     }
@@ -386,9 +385,8 @@ pub(super) struct BatchDelete {
 pub(super) async fn batch_delete(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
-    body: Bytes,
+    JsonBody(b): JsonBody<BatchDelete>,
 ) -> ApiResult<Json<Value>> {
-    let b: BatchDelete = json_body(&body)?;
     let ids: Vec<String> = match (b.ids, b.labels) {
         (Some(ids), None) => {
             if ids.len() > 10_000 {
@@ -458,9 +456,8 @@ pub(super) async fn lease(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(id): Path<String>,
-    body: Bytes,
+    JsonBody(b): JsonBody<LeaseBody>,
 ) -> ApiResult<Json<SandboxView>> {
-    let b: LeaseBody = json_body(&body)?;
     if b.lease_ms
         .is_some_and(|v| v == 0 || v > 30 * 24 * 3600 * 1000)
     {

@@ -113,10 +113,9 @@ pub(super) async fn set_pool(
     AxState(app): AxState<AppState>,
     Extension(caller): Extension<Tenant>,
     Path(template): Path<String>,
-    body: Bytes,
+    JsonBody(size): JsonBody<PoolSize>,
 ) -> ApiResult<Json<Value>> {
     require_admin(&caller)?;
-    let size: PoolSize = json_body(&body)?;
     if size.min > size.max || size.max > 10_000 {
         return Err(ApiError::invalid("need min ≤ max ≤ 10000"));
     }

@@ -15,10 +15,9 @@ pub(super) struct NewTenant {
 pub(super) async fn create_tenant(
     AxState(app): AxState<AppState>,
     Extension(caller): Extension<Tenant>,
-    body: Bytes,
+    JsonBody(req): JsonBody<NewTenant>,
 ) -> ApiResult<Response> {
     require_admin(&caller)?;
-    let req: NewTenant = json_body(&body)?;
     if req.name.is_empty()
         || req.name.len() > 64
         || !req

@@ -91,9 +91,8 @@ pub(super) async fn annotate(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
     Path(tid): Path<String>,
-    body: Bytes,
+    JsonBody(b): JsonBody<AnnotationBody>,
 ) -> ApiResult<Response> {
-    let b: AnnotationBody = json_body(&body)?;
     if b.labels.len() > 64 || b.labels.iter().any(|l| l.is_empty() || l.len() > 128) {
         return Err(ApiError::invalid("at most 64 labels of 1..=128 bytes"));
     }
