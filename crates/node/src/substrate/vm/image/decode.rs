@@ -268,10 +268,13 @@ pub(super) fn elf_section<'a>(elf: &'a [u8], wanted: &[u8]) -> Option<&'a [u8]> 
 
 #[cfg(test)]
 mod tests {
-    use super::super::tools::{find_executable, run};
-    use super::*;
     use std::fs;
     use std::process::Command;
+
+    use proptest::prelude::*;
+
+    use super::super::tools::{find_executable, run};
+    use super::*;
 
     /// An x86-64 ELF executable with one PT_LOAD and, if `pvh`, a Xen PVH entry note.
     fn fake_vmlinux(pvh: bool) -> Vec<u8> {
@@ -320,6 +323,21 @@ mod tests {
         block
     }
 
+    /// A `bzImage`-like blob: setup code, a stray magic followed by garbage, then `vmlinux` as
+    /// a one-block legacy frame and the size trailer.
+    fn fake_bzimage(vmlinux: &[u8]) -> Vec<u8> {
+        let block = lz4_literal_block(vmlinux);
+        let mut bzimage = b"setup code".to_vec();
+        bzimage.extend_from_slice(&LZ4_LEGACY_MAGIC);
+        bzimage.extend_from_slice(b"\x05\x00\x00\x00\xffjunk");
+        bzimage.extend_from_slice(&LZ4_LEGACY_MAGIC);
+        bzimage.extend_from_slice(&(block.len() as u32).to_le_bytes());
+        bzimage.extend_from_slice(&block);
+        bzimage.extend_from_slice(&(vmlinux.len() as u32).to_le_bytes());
+        bzimage.extend_from_slice(&[0u8; 100]);
+        bzimage
+    }
+
     #[test]
     fn lz4_block_with_overlapping_match() {
         // "abc", then a match at offset 3 of length 9, then the literals "xyz".
@@ -342,17 +360,7 @@ mod tests {
         assert!(!is_bootable_vmlinux(&vmlinux[..vmlinux.len() - 1]));
         assert!(!is_bootable_vmlinux(b"\x7fELF"));
 
-        let block = lz4_literal_block(&vmlinux);
-        let mut bzimage = b"setup code".to_vec();
-        // A stray magic followed by garbage, then the real payload and the size trailer.
-        bzimage.extend_from_slice(&LZ4_LEGACY_MAGIC);
-        bzimage.extend_from_slice(b"\x05\x00\x00\x00\xffjunk");
-        bzimage.extend_from_slice(&LZ4_LEGACY_MAGIC);
-        bzimage.extend_from_slice(&(block.len() as u32).to_le_bytes());
-        bzimage.extend_from_slice(&block);
-        bzimage.extend_from_slice(&(vmlinux.len() as u32).to_le_bytes());
-        bzimage.extend_from_slice(&[0u8; 100]);
-        assert_eq!(extract_vmlinux(&bzimage), Some(vmlinux));
+        assert_eq!(extract_vmlinux(&fake_bzimage(&vmlinux)), Some(vmlinux));
         assert_eq!(extract_vmlinux(b"no payload here"), None);
 
         // The lz4 tool's legacy format (-l) decodes identically (scripts/test.sh installs lz4).
@@ -377,5 +385,55 @@ mod tests {
             assert!(lz4_legacy_decode(compressed) == data);
         }
         Ok(())
+    }
+
+    /// Runs every decoder on `bytes`; they must return (an error or a bounded result), never
+    /// panic.
+    fn decode_all(bytes: &[u8]) {
+        if let Some(elf) = extract_vmlinux(bytes) {
+            assert!(is_bootable_vmlinux(&elf));
+        }
+        assert!(lz4_legacy_decode(bytes).len() <= bytes.len().saturating_mul(255));
+        let mut out = b"kept".to_vec();
+        let _ = lz4_block_decode(bytes, &mut out, 300);
+        assert!(out.starts_with(b"kept") && out.len() <= 4 + 300);
+        let _ = is_bootable_vmlinux(bytes);
+        if let Some(section) = elf_section(bytes, b".modinfo") {
+            let range = bytes.as_ptr_range();
+            assert!(section.is_empty() || range.contains(&section.as_ptr()));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(
+            bytes in proptest::collection::vec(any::<u8>(), 0..2048),
+        ) {
+            decode_all(&bytes);
+            let mut elf = fake_vmlinux(true);
+            let at = bytes.len() % elf.len();
+            elf.splice(at.., bytes.iter().copied());
+            decode_all(&elf);
+        }
+
+        #[test]
+        fn truncated_or_mangled_bzimage_is_rejected_without_panic(
+            cut in any::<prop::sample::Index>(),
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), 1u8..), 0..4),
+        ) {
+            let vmlinux = fake_vmlinux(true);
+            let bzimage = fake_bzimage(&vmlinux);
+            // Cut inside the payload: no complete ELF can come out.
+            let payload_end = bzimage.len() - 104;
+            let short = &bzimage[..cut.index(payload_end)];
+            prop_assert_eq!(extract_vmlinux(short), None);
+            decode_all(short);
+            let mut mangled = bzimage.clone();
+            for (at, mask) in flips {
+                let at = at.index(mangled.len());
+                mangled[at] ^= mask;
+            }
+            decode_all(&mangled);
+        }
     }
 }
