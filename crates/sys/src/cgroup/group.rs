@@ -48,6 +48,9 @@ impl Cgroup {
 
     /// How swap was handled by [`CgroupManager::create`]; `None` for [`CgroupManager::open`]ed
     /// cgroups.
+    ///
+    /// [`CgroupManager::create`]: super::CgroupManager::create
+    /// [`CgroupManager::open`]: super::CgroupManager::open
     pub fn swap_limit(&self) -> Option<SwapLimit> {
         self.swap
     }
