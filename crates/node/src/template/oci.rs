@@ -23,7 +23,6 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 
-use super::store::check_digest;
 use super::{Digest, ImportLimits, TemplateError, TemplateSource};
 
 /// Largest JSON document (index, manifest, config) read from an image.
@@ -124,6 +123,20 @@ struct DockerManifestEntry {
     config: String,
     #[serde(rename = "Layers")]
     layers: Vec<String>,
+}
+
+/// Fails with [`TemplateError::DigestMismatch`] when `expected` is given and is not `actual`.
+pub(crate) fn check_digest(
+    expected: Option<&Digest>,
+    actual: &Digest,
+) -> Result<(), TemplateError> {
+    match expected {
+        Some(e) if e != actual => Err(TemplateError::DigestMismatch {
+            expected: e.to_string(),
+            actual: actual.to_string(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn invalid(reason: impl Into<String>) -> TemplateError {
