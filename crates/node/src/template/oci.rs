@@ -437,14 +437,11 @@ fn parse_oci(root: &Path, limits: &ImportLimits) -> Result<ParsedImage, Template
             diff_id: diff_ids.get(i).cloned(),
         });
     }
-    let (env, workdir, user) = process_config(config);
-    Ok(ParsedImage {
+    Ok(parsed_image(
         layers,
-        env,
-        workdir,
-        user,
-        source: TemplateSource::Oci { manifest },
-    })
+        config,
+        TemplateSource::Oci { manifest },
+    ))
 }
 
 fn parse_docker(root: &Path, limits: &ImportLimits) -> Result<ParsedImage, TemplateError> {
@@ -471,14 +468,7 @@ fn parse_docker(root: &Path, limits: &ImportLimits) -> Result<ParsedImage, Templ
             diff_id: diff_ids.get(i).cloned(),
         });
     }
-    let (env, workdir, user) = process_config(config);
-    Ok(ParsedImage {
-        layers,
-        env,
-        workdir,
-        user,
-        source: TemplateSource::DockerSave,
-    })
+    Ok(parsed_image(layers, config, TemplateSource::DockerSave))
 }
 
 /// The digest a `docker save` file name promises: `<hex>.json` or `blobs/sha256/<hex>`.
@@ -504,7 +494,13 @@ fn diff_ids(config: &ImageConfig, n_layers: usize) -> Result<Vec<Digest>, Templa
     rootfs.diff_ids.iter().map(|d| parse_digest(d)).collect()
 }
 
-fn process_config(config: ImageConfig) -> (Vec<(String, String)>, String, Option<String>) {
+/// The parsed image: `layers`, `source` and the process settings of `config` (environment,
+/// working directory made absolute, `/` by default; user, if not empty).
+fn parsed_image(
+    layers: Vec<LayerBlob>,
+    config: ImageConfig,
+    source: TemplateSource,
+) -> ParsedImage {
     let pc = config.config.unwrap_or_default();
     let env: Vec<(String, String)> = pc
         .env
@@ -521,7 +517,13 @@ fn process_config(config: ImageConfig) -> (Vec<(String, String)>, String, Option
         Some(w) => format!("/{w}"),
     };
     let user = pc.user.filter(|u| !u.is_empty());
-    (env, workdir, user)
+    ParsedImage {
+        layers,
+        env,
+        workdir,
+        user,
+        source,
+    }
 }
 
 #[cfg(test)]

@@ -11,19 +11,12 @@ use super::rootfs::populate_and_pivot;
 use super::steps::{mkdir, try_mount, NONE};
 use super::{ContainerSpec, StepError};
 
-/// Reports `step:errno` on the error pipe and exits. Never returns.
-pub(super) fn fail(err: &OwnedFd, step: &str) -> ! {
-    let errno = io::Error::last_os_error().raw_os_error().unwrap_or(0);
-    let msg = format!("{step}:{errno}");
-    // SAFETY: writing a valid buffer to an fd we own, then exiting without running destructors
-    // (the parent's state must not be torn down from the child).
-    unsafe {
-        libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len());
-        libc::_exit(127);
-    }
+/// Reports `step:errno` (the last OS error) on the error pipe and exits. Never returns.
+pub(super) fn fail(err: &OwnedFd, step: &'static str) -> ! {
+    fail_step(err, StepError::last(step))
 }
 
-pub(super) fn check(rc: libc::c_int, err: &OwnedFd, step: &str) {
+pub(super) fn check(rc: libc::c_int, err: &OwnedFd, step: &'static str) {
     if rc < 0 {
         fail(err, step);
     }
@@ -43,9 +36,11 @@ fn mount(
     }
 }
 
+/// Reports a failed step as `step:errno` on the error pipe and exits. Never returns.
 fn fail_step(err: &OwnedFd, e: StepError) -> ! {
     let msg = format!("{}:{}", e.step, e.errno);
-    // SAFETY: writing a valid buffer to an fd we own, then exiting without running destructors.
+    // SAFETY: writing a valid buffer to an fd we own, then exiting without running destructors
+    // (the parent's state must not be torn down from the child).
     unsafe {
         libc::write(err.as_raw_fd(), msg.as_ptr().cast(), msg.len());
         libc::_exit(127);

@@ -27,17 +27,16 @@ pub const MICROVM_MODULES: &[&str] = &[
 
 /// [`MICROVM_MODULES`] plus the virtio PCI transport, for full VMs (`qemu -M q35`); its
 /// dependencies (`virtio_pci_modern_dev`, `virtio_pci_legacy_dev`) are resolved automatically.
-pub const VM_MODULES: &[&str] = &[
-    "virtio",
-    "virtio_ring",
-    "virtio_mmio",
-    "virtio_blk",
-    "virtio_console",
-    "overlay",
-    "squashfs",
-    "virtio_rng",
-    "virtio_pci",
-];
+pub const VM_MODULES: &[&str] = &{
+    let mut all = [""; MICROVM_MODULES.len() + 1];
+    let mut i = 0;
+    while i < MICROVM_MODULES.len() {
+        all[i] = MICROVM_MODULES[i];
+        i += 1;
+    }
+    all[i] = "virtio_pci";
+    all
+};
 
 /// The module dependency index, in depmod's format.
 pub(super) const MODULES_DEP: &str = "modules.dep";
@@ -434,6 +433,11 @@ kernel/fs/squashfs/squashfs.ko:
             "{err:?}"
         );
         Ok(())
+    }
+
+    #[test]
+    fn vm_modules_are_the_microvm_ones_and_virtio_pci() {
+        assert_eq!(VM_MODULES, [MICROVM_MODULES, &["virtio_pci"]].concat());
     }
 
     #[test]
