@@ -2,7 +2,7 @@
 //! [`LaunchParams`] and read back the step that failed, if any.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::OwnedFd;
 
 use crate::seccomp::Filter;
 
@@ -13,18 +13,9 @@ use super::{
     NamespaceSpec,
 };
 
+/// [`crate::ipc::pipe_cloexec`], its failure a [`LaunchError::Create`] of `what`.
 fn pipe_cloexec(what: &'static str) -> Result<(OwnedFd, OwnedFd), LaunchError> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
-    let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
-    if rc != 0 {
-        return Err(LaunchError::Create {
-            what,
-            source: io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: pipe2 succeeded, so both fds are open and owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    crate::ipc::pipe_cloexec().map_err(|source| LaunchError::Create { what, source })
 }
 
 /// What a shell is cloned with: everything that does not depend on the request.
