@@ -126,7 +126,7 @@ pub struct Agent {
     inflight: AtomicUsize,
     workers: Arc<Workers>,
     /// Set when the agent is PID 1 of a VM guest.
-    guest: Option<crate::vm::Guest>,
+    guest: Option<crate::guest::Guest>,
 }
 
 /// A worker's job: reading the connection. Returns true when the worker has nothing left to do
@@ -337,7 +337,7 @@ impl Agent {
         root: Root,
         root_path: PathBuf,
         reaper: Arc<Reaper>,
-        guest: Option<crate::vm::Guest>,
+        guest: Option<crate::guest::Guest>,
     ) -> Agent {
         Agent {
             out: Arc::new(Out {
@@ -531,41 +531,9 @@ impl Agent {
             Request::Ping => out.send(id, &Event::Pong, &[]),
             Request::Exec(r) => self.exec(id, &r, body),
             Request::Spawn(r) => self.spawn(id, &r, body),
-            Request::ProcStatus { handle } => match self.proc(handle) {
-                Some(p) => out.send(
-                    id,
-                    &Event::ProcStatus {
-                        running: p.slot.get().is_none(),
-                        pid: p.pid,
-                    },
-                    &[],
-                ),
-                None => self.no_handle(id, handle),
-            },
-            Request::ProcSignal { handle, signal } => match self.proc(handle) {
-                None => self.no_handle(id, handle),
-                Some(_) if !(1..=64).contains(&signal) => {
-                    out.error(
-                        id,
-                        ErrorCode::InvalidRequest,
-                        &msg(format!("signal {signal} not in 1..=64")),
-                    );
-                }
-                Some(p) => match proc::killpg(p.pid, signal) {
-                    Ok(_) => ok(),
-                    Err(e) => out.error(id, ErrorCode::Internal, &e),
-                },
-            },
-            Request::ProcStdin { handle, eof } => match self.proc(handle) {
-                None => self.no_handle(id, handle),
-                Some(p) => match p.feed.push(&body, eof) {
-                    Ok(()) => {
-                        p.slot.wake();
-                        ok();
-                    }
-                    Err(e) => out.error(id, e.code(), &e),
-                },
-            },
+            Request::ProcStatus { handle } => self.proc_status(id, handle),
+            Request::ProcSignal { handle, signal } => self.proc_signal(id, handle, signal),
+            Request::ProcStdin { handle, eof } => self.proc_stdin(id, handle, &body, eof),
             Request::ProcWait { handle, timeout_ms } => self.proc_wait(id, handle, timeout_ms),
             Request::SessionOpen { kind, env, cwd } => {
                 match self
@@ -580,21 +548,7 @@ impl Agent {
                 session,
                 input,
                 timeout_ms,
-            } => {
-                if timeout_ms.is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS) {
-                    out.error(
-                        id,
-                        ErrorCode::InvalidRequest,
-                        &msg(format!("timeout_ms must be in 1..={MAX_TIMEOUT_MS}")),
-                    );
-                    return;
-                }
-                let to = Arc::clone(&self.out);
-                let reply = Box::new(move |r| to.send(id, &Event::ExecDone(r), &[]));
-                if let Err(e) = self.sessions.run(session, &input, timeout_ms, reply) {
-                    out.error(id, e.code(), &e);
-                }
-            }
+            } => self.session_run(id, session, &input, timeout_ms),
             Request::SessionClose { session } => match self.sessions.close(session) {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, e.code(), &e),
@@ -656,19 +610,7 @@ impl Agent {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, ErrorCode::Internal, &e),
             },
-            Request::Configure { env, nofile, fsize } => {
-                exec::configure(env, nofile, fsize);
-                match Root::open(&self.root_path) {
-                    Ok(r) => {
-                        if let Ok(mut g) = self.root.write() {
-                            *g = Arc::new(r);
-                        }
-                        self.root_stale.store(false, Ordering::Release);
-                        ok()
-                    }
-                    Err(e) => out.error(id, ErrorCode::Internal, &e),
-                }
-            }
+            Request::Configure { env, nofile, fsize } => self.configure(id, env, nofile, fsize),
             Request::Identify {
                 hostname,
                 unix_ns,
@@ -695,24 +637,107 @@ impl Agent {
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
                 },
             },
-            Request::ReopenRoot => {
-                // A reset: the supervisor killed every other process of the sandbox, so their
-                // handles and sessions go too; the root is reopened at its next use.
-                lock(&self.procs).clear();
-                self.sessions.clear();
-                // Let go of the old root now: held until the next use it would keep the old
-                // writable layer (and all it stores) alive while the sandbox sits idle. /proc
-                // stands in (its mount moves into the fresh root, so it pins nothing of the
-                // old one) until the next use reopens the root.
-                if let Ok(placeholder) = Root::open(std::path::Path::new("/proc")) {
-                    if let Ok(mut g) = self.root.write() {
-                        *g = Arc::new(placeholder);
-                    }
+            Request::ReopenRoot => self.reopen_root(id),
+        }
+    }
+
+    fn proc_status(&self, id: u64, handle: u64) {
+        match self.proc(handle) {
+            Some(p) => self.out.send(
+                id,
+                &Event::ProcStatus {
+                    running: p.slot.get().is_none(),
+                    pid: p.pid,
+                },
+                &[],
+            ),
+            None => self.no_handle(id, handle),
+        }
+    }
+
+    fn proc_signal(&self, id: u64, handle: u64, signal: i32) {
+        match self.proc(handle) {
+            None => self.no_handle(id, handle),
+            Some(_) if !(1..=64).contains(&signal) => {
+                self.out.error(
+                    id,
+                    ErrorCode::InvalidRequest,
+                    &msg(format!("signal {signal} not in 1..=64")),
+                );
+            }
+            Some(p) => match proc::killpg(p.pid, signal) {
+                Ok(_) => self.out.send(id, &Event::Ok, &[]),
+                Err(e) => self.out.error(id, ErrorCode::Internal, &e),
+            },
+        }
+    }
+
+    fn proc_stdin(&self, id: u64, handle: u64, body: &[u8], eof: bool) {
+        match self.proc(handle) {
+            None => self.no_handle(id, handle),
+            Some(p) => match p.feed.push(body, eof) {
+                Ok(()) => {
+                    p.slot.wake();
+                    self.out.send(id, &Event::Ok, &[]);
                 }
-                self.root_stale.store(true, Ordering::Release);
-                ok()
+                Err(e) => self.out.error(id, e.code(), &e),
+            },
+        }
+    }
+
+    fn session_run(&self, id: u64, session: u64, input: &str, timeout_ms: Option<u64>) {
+        if timeout_ms.is_some_and(|t| t == 0 || t > MAX_TIMEOUT_MS) {
+            self.out.error(
+                id,
+                ErrorCode::InvalidRequest,
+                &msg(format!("timeout_ms must be in 1..={MAX_TIMEOUT_MS}")),
+            );
+            return;
+        }
+        let to = Arc::clone(&self.out);
+        let reply = Box::new(move |r| to.send(id, &Event::ExecDone(r), &[]));
+        if let Err(e) = self.sessions.run(session, input, timeout_ms, reply) {
+            self.out.error(id, e.code(), &e);
+        }
+    }
+
+    /// `Configure`: the sandbox's environment and limits, and its root opened afresh.
+    fn configure(
+        &self,
+        id: u64,
+        env: Vec<(String, String)>,
+        nofile: Option<u64>,
+        fsize: Option<u64>,
+    ) {
+        exec::configure(env, nofile, fsize);
+        match Root::open(&self.root_path) {
+            Ok(r) => {
+                if let Ok(mut g) = self.root.write() {
+                    *g = Arc::new(r);
+                }
+                self.root_stale.store(false, Ordering::Release);
+                self.out.send(id, &Event::Ok, &[]);
+            }
+            Err(e) => self.out.error(id, ErrorCode::Internal, &e),
+        }
+    }
+
+    /// `ReopenRoot`, a reset: the supervisor killed every other process of the sandbox, so their
+    /// handles and sessions go too; the root is reopened at its next use.
+    fn reopen_root(&self, id: u64) {
+        lock(&self.procs).clear();
+        self.sessions.clear();
+        // Let go of the old root now: held until the next use it would keep the old writable
+        // layer (and all it stores) alive while the sandbox sits idle. /proc stands in (its
+        // mount moves into the fresh root, so it pins nothing of the old one) until the next
+        // use reopens the root.
+        if let Ok(placeholder) = Root::open(std::path::Path::new("/proc")) {
+            if let Ok(mut g) = self.root.write() {
+                *g = Arc::new(placeholder);
             }
         }
+        self.root_stale.store(true, Ordering::Release);
+        self.out.send(id, &Event::Ok, &[]);
     }
 
     fn no_handle(&self, id: u64, handle: u64) {
@@ -737,11 +762,11 @@ impl Agent {
         // In a VM guest the kernel's OOM killer is the memory limit: a command that failed
         // while it killed something is reported as `oom`, as the cgroup counter does for
         // containers on the host.
-        let ooms = self.guest.as_ref().map(|_| crate::vm::oom_kills());
+        let ooms = self.guest.as_ref().map(|_| crate::guest::oom_kills());
         match exec::run(req, body, &self.root(), &self.reaper, &mut sink) {
             Ok(mut r) => {
                 if let Some(before) = ooms {
-                    if crate::vm::oom_kills() > before && r.status != ExecStatus::Ok {
+                    if crate::guest::oom_kills() > before && r.status != ExecStatus::Ok {
                         r.status = ExecStatus::Oom;
                     }
                 }

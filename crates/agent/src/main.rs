@@ -14,6 +14,7 @@
 mod conn;
 mod exec;
 mod files;
+mod guest;
 mod reaper;
 mod session;
 mod tar;

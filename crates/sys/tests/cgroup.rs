@@ -160,6 +160,14 @@ fn all_gone(dirs: &[PathBuf]) -> bool {
     dirs.iter().all(|d| !d.exists())
 }
 
+/// Removes `cg` and checks that none of its directories is left.
+fn remove_all_gone(cg: Cgroup) -> TestResult {
+    let dirs = cg.dirs();
+    cg.remove()?;
+    assert!(all_gone(&dirs), "{dirs:?}");
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Real kernel, detected layout (v1 here).
 // ---------------------------------------------------------------------------------------------
@@ -182,13 +190,7 @@ fn limits_are_written_and_read_back() -> TestResult {
     let mgr = host("limits_are_written_and_read_back");
     let name = "limits";
     let _guard = CgGuard::new(&mgr, name);
-    let limits = CgroupLimits {
-        cpu_weight: Some(200),
-        cpu_max: Some((50_000, 100_000)),
-        memory_high: Some(256 * MIB),
-        memory_max: Some(512 * MIB),
-        pids_max: Some(5),
-    };
+    let limits = every_limit(200, (50_000, 100_000), 256 * MIB, 512 * MIB, 5);
     let cg = mgr.create(name, &limits)?;
     assert_eq!(cg.name(), name);
     match mgr.layout() {
@@ -251,9 +253,7 @@ fn limits_are_written_and_read_back() -> TestResult {
             assert_eq!(read(&dir.join("pids.max")), "5");
         }
     }
-    let dirs = cg.dirs();
-    cg.remove()?;
-    assert!(all_gone(&dirs));
+    remove_all_gone(cg)?;
     Ok(())
 }
 
@@ -278,9 +278,7 @@ fn attach_pids_kill_remove() -> TestResult {
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(9)
     );
-    let dirs = cg.dirs();
-    cg.remove()?;
-    assert!(all_gone(&dirs), "{dirs:?}");
+    remove_all_gone(cg)?;
     Ok(())
 }
 
@@ -376,9 +374,7 @@ fn kill_all_kills_a_process_tree() -> TestResult {
         .stats()
         .map(|s| s.pids_current == 0)
         .unwrap_or(false)));
-    let dirs = cg.dirs();
-    cg.remove()?;
-    assert!(all_gone(&dirs));
+    remove_all_gone(cg)?;
     Ok(())
 }
 
@@ -538,9 +534,7 @@ fn v2_real_create_attach_kill_remove() -> TestResult {
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(9)
     );
-    let dirs = cg.dirs();
-    cg.remove()?;
-    assert!(all_gone(&dirs));
+    remove_all_gone(cg)?;
     Ok(())
 }
 
@@ -590,6 +584,31 @@ fn favor_dynmods_v2_remount() -> TestResult {
 // ---------------------------------------------------------------------------------------------
 // Fake roots: the file-writing logic without a kernel behind it.
 // ---------------------------------------------------------------------------------------------
+
+/// Limits with every field set.
+fn every_limit(
+    cpu_weight: u64,
+    cpu_max: (u64, u64),
+    memory_high: u64,
+    memory_max: u64,
+    pids_max: u64,
+) -> CgroupLimits {
+    CgroupLimits {
+        cpu_weight: Some(cpu_weight),
+        cpu_max: Some(cpu_max),
+        memory_high: Some(memory_high),
+        memory_max: Some(memory_max),
+        pids_max: Some(pids_max),
+    }
+}
+
+/// Asserts the contents of each `(path under dir, contents)`.
+fn assert_files(dir: &Path, expected: &[(&str, String)]) -> TestResult {
+    for (file, want) in expected {
+        assert_eq!(&fs::read_to_string(dir.join(file))?, want, "{file}");
+    }
+    Ok(())
+}
 
 fn touch(dir: &Path, files: &[(&str, &str)]) -> std::io::Result<()> {
     fs::create_dir_all(dir)?;
@@ -648,24 +667,25 @@ fn v2_fake_root_create_delegates_and_writes_limits() -> TestResult {
         "cgroup.kill",
     ];
     touch(&dir, &files.map(|f| (f, "")))?;
-    let swap = cg.set_limits(&CgroupLimits {
-        cpu_weight: Some(300),
-        cpu_max: Some((20_000, 100_000)),
-        memory_high: Some(100 * MIB),
-        memory_max: Some(128 * MIB),
-        pids_max: Some(64),
-    })?;
+    let swap = cg.set_limits(&every_limit(
+        300,
+        (20_000, 100_000),
+        100 * MIB,
+        128 * MIB,
+        64,
+    ))?;
     assert_eq!(swap, SwapLimit::Disabled);
-    for (file, want) in [
-        ("cpu.weight", "300".to_owned()),
-        ("cpu.max", "20000 100000".to_owned()),
-        ("memory.high", (100 * MIB).to_string()),
-        ("memory.max", (128 * MIB).to_string()),
-        ("memory.swap.max", "0".to_owned()),
-        ("pids.max", "64".to_owned()),
-    ] {
-        assert_eq!(fs::read_to_string(dir.join(file))?, want, "{file}");
-    }
+    assert_files(
+        &dir,
+        &[
+            ("cpu.weight", "300".to_owned()),
+            ("cpu.max", "20000 100000".to_owned()),
+            ("memory.high", (100 * MIB).to_string()),
+            ("memory.max", (128 * MIB).to_string()),
+            ("memory.swap.max", "0".to_owned()),
+            ("pids.max", "64".to_owned()),
+        ],
+    )?;
 
     // No swap accounting: memory.swap.max absent is recorded, not an error.
     fs::remove_file(dir.join("memory.swap.max"))?;
@@ -766,29 +786,24 @@ fn v1_fake_root_maps_limits_and_tolerates_missing_memsw() -> TestResult {
         ],
     )?;
     touch(&r.join("pids/dsec/sbx"), &[("pids.max", "")])?;
-    let swap = cg.set_limits(&CgroupLimits {
-        cpu_weight: Some(50),
-        cpu_max: Some((25_000, 50_000)),
-        memory_high: Some(8 * MIB),
-        memory_max: Some(16 * MIB),
-        pids_max: Some(7),
-    })?;
+    let swap = cg.set_limits(&every_limit(50, (25_000, 50_000), 8 * MIB, 16 * MIB, 7))?;
     assert_eq!(swap, SwapLimit::NotAccounted);
-    for (file, want) in [
-        ("cpu,cpuacct/dsec/sbx/cpu.shares", "512".to_owned()),
-        ("cpu,cpuacct/dsec/sbx/cpu.cfs_quota_us", "25000".to_owned()),
-        ("cpu,cpuacct/dsec/sbx/cpu.cfs_period_us", "50000".to_owned()),
-        (
-            "memory/dsec/sbx/memory.limit_in_bytes",
-            (16 * MIB).to_string(),
-        ),
-        (
-            "memory/dsec/sbx/memory.soft_limit_in_bytes",
-            (8 * MIB).to_string(),
-        ),
-        ("pids/dsec/sbx/pids.max", "7".to_owned()),
-    ] {
-        assert_eq!(fs::read_to_string(r.join(file))?, want, "{file}");
-    }
+    assert_files(
+        r,
+        &[
+            ("cpu,cpuacct/dsec/sbx/cpu.shares", "512".to_owned()),
+            ("cpu,cpuacct/dsec/sbx/cpu.cfs_quota_us", "25000".to_owned()),
+            ("cpu,cpuacct/dsec/sbx/cpu.cfs_period_us", "50000".to_owned()),
+            (
+                "memory/dsec/sbx/memory.limit_in_bytes",
+                (16 * MIB).to_string(),
+            ),
+            (
+                "memory/dsec/sbx/memory.soft_limit_in_bytes",
+                (8 * MIB).to_string(),
+            ),
+            ("pids/dsec/sbx/pids.max", "7".to_owned()),
+        ],
+    )?;
     Ok(())
 }

@@ -23,7 +23,6 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 
-use super::store::check_digest;
 use super::{Digest, ImportLimits, TemplateError, TemplateSource};
 
 /// Largest JSON document (index, manifest, config) read from an image.
@@ -124,6 +123,20 @@ struct DockerManifestEntry {
     config: String,
     #[serde(rename = "Layers")]
     layers: Vec<String>,
+}
+
+/// Fails with [`TemplateError::DigestMismatch`] when `expected` is given and is not `actual`.
+pub(crate) fn check_digest(
+    expected: Option<&Digest>,
+    actual: &Digest,
+) -> Result<(), TemplateError> {
+    match expected {
+        Some(e) if e != actual => Err(TemplateError::DigestMismatch {
+            expected: e.to_string(),
+            actual: actual.to_string(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn invalid(reason: impl Into<String>) -> TemplateError {
@@ -424,14 +437,11 @@ fn parse_oci(root: &Path, limits: &ImportLimits) -> Result<ParsedImage, Template
             diff_id: diff_ids.get(i).cloned(),
         });
     }
-    let (env, workdir, user) = process_config(config);
-    Ok(ParsedImage {
+    Ok(parsed_image(
         layers,
-        env,
-        workdir,
-        user,
-        source: TemplateSource::Oci { manifest },
-    })
+        config,
+        TemplateSource::Oci { manifest },
+    ))
 }
 
 fn parse_docker(root: &Path, limits: &ImportLimits) -> Result<ParsedImage, TemplateError> {
@@ -458,14 +468,7 @@ fn parse_docker(root: &Path, limits: &ImportLimits) -> Result<ParsedImage, Templ
             diff_id: diff_ids.get(i).cloned(),
         });
     }
-    let (env, workdir, user) = process_config(config);
-    Ok(ParsedImage {
-        layers,
-        env,
-        workdir,
-        user,
-        source: TemplateSource::DockerSave,
-    })
+    Ok(parsed_image(layers, config, TemplateSource::DockerSave))
 }
 
 /// The digest a `docker save` file name promises: `<hex>.json` or `blobs/sha256/<hex>`.
@@ -491,7 +494,13 @@ fn diff_ids(config: &ImageConfig, n_layers: usize) -> Result<Vec<Digest>, Templa
     rootfs.diff_ids.iter().map(|d| parse_digest(d)).collect()
 }
 
-fn process_config(config: ImageConfig) -> (Vec<(String, String)>, String, Option<String>) {
+/// The parsed image: `layers`, `source` and the process settings of `config` (environment,
+/// working directory made absolute, `/` by default; user, if not empty).
+fn parsed_image(
+    layers: Vec<LayerBlob>,
+    config: ImageConfig,
+    source: TemplateSource,
+) -> ParsedImage {
     let pc = config.config.unwrap_or_default();
     let env: Vec<(String, String)> = pc
         .env
@@ -508,7 +517,13 @@ fn process_config(config: ImageConfig) -> (Vec<(String, String)>, String, Option
         Some(w) => format!("/{w}"),
     };
     let user = pc.user.filter(|u| !u.is_empty());
-    (env, workdir, user)
+    ParsedImage {
+        layers,
+        env,
+        workdir,
+        user,
+        source,
+    }
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use std::sync::RwLock;
 use tempfile::TempDir;
 
 use super::host::host_mask_layer;
-use super::oci::{self, OciSource, ParsedImage};
+use super::oci::{self, check_digest, OciSource, ParsedImage};
 use super::unpack::{self, Budget, MeteredReader, UnpackMode};
 use super::{
     validate_name, Digest, ImportLimits, LayerRef, Template, TemplateError, TemplateSource,
@@ -166,19 +166,6 @@ fn stored_layers(t: &Template) -> impl Iterator<Item = Digest> + '_ {
         LayerRef::Stored { digest } => Some(digest.clone()),
         LayerRef::HostRoot | LayerRef::HostMask { .. } => None,
     })
-}
-
-pub(crate) fn check_digest(
-    expected: Option<&Digest>,
-    actual: &Digest,
-) -> Result<(), TemplateError> {
-    match expected {
-        Some(e) if e != actual => Err(TemplateError::DigestMismatch {
-            expected: e.to_string(),
-            actual: actual.to_string(),
-        }),
-        _ => Ok(()),
-    }
 }
 
 /// Named templates over a [`LayerStore`], persisted under `<data_dir>/templates/`.

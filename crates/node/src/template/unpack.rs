@@ -374,12 +374,7 @@ fn unpack_entries<R: Read>(
         budget.count_entry()?;
         let raw = entry.path_bytes().into_owned();
         let name = display(&raw);
-        if raw.len() > limits.max_path_len {
-            return Err(TemplateError::LimitExceeded {
-                what: "path length",
-                limit: limits.max_path_len as u64,
-            });
-        }
+        check_path_len(raw.len(), &limits)?;
         let comps = normalize(&raw, &name)?;
         let header = entry.header();
         let etype = header.entry_type();
@@ -405,26 +400,9 @@ fn unpack_entries<R: Read>(
             });
         };
 
-        // OCI whiteouts.
         let last_bytes = last.as_os_str().as_bytes();
         if mode == UnpackMode::Layer && last_bytes.starts_with(b".wh.") {
-            let parent = ensure_dirs(dest, parents, &name)?;
-            if last_bytes == b".wh..wh..opq" {
-                set_opaque(&parent)?;
-            } else if last_bytes.starts_with(b".wh..wh.") {
-                // aufs metadata (.wh..wh.plnk, .wh..wh.aufs): not meaningful for overlayfs.
-            } else {
-                let target = &last_bytes[4..];
-                if matches!(target, b"" | b"." | b"..") {
-                    return Err(TemplateError::Unpack {
-                        entry: name,
-                        reason: "whiteout without a valid target name",
-                    });
-                }
-                let path = parent.join(std::ffi::OsStr::from_bytes(target));
-                remove_existing(&path)?;
-                make_whiteout(&path)?;
-            }
+            unpack_whiteout(dest, parents, last_bytes, &name)?;
             continue;
         }
 
@@ -478,22 +456,7 @@ fn unpack_entries<R: Read>(
                 finish_file(&file, &path, mode, perm, owner, mtime)?;
             }
             EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
-                if target.is_empty() || target.contains(&0) {
-                    return Err(TemplateError::Unpack {
-                        entry: name,
-                        reason: "symlink with an empty or invalid target",
-                    });
-                }
-                if target.len() > limits.max_path_len {
-                    return Err(TemplateError::LimitExceeded {
-                        what: "path length",
-                        limit: limits.max_path_len as u64,
-                    });
-                }
+                let target = symlink_target(&entry, &name, &limits)?;
                 let path = ensure_dirs(dest, parents, &name)?.join(last);
                 remove_existing(&path)?;
                 std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(&target), &path)
@@ -504,32 +467,7 @@ fn unpack_entries<R: Read>(
                 }
             }
             EntryType::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
-                if target.len() > limits.max_path_len {
-                    return Err(TemplateError::LimitExceeded {
-                        what: "path length",
-                        limit: limits.max_path_len as u64,
-                    });
-                }
-                let tcomps = normalize(&target, &name)?;
-                if tcomps == comps {
-                    return Err(TemplateError::Unpack {
-                        entry: name,
-                        reason: "hardlink to itself",
-                    });
-                }
-                let Some((tpath, tmeta)) = lookup_nofollow(dest, &tcomps) else {
-                    return Err(TemplateError::PathEscape { entry: name });
-                };
-                if !tmeta.is_file() {
-                    return Err(TemplateError::Unpack {
-                        entry: name,
-                        reason: "hardlink target is not a regular file",
-                    });
-                }
+                let tpath = hardlink_source(&entry, dest, &comps, &name, &limits)?;
                 let path = ensure_dirs(dest, parents, &name)?.join(last);
                 remove_existing(&path)?;
                 fs::hard_link(&tpath, &path)
@@ -549,9 +487,108 @@ fn unpack_entries<R: Read>(
             }
         }
     }
+    apply_dir_fixups(dest, &dirs)
+}
 
-    // Directory modes last (so read-only directories can still be filled), deepest first,
-    // re-checking that no later entry turned a parent into a symlink.
+/// Fails with [`TemplateError::LimitExceeded`] when a path (or link target) of `len` bytes is
+/// longer than the limit.
+fn check_path_len(len: usize, limits: &ImportLimits) -> Result<(), TemplateError> {
+    if len > limits.max_path_len {
+        return Err(TemplateError::LimitExceeded {
+            what: "path length",
+            limit: limits.max_path_len as u64,
+        });
+    }
+    Ok(())
+}
+
+/// An OCI whiteout entry `<parents>/<last>` (`last` starts with `.wh.`): `.wh..wh..opq` makes
+/// its directory opaque, other `.wh..wh.*` (aufs metadata) are skipped, `.wh.<name>` replaces
+/// `<name>` with an overlayfs whiteout.
+fn unpack_whiteout(
+    dest: &Path,
+    parents: &[PathBuf],
+    last: &[u8],
+    name: &str,
+) -> Result<(), TemplateError> {
+    let parent = ensure_dirs(dest, parents, name)?;
+    if last == b".wh..wh..opq" {
+        set_opaque(&parent)?;
+    } else if last.starts_with(b".wh..wh.") {
+        // aufs metadata (.wh..wh.plnk, .wh..wh.aufs): not meaningful for overlayfs.
+    } else {
+        let target = &last[4..];
+        if matches!(target, b"" | b"." | b"..") {
+            return Err(TemplateError::Unpack {
+                entry: name.to_owned(),
+                reason: "whiteout without a valid target name",
+            });
+        }
+        let path = parent.join(std::ffi::OsStr::from_bytes(target));
+        remove_existing(&path)?;
+        make_whiteout(&path)?;
+    }
+    Ok(())
+}
+
+/// The target of a symlink entry: not empty, no NUL byte, within the path length limit.
+fn symlink_target<R: Read>(
+    entry: &tar::Entry<'_, R>,
+    name: &str,
+    limits: &ImportLimits,
+) -> Result<Vec<u8>, TemplateError> {
+    let target = entry
+        .link_name_bytes()
+        .map(|t| t.into_owned())
+        .unwrap_or_default();
+    if target.is_empty() || target.contains(&0) {
+        return Err(TemplateError::Unpack {
+            entry: name.to_owned(),
+            reason: "symlink with an empty or invalid target",
+        });
+    }
+    check_path_len(target.len(), limits)?;
+    Ok(target)
+}
+
+/// The file a hardlink entry at `comps` links to: a regular file already extracted under
+/// `dest`, reached without symlinks, other than the entry itself.
+fn hardlink_source<R: Read>(
+    entry: &tar::Entry<'_, R>,
+    dest: &Path,
+    comps: &[PathBuf],
+    name: &str,
+    limits: &ImportLimits,
+) -> Result<PathBuf, TemplateError> {
+    let target = entry
+        .link_name_bytes()
+        .map(|t| t.into_owned())
+        .unwrap_or_default();
+    check_path_len(target.len(), limits)?;
+    let tcomps = normalize(&target, name)?;
+    if tcomps == comps {
+        return Err(TemplateError::Unpack {
+            entry: name.to_owned(),
+            reason: "hardlink to itself",
+        });
+    }
+    let Some((tpath, tmeta)) = lookup_nofollow(dest, &tcomps) else {
+        return Err(TemplateError::PathEscape {
+            entry: name.to_owned(),
+        });
+    };
+    if !tmeta.is_file() {
+        return Err(TemplateError::Unpack {
+            entry: name.to_owned(),
+            reason: "hardlink target is not a regular file",
+        });
+    }
+    Ok(tpath)
+}
+
+/// Directory modes last (so read-only directories can still be filled), deepest first,
+/// re-checking that no later entry turned a parent into a symlink.
+fn apply_dir_fixups(dest: &Path, dirs: &[DirFixup]) -> Result<(), TemplateError> {
     for fix in dirs.iter().rev() {
         let Some((path, meta)) = lookup_nofollow(dest, &fix.comps) else {
             continue;

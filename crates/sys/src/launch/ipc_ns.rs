@@ -11,7 +11,8 @@ use std::ffi::OsStr;
 use crate::fs::{self, FsError};
 use crate::ipc::PidFd;
 
-use super::{ck, ensure_single_threaded, LaunchError, ResetState, StepError};
+use super::steps::ck;
+use super::{ensure_single_threaded, LaunchError, ResetState, StepError};
 
 // <linux/ipc.h>, <linux/shm.h>, <linux/msg.h>, <linux/sem.h>.
 const IPC_RMID: libc::c_int = 0;

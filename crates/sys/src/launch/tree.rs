@@ -8,10 +8,10 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::ipc::PidFd;
 
-use super::{
-    build_dev, ck, cstr, ensure_single_threaded, mkdir, mkdir_parents, path_kind, pivot_onto,
-    prepare_parts, try_mount, ContainerSpec, LaunchError, RootfsSpec, StepError, NONE,
-};
+use super::prepare::{cstr, prepare_parts};
+use super::rootfs::build_dev;
+use super::steps::{ck, mkdir, mkdir_parents, path_kind, pivot_onto, try_mount, NONE};
+use super::{ensure_single_threaded, ContainerSpec, LaunchError, RootfsSpec, StepError};
 
 /// State a supervisor keeps for in-place resets.
 ///

@@ -1,0 +1,499 @@
+//! [`Cgroup`]: one sandbox's cgroup — attach, limits (v2 semantics, translated for v1), stats,
+//! kill and remove — and the file IO every cgroup operation goes through.
+
+use std::collections::BTreeSet;
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::{
+    parse_cpu_stat, parse_memory_events, parse_oom_control, parse_procs, parse_single_value,
+    weight_to_shares, CgroupError, CgroupLayout, CgroupLimits, CgroupStats, CgroupVersion,
+    SwapLimit,
+};
+
+/// How long [`Cgroup::remove`] retries `rmdir` on `EBUSY`.
+const REMOVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long [`Cgroup::kill_all`] waits for the cgroup to become empty.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// One sandbox's cgroup. Dropping it leaves the kernel objects in place; call
+/// [`remove`](Self::remove).
+#[derive(Debug)]
+pub struct Cgroup {
+    pub(super) name: String,
+    /// The cgroup's directory in each hierarchy.
+    pub(super) dirs: CgroupLayout,
+    pub(super) swap: Option<SwapLimit>,
+}
+
+impl Cgroup {
+    /// The cgroup's name (its directory name under the base).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The cgroup version.
+    pub fn version(&self) -> CgroupVersion {
+        self.dirs.version()
+    }
+
+    /// Every directory of this cgroup (one per distinct hierarchy).
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        self.dirs.all()
+    }
+
+    /// How swap was handled by [`CgroupManager::create`]; `None` for [`CgroupManager::open`]ed
+    /// cgroups.
+    ///
+    /// [`CgroupManager::create`]: super::CgroupManager::create
+    /// [`CgroupManager::open`]: super::CgroupManager::open
+    pub fn swap_limit(&self) -> Option<SwapLimit> {
+        self.swap
+    }
+
+    /// Every `cgroup.procs` file a pid must be written into (v1: one per hierarchy). A spawner
+    /// that attaches the child itself (e.g. `echo $$ > …` before exec) uses these.
+    pub fn procs_paths(&self) -> Vec<PathBuf> {
+        self.dirs
+            .all()
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
+    }
+
+    /// Moves process `pid` (all its threads) into this cgroup.
+    pub fn attach(&self, pid: i32) -> Result<(), CgroupError> {
+        let value = pid.to_string();
+        for path in self.procs_paths() {
+            write_raw(&path, &value).map_err(|source| CgroupError::Attach { pid, path, source })?;
+        }
+        Ok(())
+    }
+
+    /// Applies `limits`; fields that are `None` are left unchanged. Returns how swap was
+    /// handled.
+    pub fn set_limits(&self, limits: &CgroupLimits) -> Result<SwapLimit, CgroupError> {
+        limits.validate()?;
+        match &self.dirs {
+            CgroupLayout::V1 {
+                cpu, memory, pids, ..
+            } => set_limits_v1(cpu, memory, pids, limits),
+            CgroupLayout::V2 { root: dir } => set_limits_v2(dir, limits),
+        }
+    }
+
+    /// Pids of the processes in this cgroup (v1: read from the `pids` hierarchy).
+    pub fn pids(&self) -> Result<Vec<i32>, CgroupError> {
+        read_procs(&self.dirs.primary().join("cgroup.procs"))
+    }
+
+    /// Whether no process is in the cgroup, in any hierarchy.
+    pub fn is_empty(&self) -> Result<bool, CgroupError> {
+        Ok(self.member_pids()?.is_empty())
+    }
+
+    /// How long ago the youngest of the cgroup's existing directories was made (by its
+    /// modification time, which cgroupfs sets when the directory is made; `None` when none
+    /// exists or a time is unreadable or in the future). Sweeps of cgroups left behind use it
+    /// to leave alone one that is being set up.
+    pub fn age(&self) -> Option<Duration> {
+        let mut youngest: Option<Duration> = None;
+        for dir in self.dirs.all() {
+            let modified = match fs::metadata(&dir) {
+                Ok(m) => m.modified().ok()?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(_) => return None,
+            };
+            let age = modified.elapsed().ok()?;
+            youngest = Some(youngest.map_or(age, |y| y.min(age)));
+        }
+        youngest
+    }
+
+    /// Kills every process in the cgroup and waits (bounded) until it is empty.
+    ///
+    /// v2 writes `cgroup.kill`, which also catches processes forked concurrently. v1 (and v2
+    /// kernels before 5.14) loops: read `cgroup.procs` of every hierarchy, pin each pid with a
+    /// pidfd, re-read to confirm the pinned process is still a member, then
+    /// `pidfd_send_signal(SIGKILL)` — so a pid recycled by an unrelated process is never
+    /// signalled. Directories that no longer exist are skipped.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        let started = Instant::now();
+        if let CgroupLayout::V2 { root: dir } = &self.dirs {
+            let kill_file = dir.join("cgroup.kill");
+            match write_raw(&kill_file, "1") {
+                Ok(()) => return self.wait_empty(started),
+                Err(e) if e.kind() == io::ErrorKind::NotFound && !dir.exists() => {
+                    return Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {} // kernel < 5.14: loop
+                Err(source) => {
+                    return Err(CgroupError::Write {
+                        file: kill_file,
+                        value: "1".into(),
+                        source,
+                    });
+                }
+            }
+        }
+        let mut backoff = Duration::from_micros(200);
+        loop {
+            let members = self.member_pids()?;
+            if members.is_empty() {
+                return Ok(());
+            }
+            if started.elapsed() > KILL_TIMEOUT {
+                return Err(self.kill_timeout(members.len(), started));
+            }
+            let pinned: Vec<(i32, OwnedFd)> = members
+                .iter()
+                .filter_map(|&pid| pidfd_open(pid).ok().map(|fd| (pid, fd)))
+                .collect();
+            let still = self.member_pids()?;
+            for (pid, fd) in &pinned {
+                if !still.contains(pid) {
+                    continue;
+                }
+                match pidfd_send_sigkill(fd.as_fd()) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                    Err(source) => {
+                        return Err(CgroupError::Kill {
+                            pid: *pid,
+                            path: self.dirs.primary().to_owned(),
+                            source,
+                        });
+                    }
+                }
+            }
+            thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    fn kill_timeout(&self, remaining: usize, started: Instant) -> CgroupError {
+        CgroupError::KillTimeout {
+            path: self.dirs.primary().to_owned(),
+            remaining,
+            waited: started.elapsed(),
+        }
+    }
+
+    /// Union of `cgroup.procs` over every existing hierarchy directory.
+    fn member_pids(&self) -> Result<BTreeSet<i32>, CgroupError> {
+        let mut all = BTreeSet::new();
+        for dir in self.dirs.all() {
+            match read_procs(&dir.join("cgroup.procs")) {
+                Ok(pids) => all.extend(pids),
+                Err(CgroupError::Read { source, .. })
+                    if source.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(all)
+    }
+
+    fn wait_empty(&self, started: Instant) -> Result<(), CgroupError> {
+        let mut backoff = Duration::from_micros(100);
+        loop {
+            let members = self.member_pids()?;
+            if members.is_empty() {
+                return Ok(());
+            }
+            if started.elapsed() > KILL_TIMEOUT {
+                return Err(self.kill_timeout(members.len(), started));
+            }
+            thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Reads usage counters.
+    pub fn stats(&self) -> Result<CgroupStats, CgroupError> {
+        match &self.dirs {
+            CgroupLayout::V1 {
+                cpuacct,
+                memory,
+                pids,
+                ..
+            } => {
+                let oom_kills = read_oom_kills(&self.dirs)?;
+                let cpu_usage_ns = match cpuacct {
+                    Some(dir) => Some(read_u64(&dir.join("cpuacct.usage"))?),
+                    None => None,
+                };
+                Ok(CgroupStats {
+                    memory_current: read_u64(&memory.join("memory.usage_in_bytes"))?,
+                    memory_peak: Some(read_u64(&memory.join("memory.max_usage_in_bytes"))?),
+                    oom_kills,
+                    cpu_usage_ns,
+                    pids_current: read_u64(&pids.join("pids.current"))?,
+                })
+            }
+            CgroupLayout::V2 { root: dir } => {
+                let oom_kills = read_oom_kills(&self.dirs)?;
+                let memory_peak = match read_u64(&dir.join("memory.peak")) {
+                    Ok(v) => Some(v),
+                    Err(CgroupError::Read { source, .. })
+                        if source.kind() == io::ErrorKind::NotFound =>
+                    {
+                        None
+                    }
+                    Err(e) => return Err(e),
+                };
+                let cpu = parse_cpu_stat(&read_file(&dir.join("cpu.stat"))?);
+                Ok(CgroupStats {
+                    memory_current: read_u64(&dir.join("memory.current"))?,
+                    memory_peak,
+                    oom_kills,
+                    cpu_usage_ns: cpu.usage_usec.map(|us| us.saturating_mul(1000)),
+                    pids_current: read_u64(&dir.join("pids.current"))?,
+                })
+            }
+        }
+    }
+
+    /// Forks the pids controller refused here (`max` of `pids.events`, v1 and v2): each had
+    /// already copied its address space. `None` when the file cannot be read.
+    pub fn pids_refused(&self) -> Option<u64> {
+        self.dirs().iter().find_map(|dir| {
+            let ev = std::fs::read_to_string(dir.join("pids.events")).ok()?;
+            ev.lines()
+                .find_map(|l| l.strip_prefix("max ")?.trim().parse().ok())
+        })
+    }
+
+    /// Resets the peak-memory counter before reusing the cgroup. v1 writes
+    /// `memory.max_usage_in_bytes`; v2 has no global reset (`memory.peak` resets only per open
+    /// file), so this is a no-op there.
+    pub fn reset_peak(&self) -> Result<(), CgroupError> {
+        match &self.dirs {
+            CgroupLayout::V1 { memory, .. } => {
+                write_file(&memory.join("memory.max_usage_in_bytes"), "0")
+            }
+            CgroupLayout::V2 { .. } => Ok(()),
+        }
+    }
+
+    /// Removes the cgroup's directories. Retries `EBUSY` briefly while the kernel finishes
+    /// tearing down exiting tasks; directories already gone are fine. The cgroup must be empty
+    /// (see [`kill_all`](Self::kill_all)).
+    pub fn remove(self) -> Result<(), CgroupError> {
+        for dir in self.dirs.all() {
+            rmdir_retry(&dir)?;
+        }
+        Ok(())
+    }
+}
+
+fn set_limits_v1(
+    cpu: &Path,
+    memory: &Path,
+    pids: &Path,
+    limits: &CgroupLimits,
+) -> Result<SwapLimit, CgroupError> {
+    if let Some(weight) = limits.cpu_weight {
+        write_file(
+            &cpu.join("cpu.shares"),
+            &weight_to_shares(weight).to_string(),
+        )?;
+    }
+    if let Some((quota, period)) = limits.cpu_max {
+        write_file(&cpu.join("cpu.cfs_period_us"), &period.to_string())?;
+        write_file(&cpu.join("cpu.cfs_quota_us"), &quota.to_string())?;
+    }
+    if let Some(high) = limits.memory_high {
+        write_file(
+            &memory.join("memory.soft_limit_in_bytes"),
+            &high.to_string(),
+        )?;
+    }
+    let mut swap = SwapLimit::Untouched;
+    if let Some(max) = limits.memory_max {
+        let value = max.to_string();
+        let limit = memory.join("memory.limit_in_bytes");
+        let memsw = memory.join("memory.memsw.limit_in_bytes");
+        match write_raw(&limit, &value) {
+            Ok(()) => {}
+            // memory.limit_in_bytes may not exceed memsw: raising an existing limit needs memsw
+            // lifted first.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && memsw.exists() => {
+                write_file(&memsw, "-1")?;
+                write_file(&limit, &value)?;
+            }
+            Err(source) => {
+                return Err(CgroupError::Write {
+                    file: limit,
+                    value,
+                    source,
+                });
+            }
+        }
+        swap = write_optional(&memsw, &value)?;
+    }
+    if let Some(max) = limits.pids_max {
+        write_file(&pids.join("pids.max"), &max.to_string())?;
+    }
+    Ok(swap)
+}
+
+fn set_limits_v2(dir: &Path, limits: &CgroupLimits) -> Result<SwapLimit, CgroupError> {
+    if let Some(weight) = limits.cpu_weight {
+        write_file(&dir.join("cpu.weight"), &weight.to_string())?;
+    }
+    if let Some((quota, period)) = limits.cpu_max {
+        write_file(&dir.join("cpu.max"), &format!("{quota} {period}"))?;
+    }
+    if let Some(high) = limits.memory_high {
+        write_file(&dir.join("memory.high"), &high.to_string())?;
+    }
+    if let Some(max) = limits.memory_max {
+        write_file(&dir.join("memory.max"), &max.to_string())?;
+    }
+    let swap = if limits.memory_max.is_some() || limits.memory_high.is_some() {
+        write_optional(&dir.join("memory.swap.max"), "0")?
+    } else {
+        SwapLimit::Untouched
+    };
+    if let Some(max) = limits.pids_max {
+        write_file(&dir.join("pids.max"), &max.to_string())?;
+    }
+    Ok(swap)
+}
+
+/// Writes a swap-limit file that exists only with swap accounting.
+fn write_optional(file: &Path, value: &str) -> Result<SwapLimit, CgroupError> {
+    match write_raw(file, value) {
+        Ok(()) => Ok(SwapLimit::Disabled),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(SwapLimit::NotAccounted),
+        Err(source) => Err(CgroupError::Write {
+            file: file.to_owned(),
+            value: value.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Writes `value` to an existing interface file in a single `write(2)`, without `O_CREAT`
+/// (cgroupfs rejects creation, and a missing file must surface as `NotFound`).
+fn write_raw(file: &Path, value: &str) -> io::Result<()> {
+    let mut f = OpenOptions::new().write(true).open(file)?;
+    f.write_all(value.as_bytes())
+}
+
+pub(super) fn write_file(file: &Path, value: &str) -> Result<(), CgroupError> {
+    write_raw(file, value).map_err(|source| CgroupError::Write {
+        file: file.to_owned(),
+        value: value.to_owned(),
+        source,
+    })
+}
+
+pub(super) fn read_file(file: &Path) -> Result<String, CgroupError> {
+    fs::read_to_string(file).map_err(|source| CgroupError::Read {
+        file: file.to_owned(),
+        source,
+    })
+}
+
+/// The OOM-kill counter of the cgroup at `dirs`: v1 `memory.oom_control`, v2 `memory.events`.
+pub(super) fn read_oom_kills(dirs: &CgroupLayout) -> Result<u64, CgroupError> {
+    let (file, kills) = match dirs {
+        CgroupLayout::V1 { memory, .. } => {
+            let file = memory.join("memory.oom_control");
+            let kills = parse_oom_control(&read_file(&file)?).map(|o| o.oom_kill);
+            (file, kills)
+        }
+        CgroupLayout::V2 { root } => {
+            let file = root.join("memory.events");
+            let kills = parse_memory_events(&read_file(&file)?).map(|e| e.oom_kill);
+            (file, kills)
+        }
+    };
+    kills.ok_or(CgroupError::Parse {
+        file,
+        what: "an oom_kill line",
+    })
+}
+
+fn read_u64(file: &Path) -> Result<u64, CgroupError> {
+    match parse_single_value(&read_file(file)?) {
+        Some(Some(v)) => Ok(v),
+        _ => Err(CgroupError::Parse {
+            file: file.to_owned(),
+            what: "an unsigned integer",
+        }),
+    }
+}
+
+fn read_procs(file: &Path) -> Result<Vec<i32>, CgroupError> {
+    parse_procs(&read_file(file)?).ok_or_else(|| CgroupError::Parse {
+        file: file.to_owned(),
+        what: "one pid per line",
+    })
+}
+
+fn rmdir_retry(dir: &Path) -> Result<(), CgroupError> {
+    let started = Instant::now();
+    let mut backoff = Duration::from_micros(200);
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e)
+                if e.raw_os_error() == Some(libc::EBUSY) && started.elapsed() < REMOVE_TIMEOUT =>
+            {
+                thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(20));
+            }
+            Err(source) => {
+                return Err(CgroupError::Remove {
+                    path: dir.to_owned(),
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// Best-effort rollback of a half-created cgroup.
+pub(super) fn rmdir_all(dirs: &[PathBuf]) {
+    for dir in dirs {
+        let _ = rmdir_retry(dir);
+    }
+}
+
+/// `pidfd_open(2)`: pins process `pid` so a later signal cannot hit a recycled pid.
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and a flags word by value and touches no user memory.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(ret).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    // SAFETY: the kernel just returned `fd` as a new descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `pidfd_send_signal(2)` with `SIGKILL`.
+fn pidfd_send_sigkill(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: `fd` is a live pidfd borrowed for the call; a null `siginfo` is allowed (the
+    // kernel fills in SI_USER) and flags are 0.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
