@@ -6,6 +6,7 @@
 //! * [`agent`]: the request/event messages carried inside frames.
 //! * [`exec`]: exec requests and results, the same types the HTTP API exposes.
 //! * [`error`]: stable error codes that a trainer can act on without parsing text.
+//! * [`limits`]: a sandbox's resource limits, as the create spec carries them.
 //!
 //! This crate depends on serde only (no tokio) so that the static agent stays small.
 #![forbid(unsafe_code)]
@@ -15,5 +16,6 @@ pub mod agent;
 pub mod error;
 pub mod exec;
 pub mod frame;
+pub mod limits;
 
 pub use error::ErrorCode;
