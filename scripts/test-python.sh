@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Python SDK system tests: a venv under target/pyvenv with the SDK, pytest and pyarrow, then pytest
-# against a real `dsec server` it starts itself. Assumes `cargo build --workspace` already ran.
-# Must run as root (the server makes namespaces and cgroups). Exit code = pytest's.
+# Python SDK checks and system tests: a venv under target/pyvenv with the SDK, its pinned linters,
+# pytest and pyarrow; then ruff (lint and format) and mypy --strict over the SDK, which must pass;
+# then pytest against a real `dsec server` it starts itself. Assumes `cargo build --workspace`
+# already ran. Must run as root (the server makes namespaces and cgroups). Exit code: the first
+# failing linter's, else pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,11 +21,19 @@ fi
 # The code runner's languages that test_run.py runs (in the host template, the host's root).
 bash scripts/install-run-toolchains.sh
 # pyarrow: the independent Parquet reader the Rust tests cross-check exports with.
-"$VENV/bin/pip" install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio sandbox-fusion pyarrow
+"$VENV/bin/pip" install -q --disable-pip-version-check "./sdk/python[lint]" pytest pytest-asyncio sandbox-fusion pyarrow
 # --setup-only: the venv alone (scripts/test.sh makes it before the Rust tests, which use it).
 if [ "${1:-}" = --setup-only ]; then
   exit 0
 fi
+
+# Lint and types (configured in sdk/python/pyproject.toml): set -e stops the run on a failure.
+(
+  cd sdk/python
+  ../../"$VENV"/bin/ruff check src tests
+  ../../"$VENV"/bin/ruff format --check src
+  ../../"$VENV"/bin/mypy
+)
 
 export DSEC_BIN="${DSEC_BIN:-$PWD/target/x86_64-unknown-linux-gnu/debug/dsec}"
 if [ ! -x "$DSEC_BIN" ]; then

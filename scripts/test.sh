@@ -61,7 +61,7 @@ bash scripts/test-python.sh --setup-only
 export DSEC_TEST_PYTHON="$PWD/target/pyvenv/bin/python"
 rust=0
 cargo test --workspace --no-fail-fast || rust=$?
-# The Python SDK's system tests drive the real daemon (venv with the SDK, pytest).
+# The Python SDK: ruff and mypy --strict over it, then its system tests against the real daemon.
 py=0
 bash scripts/test-python.sh || py=$?
 leaks=0

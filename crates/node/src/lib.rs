@@ -5,10 +5,14 @@
 pub mod agent_client;
 pub mod autoscale;
 pub mod capacity;
+pub mod clock;
+pub mod lifecycle;
+pub mod log;
 pub mod metrics;
 pub mod pool;
 pub mod sandbox;
 pub mod server;
+pub mod store;
 pub mod substrate;
 pub mod template;
 pub mod trajlog;

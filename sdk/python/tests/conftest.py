@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 import dsec
+
 from _util import cgroup_dirs_named
 
 REPO = Path(__file__).resolve().parents[3]
@@ -190,7 +191,7 @@ class ServerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError("dsec server did not exit within the drain deadline")
+                raise AssertionError("dsec server did not exit within the drain deadline") from None
         if self._reader is not None:
             self._reader.join(5)
         return self.proc.returncode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dsec
+
 from _util import live, sandbox_exists
 
 

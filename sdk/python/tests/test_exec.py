@@ -7,6 +7,7 @@ import time
 import pytest
 
 import dsec
+
 from _util import cgroup_dirs_named, sandbox_exists
 
 PY = "/usr/bin/python3"

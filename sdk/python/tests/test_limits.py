@@ -8,6 +8,7 @@ import time
 import pytest
 
 import dsec
+
 from _util import sandbox_exists
 
 MiB = 1 << 20

@@ -6,8 +6,6 @@ import threading
 import time
 from typing import Any, List
 
-import pytest
-
 import dsec
 
 

@@ -8,6 +8,7 @@ import base64
 import pytest
 
 import dsec
+
 from _util import rootfs_tar
 
 

@@ -16,6 +16,7 @@ import pytest
 import sandbox_fusion as sf  # installed by scripts/test-python.sh; a missing install fails
 
 import dsec
+
 from _util import rootfs_tar
 
 

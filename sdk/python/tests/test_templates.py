@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 import dsec
+
 from _util import rootfs_tar
 
 

@@ -9,6 +9,7 @@ import pytest
 
 import dsec
 import dsec._transport
+
 from _util import live, sandbox_exists
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 
 import httpx
@@ -210,3 +211,157 @@ async def test_async_retry_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
         assert sb.id == "sb-9" and len(keys) == 2 and keys[0] == keys[1]
         evs = [e async for e in sb.exec_stream("echo hi")]
     assert [e.type for e in evs] == ["stdout", "exit"] and evs[0].data == b"hi"
+
+
+def _trajectory_node(unknown_at: int):
+    """A mock node's exec answers: steps below 3 replayed, ``unknown_at`` an unknown outcome."""
+    sent = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        sent.append((req.url.path, body))
+        step = body["step"]
+        if step == unknown_at:
+            return httpx.Response(409, json={"code": "unknown_outcome", "status": 409})
+        headers = {"dsec-step": str(step), "dsec-replayed": "true" if step < 3 else "false"}
+        return httpx.Response(200, json={"status": "ok", "exit_code": 0}, headers=headers)
+
+    return handler, sent
+
+
+def test_trajectory_resume_stops_at_unknown_outcome() -> None:
+    handler, sent = _trajectory_node(unknown_at=4)
+    with _mock_client(handler) as c:
+        traj = dsec.Trajectory(dsec.Sandbox(c, {"id": "sb-1"}), "t1")
+        report = traj.resume(["a", ("b", {"cwd": "/w"}), "c", "d", "e"])
+    assert report.replayed == [1, 2] and report.live == [3] and report.unknown == [4]
+    assert len(report.results) == 3 and traj.next_step == 4
+    assert [b["step"] for _, b in sent] == [1, 2, 3, 4] and sent[1][1]["cwd"] == "/w"
+    assert {p for p, _ in sent} == {"/v1/sandboxes/sb-1/exec"}
+
+
+@pytest.mark.asyncio
+async def test_async_trajectory_resume_mirrors_the_sync_one() -> None:
+    handler, sent = _trajectory_node(unknown_at=4)
+    async with dsec.AsyncClient("http://dsec.test", transport=httpx.MockTransport(handler)) as c:
+        traj = dsec.AsyncTrajectory(dsec.AsyncSandbox(c, {"id": "sb-1"}), "t1")
+        report = await traj.resume(["a", ("b", {"cwd": "/w"}), "c", "d", "e"])
+        assert report.replayed == [1, 2] and report.live == [3] and report.unknown == [4]
+        assert traj.next_step == 4
+        r = await traj.exec("x", step=7)
+        assert r.step == 7 and traj.next_step == 8
+        with pytest.raises(TypeError):
+            await traj.exec("x", timeout=5)  # type: ignore[call-arg]
+    assert [b["step"] for _, b in sent] == [1, 2, 3, 4, 7]
+
+
+@pytest.mark.asyncio
+async def test_async_wait_polls_until_the_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    states = iter(["creating", "creating", "running"])
+    polls = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        polls.append(dict(req.url.params))
+        return httpx.Response(200, json={"id": "sb-1", "state": next(states), "version": len(polls)})
+
+    async with dsec.AsyncClient("http://dsec.test", transport=httpx.MockTransport(handler)) as c:
+        sb = await dsec.AsyncSandbox(c, {"id": "sb-1", "state": "creating"}).wait("running", 5_000)
+        assert sb.state == "running" and sb.version == 3
+    assert len(polls) == 3 and all(p["wait"] == "running" for p in polls)
+
+
+def _any_answer(req: httpx.Request) -> httpx.Response:
+    """A mock node that answers every call with something its parser accepts."""
+    p = req.url.path
+    if req.url.params.get("stream") == "true" or p.endswith("/stream") or p == "/v1/events":
+        sse = b'event: stdout\ndata: {"data":"hi"}\n\nevent: exit\ndata: {"status":"ok"}\n\n'
+        return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+    if p.endswith("/export") or p == "/metrics" or (req.method == "GET" and p.endswith(("/files", "/tar"))):
+        return httpx.Response(200, content=b'{"step": 1}\n', headers={"dsec-step": "3"})
+    body = {"id": "sb-1", "name": "n", "template": "host", "state": "running", "version": 1, "items": [],
+            "entries": [], "handle": 1, "session": 1, "lsn": 1, "status": "ok", "kind": "file"}
+    return httpx.Response(200, json=body, headers={"dsec-step": "2"})
+
+
+# (target, method, args, kwargs): the same calls through the sync and the async classes
+_PARITY_CALLS = [
+    ("client", "create_sandbox", (), {"template": "t", "labels": {"a": "b"}, "substrate": "vm", "secret_env": {"S": "v"}}),
+    ("client", "get_sandbox", ("sb-1",), {}),
+    ("client", "list_sandboxes", (), {"state": "ready", "labels": {"a": "1"}, "page_size": 2}),
+    ("client", "create_sandboxes", (2,), {"labels": {"j": "1"}, "idempotency_key": "k"}),
+    ("client", "delete_sandboxes", (["sb-1"],), {}),
+    ("client", "delete_sandbox", ("sb-1",), {}),
+    ("client", "upload_template", ("t", b"tar"), {}),
+    ("client", "delete_template", ("t",), {}),
+    ("client", "set_pool", ("host",), {"min": 1, "max": 2}),
+    ("client", "run_code", ("print(1)",), {"memory_limit_mb": 5}),
+    ("client", "run_codes", ([{"code": "x"}],), {"concurrency": 3}),
+    ("client", "languages", ("host",), {}),
+    ("client", "trajectory_records", ("t1",), {"from_step": 2}),
+    ("client", "annotate_trajectory", ("t1",), {"step": 1, "reward": 0.5, "labels": ["x"], "data": {"d": 1}}),
+    ("client", "export_trajectory", ("t1",), {"label": "l", "min_reward": 0.1}),
+    ("client", "follow_trajectory", ("t1",), {}),
+    ("client", "create_tenant", ("a",), {"max_sandboxes": 3}),
+    ("client", "tenant", (), {}),
+    ("client", "metrics", (), {}),
+    ("client", "events", (), {}),
+    ("sandbox", "refresh", (), {}),
+    ("sandbox", "wait", ("running",), {"timeout_ms": 1000}),
+    ("sandbox", "heartbeat", (500,), {}),
+    ("sandbox", "reset", (), {}),
+    ("sandbox", "exec", (["a", "b"],), {"env": {"E": "1"}, "timeout_ms": 100, "stdin": b"\x01", "trajectory": "t"}),
+    ("sandbox", "exec_stream", ("echo",), {"cwd": "/", "output_limit": 9}),
+    ("sandbox", "spawn", ("cat",), {"cpu_limit_ms": 3}),
+    ("sandbox", "session", ("python",), {"env": {"A": "b"}}),
+    ("files", "read", ("/a",), {"max_bytes": 4}),
+    ("files", "write", ("/a", "txt"), {"mode": 0o644, "parents": False, "trajectory": "t", "step": 3}),
+    ("files", "list", ("/x",), {}),
+    ("files", "stat", ("/a",), {}),
+    ("files", "exists", ("/a",), {}),
+    ("files", "remove", ("/a",), {"recursive": True}),
+    ("files", "mkdir", ("/d",), {"parents": True}),
+    ("files", "upload_tar", ("/d", b"tarbytes"), {}),
+    ("files", "download_tar", ("/d",), {}),
+    ("sandbox", "destroy", (), {}),
+]
+
+
+async def _call(obj: object, name: str, args: tuple, kwargs: dict) -> str:
+    out = getattr(obj, name)(*args, **kwargs)
+    if inspect.isawaitable(out):
+        out = await out
+    if hasattr(out, "__aiter__"):
+        out = [x async for x in out]
+    elif inspect.isgenerator(out):
+        out = list(out)
+    return repr(out).replace("Async", "")
+
+
+@pytest.mark.asyncio
+async def test_sync_and_async_classes_send_the_same_requests() -> None:
+    sent: dict = {"sync": [], "async": []}
+    side = ["sync"]
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        key = req.headers.get("idempotency-key")
+        sent[side[0]].append((req.method, str(req.url), req.content, req.headers.get("content-type"),
+                              req.headers.get("accept"), key if key == "k" else key is not None,
+                              req.extensions.get("timeout")))
+        return _any_answer(req)
+
+    c = dsec.Client("http://dsec.test", transport=httpx.MockTransport(handler))
+    ac = dsec.AsyncClient("http://dsec.test", transport=httpx.MockTransport(handler))
+    sb, asb = dsec.Sandbox(c, {"id": "sb-1"}), dsec.AsyncSandbox(ac, {"id": "sb-1"})
+    targets = {"sync": {"client": c, "sandbox": sb, "files": sb.files},
+               "async": {"client": ac, "sandbox": asb, "files": asb.files}}
+    for target, name, args, kwargs in _PARITY_CALLS:
+        side[0] = "sync"
+        want = await _call(targets["sync"][target], name, args, kwargs)
+        side[0] = "async"
+        got = await _call(targets["async"][target], name, args, kwargs)
+        assert got == want, name
+        assert sent["async"] == sent["sync"] and sent["sync"], name
+        sent["sync"].clear()
+        sent["async"].clear()
+    c.close()
+    await ac.aclose()

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import dsec
-from _util import cgroup_dirs_named, sandbox_exists
+
+from _util import cgroup_dirs_named
 
 VMS = ["microvm", "vm"]
 REPO = Path(__file__).resolve().parents[3]
@@ -221,7 +222,7 @@ def test_daemon_kill9_with_vms_running(fresh_server) -> None:
         r = again.exec("echo alive; hostname")
         assert r.ok and r.text == f"alive\n{v.id}\n", r
         again.destroy()
-        assert wait_until(lambda: not alive(pid), 20)
+        assert wait_until(lambda: not alive(pid), 20)  # noqa: B023 - called before the loop moves on
         assert not cgroup_dirs_named({v.id})
 
 

@@ -2,9 +2,9 @@
 
 use sha2::{Digest as _, Sha256};
 
-use super::app::now_ms;
 use super::error::ApiResult;
-use super::store::{Store, Tenant};
+use crate::clock::now_ms;
+use crate::store::{Store, Tenant};
 
 /// `n` random bytes as hex.
 fn random_hex(n: usize) -> String {

@@ -8,19 +8,9 @@ use serde::Serialize;
 use crate::agent_client::AgentError;
 use crate::substrate::RuntimeError;
 
-use super::store::StoreError;
-
-tokio::task_local! {
-    /// The id of the request being served (set by the request-id middleware).
-    pub static REQUEST_ID: String;
-}
-
-/// The current request's id, or `-` outside a request.
-pub fn request_id() -> String {
-    REQUEST_ID
-        .try_with(Clone::clone)
-        .unwrap_or_else(|_| "-".into())
-}
+use crate::lifecycle;
+use crate::log::request_id;
+use crate::store::StoreError;
 
 /// A failed API call.
 #[derive(Debug, Clone)]
@@ -142,16 +132,34 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Full cause chain of an error, for details.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
+impl From<lifecycle::Error> for ApiError {
+    fn from(e: lifecycle::Error) -> Self {
+        use lifecycle::Error as E;
+        let detail = e.detail();
+        let code = match e {
+            E::Store(s) => return Self::from(s),
+            E::Draining => {
+                return Self {
+                    retry_after: Some(5),
+                    ..Self::new(ErrorCode::Draining, detail)
+                };
+            }
+            E::Full(_) => {
+                return Self {
+                    retry_after: Some(1),
+                    ..Self::new(ErrorCode::ResourceExhausted, detail)
+                };
+            }
+            E::NotFound(_) => ErrorCode::SandboxNotFound,
+            E::Invalid(_) => ErrorCode::InvalidRequest,
+            E::Transition(_) => ErrorCode::InvalidTransition,
+            E::Quota(_) => ErrorCode::QuotaExceeded,
+            E::Runtime(r) => r.code(),
+            E::Template(t) => t.code(),
+            E::Internal(_) => ErrorCode::Internal,
+        };
+        Self::new(code, detail)
     }
-    s
 }
 
 impl From<RuntimeError> for ApiError {
@@ -161,7 +169,7 @@ impl From<RuntimeError> for ApiError {
                 source: AgentError::Remote { message, .. },
                 ..
             } => message.clone(),
-            other => chain(other),
+            other => lifecycle::chain(other),
         };
         Self::new(e.code(), detail)
     }
@@ -171,7 +179,7 @@ impl From<AgentError> for ApiError {
     fn from(e: AgentError) -> Self {
         let detail = match &e {
             AgentError::Remote { message, .. } => message.clone(),
-            other => chain(other),
+            other => lifecycle::chain(other),
         };
         Self::new(e.code(), detail)
     }
@@ -197,7 +205,7 @@ impl From<StoreError> for ApiError {
 
 impl From<crate::template::TemplateError> for ApiError {
     fn from(e: crate::template::TemplateError) -> Self {
-        Self::new(e.code(), chain(&e))
+        Self::new(e.code(), lifecycle::chain(&e))
     }
 }
 

@@ -2,20 +2,18 @@
 //!
 //! With no flags it is a complete single-node system: SQLite state in the data dir, the `host`
 //! template, the HTTP API on `127.0.0.1:7700`. Sandboxes live in their own supervisors, so they
-//! survive the daemon: on start it reconnects to every sandbox its store knows ([`App::recover`])
+//! survive the daemon: on start it reconnects to every sandbox its store knows ([`Node::recover`])
 //! and destroys what it cannot adopt or does not know. SIGTERM/SIGINT drain: new work is
 //! refused with `draining` (503, `Retry-After`), requests in flight finish within a deadline,
 //! and the process exits 0 with every sandbox still running for the next start (or, with
 //! `shutdown_sandboxes`, after destroying them all).
 
-pub mod app;
 mod auth;
 pub mod error;
 mod http;
-mod log;
 pub mod openapi;
 pub mod run;
-pub mod store;
+mod state;
 pub mod trajectory;
 
 use std::net::SocketAddr;
@@ -30,9 +28,10 @@ use std::future::IntoFuture as _;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
+use crate::store;
 use crate::substrate::{ContainerRuntime, RuntimeConfig};
 
-pub use app::{App, PoolSize};
+pub use crate::lifecycle::{Node, PoolSize};
 
 /// Settings of the daemon.
 #[derive(Debug, Clone)]
@@ -84,18 +83,17 @@ pub enum ServerError {
 /// template says so: the first VM create of a host takes a minute or more).
 fn log_vm_preparation(template: &str, e: crate::substrate::vm::Event) {
     match e {
-        crate::substrate::vm::Event::Start(p) => log::info(
-            "vm: preparing",
-            &[("template", template), ("phase", p.name())],
-        ),
-        crate::substrate::vm::Event::Done(p, took) => log::info(
-            "vm: prepared",
-            &[
-                ("template", template),
-                ("phase", p.name()),
-                ("took_ms", &took.as_millis().to_string()),
-            ],
-        ),
+        crate::substrate::vm::Event::Start(p) => {
+            tracing::info!(template = %template, phase = %p.name(), "vm: preparing")
+        }
+        crate::substrate::vm::Event::Done(p, took) => {
+            tracing::info!(
+                template = %template,
+                phase = %p.name(),
+                took_ms = %took.as_millis(),
+                "vm: prepared",
+            )
+        }
         crate::substrate::vm::Event::Progress(..) => {}
     }
 }
@@ -106,6 +104,7 @@ pub fn run(
     cfg: ServerConfig,
     on_ready: impl FnOnce(SocketAddr, Option<String>) + Send + 'static,
 ) -> Result<(), ServerError> {
+    crate::log::init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(1024)
@@ -132,22 +131,7 @@ async fn serve(
         cache_max_bytes: cfg.vm_cache_max_bytes,
         observer: Some(std::sync::Arc::new(log_vm_preparation)),
     });
-    let traj_dir = cfg.runtime.data_dir.join("trajectories");
-    let patterns = cfg.redact_patterns.clone();
-    let retention = cfg.log_retention;
-    let segment_bytes = cfg.log_segment_bytes;
-    let trajectories = tokio::task::spawn_blocking(move || {
-        trajectory::Trajectories::open(traj_dir, &patterns, retention, segment_bytes)
-    })
-    .await
-    .map_err(|e| ServerError::Other(e.to_string()))?
-    .map_err(ServerError::Other)?;
-    if trajectories.recovery.is_corrupt() {
-        log::warn(
-            "trajectory log: corruption found; serving its valid prefix (damaged segments kept as *.corrupt-*)",
-            &[("report", &format!("{:?}", trajectories.recovery))],
-        );
-    }
+    let trajectories = open_trajectories(&cfg).await?;
     if cfg.run.anonymous && !cfg.listen.ip().is_loopback() {
         return Err(ServerError::Other(format!(
             "--anonymous-run is allowed only on a loopback listener, not {}",
@@ -160,15 +144,19 @@ async fn serve(
     } else {
         None
     };
-    let runner = run::Runner::new(cfg.run.clone(), run_tenant, anonymous);
-    let app = App::new(
-        runtime,
-        store,
-        trajectories,
-        cfg.max_sandboxes,
-        cfg.compact_finished_after,
-        runner,
-    );
+    let app = Node::new(runtime, store, cfg.max_sandboxes);
+    let state = state::AppState {
+        node: Arc::clone(&app),
+        runner: Arc::new(run::Runner::new(
+            Arc::clone(&app),
+            cfg.run.clone(),
+            run_tenant,
+            anonymous,
+        )),
+        trajectories: Arc::new(trajectories),
+        compact_after: cfg.compact_finished_after,
+        idem: Arc::default(),
+    };
     // Pools first (recovery hands their adopted sandboxes back), from the store; the host
     // pool from the flags unless it was configured through the API before.
     let stored = app.store.pools()?;
@@ -191,17 +179,15 @@ async fn serve(
     }
     let report = app.recover().await;
     app.kick_pools();
-    log::info(
+    tracing::info!(
+        adopted = %report.adopted.len(),
+        reaped = %report.reaped.len(),
+        orphans = %report.orphans.len(),
+        orphan_cgroups = %report.orphan_cgroups.len(),
+        took_ms = %report.took_ms,
         "recovered",
-        &[
-            ("adopted", &report.adopted.len().to_string()),
-            ("reaped", &report.reaped.len().to_string()),
-            ("orphans", &report.orphans.len().to_string()),
-            ("orphan_cgroups", &report.orphan_cgroups.len().to_string()),
-            ("took_ms", &report.took_ms.to_string()),
-        ],
     );
-    tokio::spawn(run::start(Arc::clone(&app)));
+    tokio::spawn(run::start(Arc::clone(&state.runner)));
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ServerError::Other(format!("listen on {}: {e}", cfg.listen)))?;
@@ -209,12 +195,17 @@ async fn serve(
         .local_addr()
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let sweeper = {
-        let app = Arc::clone(&app);
+        let state = state.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
+            for n in 1u64.. {
                 tick.tick().await;
-                app.sweep().await;
+                state.node.sweep().await;
+                // Every minute: the trajectory log's retention and compaction.
+                if n.is_multiple_of(60) {
+                    let s = state.clone();
+                    let _ = tokio::task::spawn_blocking(move || s.maintain_log()).await;
+                }
             }
         })
     };
@@ -226,7 +217,7 @@ async fn serve(
         async move {
             wait_for_signal().await;
             app.draining.store(true, Ordering::Relaxed);
-            log::info("draining", &[("in_flight", &app.in_flight().to_string())]);
+            tracing::info!(in_flight = %app.in_flight(), "draining");
             let deadline = tokio::time::Instant::now() + drain;
             while app.in_flight() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -234,8 +225,8 @@ async fn serve(
         }
     };
     on_ready(addr, admin_key);
-    log::info("listening", &[("addr", &addr.to_string())]);
-    let server = axum::serve(listener, http::router(Arc::clone(&app)))
+    tracing::info!(addr = %addr, "listening");
+    let server = axum::serve(listener, http::router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .into_future();
     let watchdog = {
@@ -251,23 +242,44 @@ async fn serve(
     let result = tokio::select! {
         r = server => r.map_err(|e| ServerError::Other(format!("serve: {e}"))),
         () = watchdog => {
-            log::warn("drain deadline passed; closing open connections", &[]);
+            tracing::warn!("drain deadline passed; closing open connections");
             Ok(())
         }
     };
     sweeper.abort();
-    run::stop(&app).await;
+    run::stop(&state.runner).await;
     if cfg.shutdown_sandboxes {
         destroy_all(&app).await;
     }
     result?;
-    log::info("stopped", &[]);
+    tracing::info!("stopped");
     Ok(())
+}
+
+/// Opens the trajectory log (recovering it); a corrupt log is served from its valid prefix.
+async fn open_trajectories(cfg: &ServerConfig) -> Result<trajectory::Trajectories, ServerError> {
+    let traj_dir = cfg.runtime.data_dir.join("trajectories");
+    let patterns = cfg.redact_patterns.clone();
+    let retention = cfg.log_retention;
+    let segment_bytes = cfg.log_segment_bytes;
+    let trajectories = tokio::task::spawn_blocking(move || {
+        trajectory::Trajectories::open(traj_dir, &patterns, retention, segment_bytes)
+    })
+    .await
+    .map_err(|e| ServerError::Other(e.to_string()))?
+    .map_err(ServerError::Other)?;
+    if trajectories.recovery.is_corrupt() {
+        tracing::warn!(
+            report = %format!("{:?}", trajectories.recovery),
+            "trajectory log: corruption found; serving its valid prefix (damaged segments kept as *.corrupt-*)",
+        );
+    }
+    Ok(trajectories)
 }
 
 /// Destroys every sandbox of the node (`--shutdown-sandboxes`), again while a pool fill that
 /// was in flight adds one, for at most 60 s.
-async fn destroy_all(app: &Arc<App>) {
+async fn destroy_all(app: &Arc<Node>) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let mut destroyed = 0usize;
     loop {
@@ -284,25 +296,17 @@ async fn destroy_all(app: &Arc<App>) {
             match done {
                 Ok((_, Ok(_))) => destroyed += 1,
                 Ok((id, Err(e))) => {
-                    log::warn(
-                        "shutdown: destroy failed",
-                        &[("sandbox_id", &id), ("error", &e.to_string())],
-                    );
+                    tracing::warn!(sandbox_id = %id, error = %e, "shutdown: destroy failed");
                 }
-                Err(e) => log::warn(
-                    "shutdown: destroy task failed",
-                    &[("error", &e.to_string())],
-                ),
+                Err(e) => tracing::warn!(error = %e, "shutdown: destroy task failed"),
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    log::info(
+    tracing::info!(
+        destroyed = %destroyed,
+        left = %app.entries().len(),
         "shutdown: sandboxes destroyed",
-        &[
-            ("destroyed", &destroyed.to_string()),
-            ("left", &app.entries().len().to_string()),
-        ],
     );
 }
 
@@ -337,7 +341,7 @@ fn internal_tenant(
         admin: false,
         max_sandboxes,
         max_memory_bytes: None,
-        created_at_ms: app::now_ms(),
+        created_at_ms: crate::clock::now_ms(),
     };
     store.insert_tenant(&t)?;
     Ok(t)
@@ -370,7 +374,8 @@ fn bootstrap_admin(
 
 /// `/metrics`: Prometheus text exposition: the registry's counters and histograms, then
 /// gauges read now (sandboxes by state, pools, per-sandbox CPU and memory from the cgroups).
-async fn metrics_text(AxState(app): AxState<Arc<App>>) -> Response {
+async fn metrics_text(AxState(state): AxState<state::AppState>) -> Response {
+    let app = &state.node;
     use std::fmt::Write as _;
     let mut out = app.metrics.registry.render();
     let mut by_state = std::collections::BTreeMap::new();

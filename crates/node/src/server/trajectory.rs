@@ -29,9 +29,9 @@ use tokio::sync::OwnedMutexGuard;
 
 use crate::trajlog::{Config, Entry, Lsn, Record, RecordKind, RecoveryReport, TrajLog};
 
-use super::app::now_ms;
 use super::error::{ApiError, ApiResult};
-use super::store::Tenant;
+use crate::clock::now_ms;
+use crate::store::Tenant;
 
 /// Answer bodies up to this size live in the result record; larger ones in a blob file.
 const INLINE_BODY: usize = 1 << 20;
@@ -259,6 +259,21 @@ impl Trajectories {
             ));
         }
         Ok(key)
+    }
+
+    /// Compacts the log: records of trajectories finished at least `after` ago go.
+    pub fn compact_finished(
+        &self,
+        store: &crate::store::Store,
+        after: std::time::Duration,
+    ) -> ApiResult<Value> {
+        let before = now_ms().saturating_sub(after.as_millis() as u64);
+        let finished: std::collections::HashSet<String> =
+            store.finished_trajectories(before)?.into_iter().collect();
+        if finished.is_empty() {
+            return Ok(serde_json::json!({"records_dropped": 0}));
+        }
+        self.compact(&finished)
     }
 
     /// Drops the records of `finished` trajectories from sealed log segments.

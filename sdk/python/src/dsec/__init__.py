@@ -9,11 +9,15 @@ Quick start::
         assert r.ok and r.text == "2\\n"
 """
 
-from .client import AsyncClient, BatchCreateResult, Client
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .client import AsyncClient, Client
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .sandbox import (
-    FINAL_STATES,
     AsyncFiles,
     AsyncProcess,
     AsyncSandbox,
@@ -23,22 +27,13 @@ from .sandbox import (
     Sandbox,
     Session,
 )
-from .trajectory import ResumeReport, Trajectory
-from .types import (
-    BatchDeleteItem,
-    ExecEvent,
-    ExecResult,
-    FileEntry,
-    PoolStats,
-    ProcessStatus,
-    Template,
-    Tenant,
-    TrajectoryInfo,
-)
+from .trajectory import AsyncTrajectory, ResumeReport, Trajectory
+from .types import *  # noqa: F403
+from .types import __all__ as _types_all
 
 __version__ = "0.1.0"
 
-_default_client = None
+_default_client: Client | None = None
 
 
 def _client() -> Client:
@@ -48,20 +43,20 @@ def _client() -> Client:
     return _default_client
 
 
-def run_code(code: str, language: str = "python", **options: object) -> dict:
+def run_code(code: str, language: str = "python", **options: Any) -> dict[str, Any]:
     """Run a snippet on the node from ``DSEC_URL`` with ``DSEC_API_KEY`` (see
     :meth:`Client.run_code`)."""
     return _client().run_code(code, language, **options)
 
 
-def run_codes(requests: list, *, concurrency: int = 16) -> list:
+def run_codes(requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
     """Run many snippets at most ``concurrency`` at once (see :meth:`Client.run_codes`)."""
     return _client().run_codes(requests, concurrency=concurrency)
+
 
 __all__ = [
     "Client",
     "AsyncClient",
-    "BatchCreateResult",
     "Sandbox",
     "AsyncSandbox",
     "Process",
@@ -70,19 +65,11 @@ __all__ = [
     "AsyncSession",
     "Files",
     "AsyncFiles",
-    "FINAL_STATES",
-    "ExecResult",
-    "ExecEvent",
-    "ProcessStatus",
-    "FileEntry",
-    "Template",
-    "PoolStats",
-    "Tenant",
-    "TrajectoryInfo",
     "Trajectory",
+    "AsyncTrajectory",
     "ResumeReport",
     "run_code",
     "run_codes",
-    "BatchDeleteItem",
+    *_types_all,
     *_errors_all,
 ]

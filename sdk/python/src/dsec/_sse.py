@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Iterable, Iterator, List, Optional
 
 
 @dataclass
@@ -12,7 +12,7 @@ class SseEvent:
 
     event: str
     data: str
-    id: Optional[str] = None
+    id: str | None = None
 
 
 class SseDecoder:
@@ -20,11 +20,11 @@ class SseDecoder:
 
     def __init__(self) -> None:
         self._event = ""
-        self._data: List[str] = []
-        self._id: Optional[str] = None
+        self._data: list[str] = []
+        self._id: str | None = None
         self._has_data = False
 
-    def feed(self, line: str) -> Optional[SseEvent]:
+    def feed(self, line: str) -> SseEvent | None:
         line = line.rstrip("\r\n")
         if line == "":
             return self._dispatch()
@@ -44,11 +44,11 @@ class SseDecoder:
         # "retry" and unknown fields are ignored
         return None
 
-    def flush(self) -> Optional[SseEvent]:
+    def flush(self) -> SseEvent | None:
         """Dispatch a final event the stream did not terminate with a blank line."""
         return self._dispatch()
 
-    def _dispatch(self) -> Optional[SseEvent]:
+    def _dispatch(self) -> SseEvent | None:
         if not self._has_data and not self._event:
             return None
         ev = SseEvent(self._event or "message", "\n".join(self._data), self._id)
@@ -58,25 +58,23 @@ class SseDecoder:
         return ev
 
 
+def _some(ev: SseEvent | None) -> list[SseEvent]:
+    return [] if ev is None else [ev]
+
+
 def iter_sse(lines: Iterable[str]) -> Iterator[SseEvent]:
     """Parse an iterable of lines into events."""
     dec = SseDecoder()
     for line in lines:
-        ev = dec.feed(line)
-        if ev is not None:
-            yield ev
-    ev = dec.flush()
-    if ev is not None:
-        yield ev
+        yield from _some(dec.feed(line))
+    yield from _some(dec.flush())
 
 
 async def aiter_sse(lines: AsyncIterable[str]) -> AsyncIterator[SseEvent]:
     """Parse an async iterable of lines into events."""
     dec = SseDecoder()
     async for line in lines:
-        ev = dec.feed(line)
-        if ev is not None:
+        for ev in _some(dec.feed(line)):
             yield ev
-    ev = dec.flush()
-    if ev is not None:
+    for ev in _some(dec.flush()):
         yield ev

@@ -7,12 +7,14 @@ import json
 import os
 import random
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from collections.abc import Mapping
+from typing import Any
 
 import httpx
+from typing_extensions import Unpack
 
-from .errors import DsecError, error_from_problem
-from .types import ExecEvent, ExecResult
+from .errors import DsecConnectionError, DsecError, DsecTimeoutError, error_from_problem
+from .types import CreateOptions, ExecEvent, ExecResult
 
 DEFAULT_URL = "http://127.0.0.1:7700"
 DEFAULT_TIMEOUT = 30.0
@@ -27,7 +29,7 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 NON_TRANSIENT_CODES = frozenset({"exec_timeout"})
 #: transport failures after which the request may be retried (the server may or may not have
 #: seen it; the idempotency key makes the retry safe)
-RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
+RETRY_EXCEPTIONS: tuple[type[Exception], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
     httpx.ReadError,
@@ -35,21 +37,21 @@ RETRY_EXCEPTIONS: Tuple[Type[Exception], ...] = (
     httpx.RemoteProtocolError,
     httpx.PoolTimeout,
 )
+#: transport failures an attempt ends with: retried ones, and timeouts (raised as such)
+ATTEMPT_EXCEPTIONS: tuple[type[Exception], ...] = (*RETRY_EXCEPTIONS, httpx.TimeoutException)
 
 #: query parameters as httpx takes them (a mapping, or pairs for repeated keys)
 Params = Any
 
 
-def resolve_config(
-    base_url: Optional[str], api_key: Optional[str]
-) -> Tuple[str, Optional[str]]:
+def resolve_config(base_url: str | None, api_key: str | None) -> tuple[str, str | None]:
     """Apply the environment defaults ``DSEC_URL`` and ``DSEC_API_KEY``."""
     url = base_url or os.environ.get("DSEC_URL") or DEFAULT_URL
     key = api_key if api_key is not None else os.environ.get("DSEC_API_KEY")
     return url.rstrip("/"), key
 
 
-def auth_headers(api_key: Optional[str]) -> Dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     h = {"Accept": "application/json", "User-Agent": "dsec-python/0.1"}
     if api_key:
         h["Authorization"] = f"Bearer {api_key}"
@@ -60,27 +62,20 @@ def new_idempotency_key() -> str:
     return f"py-{uuid.uuid4().hex}"
 
 
-def make_timeout(seconds: Optional[float]) -> httpx.Timeout:
+def make_timeout(seconds: float | None) -> httpx.Timeout:
     if seconds is None:
         return httpx.Timeout(None, connect=10.0)
     return httpx.Timeout(seconds, connect=min(10.0, seconds))
 
 
-def deadline_timeout(base: float, timeout_ms: Optional[int], default_s: float) -> float:
-    """The HTTP timeout for a request the server itself bounds by ``timeout_ms``."""
-    if timeout_ms is None:
-        return max(base, default_s)
-    return max(base, timeout_ms / 1000.0 + DEADLINE_SLACK)
-
-
-def backoff_delay(attempt: int, retry_after: Optional[float], base: float = 0.2) -> float:
+def backoff_delay(attempt: int, retry_after: float | None, base: float = 0.2) -> float:
     """Exponential back-off with jitter; honours ``Retry-After`` (capped at 10 s)."""
     if retry_after is not None:
         return max(0.0, min(retry_after, 10.0))
-    return min(base * (2**attempt), 5.0) * (0.5 + random.random() / 2)
+    return min(base * (2.0**attempt), 5.0) * (0.5 + random.random() / 2)
 
 
-def parse_retry_after(resp: httpx.Response) -> Optional[float]:
+def parse_retry_after(resp: httpx.Response) -> float | None:
     v = resp.headers.get("retry-after")
     if v is None:
         return None
@@ -90,10 +85,10 @@ def parse_retry_after(resp: httpx.Response) -> Optional[float]:
         return None
 
 
-def error_from_response(resp: httpx.Response, body: Optional[bytes] = None) -> DsecError:
+def error_from_response(resp: httpx.Response, body: bytes | None = None) -> DsecError:
     """Decode a problem+json answer (or anything else with an error status)."""
     raw = body if body is not None else resp.content
-    problem: Dict[str, Any] = {}
+    problem: dict[str, Any] = {}
     try:
         parsed = json.loads(raw) if raw else {}
         if isinstance(parsed, dict):
@@ -112,6 +107,51 @@ def error_from_response(resp: httpx.Response, body: Optional[bytes] = None) -> D
 
 def is_retryable_response(resp: httpx.Response, err: DsecError) -> bool:
     return resp.status_code in RETRY_STATUSES and err.code not in NON_TRANSIENT_CODES
+
+
+class Attempts:
+    """The retry policy of one request: how long to pause before the next attempt, or the
+    error to raise when there is none. Each attempt is sent with the same headers (the same
+    ``Idempotency-Key``)."""
+
+    def __init__(self, method: str, headers: Mapping[str, str], max_retries: int) -> None:
+        self.method = method.upper()
+        self.keyed = "Idempotency-Key" in headers
+        self.max_retries = max_retries
+        self.attempt = 0
+
+    def _may_retry(self, exc: BaseException | None) -> bool:
+        """A mutation without a key is retried only when it never reached the server."""
+        if self.method not in MUTATING_METHODS or self.keyed:
+            return True
+        return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+    def _next(self, retry_after: float | None) -> float:
+        delay = backoff_delay(self.attempt, retry_after)
+        self.attempt += 1
+        return delay
+
+    def after_failure(self, exc: Exception) -> float:
+        """The pause after a transport failure (one of ``ATTEMPT_EXCEPTIONS``), or raise."""
+        if isinstance(exc, RETRY_EXCEPTIONS):
+            if self.attempt >= self.max_retries or not self._may_retry(exc):
+                raise DsecConnectionError(detail=f"{type(exc).__name__}: {exc}") from exc
+            return self._next(None)
+        raise DsecTimeoutError(detail=f"{type(exc).__name__}: {exc}") from exc
+
+    def after_error(self, resp: httpx.Response, body: bytes | None = None) -> float:
+        """The pause after an error answer, or raise its typed error."""
+        err = error_from_response(resp, body)
+        if is_retryable_response(resp, err) and self.attempt < self.max_retries and self._may_retry(None):
+            return self._next(err.retry_after)
+        raise err
+
+
+def transport_error(exc: httpx.TransportError) -> DsecError:
+    """The SDK's error for a failure while reading a streamed answer."""
+    if isinstance(exc, httpx.TimeoutException):
+        return DsecTimeoutError(detail=f"{type(exc).__name__}: {exc}")
+    return DsecConnectionError(detail=f"{type(exc).__name__}: {exc}")
 
 
 def exec_event_from_sse(event: str, data: str) -> ExecEvent:
@@ -139,41 +179,28 @@ def exec_event_from_sse(event: str, data: str) -> ExecEvent:
     return ExecEvent(type=event, raw=payload)
 
 
-def label_params(labels: Optional[Mapping[str, str]]) -> List[Tuple[str, str]]:
+def label_params(labels: Mapping[str, str] | None) -> list[tuple[str, str]]:
     return [("label", f"{k}={v}") for k, v in (labels or {}).items()]
 
 
-def clean(d: Mapping[str, Any]) -> Dict[str, Any]:
+def clean(d: Mapping[str, Any]) -> dict[str, Any]:
     """Drop ``None`` values from a body or a query."""
     return {k: v for k, v in d.items() if v is not None}
 
 
-def create_spec(
-    *,
-    template: Optional[str] = None,
-    substrate: Optional[str] = "container",
-    limits: Optional[Mapping[str, Any]] = None,
-    env: Optional[Mapping[str, str]] = None,
-    labels: Optional[Mapping[str, str]] = None,
-    ttl_ms: Optional[int] = None,
-    lease_ms: Optional[int] = None,
-    writable_root: Optional[bool] = None,
-    userns: Optional[bool] = None,
-    **extra: Any,
-) -> Dict[str, Any]:
-    """Build a sandbox create spec; ``None`` fields are left to the server's defaults."""
-    spec = clean(
-        {
-            "template": template,
-            "substrate": substrate,
-            "limits": dict(limits) if limits is not None else None,
-            "env": dict(env) if env is not None else None,
-            "labels": dict(labels) if labels is not None else None,
-            "ttl_ms": ttl_ms,
-            "lease_ms": lease_ms,
-            "writable_root": writable_root,
-            "userns": userns,
-        }
-    )
-    spec.update(clean(extra))
-    return spec
+def flag(value: bool) -> str:
+    """A boolean as a query parameter."""
+    return "true" if value else "false"
+
+
+def b64(data: bytes | bytearray) -> str:
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def create_spec(**spec: Unpack[CreateOptions]) -> dict[str, Any]:
+    """Build a sandbox create spec; ``None`` fields are left to the server's defaults (the
+    substrate is ``container`` unless given)."""
+    out: dict[str, Any] = {"substrate": "container"}
+    for k, v in spec.items():
+        out[k] = dict(v) if isinstance(v, Mapping) else v
+    return clean(out)

@@ -1,131 +1,110 @@
-"""HTTP clients of the dsec node API: :class:`Client` (sync) and :class:`AsyncClient` (async)."""
+"""HTTP clients of the dsec node API: :class:`Client` (sync) and :class:`AsyncClient` (async).
+
+Both are transports: what each call sends and how its answer is read is built once in
+:mod:`dsec._api`; a client sends it, with retries, and awaits or not.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json as _json
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
-    AsyncIterator,
-    Dict,
     Generic,
-    Iterator,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
     TypeVar,
     Union,
 )
 
 import httpx
+from typing_extensions import Unpack
 
+from . import _api as api
 from . import _transport as t
-from ._sse import aiter_sse, iter_sse
-from .errors import DsecConnectionError, DsecError, DsecTimeoutError, error_from_problem
-from .types import BatchDeleteItem, PoolStats, Template, Tenant, TrajectoryInfo
+from ._sse import SseEvent, aiter_sse, iter_sse
+from .errors import DsecError
+from .types import (
+    Annotation,
+    BatchCreateResult,
+    BatchDeleteItem,
+    CreateOptions,
+    PoolStats,
+    RequestOptions,
+    SandboxQuery,
+    Template,
+    Tenant,
+    TenantQuota,
+    TrajectoryInfo,
+    check_keys,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .sandbox import AsyncSandbox, Sandbox
 
 __all__ = ["Client", "AsyncClient", "BatchCreateResult"]
 
-S = TypeVar("S")
+T = TypeVar("T")
+Tr = TypeVar("Tr", httpx.BaseTransport, httpx.AsyncBaseTransport)
+Record = dict[str, Any]
+run_body = api.run_body
 
 
-@dataclass
-class BatchCreateResult(Generic[S]):
-    """The outcome of a batch create: the sandboxes made and the errors of the others.
-
-    Iterating it yields the sandboxes; ``len()`` counts them.
-    """
-
-    sandboxes: List[S] = field(default_factory=list)
-    errors: List[DsecError] = field(default_factory=list)
-
-    def __iter__(self) -> Iterator[S]:
-        return iter(self.sandboxes)
-
-    def __len__(self) -> int:
-        return len(self.sandboxes)
-
-    @property
-    def ids(self) -> List[str]:
-        return [s.id for s in self.sandboxes]  # type: ignore[attr-defined]
-
-
-def _batch_delete_items(body: Mapping[str, Any]) -> List[BatchDeleteItem]:
-    items = []
-    for it in body.get("items") or []:
-        err = it.get("error")
-        items.append(
-            BatchDeleteItem(
-                id=str(it.get("id")),
-                ok=bool(it.get("ok")),
-                error=error_from_problem(err) if err else None,
-            )
-        )
-    return items
-
-
-def _batch_delete_body(
-    ids: Optional[Sequence[str]], labels: Optional[Mapping[str, str]]
-) -> Dict[str, Any]:
-    if (ids is None) == (labels is None):
-        raise ValueError("give exactly one of ids= or labels=")
-    return {"ids": list(ids)} if ids is not None else {"labels": dict(labels or {})}
-
-
-def run_body(code: str, language: str, options: Mapping[str, Any]) -> Dict[str, Any]:
-    """The JSON body of a run request (``memory_limit_mb`` is accepted for ``memory_limit_MB``)."""
-    body: Dict[str, Any] = {"code": code, "language": language}
-    for k, v in options.items():
-        if v is not None:
-            body["memory_limit_MB" if k == "memory_limit_mb" else k] = v
-    return body
-
-
-class _ClientBase:
+class _ClientBase(Generic[Tr]):
     def __init__(
         self,
-        base_url: Optional[str],
-        api_key: Optional[str],
-        timeout: float,
-        max_retries: int,
-        exec_timeout: float,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = t.DEFAULT_TIMEOUT,
+        max_retries: int = t.DEFAULT_MAX_RETRIES,
+        exec_timeout: float = 600.0,
         auto_idempotency_keys: bool = True,
+        transport: Tr | None = None,
     ) -> None:
         self.base_url, self.api_key = t.resolve_config(base_url, api_key)
         self.auto_idempotency_keys = auto_idempotency_keys
         self.timeout = timeout
         self.max_retries = max_retries
         self.exec_timeout = exec_timeout
+        self._open(transport)
 
-    def _prepare_headers(
-        self, method: str, headers: Optional[Mapping[str, str]], idempotency_key: Optional[str]
-    ) -> Dict[str, str]:
-        hdrs = dict(headers or {})
-        if idempotency_key:
-            hdrs["Idempotency-Key"] = idempotency_key
+    def _open(self, transport: Tr | None) -> None:
+        raise NotImplementedError
+
+    def _http_options(self) -> dict[str, Any]:
+        """The keywords of the ``httpx`` client."""
+        return {
+            "base_url": self.base_url,
+            "headers": t.auth_headers(self.api_key),
+            "timeout": t.make_timeout(self.timeout),
+        }
+
+    def _prepare(self, method: str, options: RequestOptions) -> tuple[dict[str, Any], t.Attempts]:
+        """The ``httpx`` keywords of a request and the retry policy of its attempts."""
+        check_keys(options, RequestOptions)
+        hdrs = dict(options.get("headers") or {})
+        key = options.get("idempotency_key")
+        if key:
+            hdrs["Idempotency-Key"] = key
         elif method.upper() in t.MUTATING_METHODS and self.auto_idempotency_keys:
             hdrs.setdefault("Idempotency-Key", t.new_idempotency_key())
-        return hdrs
-
-    def _may_retry(self, method: str, hdrs: Mapping[str, str], exc: Optional[BaseException]) -> bool:
-        """A mutation without a key is retried only when it never reached the server."""
-        if method.upper() not in t.MUTATING_METHODS or "Idempotency-Key" in hdrs:
-            return True
-        return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+        timeout = options.get("timeout")
+        kw = {
+            "params": options.get("params"),
+            "json": options.get("json"),
+            "content": options.get("content"),
+            "headers": hdrs,
+            "timeout": t.make_timeout(timeout if timeout is not None else self.timeout),
+        }
+        return kw, t.Attempts(method, hdrs, self.max_retries)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
 
 
-class Client(_ClientBase):
+class Client(_ClientBase[httpx.BaseTransport]):
     """Synchronous client.
 
     Args:
@@ -139,26 +118,13 @@ class Client(_ClientBase):
         auto_idempotency_keys: set False to send keys only where you pass one (the server then
             records no outcome per call, ~0.3 ms less per exec); a mutation without a key is
             then retried only when the connection was never made.
+        transport: an ``httpx`` transport (tests use ``httpx.MockTransport``).
     """
 
-    def __init__(
-        self,
-        base_url: Optional[str] = None,
-        api_key: Optional[str] = None,
-        *,
-        timeout: float = t.DEFAULT_TIMEOUT,
-        max_retries: int = t.DEFAULT_MAX_RETRIES,
-        exec_timeout: float = 600.0,
-        auto_idempotency_keys: bool = True,
-        transport: Optional[httpx.BaseTransport] = None,
-    ) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries, exec_timeout, auto_idempotency_keys)
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers=t.auth_headers(self.api_key),
-            timeout=t.make_timeout(timeout),
-            transport=transport,
-        )
+    _http: httpx.Client
+
+    def _open(self, transport: httpx.BaseTransport | None) -> None:
+        self._http = httpx.Client(transport=transport, **self._http_options())
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -166,274 +132,164 @@ class Client(_ClientBase):
         """Close the connection pool."""
         self._http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: t.Params = None,
-        json: Any = None,
-        content: Optional[bytes] = None,
-        headers: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-        timeout: Optional[float] = None,
-    ) -> httpx.Response:
+    def request(self, method: str, path: str, **options: Unpack[RequestOptions]) -> httpx.Response:
         """Send one request with retries; raise the typed :class:`DsecError` on an error answer."""
-        hdrs = self._prepare_headers(method, headers, idempotency_key)
-        to = t.make_timeout(timeout if timeout is not None else self.timeout)
-        attempt = 0
+        kw, attempts = self._prepare(method, options)
         while True:
             try:
-                resp = self._http.request(
-                    method, path, params=params, json=json, content=content, headers=hdrs, timeout=to
-                )
-            except t.RETRY_EXCEPTIONS as e:
-                if attempt >= self.max_retries or not self._may_retry(method, hdrs, e):
-                    raise DsecConnectionError(detail=f"{type(e).__name__}: {e}") from e
-                time.sleep(t.backoff_delay(attempt, None))
-                attempt += 1
+                resp = self._http.request(method, path, **kw)
+            except t.ATTEMPT_EXCEPTIONS as e:
+                time.sleep(attempts.after_failure(e))
                 continue
-            except httpx.TimeoutException as e:
-                raise DsecTimeoutError(detail=f"{type(e).__name__}: {e}") from e
             if resp.status_code < 400:
                 return resp
-            err = t.error_from_response(resp)
-            if (
-                        t.is_retryable_response(resp, err)
-                        and attempt < self.max_retries
-                        and self._may_retry(method, hdrs, None)
-                    ):
-                time.sleep(t.backoff_delay(attempt, err.retry_after))
-                attempt += 1
-                continue
-            raise err
+            time.sleep(attempts.after_error(resp))
 
-    def request_json(self, method: str, path: str, **kw: Any) -> Any:
+    def request_json(self, method: str, path: str, **options: Unpack[RequestOptions]) -> Any:
         """:meth:`request` and decode the JSON answer (``None`` for an empty one)."""
-        resp = self.request(method, path, **kw)
-        if not resp.content:
-            return None
-        return resp.json()
+        return api.json_body(self.request(method, path, **options))
 
     @contextlib.contextmanager
-    def stream(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: t.Params = None,
-        json: Any = None,
-        headers: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-        timeout: Optional[float] = None,
-    ) -> Iterator[httpx.Response]:
+    def stream(self, method: str, path: str, **options: Unpack[RequestOptions]) -> Iterator[httpx.Response]:
         """Open a streamed answer; connection failures before any answer are retried."""
-        hdrs = self._prepare_headers(method, headers, idempotency_key)
-        to = t.make_timeout(timeout if timeout is not None else self.timeout)
-        attempt = 0
+        kw, attempts = self._prepare(method, options)
         while True:
             try:
-                req = self._http.build_request(
-                    method, path, params=params, json=json, headers=hdrs, timeout=to
-                )
-                resp = self._http.send(req, stream=True)
-            except t.RETRY_EXCEPTIONS as e:
-                if attempt >= self.max_retries or not self._may_retry(method, hdrs, e):
-                    raise DsecConnectionError(detail=f"{type(e).__name__}: {e}") from e
-                time.sleep(t.backoff_delay(attempt, None))
-                attempt += 1
+                resp = self._http.send(self._http.build_request(method, path, **kw), stream=True)
+            except t.ATTEMPT_EXCEPTIONS as e:
+                time.sleep(attempts.after_failure(e))
                 continue
-            except httpx.TimeoutException as e:
-                raise DsecTimeoutError(detail=f"{type(e).__name__}: {e}") from e
             try:
                 if resp.status_code >= 400:
-                    body = resp.read()
-                    err = t.error_from_response(resp, body)
-                    if (
-                        t.is_retryable_response(resp, err)
-                        and attempt < self.max_retries
-                        and self._may_retry(method, hdrs, None)
-                    ):
-                        time.sleep(t.backoff_delay(attempt, err.retry_after))
-                        attempt += 1
-                        continue
-                    raise err
+                    time.sleep(attempts.after_error(resp, resp.read()))
+                    continue
                 yield resp
                 return
             finally:
                 resp.close()
 
-    def iter_sse(self, resp: httpx.Response) -> Iterator[Any]:
+    def iter_sse(self, resp: httpx.Response) -> Iterator[SseEvent]:
         """Parse a streamed answer as Server-Sent Events."""
         try:
             yield from iter_sse(resp.iter_lines())
-        except httpx.TimeoutException as e:
-            raise DsecTimeoutError(detail=f"{type(e).__name__}: {e}") from e
         except httpx.TransportError as e:
-            raise DsecConnectionError(detail=f"{type(e).__name__}: {e}") from e
+            raise t.transport_error(e) from e
+
+    def _send(self, call: api.Call[T]) -> T:
+        return call.parse(self.request(call.method, call.path, **call.options(self.timeout)))
+
+    def _pages(self, call: api.Call[api.Page[T]] | None) -> Iterator[T]:
+        while call is not None:
+            page = self._send(call)
+            yield from page.items
+            call = page.next
+
+    def _events(self, call: api.StreamCall[T]) -> Iterator[T]:
+        req = call.request
+        with self.stream(req.method, req.path, **req.options(self.timeout)) as resp:
+            for ev in self.iter_sse(resp):
+                item = call.decode(ev)
+                if item is not None:
+                    yield item
+                    if call.last(item):
+                        return
+
+    def _run(self, plan: api.Plan[T]) -> T:
+        run = api.Run(plan)
+        while run.pending is not None:
+            try:
+                reply = self._step(run.pending)
+            except DsecError as e:
+                run.fail(e)
+            else:
+                run.answer(reply)
+        return run.result()
+
+    def _step(self, step: api.Call[Any] | float) -> Any:
+        """Send a call, or pause."""
+        if isinstance(step, api.Call):
+            return self._send(step)
+        time.sleep(step)
+        return None
+
+    def _sandbox(self, data: Record) -> Sandbox:
+        from .sandbox import Sandbox
+
+        return Sandbox(self, data)
 
     # -- sandboxes -----------------------------------------------------------------------------
 
-    def create_sandbox(
-        self,
-        *,
-        template: Optional[str] = None,
-        limits: Optional[Mapping[str, Any]] = None,
-        env: Optional[Mapping[str, str]] = None,
-        labels: Optional[Mapping[str, str]] = None,
-        ttl_ms: Optional[int] = None,
-        lease_ms: Optional[int] = None,
-        substrate: Optional[str] = "container",
-        writable_root: Optional[bool] = None,
-        userns: Optional[bool] = None,
-        idempotency_key: Optional[str] = None,
-        **extra: Any,
-    ) -> "Sandbox":
+    def create_sandbox(self, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]) -> Sandbox:
         """Create a sandbox (state ``running``). See :meth:`dsec.Sandbox.create`."""
-        from .sandbox import Sandbox
+        return self._send(api.create_sandbox(self._sandbox, idempotency_key, spec))
 
-        spec = t.create_spec(
-            template=template,
-            substrate=substrate,
-            limits=limits,
-            env=env,
-            labels=labels,
-            ttl_ms=ttl_ms,
-            lease_ms=lease_ms,
-            writable_root=writable_root,
-            userns=userns,
-            **extra,
-        )
-        data = self.request_json(
-            "POST", "/v1/sandboxes", json=spec, idempotency_key=idempotency_key, timeout=max(self.timeout, 120.0)
-        )
-        return Sandbox(self, data)
-
-    def get_sandbox(self, sandbox_id: str) -> "Sandbox":
+    def get_sandbox(self, sandbox_id: str) -> Sandbox:
         """The sandbox with this id (``SandboxNotFound`` if this tenant has none)."""
-        from .sandbox import Sandbox
+        return self._send(api.get_sandbox(self._sandbox, sandbox_id))
 
-        return Sandbox(self, self.request_json("GET", f"/v1/sandboxes/{sandbox_id}"))
-
-    def delete_sandbox(self, sandbox_id: str, *, idempotency_key: Optional[str] = None) -> Dict[str, Any]:
+    def delete_sandbox(self, sandbox_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         """Destroy a sandbox; returns its final record (state ``stopped``)."""
-        return self.request_json(
-            "DELETE", f"/v1/sandboxes/{sandbox_id}", idempotency_key=idempotency_key, timeout=max(self.timeout, 60.0)
-        )
+        out: dict[str, Any] = self._send(api.delete_sandbox(sandbox_id, idempotency_key))
+        return out
 
-    def list_sandboxes(
-        self,
-        *,
-        state: Optional[str] = None,
-        labels: Optional[Mapping[str, str]] = None,
-        page_size: Optional[int] = None,
-        tenant: Optional[str] = None,
-    ) -> Iterator["Sandbox"]:
+    def list_sandboxes(self, **query: Unpack[SandboxQuery]) -> Iterator[Sandbox]:
         """Iterate over this tenant's sandboxes, following ``next_cursor`` page by page.
 
         Without ``state``, ``stopped`` sandboxes are left out. The admin tenant may pass
         ``tenant=<tenant id>`` to list another tenant's.
         """
-        from .sandbox import Sandbox
-
-        cursor: Optional[str] = None
-        while True:
-            params: List[Any] = list(t.clean({"state": state, "limit": page_size, "cursor": cursor, "tenant": tenant}).items())
-            params += t.label_params(labels)
-            body = self.request_json("GET", "/v1/sandboxes", params=params)
-            for item in body.get("items") or []:
-                yield Sandbox(self, item)
-            cursor = body.get("next_cursor")
-            if not cursor:
-                return
+        return self._pages(api.list_sandboxes(self._sandbox, query))
 
     def create_sandboxes(
-        self, count: int, *, idempotency_key: Optional[str] = None, **spec: Any
-    ) -> BatchCreateResult["Sandbox"]:
+        self, count: int, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
+    ) -> BatchCreateResult[Sandbox]:
         """Create ``count`` sandboxes from one spec (the keywords of :meth:`create_sandbox`)."""
-        from .sandbox import Sandbox
-
-        spec.setdefault("substrate", "container")
-        body = self.request_json(
-            "POST",
-            "/v1/sandboxes/batch",
-            json={"count": int(count), "spec": t.create_spec(**spec)},
-            idempotency_key=idempotency_key,
-            timeout=max(self.timeout, 60.0 + count),
-        )
-        out: BatchCreateResult[Sandbox] = BatchCreateResult()
-        for it in body.get("items") or []:
-            if it.get("ok"):
-                out.sandboxes.append(Sandbox(self, it["sandbox"]))
-            else:
-                out.errors.append(error_from_problem(it.get("error")))
-        return out
+        return self._send(api.create_sandboxes(self._sandbox, count, idempotency_key, spec))
 
     def delete_sandboxes(
         self,
-        ids: Optional[Sequence[str]] = None,
+        ids: Sequence[str] | None = None,
         *,
-        labels: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-    ) -> List[BatchDeleteItem]:
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> list[BatchDeleteItem]:
         """Destroy sandboxes by ids or by labels (all of them must match)."""
-        body = self.request_json(
-            "POST",
-            "/v1/sandboxes/batch-delete",
-            json=_batch_delete_body(ids, labels),
-            idempotency_key=idempotency_key,
-            timeout=max(self.timeout, 120.0),
-        )
-        return _batch_delete_items(body)
+        return self._send(api.delete_sandboxes(ids, labels, idempotency_key))
 
     # -- templates and pools -------------------------------------------------------------------
 
-    def list_templates(self) -> List[Template]:
-        return [Template.from_json(x) for x in self.request_json("GET", "/v1/templates").get("items") or []]
+    def list_templates(self) -> list[Template]:
+        return self._send(api.list_templates())
 
     def get_template(self, name: str) -> Template:
-        return Template.from_json(self.request_json("GET", f"/v1/templates/{name}"))
+        return self._send(api.get_template(name))
 
     def upload_template(self, name: str, tarball: bytes) -> Template:
         """Import a rootfs tarball, OCI layout tar or ``docker save`` tar (admin)."""
-        return Template.from_json(
-            self.request_json(
-                "POST",
-                "/v1/templates",
-                params={"name": name},
-                content=tarball,
-                headers={"Content-Type": "application/x-tar"},
-                timeout=max(self.timeout, 300.0),
-            )
-        )
+        return self._send(api.upload_template(name, tarball))
 
     def delete_template(self, name: str) -> None:
-        self.request("DELETE", f"/v1/templates/{name}")
+        self._send(api.delete_template(name))
 
-    def list_pools(self) -> List[PoolStats]:
-        return [PoolStats.from_json(x) for x in self.request_json("GET", "/v1/pools").get("items") or []]
+    def list_pools(self) -> list[PoolStats]:
+        return self._send(api.list_pools())
 
     def get_pool(self, template: str) -> PoolStats:
-        return PoolStats.from_json(self.request_json("GET", f"/v1/pools/{template}"))
+        return self._send(api.get_pool(template))
 
     def set_pool(self, template: str, *, min: int, max: int) -> PoolStats:
         """Configure the warm pool of a template (admin)."""
-        return PoolStats.from_json(self.request_json("PUT", f"/v1/pools/{template}", json={"min": min, "max": max}))
+        return self._send(api.set_pool(template, min, max))
 
     # -- code runner ---------------------------------------------------------------------------
 
-    def run_code(
-        self,
-        code: str,
-        language: str = "python",
-        **options: Any,
-    ) -> Dict[str, Any]:
+    def run_code(self, code: str, language: str = "python", **options: Any) -> dict[str, Any]:
         """Run a snippet (``POST /v1/run``): python on the function substrate, other languages
         compile and run in a container. ``options``: ``stdin``, ``files`` (path → base64),
         ``fetch_files``, ``run_timeout``, ``compile_timeout`` (seconds), ``memory_limit_MB``,
@@ -442,113 +298,62 @@ class Client(_ClientBase):
         "memory_kb"}, "files", "substrate", "server_us", "clamped"}``: ``clamped`` names the
         options outside the node's range with the value applied (timeouts above 300 s run 300 s;
         0 or less times out at once)."""
-        return self.request_json("POST", "/v1/run", json=run_body(code, language, options))
+        return self._send(api.run_code(code, language, options))
 
-    def run_codes(
-        self,
-        requests: Sequence[Mapping[str, Any]],
-        *,
-        concurrency: int = 16,
-    ) -> List[Dict[str, Any]]:
+    def run_codes(self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
         """Run many snippets in one call (``POST /v1/run/batch``), at most ``concurrency`` at
         once on the node. Each request is a mapping like :meth:`run_code`'s arguments; each
         item answers ``{"ok": True, "result": …}`` or ``{"ok": False, "error": {problem}}``,
         in order."""
-        body = {"requests": [dict(r) for r in requests], "concurrency": concurrency}
-        return self.request_json("POST", "/v1/run/batch", json=body)["items"]
+        return self._send(api.run_codes(requests, concurrency))
 
-    def languages(self, template: Optional[str] = None) -> List[Dict[str, Any]]:
+    def languages(self, template: str | None = None) -> list[dict[str, Any]]:
         """The languages whose toolchains are on ``template`` (default: ``host``)."""
-        params = {"template": template} if template else None
-        return self.request_json("GET", "/v1/languages", params=params)["items"]
+        return self._send(api.languages(template))
 
     # -- trajectories --------------------------------------------------------------------------
 
-    def list_trajectories(self) -> List[TrajectoryInfo]:
+    def list_trajectories(self) -> list[TrajectoryInfo]:
         """This tenant's trajectories with their counters."""
-        body = self.request_json("GET", "/v1/trajectories")
-        return [TrajectoryInfo.from_json(x) for x in body.get("items") or []]
+        return self._send(api.list_trajectories())
 
     def get_trajectory(self, trajectory: str) -> TrajectoryInfo:
-        return TrajectoryInfo.from_json(self.request_json("GET", f"/v1/trajectories/{trajectory}"))
+        return self._send(api.get_trajectory(trajectory))
 
     def trajectory_records(
-        self, trajectory: str, *, from_step: Optional[int] = None, page_size: Optional[int] = None
-    ) -> Iterator[Dict[str, Any]]:
+        self, trajectory: str, *, from_step: int | None = None, page_size: int | None = None
+    ) -> Iterator[dict[str, Any]]:
         """The log records of a trajectory (``intent``/``result``/``annotation``), page by page."""
-        while True:
-            body = self.request_json(
-                "GET",
-                f"/v1/trajectories/{trajectory}/records",
-                params=t.clean({"from_step": from_step, "limit": page_size}),
-            )
-            yield from body.get("items") or []
-            nxt = body.get("next_from_step")
-            if nxt is None or nxt == from_step:
-                return
-            from_step = nxt
+        return self._pages(api.trajectory_records(trajectory, from_step, page_size))
 
     def annotate_trajectory(
-        self,
-        trajectory: str,
-        *,
-        step: Optional[int] = None,
-        reward: Optional[float] = None,
-        labels: Optional[Sequence[str]] = None,
-        data: Optional[Mapping[str, Any]] = None,
-        idempotency_key: Optional[str] = None,
+        self, trajectory: str, *, idempotency_key: str | None = None, **annotation: Unpack[Annotation]
     ) -> int:
         """Add a durable annotation (reward, labels, data) to a trajectory or one step; its lsn."""
-        body = t.clean(
-            {"step": step, "reward": reward, "labels": list(labels) if labels is not None else None,
-             "data": dict(data) if data is not None else None}
-        )
-        out = self.request_json(
-            "POST", f"/v1/trajectories/{trajectory}/annotations", json=body, idempotency_key=idempotency_key
-        )
-        return int(out["lsn"])
+        return self._send(api.annotate_trajectory(trajectory, annotation, idempotency_key))
 
     def export_trajectory(
-        self, trajectory: str, *, label: Optional[str] = None, min_reward: Optional[float] = None
-    ) -> List[Dict[str, Any]]:
+        self, trajectory: str, *, label: str | None = None, min_reward: float | None = None
+    ) -> list[dict[str, Any]]:
         """Training rows of a trajectory (the JSONL export, parsed)."""
-        resp = self.request(
-            "GET",
-            f"/v1/trajectories/{trajectory}/export",
-            params=t.clean({"format": "jsonl", "label": label, "min_reward": min_reward}),
-            timeout=max(self.timeout, 300.0),
-        )
-        return [_json.loads(line) for line in resp.text.splitlines() if line.strip()]
+        return self._send(api.export_trajectory(trajectory, label, min_reward))
 
-    def follow_trajectory(self, trajectory: str) -> Iterator[Dict[str, Any]]:
+    def follow_trajectory(self, trajectory: str) -> Iterator[dict[str, Any]]:
         """New log records of a trajectory as they are written (SSE ``record`` events)."""
-        with self.stream("GET", f"/v1/trajectories/{trajectory}/stream", timeout=None) as resp:
-            for ev in self.iter_sse(resp):
-                try:
-                    yield _json.loads(ev.data)
-                except ValueError:
-                    continue
+        return self._events(api.follow_trajectory(trajectory))
 
     # -- tenants and node ----------------------------------------------------------------------
 
-    def create_tenant(
-        self,
-        name: str,
-        *,
-        max_sandboxes: Optional[int] = None,
-        max_memory_bytes: Optional[int] = None,
-        idempotency_key: Optional[str] = None,
-    ) -> Tenant:
+    def create_tenant(self, name: str, *, idempotency_key: str | None = None, **quota: Unpack[TenantQuota]) -> Tenant:
         """Create a tenant (admin). The answer carries its API key, shown only this once."""
-        body = t.clean({"name": name, "max_sandboxes": max_sandboxes, "max_memory_bytes": max_memory_bytes})
-        return Tenant.from_json(self.request_json("POST", "/v1/tenants", json=body, idempotency_key=idempotency_key))
+        return self._send(api.create_tenant(name, quota, idempotency_key))
 
-    def list_tenants(self) -> List[Tenant]:
-        return [Tenant.from_json(x) for x in self.request_json("GET", "/v1/tenants").get("items") or []]
+    def list_tenants(self) -> list[Tenant]:
+        return self._send(api.list_tenants())
 
     def tenant(self) -> Tenant:
         """The caller's own tenant with its usage."""
-        return Tenant.from_json(self.request_json("GET", "/v1/tenant"))
+        return self._send(api.tenant())
 
     def livez(self) -> bool:
         try:
@@ -556,389 +361,212 @@ class Client(_ClientBase):
         except httpx.HTTPError:
             return False
 
-    def readyz(self) -> Dict[str, Any]:
-        resp = self._http.get("/readyz")
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {}
-        body.setdefault("ready", resp.status_code == 200)
-        return body
+    def readyz(self) -> dict[str, Any]:
+        return api.readyz(self._http.get("/readyz"))
 
     def metrics(self) -> str:
-        return self.request("GET", "/metrics").text
+        return self._send(api.metrics())
 
-    def events(self) -> Iterator[Dict[str, Any]]:
+    def events(self) -> Iterator[dict[str, Any]]:
         """Follow the lifecycle event stream (``{"sandbox","tenant","state","version","at"}``)."""
-        with self.stream("GET", "/v1/events", timeout=None) as resp:
-            for ev in self.iter_sse(resp):
-                try:
-                    yield _json.loads(ev.data)
-                except ValueError:
-                    continue
+        return self._events(api.events())
 
 
-class AsyncClient(_ClientBase):
+class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
     """Asynchronous client; same arguments and methods as :class:`Client`, awaited."""
 
-    def __init__(
-        self,
-        base_url: Optional[str] = None,
-        api_key: Optional[str] = None,
-        *,
-        timeout: float = t.DEFAULT_TIMEOUT,
-        max_retries: int = t.DEFAULT_MAX_RETRIES,
-        exec_timeout: float = 600.0,
-        auto_idempotency_keys: bool = True,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
-    ) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries, exec_timeout, auto_idempotency_keys)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=t.auth_headers(self.api_key),
-            timeout=t.make_timeout(timeout),
-            transport=transport,
-        )
+    _http: httpx.AsyncClient
+
+    def _open(self, transport: httpx.AsyncBaseTransport | None) -> None:
+        self._http = httpx.AsyncClient(transport=transport, **self._http_options())
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: t.Params = None,
-        json: Any = None,
-        content: Optional[bytes] = None,
-        headers: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-        timeout: Optional[float] = None,
-    ) -> httpx.Response:
-        hdrs = self._prepare_headers(method, headers, idempotency_key)
-        to = t.make_timeout(timeout if timeout is not None else self.timeout)
-        attempt = 0
+    async def request(self, method: str, path: str, **options: Unpack[RequestOptions]) -> httpx.Response:
+        kw, attempts = self._prepare(method, options)
         while True:
             try:
-                resp = await self._http.request(
-                    method, path, params=params, json=json, content=content, headers=hdrs, timeout=to
-                )
-            except t.RETRY_EXCEPTIONS as e:
-                if attempt >= self.max_retries or not self._may_retry(method, hdrs, e):
-                    raise DsecConnectionError(detail=f"{type(e).__name__}: {e}") from e
-                await asyncio.sleep(t.backoff_delay(attempt, None))
-                attempt += 1
+                resp = await self._http.request(method, path, **kw)
+            except t.ATTEMPT_EXCEPTIONS as e:
+                await asyncio.sleep(attempts.after_failure(e))
                 continue
-            except httpx.TimeoutException as e:
-                raise DsecTimeoutError(detail=f"{type(e).__name__}: {e}") from e
             if resp.status_code < 400:
                 return resp
-            err = t.error_from_response(resp)
-            if (
-                        t.is_retryable_response(resp, err)
-                        and attempt < self.max_retries
-                        and self._may_retry(method, hdrs, None)
-                    ):
-                await asyncio.sleep(t.backoff_delay(attempt, err.retry_after))
-                attempt += 1
-                continue
-            raise err
+            await asyncio.sleep(attempts.after_error(resp))
 
-    async def request_json(self, method: str, path: str, **kw: Any) -> Any:
-        resp = await self.request(method, path, **kw)
-        if not resp.content:
-            return None
-        return resp.json()
+    async def request_json(self, method: str, path: str, **options: Unpack[RequestOptions]) -> Any:
+        return api.json_body(await self.request(method, path, **options))
 
     @contextlib.asynccontextmanager
-    async def stream(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: t.Params = None,
-        json: Any = None,
-        headers: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-        timeout: Optional[float] = None,
-    ) -> AsyncIterator[httpx.Response]:
-        hdrs = self._prepare_headers(method, headers, idempotency_key)
-        to = t.make_timeout(timeout if timeout is not None else self.timeout)
-        attempt = 0
+    async def stream(self, method: str, path: str, **options: Unpack[RequestOptions]) -> AsyncIterator[httpx.Response]:
+        kw, attempts = self._prepare(method, options)
         while True:
             try:
-                req = self._http.build_request(
-                    method, path, params=params, json=json, headers=hdrs, timeout=to
-                )
-                resp = await self._http.send(req, stream=True)
-            except t.RETRY_EXCEPTIONS as e:
-                if attempt >= self.max_retries or not self._may_retry(method, hdrs, e):
-                    raise DsecConnectionError(detail=f"{type(e).__name__}: {e}") from e
-                await asyncio.sleep(t.backoff_delay(attempt, None))
-                attempt += 1
+                resp = await self._http.send(self._http.build_request(method, path, **kw), stream=True)
+            except t.ATTEMPT_EXCEPTIONS as e:
+                await asyncio.sleep(attempts.after_failure(e))
                 continue
-            except httpx.TimeoutException as e:
-                raise DsecTimeoutError(detail=f"{type(e).__name__}: {e}") from e
             try:
                 if resp.status_code >= 400:
-                    body = await resp.aread()
-                    err = t.error_from_response(resp, body)
-                    if (
-                        t.is_retryable_response(resp, err)
-                        and attempt < self.max_retries
-                        and self._may_retry(method, hdrs, None)
-                    ):
-                        await asyncio.sleep(t.backoff_delay(attempt, err.retry_after))
-                        attempt += 1
-                        continue
-                    raise err
+                    await asyncio.sleep(attempts.after_error(resp, await resp.aread()))
+                    continue
                 yield resp
                 return
             finally:
                 await resp.aclose()
 
-    async def iter_sse(self, resp: httpx.Response) -> AsyncIterator[Any]:
+    async def iter_sse(self, resp: httpx.Response) -> AsyncIterator[SseEvent]:
         try:
             async for ev in aiter_sse(resp.aiter_lines()):
                 yield ev
-        except httpx.TimeoutException as e:
-            raise DsecTimeoutError(detail=f"{type(e).__name__}: {e}") from e
         except httpx.TransportError as e:
-            raise DsecConnectionError(detail=f"{type(e).__name__}: {e}") from e
+            raise t.transport_error(e) from e
 
-    async def create_sandbox(
-        self,
-        *,
-        template: Optional[str] = None,
-        limits: Optional[Mapping[str, Any]] = None,
-        env: Optional[Mapping[str, str]] = None,
-        labels: Optional[Mapping[str, str]] = None,
-        ttl_ms: Optional[int] = None,
-        lease_ms: Optional[int] = None,
-        substrate: Optional[str] = "container",
-        writable_root: Optional[bool] = None,
-        userns: Optional[bool] = None,
-        idempotency_key: Optional[str] = None,
-        **extra: Any,
-    ) -> "AsyncSandbox":
+    async def _send(self, call: api.Call[T]) -> T:
+        return call.parse(await self.request(call.method, call.path, **call.options(self.timeout)))
+
+    async def _pages(self, call: api.Call[api.Page[T]] | None) -> AsyncIterator[T]:
+        while call is not None:
+            page = await self._send(call)
+            for item in page.items:
+                yield item
+            call = page.next
+
+    async def _events(self, call: api.StreamCall[T]) -> AsyncIterator[T]:
+        req = call.request
+        async with self.stream(req.method, req.path, **req.options(self.timeout)) as resp:
+            async for ev in self.iter_sse(resp):
+                item = call.decode(ev)
+                if item is not None:
+                    yield item
+                    if call.last(item):
+                        return
+
+    async def _run(self, plan: api.Plan[T]) -> T:
+        run = api.Run(plan)
+        while run.pending is not None:
+            try:
+                reply = await self._step(run.pending)
+            except DsecError as e:
+                run.fail(e)
+            else:
+                run.answer(reply)
+        return run.result()
+
+    async def _step(self, step: api.Call[Any] | float) -> Any:
+        if isinstance(step, api.Call):
+            return await self._send(step)
+        await asyncio.sleep(step)
+        return None
+
+    def _sandbox(self, data: Record) -> AsyncSandbox:
         from .sandbox import AsyncSandbox
 
-        spec = t.create_spec(
-            template=template,
-            substrate=substrate,
-            limits=limits,
-            env=env,
-            labels=labels,
-            ttl_ms=ttl_ms,
-            lease_ms=lease_ms,
-            writable_root=writable_root,
-            userns=userns,
-            **extra,
-        )
-        data = await self.request_json(
-            "POST", "/v1/sandboxes", json=spec, idempotency_key=idempotency_key, timeout=max(self.timeout, 120.0)
-        )
         return AsyncSandbox(self, data)
 
-    async def get_sandbox(self, sandbox_id: str) -> "AsyncSandbox":
-        from .sandbox import AsyncSandbox
+    async def create_sandbox(
+        self, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
+    ) -> AsyncSandbox:
+        return await self._send(api.create_sandbox(self._sandbox, idempotency_key, spec))
 
-        return AsyncSandbox(self, await self.request_json("GET", f"/v1/sandboxes/{sandbox_id}"))
+    async def get_sandbox(self, sandbox_id: str) -> AsyncSandbox:
+        return await self._send(api.get_sandbox(self._sandbox, sandbox_id))
 
-    async def delete_sandbox(self, sandbox_id: str, *, idempotency_key: Optional[str] = None) -> Dict[str, Any]:
-        return await self.request_json(
-            "DELETE", f"/v1/sandboxes/{sandbox_id}", idempotency_key=idempotency_key, timeout=max(self.timeout, 60.0)
-        )
+    async def delete_sandbox(self, sandbox_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = await self._send(api.delete_sandbox(sandbox_id, idempotency_key))
+        return out
 
-    async def list_sandboxes(
-        self,
-        *,
-        state: Optional[str] = None,
-        labels: Optional[Mapping[str, str]] = None,
-        page_size: Optional[int] = None,
-        tenant: Optional[str] = None,
-    ) -> AsyncIterator["AsyncSandbox"]:
-        from .sandbox import AsyncSandbox
-
-        cursor: Optional[str] = None
-        while True:
-            params: List[Any] = list(t.clean({"state": state, "limit": page_size, "cursor": cursor, "tenant": tenant}).items())
-            params += t.label_params(labels)
-            body = await self.request_json("GET", "/v1/sandboxes", params=params)
-            for item in body.get("items") or []:
-                yield AsyncSandbox(self, item)
-            cursor = body.get("next_cursor")
-            if not cursor:
-                return
+    def list_sandboxes(self, **query: Unpack[SandboxQuery]) -> AsyncIterator[AsyncSandbox]:
+        return self._pages(api.list_sandboxes(self._sandbox, query))
 
     async def create_sandboxes(
-        self, count: int, *, idempotency_key: Optional[str] = None, **spec: Any
-    ) -> BatchCreateResult["AsyncSandbox"]:
-        from .sandbox import AsyncSandbox
-
-        spec.setdefault("substrate", "container")
-        body = await self.request_json(
-            "POST",
-            "/v1/sandboxes/batch",
-            json={"count": int(count), "spec": t.create_spec(**spec)},
-            idempotency_key=idempotency_key,
-            timeout=max(self.timeout, 60.0 + count),
-        )
-        out: BatchCreateResult[AsyncSandbox] = BatchCreateResult()
-        for it in body.get("items") or []:
-            if it.get("ok"):
-                out.sandboxes.append(AsyncSandbox(self, it["sandbox"]))
-            else:
-                out.errors.append(error_from_problem(it.get("error")))
-        return out
+        self, count: int, *, idempotency_key: str | None = None, **spec: Unpack[CreateOptions]
+    ) -> BatchCreateResult[AsyncSandbox]:
+        return await self._send(api.create_sandboxes(self._sandbox, count, idempotency_key, spec))
 
     async def delete_sandboxes(
         self,
-        ids: Optional[Sequence[str]] = None,
+        ids: Sequence[str] | None = None,
         *,
-        labels: Optional[Mapping[str, str]] = None,
-        idempotency_key: Optional[str] = None,
-    ) -> List[BatchDeleteItem]:
-        body = await self.request_json(
-            "POST",
-            "/v1/sandboxes/batch-delete",
-            json=_batch_delete_body(ids, labels),
-            idempotency_key=idempotency_key,
-            timeout=max(self.timeout, 120.0),
-        )
-        return _batch_delete_items(body)
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> list[BatchDeleteItem]:
+        return await self._send(api.delete_sandboxes(ids, labels, idempotency_key))
 
-    async def list_templates(self) -> List[Template]:
-        body = await self.request_json("GET", "/v1/templates")
-        return [Template.from_json(x) for x in body.get("items") or []]
+    async def list_templates(self) -> list[Template]:
+        return await self._send(api.list_templates())
 
     async def get_template(self, name: str) -> Template:
-        return Template.from_json(await self.request_json("GET", f"/v1/templates/{name}"))
+        return await self._send(api.get_template(name))
 
     async def upload_template(self, name: str, tarball: bytes) -> Template:
-        return Template.from_json(
-            await self.request_json(
-                "POST",
-                "/v1/templates",
-                params={"name": name},
-                content=tarball,
-                headers={"Content-Type": "application/x-tar"},
-                timeout=max(self.timeout, 300.0),
-            )
-        )
+        return await self._send(api.upload_template(name, tarball))
 
     async def delete_template(self, name: str) -> None:
-        await self.request("DELETE", f"/v1/templates/{name}")
+        await self._send(api.delete_template(name))
 
-    async def list_pools(self) -> List[PoolStats]:
-        body = await self.request_json("GET", "/v1/pools")
-        return [PoolStats.from_json(x) for x in body.get("items") or []]
+    async def list_pools(self) -> list[PoolStats]:
+        return await self._send(api.list_pools())
 
     async def get_pool(self, template: str) -> PoolStats:
-        return PoolStats.from_json(await self.request_json("GET", f"/v1/pools/{template}"))
+        return await self._send(api.get_pool(template))
 
     async def set_pool(self, template: str, *, min: int, max: int) -> PoolStats:
-        return PoolStats.from_json(
-            await self.request_json("PUT", f"/v1/pools/{template}", json={"min": min, "max": max})
-        )
+        return await self._send(api.set_pool(template, min, max))
 
-    async def list_trajectories(self) -> List[TrajectoryInfo]:
-        body = await self.request_json("GET", "/v1/trajectories")
-        return [TrajectoryInfo.from_json(x) for x in body.get("items") or []]
+    async def run_code(self, code: str, language: str = "python", **options: Any) -> dict[str, Any]:
+        """:meth:`Client.run_code`, awaited."""
+        return await self._send(api.run_code(code, language, options))
+
+    async def run_codes(self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
+        """:meth:`Client.run_codes`, awaited."""
+        return await self._send(api.run_codes(requests, concurrency))
+
+    async def languages(self, template: str | None = None) -> list[dict[str, Any]]:
+        """:meth:`Client.languages`, awaited."""
+        return await self._send(api.languages(template))
+
+    async def list_trajectories(self) -> list[TrajectoryInfo]:
+        return await self._send(api.list_trajectories())
 
     async def get_trajectory(self, trajectory: str) -> TrajectoryInfo:
-        return TrajectoryInfo.from_json(await self.request_json("GET", f"/v1/trajectories/{trajectory}"))
+        return await self._send(api.get_trajectory(trajectory))
 
-    async def trajectory_records(
-        self, trajectory: str, *, from_step: Optional[int] = None, page_size: Optional[int] = None
-    ) -> AsyncIterator[Dict[str, Any]]:
-        while True:
-            body = await self.request_json(
-                "GET",
-                f"/v1/trajectories/{trajectory}/records",
-                params=t.clean({"from_step": from_step, "limit": page_size}),
-            )
-            for item in body.get("items") or []:
-                yield item
-            nxt = body.get("next_from_step")
-            if nxt is None or nxt == from_step:
-                return
-            from_step = nxt
+    def trajectory_records(
+        self, trajectory: str, *, from_step: int | None = None, page_size: int | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        return self._pages(api.trajectory_records(trajectory, from_step, page_size))
 
     async def annotate_trajectory(
-        self,
-        trajectory: str,
-        *,
-        step: Optional[int] = None,
-        reward: Optional[float] = None,
-        labels: Optional[Sequence[str]] = None,
-        data: Optional[Mapping[str, Any]] = None,
-        idempotency_key: Optional[str] = None,
+        self, trajectory: str, *, idempotency_key: str | None = None, **annotation: Unpack[Annotation]
     ) -> int:
-        body = t.clean(
-            {"step": step, "reward": reward, "labels": list(labels) if labels is not None else None,
-             "data": dict(data) if data is not None else None}
-        )
-        out = await self.request_json(
-            "POST", f"/v1/trajectories/{trajectory}/annotations", json=body, idempotency_key=idempotency_key
-        )
-        return int(out["lsn"])
+        return await self._send(api.annotate_trajectory(trajectory, annotation, idempotency_key))
 
     async def export_trajectory(
-        self, trajectory: str, *, label: Optional[str] = None, min_reward: Optional[float] = None
-    ) -> List[Dict[str, Any]]:
-        resp = await self.request(
-            "GET",
-            f"/v1/trajectories/{trajectory}/export",
-            params=t.clean({"format": "jsonl", "label": label, "min_reward": min_reward}),
-            timeout=max(self.timeout, 300.0),
-        )
-        return [_json.loads(line) for line in resp.text.splitlines() if line.strip()]
+        self, trajectory: str, *, label: str | None = None, min_reward: float | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._send(api.export_trajectory(trajectory, label, min_reward))
 
-    async def follow_trajectory(self, trajectory: str) -> AsyncIterator[Dict[str, Any]]:
-        async with self.stream("GET", f"/v1/trajectories/{trajectory}/stream", timeout=None) as resp:
-            async for ev in self.iter_sse(resp):
-                try:
-                    yield _json.loads(ev.data)
-                except ValueError:
-                    continue
-
-    async def run_code(self, code: str, language: str = "python", **options: Any) -> Dict[str, Any]:
-        """:meth:`Client.run_code`, awaited."""
-        return await self.request_json("POST", "/v1/run", json=run_body(code, language, options))
-
-    async def run_codes(
-        self, requests: Sequence[Mapping[str, Any]], *, concurrency: int = 16
-    ) -> List[Dict[str, Any]]:
-        """:meth:`Client.run_codes`, awaited."""
-        body = {"requests": [dict(r) for r in requests], "concurrency": concurrency}
-        return (await self.request_json("POST", "/v1/run/batch", json=body))["items"]
+    def follow_trajectory(self, trajectory: str) -> AsyncIterator[dict[str, Any]]:
+        return self._events(api.follow_trajectory(trajectory))
 
     async def create_tenant(
-        self,
-        name: str,
-        *,
-        max_sandboxes: Optional[int] = None,
-        max_memory_bytes: Optional[int] = None,
-        idempotency_key: Optional[str] = None,
+        self, name: str, *, idempotency_key: str | None = None, **quota: Unpack[TenantQuota]
     ) -> Tenant:
-        body = t.clean({"name": name, "max_sandboxes": max_sandboxes, "max_memory_bytes": max_memory_bytes})
-        return Tenant.from_json(
-            await self.request_json("POST", "/v1/tenants", json=body, idempotency_key=idempotency_key)
-        )
+        return await self._send(api.create_tenant(name, quota, idempotency_key))
 
-    async def list_tenants(self) -> List[Tenant]:
-        body = await self.request_json("GET", "/v1/tenants")
-        return [Tenant.from_json(x) for x in body.get("items") or []]
+    async def list_tenants(self) -> list[Tenant]:
+        return await self._send(api.list_tenants())
 
     async def tenant(self) -> Tenant:
-        return Tenant.from_json(await self.request_json("GET", "/v1/tenant"))
+        return await self._send(api.tenant())
 
     async def livez(self) -> bool:
         try:
@@ -946,25 +574,14 @@ class AsyncClient(_ClientBase):
         except httpx.HTTPError:
             return False
 
-    async def readyz(self) -> Dict[str, Any]:
-        resp = await self._http.get("/readyz")
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {}
-        body.setdefault("ready", resp.status_code == 200)
-        return body
+    async def readyz(self) -> dict[str, Any]:
+        return api.readyz(await self._http.get("/readyz"))
 
     async def metrics(self) -> str:
-        return (await self.request("GET", "/metrics")).text
+        return await self._send(api.metrics())
 
-    async def events(self) -> AsyncIterator[Dict[str, Any]]:
-        async with self.stream("GET", "/v1/events", timeout=None) as resp:
-            async for ev in self.iter_sse(resp):
-                try:
-                    yield _json.loads(ev.data)
-                except ValueError:
-                    continue
+    def events(self) -> AsyncIterator[dict[str, Any]]:
+        return self._events(api.events())
 
 
 ClientLike = Union[Client, AsyncClient]

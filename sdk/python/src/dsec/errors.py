@@ -7,7 +7,8 @@ callers can write ``except dsec.SandboxNotFound:``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Type
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "DsecError",
@@ -63,22 +64,22 @@ class DsecError(Exception):
 
     def __init__(
         self,
-        code: Optional[str] = None,
+        code: str | None = None,
         status: int = 0,
-        detail: Optional[str] = None,
-        request_id: Optional[str] = None,
+        detail: str | None = None,
+        request_id: str | None = None,
         *,
-        title: Optional[str] = None,
-        problem: Optional[Mapping[str, Any]] = None,
-        retry_after: Optional[float] = None,
+        title: str | None = None,
+        problem: Mapping[str, Any] | None = None,
+        retry_after: float | None = None,
     ) -> None:
         self.code: str = code or self.default_code
         self.status: int = status
-        self.detail: Optional[str] = detail
-        self.request_id: Optional[str] = request_id
-        self.title: Optional[str] = title
-        self.problem: Dict[str, Any] = dict(problem or {})
-        self.retry_after: Optional[float] = retry_after
+        self.detail: str | None = detail
+        self.request_id: str | None = request_id
+        self.title: str | None = title
+        self.problem: dict[str, Any] = dict(problem or {})
+        self.retry_after: float | None = retry_after
         msg = f"{self.code} ({status})" if status else self.code
         if detail:
             msg += f": {detail}"
@@ -268,7 +269,7 @@ class MethodNotAllowed(DsecError):
 
 
 #: stable error code -> exception class
-ERROR_CLASSES: Dict[str, Type[DsecError]] = {
+ERROR_CLASSES: dict[str, type[DsecError]] = {
     cls.default_code: cls
     for cls in (
         InvalidRequest,
@@ -301,7 +302,7 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
     )
 }
 
-_STATUS_FALLBACK: Dict[int, Type[DsecError]] = {
+_STATUS_FALLBACK: dict[int, type[DsecError]] = {
     400: InvalidRequest,
     401: Unauthorized,
     403: Forbidden,
@@ -317,11 +318,11 @@ _STATUS_FALLBACK: Dict[int, Type[DsecError]] = {
 
 
 def error_from_problem(
-    problem: Optional[Mapping[str, Any]],
+    problem: Mapping[str, Any] | None,
     status: int = 0,
     *,
-    request_id: Optional[str] = None,
-    retry_after: Optional[float] = None,
+    request_id: str | None = None,
+    retry_after: float | None = None,
 ) -> DsecError:
     """Build the typed exception for a problem document (or for a bare status).
 
@@ -333,7 +334,7 @@ def error_from_problem(
     status = int(problem.get("status") or status or 0)
     if isinstance(code, str) and code:
         # a code newer than this SDK still gets the class of its status (NotFound for a 404, ...)
-        cls: Type[DsecError] = ERROR_CLASSES.get(code) or _STATUS_FALLBACK.get(status, DsecError)
+        cls: type[DsecError] = ERROR_CLASSES.get(code) or _STATUS_FALLBACK.get(status, DsecError)
     else:
         cls = _STATUS_FALLBACK.get(status, DsecError)
         code = cls.default_code if cls is not DsecError else f"http_{status}"

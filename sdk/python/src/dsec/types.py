@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import (
+    Any,
+    Generic,
+    Literal,
+    Protocol,
+    TypeVar,
+    Union,
+    cast,
+)
+
+from typing_extensions import TypedDict, Unpack
 
 from .errors import DsecError
 
 __all__ = [
     "Command",
+    "SandboxState",
+    "Substrate",
+    "ExecStatus",
+    "SessionKind",
+    "CreateOptions",
+    "ExecOptions",
+    "WriteOptions",
+    "SandboxQuery",
+    "Annotation",
+    "TenantQuota",
+    "RequestOptions",
+    "FINAL_STATES",
+    "BatchCreateResult",
     "ExecResult",
     "ExecEvent",
     "ProcessStatus",
@@ -25,6 +49,153 @@ __all__ = [
 
 #: a command: an argv list (run directly) or a string (run by ``/bin/sh -c``)
 Command = Union[str, Sequence[str]]
+
+#: the lifecycle state of a sandbox
+SandboxState = Literal["creating", "ready", "running", "resetting", "stopping", "stopped", "failed"]
+
+#: states a sandbox never leaves
+FINAL_STATES: frozenset[SandboxState] = frozenset({"stopped", "failed"})
+
+#: how a sandbox is isolated: namespaces and cgroups, a QEMU microVM, or a QEMU q35 VM
+Substrate = Literal["container", "microvm", "vm"]
+
+#: how a command ended (a timeout is a result, not an exception)
+ExecStatus = Literal["ok", "nonzero_exit", "timeout", "oom", "killed", "output_limit"]
+
+#: the kind of a persistent session
+SessionKind = Literal["shell", "python"]
+
+
+class CreateOptions(TypedDict, total=False):
+    """What a sandbox is created from (the keywords of ``Sandbox.create`` and
+    ``Client.create_sandbox``); a key left out or ``None`` is left to the server's default.
+
+    Keys:
+        template: template name (server default: ``host``).
+        substrate: ``container`` (the default), ``microvm`` or ``vm`` (a QEMU guest restored
+            from its template's snapshot); every other call is the same.
+        limits: partial limits (``memory_max``, ``pids_max``, ``cpu_max``, ...).
+        env: environment of every exec.
+        secret_env: environment whose values are redacted from the trajectory log.
+        labels: free-form labels to find the sandbox by.
+        ttl_ms: lifetime after which the node destroys the sandbox.
+        lease_ms: owner lease; the sandbox is destroyed unless ``heartbeat`` renews it.
+        writable_root: make the whole root writable instead of only the scratch dirs.
+        userns: run in a user namespace: root inside is an unprivileged host uid, and
+            ``RLIMIT_NPROC`` refuses a fork bomb's forks before they cost the node anything
+            (created cold: never from a warm pool).
+    """
+
+    template: str | None
+    substrate: Substrate | None
+    limits: Mapping[str, Any] | None
+    env: Mapping[str, str] | None
+    secret_env: Mapping[str, str] | None
+    labels: Mapping[str, str] | None
+    ttl_ms: int | None
+    lease_ms: int | None
+    writable_root: bool | None
+    userns: bool | None
+
+
+class ExecOptions(TypedDict, total=False):
+    """How a command runs (the keywords of ``exec``, ``exec_stream`` and ``spawn``).
+
+    Keys:
+        env: extra environment.
+        cwd: working directory.
+        timeout_ms: wall-clock limit; reaching it is a result with ``status == "timeout"``.
+        stdin: bytes or text fed to the command's stdin.
+        cpu_limit_ms: CPU-time limit.
+        output_limit: bytes of stdout/stderr kept (and the hard bound that kills the command).
+    """
+
+    env: Mapping[str, str] | None
+    cwd: str | None
+    timeout_ms: int | None
+    stdin: str | bytes | None
+    cpu_limit_ms: int | None
+    output_limit: int | None
+
+
+class WriteOptions(TypedDict, total=False):
+    """How ``files.write`` writes.
+
+    Keys:
+        mode: the file's mode as an int (e.g. ``0o644``).
+        parents: make missing parent directories (default True).
+        trajectory: log the write as a step of this trajectory.
+        step: its step number (default: the next one).
+    """
+
+    mode: int | None
+    parents: bool
+    trajectory: str | None
+    step: int | None
+
+
+class SandboxQuery(TypedDict, total=False):
+    """Which sandboxes ``list_sandboxes`` yields.
+
+    Keys:
+        state: only those in this state (without it, ``stopped`` ones are left out).
+        labels: only those with all these labels.
+        page_size: sandboxes per request (the listing follows ``next_cursor`` page by page).
+        tenant: another tenant's id (admin only).
+    """
+
+    state: SandboxState | None
+    labels: Mapping[str, str] | None
+    page_size: int | None
+    tenant: str | None
+
+
+class Annotation(TypedDict, total=False):
+    """A trajectory annotation: of the whole trajectory, or of one ``step``."""
+
+    step: int | None
+    reward: float | None
+    labels: Sequence[str] | None
+    data: Mapping[str, Any] | None
+
+
+class TenantQuota(TypedDict, total=False):
+    """A tenant's quota; a key left out or ``None`` is unlimited."""
+
+    max_sandboxes: int | None
+    max_memory_bytes: int | None
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keywords of ``Client.request`` and ``Client.stream``.
+
+    Keys:
+        params: the query (a mapping, or pairs for repeated keys).
+        json: a JSON body.
+        content: a raw body.
+        headers: extra headers.
+        idempotency_key: the ``Idempotency-Key`` (generated for a mutation when not given).
+        timeout: the HTTP timeout in seconds (default: the client's ``timeout``).
+    """
+
+    params: Any
+    json: Any
+    content: bytes | None
+    headers: Mapping[str, str] | None
+    idempotency_key: str | None
+    timeout: float | None
+
+
+def check_keys(options: Mapping[str, Any], allowed: Any) -> None:
+    """Refuse a keyword ``allowed`` (a ``TypedDict``) does not name, as a signature would."""
+    unknown = sorted(set(options) - set(allowed.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+
+
+def _counts(d: Mapping[str, Any], *keys: str) -> dict[str, int]:
+    """Integer fields of an answer (0 when absent or null)."""
+    return {k: int(d.get(k) or 0) for k in keys}
 
 
 def decode_data(data: Any) -> bytes:
@@ -43,17 +214,16 @@ def decode_data(data: Any) -> bytes:
 def exec_body(
     cmd: Command,
     *,
-    env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[str] = None,
-    timeout_ms: Optional[int] = None,
-    stdin: Union[str, bytes, None] = None,
-    cpu_limit_ms: Optional[int] = None,
-    output_limit: Optional[int] = None,
-    trajectory: Optional[str] = None,
-    step: Optional[int] = None,
-) -> Dict[str, Any]:
+    trajectory: str | None = None,
+    step: int | None = None,
+    **options: Unpack[ExecOptions],
+) -> dict[str, Any]:
     """Build the JSON body of an exec (also used for background processes)."""
-    body: Dict[str, Any] = {}
+    check_keys(options, ExecOptions)
+    env, cwd, stdin = options.get("env"), options.get("cwd"), options.get("stdin")
+    timeout_ms, cpu_limit_ms = options.get("timeout_ms"), options.get("cpu_limit_ms")
+    output_limit = options.get("output_limit")
+    body: dict[str, Any] = {}
     if isinstance(cmd, str):
         body["shell"] = cmd
     else:
@@ -89,30 +259,30 @@ def exec_body(
 class ExecResult:
     """The outcome of one command.
 
-    ``status`` is ``ok``, ``nonzero_exit``, ``timeout``, ``oom``, ``killed`` or
-    ``output_limit``; a timeout is a normal result, not an exception.
+    ``status`` (an :data:`ExecStatus`) is ``ok``, ``nonzero_exit``, ``timeout``, ``oom``,
+    ``killed`` or ``output_limit``; a timeout is a normal result, not an exception.
     """
 
-    status: str
-    exit_code: Optional[int] = None
-    signal: Optional[int] = None
+    status: ExecStatus
+    exit_code: int | None = None
+    signal: int | None = None
     stdout: bytes = b""
     stderr: bytes = b""
     stdout_total: int = 0
     stderr_total: int = 0
     stdout_truncated: bool = False
     stderr_truncated: bool = False
-    wall_us: Optional[int] = None
-    cpu_us: Optional[int] = None
-    peak_rss_kb: Optional[int] = None
+    wall_us: int | None = None
+    cpu_us: int | None = None
+    peak_rss_kb: int | None = None
     #: the trajectory step this exec was logged as (``Dsec-Step``), if it was one
-    step: Optional[int] = None
+    step: int | None = None
     #: True when the node answered a re-sent step from its log without running it
     replayed: bool = False
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_response(cls, resp: Any) -> "ExecResult":
+    def from_response(cls, resp: Any) -> ExecResult:
         """From an HTTP answer: the body plus the trajectory headers."""
         r = cls.from_json(resp.json())
         step = resp.headers.get("dsec-step")
@@ -121,13 +291,13 @@ class ExecResult:
         return r
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ExecResult":
+    def from_json(cls, d: Mapping[str, Any]) -> ExecResult:
         out = d.get("stdout") or {}
         err = d.get("stderr") or {}
         stdout = decode_data(out.get("data"))
         stderr = decode_data(err.get("data"))
         return cls(
-            status=str(d.get("status")),
+            status=cast(ExecStatus, str(d.get("status"))),
             exit_code=d.get("exit_code"),
             signal=d.get("signal"),
             stdout=stdout,
@@ -173,8 +343,8 @@ class ExecEvent:
 
     type: str
     data: bytes = b""
-    result: Optional[ExecResult] = None
-    error: Optional[DsecError] = None
+    result: ExecResult | None = None
+    error: DsecError | None = None
     raw: Any = None
 
     @property
@@ -188,11 +358,11 @@ class ProcessStatus:
     """Whether a background process is still running."""
 
     running: bool
-    pid: Optional[int] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    pid: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ProcessStatus":
+    def from_json(cls, d: Mapping[str, Any]) -> ProcessStatus:
         return cls(running=bool(d.get("running")), pid=d.get("pid"), raw=dict(d))
 
 
@@ -205,16 +375,15 @@ class FileEntry:
     size: int = 0
     mode: int = 0
     mtime: Any = None
-    link_target: Optional[str] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    link_target: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "FileEntry":
+    def from_json(cls, d: Mapping[str, Any]) -> FileEntry:
         return cls(
             name=str(d.get("name", "")),
             kind=str(d.get("kind", "")),
-            size=int(d.get("size") or 0),
-            mode=int(d.get("mode") or 0),
+            **_counts(d, "size", "mode"),
             mtime=d.get("mtime"),
             link_target=d.get("link_target"),
             raw=dict(d),
@@ -234,13 +403,13 @@ class Template:
     """A template: named, ordered image layers."""
 
     name: str
-    layers: List[Any] = field(default_factory=list)
+    layers: list[Any] = field(default_factory=list)
     source: Any = None
-    created_at: Optional[str] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    created_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Template":
+    def from_json(cls, d: Mapping[str, Any]) -> Template:
         return cls(
             name=str(d.get("name")),
             layers=list(d.get("layers") or []),
@@ -264,21 +433,15 @@ class PoolStats:
     misses: int = 0
     hit_rate: float = 0.0
     acquire_rate: float = 0.0
-    refill_ms: Optional[float] = None
-    peak: Optional[float] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    refill_ms: float | None = None
+    peak: float | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PoolStats":
+    def from_json(cls, d: Mapping[str, Any]) -> PoolStats:
         return cls(
             template=str(d.get("template")),
-            min=int(d.get("min") or 0),
-            max=int(d.get("max") or 0),
-            target=int(d.get("target") or 0),
-            ready=int(d.get("ready") or 0),
-            creating=int(d.get("creating") or 0),
-            hits=int(d.get("hits") or 0),
-            misses=int(d.get("misses") or 0),
+            **_counts(d, "min", "max", "target", "ready", "creating", "hits", "misses"),
             hit_rate=float(d.get("hit_rate") or 0.0),
             acquire_rate=float(d.get("acquire_rate") or 0.0),
             refill_ms=d.get("refill_ms"),
@@ -296,16 +459,16 @@ class Tenant:
 
     id: str
     name: str
-    api_key: Optional[str] = None
-    max_sandboxes: Optional[int] = None
-    max_memory_bytes: Optional[int] = None
-    usage: Optional[Dict[str, Any]] = None
+    api_key: str | None = None
+    max_sandboxes: int | None = None
+    max_memory_bytes: int | None = None
+    usage: dict[str, Any] | None = None
     admin: bool = False
-    created_at_ms: Optional[int] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    created_at_ms: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Tenant":
+    def from_json(cls, d: Mapping[str, Any]) -> Tenant:
         usage = d.get("usage")
         if usage is None and ("sandboxes" in d or "memory_bytes" in d):
             usage = {"sandboxes": d.get("sandboxes"), "memory_bytes": d.get("memory_bytes")}
@@ -328,7 +491,7 @@ class BatchDeleteItem:
 
     id: str
     ok: bool
-    error: Optional[DsecError] = None
+    error: DsecError | None = None
 
 
 @dataclass
@@ -336,23 +499,50 @@ class TrajectoryInfo:
     """Counters of one trajectory in the node's log."""
 
     id: str
-    last_step: Optional[int] = None
+    last_step: int | None = None
     intents: int = 0
     results: int = 0
     acknowledged: int = 0
     unknown: int = 0
     annotations: int = 0
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "TrajectoryInfo":
+    def from_json(cls, d: Mapping[str, Any]) -> TrajectoryInfo:
         return cls(
             id=str(d.get("id")),
             last_step=d.get("last_step"),
-            intents=int(d.get("intents") or 0),
-            results=int(d.get("results") or 0),
-            acknowledged=int(d.get("acknowledged") or 0),
-            unknown=int(d.get("unknown") or 0),
-            annotations=int(d.get("annotations") or 0),
+            **_counts(d, "intents", "results", "acknowledged", "unknown", "annotations"),
             raw=dict(d),
         )
+
+
+class HasId(Protocol):
+    """Anything with a sandbox id."""
+
+    @property
+    def id(self) -> str: ...
+
+
+S = TypeVar("S", bound=HasId)
+
+
+@dataclass
+class BatchCreateResult(Generic[S]):
+    """The outcome of a batch create: the sandboxes made and the errors of the others.
+
+    Iterating it yields the sandboxes; ``len()`` counts them.
+    """
+
+    sandboxes: list[S] = field(default_factory=list)
+    errors: list[DsecError] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(self.sandboxes)
+
+    def __len__(self) -> int:
+        return len(self.sandboxes)
+
+    @property
+    def ids(self) -> list[str]:
+        return [s.id for s in self.sandboxes]

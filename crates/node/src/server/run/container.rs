@@ -11,11 +11,12 @@ use dsec_api::agent::{Event, Request as AgentReq};
 use dsec_api::exec::{Command, ExecRequest, ExecResult, ExecStatus};
 
 use super::request::RunSpec;
+use super::Runner;
 use super::{
     agent_call, runner_sandbox, sandbox_exec, PhaseResult, RunOutcome, Substrate, Verdict, B64,
     MAX_FILES_BYTES, WORKDIR,
 };
-use crate::server::app::{App, Entry};
+use crate::lifecycle::Entry;
 use crate::server::error::{ApiError, ApiResult};
 
 fn phase_of(r: &ExecResult, memory: Option<u64>) -> PhaseResult {
@@ -55,7 +56,12 @@ pub(super) fn shell_exec(cmd: String, timeout: Duration, output_limit: u64) -> E
     }
 }
 
-async fn write_file(app: &Arc<App>, e: &Arc<Entry>, path: String, data: Vec<u8>) -> ApiResult<()> {
+async fn write_file(
+    app: &Arc<Runner>,
+    e: &Arc<Entry>,
+    path: String,
+    data: Vec<u8>,
+) -> ApiResult<()> {
     let ev = agent_call(
         app,
         e,
@@ -105,7 +111,11 @@ async fn read_file(e: &Arc<Entry>, path: String, max: u64) -> Option<Vec<u8>> {
     .flatten()
 }
 
-async fn run_container_in(app: &Arc<App>, e: &Arc<Entry>, spec: &RunSpec) -> ApiResult<RunOutcome> {
+async fn run_container_in(
+    app: &Arc<Runner>,
+    e: &Arc<Entry>,
+    spec: &RunSpec,
+) -> ApiResult<RunOutcome> {
     let prog = &spec.program;
     write_file(
         app,
@@ -174,9 +184,8 @@ async fn run_container_in(app: &Arc<App>, e: &Arc<Entry>, spec: &RunSpec) -> Api
     })
 }
 
-pub(super) async fn run_container(app: &Arc<App>, spec: &RunSpec) -> ApiResult<RunOutcome> {
+pub(super) async fn run_container(app: &Arc<Runner>, spec: &RunSpec) -> ApiResult<RunOutcome> {
     let idle = app
-        .runner
         .containers
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -191,19 +200,15 @@ pub(super) async fn run_container(app: &Arc<App>, spec: &RunSpec) -> ApiResult<R
     let app2 = Arc::clone(app);
     let template = spec.template.clone();
     tokio::spawn(async move {
-        if app2.reset(&e).await.is_ok() {
-            let mut m = app2
-                .runner
-                .containers
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+        if app2.node.reset(&e).await.is_ok() {
+            let mut m = app2.containers.lock().unwrap_or_else(|p| p.into_inner());
             let idle = m.entry(template).or_default();
-            if idle.len() < app2.runner.cfg.zygotes.max(1) * 4 {
+            if idle.len() < app2.cfg.zygotes.max(1) * 4 {
                 idle.push(e);
                 return;
             }
         }
-        let _ = app2.destroy(&e).await;
+        let _ = app2.node.destroy(&e).await;
     });
     out
 }

@@ -10,10 +10,10 @@ use dsec_api::ErrorCode;
 use serde_json::{json, Value};
 
 use super::request::{self, BadRun, Fields, RunSpec};
+use super::Runner;
 use super::{anonymous_slot, available, execute, PhaseResult, RunOutcome, Verdict};
-use crate::server::app::App;
 use crate::server::error::ApiError;
-use crate::server::store::Tenant;
+use crate::store::Tenant;
 
 /// SandboxFusion's `CommandRunResult` of a phase: its statuses are `Finished`, `Error` and
 /// `TimeLimitExceeded`; the finer verdict (with `MemoryLimitExceeded`) travels in the extra
@@ -127,9 +127,9 @@ fn failed(e: ApiError) -> (u16, Value) {
 }
 
 /// `POST /run_code` (SandboxFusion): the HTTP status and the answer.
-pub async fn run_code(app: Arc<App>, t: &Tenant, body: &[u8]) -> (u16, Value) {
+pub async fn run_code(app: Arc<Runner>, t: &Tenant, body: &[u8]) -> (u16, Value) {
     let spec = match request::parse_object(body)
-        .and_then(|m| request::validate(&m, Fields::Lenient, &app.runner.cfg.template))
+        .and_then(|m| request::validate(&m, Fields::Lenient, &app.cfg.template))
     {
         Ok(spec) => spec,
         Err(e) => return unprocessable(&e),

@@ -452,7 +452,7 @@ mod tests {
     #[test]
     fn scala_runs_the_first_object_or_fails_to_compile() {
         let s = find("scala").expect("scala");
-        let p = s.program("object Hello extends App { println(1) }");
+        let p = s.program("object Hello extends Node { println(1) }");
         assert_eq!(p.run, "exec scala -cp . Hello");
         let p = s.program("class X");
         assert!(p

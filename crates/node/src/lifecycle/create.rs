@@ -1,0 +1,315 @@
+//! Creating a sandbox: quota and capacity checks, a pool hit or an on-demand launch.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::pools::pool_key;
+use super::{failpoint, step, Entry, Error, Node, Result};
+use crate::clock::now_ms;
+use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
+use crate::store::{SandboxRecord, Tenant};
+
+/// What a create asks for.
+#[derive(Debug, Clone, Default)]
+pub struct CreateRequest {
+    /// Template name.
+    pub template: String,
+    /// Substrate.
+    pub substrate: Substrate,
+    /// Limits.
+    pub limits: Limits,
+    /// Environment for every command.
+    pub env: BTreeMap<String, String>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Time to live.
+    pub ttl_ms: Option<u64>,
+    /// Owner lease.
+    pub lease_ms: Option<u64>,
+    /// Writable root.
+    pub writable_root: bool,
+    /// The request's idempotency key (recorded with the sandbox, so that a retry after a
+    /// crash finds the sandbox even when the answer was never recorded).
+    pub idem: Option<String>,
+    /// Names of `env` entries whose values are secret.
+    pub secret_env: Vec<String>,
+    /// Run in a user namespace (root inside mapped to an unprivileged host id).
+    pub userns: bool,
+}
+
+impl Node {
+    /// Creates (or takes from the pool) a sandbox for `tenant`.
+    pub async fn create(
+        self: &Arc<Self>,
+        tenant: &Tenant,
+        req: CreateRequest,
+    ) -> Result<SandboxRecord> {
+        self.check_draining()?;
+        // Limits beyond this machine are refused before anything is recorded or made.
+        self.rt
+            .capacity()
+            .admit(&req.limits)
+            .map_err(|e| Error::invalid(e.to_string()))?;
+        if req.template != "host" {
+            let name = req.template.clone();
+            let rt = Arc::clone(&self.rt);
+            tokio::task::spawn_blocking(move || rt.templates().get(&name))
+                .await
+                .map_err(|e| Error::internal(e.to_string()))??;
+        }
+        if let Some(key) = &req.idem {
+            if let Some(rec) = self.store.sandbox_by_idem(&tenant.id, key)? {
+                if rec.state != State::Stopped {
+                    return Ok(self.entry(&rec.id).map_or(rec, |e| e.record()));
+                }
+            }
+        }
+        let now = now_ms();
+        let fill = |r: &mut SandboxRecord| {
+            r.idem = req.idem.clone();
+            r.secret_env = req.secret_env.clone();
+            r.tenant = Some(tenant.id.clone());
+            r.acquired_at_ms = Some(now);
+            r.labels = req.labels.clone();
+            r.env = req.env.clone();
+            r.expires_at_ms = req.ttl_ms.map(|t| now + t);
+            r.lease_ms = req.lease_ms;
+            r.lease_expires_at_ms = req.lease_ms.map(|t| now + t);
+        };
+        // Quota check and reservation happen under the entries lock: concurrent creates of one
+        // tenant cannot both pass the last free slot.
+        let pooled = pool_key(&req);
+        let reserved = {
+            let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut n, mut mem) = (0u64, 0u64);
+            for e in entries.values() {
+                let r = e.record();
+                if r.tenant.as_deref() == Some(tenant.id.as_str()) && r.state != State::Stopped {
+                    n += 1;
+                    mem += r.spec.limits.memory_max;
+                }
+            }
+            if tenant.max_sandboxes.is_some_and(|m| n + 1 > m) {
+                return Err(Error::Quota(format!(
+                    "tenant {} may hold at most {} sandboxes",
+                    tenant.name, n
+                )));
+            }
+            if tenant
+                .max_memory_bytes
+                .is_some_and(|m| mem + req.limits.memory_max > m)
+            {
+                return Err(Error::Quota(format!(
+                    "tenant {} memory quota exceeded",
+                    tenant.name
+                )));
+            }
+            // A pool hit: hand over a ready sandbox.
+            let hit = pooled.as_ref().and_then(|k| {
+                let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+                let p = pools.get_mut(k)?;
+                let id = p.ready.pop_front();
+                p.scaler.record_acquire(Instant::now(), id.is_some());
+                id.and_then(|id| entries.get(&id).cloned())
+            });
+            match hit {
+                Some(e) => {
+                    // Counted against the tenant from now on (persisted with the handover).
+                    e.rec.lock().unwrap_or_else(|p| p.into_inner()).tenant =
+                        Some(tenant.id.clone());
+                    Ok(e)
+                }
+                None => {
+                    if entries.len() >= self.max_sandboxes {
+                        return Err(Error::Full(self.max_sandboxes));
+                    }
+                    let id = crate::substrate::new_id();
+                    let mut rec = SandboxRecord {
+                        id: id.clone(),
+                        tenant: None,
+                        state: State::Creating,
+                        version: 0,
+                        spec: SandboxSpec {
+                            template: req.template.clone(),
+                            limits: req.limits.clone(),
+                            writable_root: req.writable_root,
+                            substrate: req.substrate,
+                            userns: req.userns,
+                            ..SandboxSpec::default()
+                        },
+                        substrate: req.substrate.name().into(),
+                        labels: BTreeMap::new(),
+                        env: BTreeMap::new(),
+                        created_at_ms: now,
+                        acquired_at_ms: None,
+                        expires_at_ms: None,
+                        lease_ms: None,
+                        lease_expires_at_ms: None,
+                        pooled: false,
+                        error: None,
+                        idem: None,
+                        secret_env: Vec::new(),
+                        phase: None,
+                    };
+                    fill(&mut rec);
+                    let e = Entry::new(rec, None);
+                    entries.insert(id, Arc::clone(&e));
+                    Err(e)
+                }
+            }
+        };
+        let t0 = Instant::now();
+        match reserved {
+            Ok(e) => {
+                // The pool refills in the background.
+                self.kick_pools();
+                let mut guard = e.lock().await;
+                if let Some(sb) = guard.as_mut() {
+                    sb.mark_acquired()?;
+                }
+                let rec = self.update(&e, |r| {
+                    fill(r);
+                    r.pooled = true;
+                    r.state = r.state.transition(State::Running)?;
+                    Ok(())
+                })?;
+                drop(guard);
+                self.metrics.acquire_hit.observe_duration(t0.elapsed());
+                Ok(rec)
+            }
+            Err(e) => {
+                if pooled.is_some() {
+                    self.kick_pools();
+                }
+                let rec = e.record();
+                self.store.put_sandbox(&rec, now)?;
+                self.launch(&e).await?;
+                self.metrics.acquire_miss.observe_duration(t0.elapsed());
+                Ok(e.record())
+            }
+        }
+    }
+
+    /// Runs the runtime create for a `Creating` entry; on success the entry is `Ready` with
+    /// its sandbox, on failure it is closed and the error returned.
+    pub(super) async fn launch(self: &Arc<Self>, e: &Arc<Entry>) -> Result<()> {
+        let spec = e.record().spec;
+        let rt = Arc::clone(&self.rt);
+        let _slot = self
+            .create_slots
+            .acquire()
+            .await
+            .map_err(|_| Error::internal("create slots closed"))?;
+        // The entry stays locked until the sandbox is recorded `ready`: a destroy that comes in
+        // meanwhile waits, then destroys what was made (destroy wins, nothing is orphaned).
+        let mut guard = e.lock().await;
+        if e.record().state != State::Creating {
+            return Err(Error::Transition(format!(
+                "sandbox {} was destroyed while it was created",
+                e.id
+            )));
+        }
+        failpoint("create:before_launch");
+        let id = e.id.clone();
+        let pooled = e.record().tenant.is_none();
+        // A VM whose snapshot is not made yet waits for the node to make it (a minute or more
+        // the first time on a host): shown as the `preparing` phase while it does.
+        let preparing = spec.substrate.is_vm() && {
+            let (rt, spec) = (Arc::clone(&rt), spec.clone());
+            !tokio::task::spawn_blocking(move || rt.vm_snapshot_loaded(&spec))
+                .await
+                .unwrap_or(false)
+        };
+        if preparing {
+            self.update(e, |r| {
+                r.phase = Some("preparing".into());
+                Ok(())
+            })?;
+        }
+        let made = tokio::task::spawn_blocking(move || {
+            failpoint("create:launching");
+            let mut made = rt.create_with_id(&id, &spec);
+            if let (true, Ok((sb, _))) = (pooled, &mut made) {
+                sb.warm_up(&rt);
+            }
+            made
+        })
+        .await
+        .map_err(|err| Error::internal(err.to_string()))?;
+        if preparing {
+            self.update(e, |r| {
+                r.phase = None;
+                Ok(())
+            })?;
+        }
+        match made {
+            Ok((mut sb, phases)) => {
+                failpoint("create:after_launch");
+                let us = |v: u64| std::time::Duration::from_micros(v);
+                match sb.substrate() {
+                    Substrate::Container => {
+                        self.metrics
+                            .phase_launch
+                            .observe_duration(us(phases.launch_us));
+                        self.metrics
+                            .phase_hello
+                            .observe_duration(us(phases.hello_us));
+                        self.metrics
+                            .phase_cgroup
+                            .observe_duration(us(phases.cgroup_us));
+                        self.metrics
+                            .phase_clone_exec
+                            .observe_duration(us(phases.clone_exec_us));
+                    }
+                    Substrate::Microvm => self.metrics.vm_created_microvm.inc(),
+                    Substrate::Vm => self.metrics.vm_created_vm.inc(),
+                }
+                if sb.substrate().is_vm() {
+                    self.metrics
+                        .vm_restore
+                        .observe_duration(us(phases.hello_us));
+                }
+                self.metrics.created.inc();
+                let for_tenant = e.record().tenant.is_some();
+                if for_tenant {
+                    sb.mark_acquired()?;
+                }
+                e.set_pids(Some(&sb));
+                *guard = Some(sb);
+                if e.doomed.load(Ordering::SeqCst) {
+                    // The waiting destroy takes it from here.
+                    return Err(Error::Transition(format!(
+                        "sandbox {} was destroyed while it was created",
+                        e.id
+                    )));
+                }
+                self.set_state(e, State::Ready)?;
+                failpoint("create:after_ready");
+                if for_tenant {
+                    self.set_state(e, State::Running)?;
+                }
+                drop(guard);
+                Ok(())
+            }
+            Err(err) => {
+                drop(guard);
+                self.metrics.create_failed.inc();
+                let err = Error::from(err);
+                let detail = err.detail();
+                let _ = self.update(e, |r| {
+                    // Nothing of it exists: failed, then closed.
+                    step(r, State::Failed)?;
+                    step(r, State::Stopping)?;
+                    step(r, State::Stopped)?;
+                    r.error = Some(detail.clone());
+                    Ok(())
+                });
+                self.remove(&e.id);
+                tracing::warn!(sandbox = %e.id, error = %detail, "create failed");
+                Err(err)
+            }
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Destroying a sandbox, and whatever is left of one the node has no record of.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{step, Entry, Error, Node, Result};
+use crate::sandbox::{SandboxSpec, State};
+use crate::store::SandboxRecord;
+use crate::substrate::ContainerRuntime;
+
+/// Destroys a sandbox the node has no record of: through its supervisor when it answers,
+/// otherwise by removing what is left. Returns whether nothing is left.
+pub(super) fn reap_orphan(rt: &ContainerRuntime, id: &str) -> bool {
+    match rt.adopt(id, SandboxSpec::default(), State::Running) {
+        Ok(sb) => sb.destroy(rt).is_ok(),
+        Err(_) => rt.cleanup_leftovers(id, &rt.sandbox_run_dir(id)),
+    }
+}
+
+impl Node {
+    /// Destroys a sandbox: `stopping` is persisted first, `stopped` once nothing of it is left.
+    pub async fn destroy(self: &Arc<Self>, e: &Arc<Entry>) -> Result<SandboxRecord> {
+        let t0 = Instant::now();
+        e.doomed.store(true, Ordering::SeqCst);
+        let mut guard = e.lock().await;
+        let rec = e.record();
+        if rec.state == State::Stopped {
+            return Ok(rec);
+        }
+        if rec.state != State::Stopping {
+            self.update(e, |r| step(r, State::Stopping))?;
+        }
+        let sb = guard.take();
+        e.set_pids(None);
+        let rt = Arc::clone(&self.rt);
+        let id = e.id.clone();
+        let run_dir = self.rt.sandbox_run_dir(&id);
+        let result = tokio::task::spawn_blocking(move || match sb {
+            Some(sb) => sb.destroy(&rt).map_err(Error::from),
+            None => {
+                if rt.cleanup_leftovers(&id, &run_dir) {
+                    Ok(())
+                } else {
+                    Err(Error::internal("leftovers could not be removed"))
+                }
+            }
+        })
+        .await
+        .map_err(|err| Error::internal(err.to_string()))?;
+        drop(guard);
+        if let Err(err) = result {
+            let _ = self.update(e, |r| {
+                step(r, State::Failed)?;
+                r.error = Some(err.detail());
+                Ok(())
+            });
+            return Err(err);
+        }
+        self.metrics.destroyed.inc();
+        self.metrics.destroy.observe_duration(t0.elapsed());
+        let rec = self.update(e, |r| {
+            step(r, State::Stopped)?;
+            Ok(())
+        })?;
+        self.remove(&e.id);
+        Ok(rec)
+    }
+}

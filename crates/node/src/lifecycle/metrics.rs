@@ -1,0 +1,126 @@
+//! The node's metrics, resolved once (updates never touch the registry lock).
+
+use crate::metrics::{Counter, Histogram, Registry};
+
+/// The node's metrics, resolved once (updates never touch the registry lock).
+#[derive(Debug)]
+pub struct Metrics {
+    /// The registry `/metrics` renders.
+    pub registry: Registry,
+    /// Sandboxes created by the runtime (pool fills included).
+    pub created: Counter,
+    /// Sandboxes destroyed.
+    pub destroyed: Counter,
+    /// Runtime creates that failed.
+    pub create_failed: Counter,
+    /// Commands run (exec API).
+    pub execs: Counter,
+    /// Sandboxes destroyed by TTL or lease expiry.
+    pub expired: Counter,
+    /// Sandboxes found dead (supervisor or init gone).
+    pub died: Counter,
+    /// Commands killed by the seccomp filter (SIGSYS).
+    pub seccomp_kills: Counter,
+    /// Commands that ended `oom`.
+    pub oom_kills: Counter,
+    /// API create latency, pool hits.
+    pub acquire_hit: Histogram,
+    /// API create latency, created on demand.
+    pub acquire_miss: Histogram,
+    /// Runtime create phases.
+    pub phase_launch: Histogram,
+    /// Runtime create phases.
+    pub phase_hello: Histogram,
+    /// Runtime create phases.
+    pub phase_cgroup: Histogram,
+    /// Runtime create phases.
+    pub phase_clone_exec: Histogram,
+    /// Exec latency (whole command).
+    pub exec: Histogram,
+    /// Reset latency.
+    pub reset: Histogram,
+    /// Destroy latency.
+    pub destroy: Histogram,
+    /// VM sandboxes created (snapshot restores), microvm.
+    pub vm_created_microvm: Counter,
+    /// VM sandboxes created (snapshot restores), vm.
+    pub vm_created_vm: Counter,
+    /// Create latency of VM sandboxes (restore to identified guest).
+    pub vm_restore: Histogram,
+}
+
+impl Metrics {
+    pub(super) fn new() -> Self {
+        let registry = Registry::new();
+        let c = |n: &str, h: &str| registry.counter(n, h, &[]).unwrap_or_default();
+        let h = |n: &str, help: &str, labels: &[(&str, &str)]| {
+            registry.histogram(n, help, labels).unwrap_or_default()
+        };
+        let phase = |p: &str| {
+            h(
+                "dsec_create_phase_seconds",
+                "Runtime create latency by phase (launch: request to supervisor answer; hello: to agent ready)",
+                &[("phase", p)],
+            )
+        };
+        let vm_created = |k: &str| {
+            registry
+                .counter(
+                    "dsec_vm_sandboxes_created_total",
+                    "VM sandboxes created by restoring their template's snapshot",
+                    &[("substrate", k)],
+                )
+                .unwrap_or_default()
+        };
+        Self {
+            vm_created_microvm: vm_created("microvm"),
+            vm_created_vm: vm_created("vm"),
+            vm_restore: h(
+                "dsec_vm_restore_seconds",
+                "VM create latency: QEMU start, snapshot restore, guest identity",
+                &[],
+            ),
+            created: c(
+                "dsec_sandboxes_created_total",
+                "Sandboxes created by the runtime",
+            ),
+            destroyed: c("dsec_sandboxes_destroyed_total", "Sandboxes destroyed"),
+            create_failed: c(
+                "dsec_sandbox_create_failures_total",
+                "Runtime creates that failed",
+            ),
+            execs: c("dsec_execs_total", "Commands run through the exec API"),
+            expired: c(
+                "dsec_sandboxes_expired_total",
+                "Sandboxes destroyed by TTL or lease expiry",
+            ),
+            died: c(
+                "dsec_sandboxes_died_total",
+                "Sandboxes found dead (supervisor or init gone)",
+            ),
+            seccomp_kills: c(
+                "dsec_seccomp_kills_total",
+                "Commands killed by the seccomp filter",
+            ),
+            oom_kills: c("dsec_oom_kills_total", "Commands that ended out of memory"),
+            acquire_hit: h(
+                "dsec_acquire_seconds",
+                "API create latency",
+                &[("pool", "hit")],
+            ),
+            acquire_miss: h(
+                "dsec_acquire_seconds",
+                "API create latency",
+                &[("pool", "miss")],
+            ),
+            phase_launch: phase("launch"),
+            phase_hello: phase("hello"),
+            phase_cgroup: phase("cgroup"),
+            phase_clone_exec: phase("clone_exec"),
+            exec: h("dsec_exec_seconds", "Exec latency", &[]),
+            reset: h("dsec_reset_seconds", "Reset latency", &[]),
+            destroy: h("dsec_destroy_seconds", "Destroy latency", &[]),
+            registry,
+        }
+    }
+}

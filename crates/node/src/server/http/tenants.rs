@@ -1,0 +1,67 @@
+//! Tenants and their API keys.
+
+use super::*;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NewTenant {
+    name: String,
+    #[serde(default)]
+    max_sandboxes: Option<u64>,
+    #[serde(default)]
+    max_memory_bytes: Option<u64>,
+}
+
+pub(super) async fn create_tenant(
+    AxState(app): AxState<AppState>,
+    Extension(caller): Extension<Tenant>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    require_admin(&caller)?;
+    let req: NewTenant = json_body(&body)?;
+    if req.name.is_empty()
+        || req.name.len() > 64
+        || !req
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(ApiError::invalid(
+            "tenant names are 1..=64 of [A-Za-z0-9_-]",
+        ));
+    }
+    if app.node.store.tenant_by_name(&req.name)?.is_some() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidTransition,
+            format!("tenant {} exists", req.name),
+        ));
+    }
+    let (t, key) = auth::new_tenant(
+        &app.node.store,
+        &req.name,
+        false,
+        req.max_sandboxes,
+        req.max_memory_bytes,
+    )?;
+    let mut v = serde_json::to_value(&t).unwrap_or_default();
+    v["api_key"] = key.into();
+    Ok((StatusCode::CREATED, Json(v)).into_response())
+}
+
+pub(super) async fn list_tenants(
+    AxState(app): AxState<AppState>,
+    Extension(caller): Extension<Tenant>,
+) -> ApiResult<Json<Value>> {
+    require_admin(&caller)?;
+    Ok(Json(json!({"items": app.node.store.tenants()?})))
+}
+
+pub(super) async fn own_tenant(
+    AxState(app): AxState<AppState>,
+    Extension(caller): Extension<Tenant>,
+) -> Json<Value> {
+    let (n, mem) = app.node.usage(&caller.id);
+    let mut v = serde_json::to_value(&caller).unwrap_or_default();
+    v["usage"] = json!({"sandboxes": n, "memory_bytes": mem});
+    Json(v)
+}
