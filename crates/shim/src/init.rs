@@ -36,6 +36,7 @@ pub(crate) fn clear_ipc(init: &mut Init, state: &mut launch::ResetState) -> bool
     ns.clear(&init.pidfd, state).is_ok()
 }
 
+/// The container spec of `cfg`'s sandbox, its agent talking on `agent_sock`.
 pub(crate) fn container_spec<'a>(
     ctx: &'a SpawnerCtx,
     cfg: &LaunchConfig,
@@ -203,6 +204,7 @@ pub(crate) fn kill_all_but_init(cgroup: &Cgroup, init: i32) -> bool {
     }
 }
 
+/// Kills what is left in `cgroup` and removes the sandbox's runtime directory.
 pub(crate) fn cleanup(cgroup: &Cgroup, run_dir: &Path) {
     let _ = cgroup.kill_all();
     let _ = std::fs::remove_dir_all(run_dir);

@@ -317,6 +317,7 @@ impl Loop<'_> {
     }
 }
 
+/// Waits (bounded) for the node's destroy of a sandbox whose init is gone, then destroys.
 fn wait_for_destroy(control: Option<OwnedFd>, cgroup: Cgroup, run_dir: &Path) -> i32 {
     if let Some(c) = &control {
         // Bounded: the node destroys promptly; if it does not, clean up anyway.
@@ -327,6 +328,7 @@ fn wait_for_destroy(control: Option<OwnedFd>, cgroup: Cgroup, run_dir: &Path) ->
     destroy(control, cgroup, run_dir)
 }
 
+/// Removes the sandbox's cgroup and runtime directory and tells the node; the exit code.
 fn destroy(control: Option<OwnedFd>, cgroup: Cgroup, run_dir: &Path) -> i32 {
     let _ = cgroup.kill_all();
     let _ = cgroup.remove();

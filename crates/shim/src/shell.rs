@@ -13,6 +13,7 @@ use crate::init::{agent_socket, libc_rlimit, Init, Prebuilt, AGENT_NOFILE, WARM_
 use crate::proto::{LaunchFailure, SpawnRequest, SupervisorMsg, MAX_MSG};
 use crate::supervise::supervise;
 
+/// What an idle shell's init runs on: an empty writable root, the agent, a generic hostname.
 fn placeholder_params(stage: &str, empty_dir: Option<String>) -> launch::LaunchParams {
     launch::LaunchParams {
         hostname: "dsec-shell".into(),
@@ -44,6 +45,8 @@ fn placeholder_params(stage: &str, empty_dir: Option<String>) -> launch::LaunchP
     }
 }
 
+/// Clones an idle shell's init into a fresh cgroup, onto its placeholder root, and builds the
+/// likely root ahead of time.
 fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
     let name = format!("shell-{}", std::process::id());
     let cgroup = ctx
@@ -155,6 +158,7 @@ pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: Own
     }
 }
 
+/// Kills a pre-built shell nobody took and removes its cgroup.
 fn discard(pre: Prebuilt) -> i32 {
     let _ = pre.init.pidfd.signal(9);
     let _ = ipc::wait_pid(pre.init.pidfd.pid());

@@ -18,6 +18,7 @@ use crate::shell::idle_supervisor;
 use crate::supervise::supervise;
 use crate::CGROUP_BASE;
 
+/// The spawner: serves the node's socket on fd 3 until it closes.
 pub(crate) fn run_spawner() -> io::Result<()> {
     ipc::set_process_name("dsec-spawner");
     // Supervisors are forks of this process and live as long as their sandboxes.
