@@ -4,8 +4,8 @@
 //! the cheaper each one.
 //!
 //! The node starts one spawner (`dsec-shim spawner`, a fresh single-threaded process) and talks
-//! to it over a `SOCK_SEQPACKET` socket on fd 3. For each [`proto::SpawnRequest`] the spawner `fork`s a
-//! supervisor, which:
+//! to it over a `SOCK_SEQPACKET` socket on fd 3. For each [`proto::SpawnRequest`] the spawner
+//! `fork`s a supervisor, which:
 //! 1. detaches (`setsid`) so it outlives the node and the spawner,
 //! 2. creates the sandbox cgroup and clones the sandbox init into new namespaces
 //!    ([`dsec_sys::launch::spawn_container`]), which execs `dsec-agent` from a sealed memfd,
