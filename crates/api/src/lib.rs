@@ -8,6 +8,7 @@
 //! * [`sandbox`]: the sandbox API's types: substrates, states, the create spec, the sandbox view.
 //! * [`problem`]: the problem document every API error is answered with.
 //! * [`error`]: stable error codes that a trainer can act on without parsing text.
+//! * [`limits`]: a sandbox's resource limits, as the create spec carries them.
 //!
 //! This crate depends on serde only (no tokio) so that the static agent stays small.
 #![forbid(unsafe_code)]
@@ -17,6 +18,7 @@ pub mod agent;
 pub mod error;
 pub mod exec;
 pub mod frame;
+pub mod limits;
 pub mod problem;
 pub mod sandbox;
 

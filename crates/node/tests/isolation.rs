@@ -134,10 +134,14 @@ impl Obs {
 // fixture
 
 fn binaries() -> (PathBuf, PathBuf, PathBuf) {
-    let shim = PathBuf::from(env!("CARGO_BIN_EXE_dsec-shim"));
+    // The workspace's binaries sit beside `deps/`, the directory of this test executable.
+    let shim = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("dsec-shim")))
+        .expect("the test executable's directory");
     let agent = shim.with_file_name("dsec-agent");
     let probe = shim.with_file_name("dsec-probe");
-    for b in [&agent, &probe] {
+    for b in [&agent, &shim, &probe] {
         assert!(
             b.is_file(),
             "{} is missing: build the whole workspace first (`cargo build --workspace`) with the \

@@ -612,3 +612,51 @@ fn lifecycle_supervisors_run_without_the_malloc_cache_and_sandboxes_do_not_inher
     sb.destroy().expect("destroy");
     LeakSnapshot::assert_back_to(&base, SETTLE);
 }
+
+/// A launch that fails comes back typed: the step that failed and its errno, which decide the
+/// code (an agent that cannot be executed is no resource shortage: `internal`), and a message
+/// that names the step.
+#[test]
+fn lifecycle_a_failed_launch_names_its_step() {
+    use dsec_api::ErrorCode;
+    use dsec_node::substrate::container::shim::proto::LaunchStep;
+    use dsec_node::substrate::RuntimeError;
+
+    let _serial = serial();
+    let fx = common::fixture();
+    let run_dir = PathBuf::from(format!("{}-noexec", fx.run_dir.display()));
+    std::fs::create_dir_all(&run_dir).expect("run dir");
+    // Not an executable format: the sandbox init's `execveat` fails with ENOEXEC.
+    let agent_bin = run_dir.join("not-an-agent");
+    std::fs::write(&agent_bin, b"plain text\n").expect("write fake agent");
+    let cfg = RuntimeConfig {
+        data_dir: run_dir.join("data"),
+        run_dir: run_dir.clone(),
+        agent_bin,
+        shim_bin: fx.rt.config().shim_bin.clone(),
+    };
+    let rt = ContainerRuntime::start(cfg).expect("start runtime");
+    let created = rt.create(&SandboxSpec {
+        limits: small_limits(),
+        ..Default::default()
+    });
+    drop(rt);
+    let _ = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(run_dir.join("mask"))
+        .status();
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let Err(err) = created else {
+        panic!("a create with no runnable agent succeeded");
+    };
+    let RuntimeError::Launch { failure, .. } = &err else {
+        panic!("not a launch failure: {err:?}");
+    };
+    assert_eq!(failure.step, LaunchStep::ExecAgent, "{err}");
+    assert_eq!(failure.errno, Some(libc::ENOEXEC), "{err}");
+    assert_eq!(err.code(), ErrorCode::Internal, "{err}");
+    assert!(
+        err.to_string().contains("executing the agent failed"),
+        "{err}"
+    );
+}

@@ -13,6 +13,7 @@ pub mod fs;
 pub mod guest;
 pub mod ipc;
 pub mod launch;
+pub mod layer;
 pub mod proc;
 pub mod seccomp;
 pub mod spawn;

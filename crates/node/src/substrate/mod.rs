@@ -18,7 +18,6 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use dsec_sys::cgroup::CgroupManager;
 use dsec_sys::ipc::PidFd;
@@ -88,9 +87,6 @@ pub struct Sandbox {
     init_pid: i32,
     run_dir: PathBuf,
     oom_kills: u64,
-    uses: u32,
-    busy: Duration,
-    acquired_at: Option<Instant>,
 }
 
 impl Sandbox {
@@ -127,16 +123,7 @@ impl Sandbox {
     /// Marks the sandbox acquired (pool → user).
     pub fn mark_acquired(&mut self) -> Result<(), RuntimeError> {
         self.state = self.state.transition(State::Running)?;
-        self.uses += 1;
-        self.acquired_at = Some(Instant::now());
         Ok(())
-    }
-
-    /// Whether the reuse limits say this sandbox must be recycled instead of reset.
-    pub fn needs_recycle(&self) -> bool {
-        let current = self.acquired_at.map_or(Duration::ZERO, |t| t.elapsed());
-        self.uses >= self.spec.max_uses
-            || (self.busy + current).as_millis() as u64 >= self.spec.max_busy_ms
     }
 
     /// Whether the sandbox is whole: its supervisor (or QEMU) lives and, for a container, has
@@ -171,9 +158,6 @@ impl Sandbox {
     /// answered.
     pub fn reset(&mut self) -> Result<(), RuntimeError> {
         self.state = self.state.transition(State::Resetting)?;
-        if let Some(t) = self.acquired_at.take() {
-            self.busy += t.elapsed();
-        }
         let result = match &self.backend {
             Backend::Vm(_) => self.reset_vm(),
             Backend::Container { .. } => self.reset_container(),

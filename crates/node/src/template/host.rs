@@ -37,7 +37,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
-use super::unpack::{make_whiteout, set_opaque, OPAQUE_XATTR};
+use super::unpack::{make_whiteout, set_opaque};
 use super::TemplateError;
 
 /// Host directories the `host` template shows as empty.
@@ -339,58 +339,13 @@ fn make_dir(p: &Path, e: &MaskEntry, chown: bool) -> Result<(), TemplateError> {
     Ok(())
 }
 
-/// Copies a layer tree (directories with their mode, owner and opaque marker, regular files,
-/// symlinks, whiteouts) to `dest`, which must not exist. Used to place the host mask on a
-/// filesystem other than `/`'s. Other file types are refused.
-pub fn stage_layer(src: &Path, dest: &Path) -> Result<(), TemplateError> {
-    let meta = fs::symlink_metadata(src).map_err(|e| TemplateError::io("stat", src, e))?;
-    let chown = rustix::process::geteuid().is_root();
-    let ft = meta.file_type();
-    if ft.is_dir() {
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(dest)
-            .map_err(|e| TemplateError::io("create dir", dest, e))?;
-        let rd = fs::read_dir(src).map_err(|e| TemplateError::io("read dir", src, e))?;
-        for ent in rd {
-            let ent = ent.map_err(|e| TemplateError::io("read dir", src, e))?;
-            stage_layer(&ent.path(), &dest.join(ent.file_name()))?;
-        }
-        let mut buf = [0u8; 8];
-        if let Ok(n) = rustix::fs::lgetxattr(src, OPAQUE_XATTR, &mut buf[..]) {
-            if buf[..n] == *b"y" {
-                set_opaque(dest)?;
-            }
-        }
-    } else if ft.is_symlink() {
-        let target = fs::read_link(src).map_err(|e| TemplateError::io("readlink", src, e))?;
-        std::os::unix::fs::symlink(&target, dest)
-            .map_err(|e| TemplateError::io("create symlink", dest, e))?;
-    } else if ft.is_file() {
-        fs::copy(src, dest).map_err(|e| TemplateError::io("copy", dest, e))?;
-    } else if std::os::unix::fs::FileTypeExt::is_char_device(&ft) && meta.rdev() == 0 {
-        make_whiteout(dest)?;
-    } else {
-        return Err(TemplateError::io(
-            "stage layer: unsupported file type",
-            src,
-            io::ErrorKind::InvalidData.into(),
-        ));
-    }
-    if chown {
-        std::os::unix::fs::lchown(dest, Some(meta.uid()), Some(meta.gid()))
-            .map_err(|e| TemplateError::io("chown", dest, e))?;
-    }
-    if !ft.is_symlink() {
-        fs::set_permissions(dest, fs::Permissions::from_mode(meta.mode() & 0o7777))
-            .map_err(|e| TemplateError::io("chmod", dest, e))?;
-    }
-    Ok(())
-}
+/// Copies a layer tree with its whiteouts and opaque markers (see [`dsec_sys::layer`]).
+pub use dsec_sys::layer::stage_layer;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dsec_sys::layer::OPAQUE_XATTR;
     use std::os::unix::fs::FileTypeExt;
 
     #[test]

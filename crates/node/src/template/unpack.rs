@@ -39,8 +39,7 @@ use tar::{Archive, EntryType};
 
 use super::{Digest, ImportLimits, TemplateError};
 
-/// Name of the xattr overlayfs reads to mark a directory opaque.
-pub(crate) const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+pub(crate) use dsec_sys::layer::{is_opaque, is_whiteout, make_whiteout, set_opaque};
 
 /// What the unpacked tree is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,47 +307,11 @@ fn remove_existing(path: &Path) -> Result<(), TemplateError> {
     }
 }
 
-/// Creates an overlayfs whiteout (character device 0/0) at `path`.
-pub(crate) fn make_whiteout(path: &Path) -> Result<(), TemplateError> {
-    use rustix::fs::{makedev, mknodat, FileType, Mode, CWD};
-    mknodat(
-        CWD,
-        path,
-        FileType::CharacterDevice,
-        Mode::empty(),
-        makedev(0, 0),
-    )
-    .map_err(|e| TemplateError::io("mknod whiteout", path, e.into()))
+impl From<dsec_sys::layer::LayerError> for TemplateError {
+    fn from(e: dsec_sys::layer::LayerError) -> Self {
+        TemplateError::io(e.op, e.path, e.source)
+    }
 }
-
-/// Marks the directory at `path` opaque for overlayfs.
-pub(crate) fn set_opaque(path: &Path) -> Result<(), TemplateError> {
-    rustix::fs::lsetxattr(path, OPAQUE_XATTR, b"y", rustix::fs::XattrFlags::empty())
-        .map_err(|e| TemplateError::io("set opaque xattr", path, e.into()))?;
-    // Overlays mounted inside a user namespace (`userxattr`) read the `user.` namespace.
-    rustix::fs::lsetxattr(
-        path,
-        USER_OPAQUE_XATTR,
-        b"y",
-        rustix::fs::XattrFlags::empty(),
-    )
-    .map_err(|e| TemplateError::io("set opaque xattr", path, e.into()))
-}
-
-/// Whether `meta` is an overlayfs whiteout (a character device 0/0).
-pub(crate) fn is_whiteout(meta: &std::fs::Metadata) -> bool {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    meta.file_type().is_char_device() && meta.rdev() == 0
-}
-
-/// Whether the directory `path` is marked opaque for overlayfs.
-pub(crate) fn is_opaque(path: &Path) -> bool {
-    let mut value = [0u8; 8];
-    matches!(rustix::fs::lgetxattr(path, OPAQUE_XATTR, &mut value[..]), Ok(1) if value[0] == b'y')
-}
-
-/// The opaque marker read by overlays mounted with `userxattr` (inside a user namespace).
-pub(crate) const USER_OPAQUE_XATTR: &str = "user.overlay.opaque";
 
 struct DirFixup {
     comps: Vec<PathBuf>,

@@ -57,14 +57,20 @@ fn remove_at_exit(run_dir: &Path) -> Option<std::process::ChildStdin> {
 static FIXTURE: OnceLock<Fixture> = OnceLock::new();
 
 fn agent_and_shim() -> (PathBuf, PathBuf) {
-    let shim = PathBuf::from(env!("CARGO_BIN_EXE_dsec-shim"));
+    // The workspace's binaries sit beside `deps/`, the directory of this test executable.
+    let shim = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("dsec-shim")))
+        .expect("the test executable's directory");
     let agent = shim.with_file_name("dsec-agent");
-    assert!(
-        agent.is_file(),
-        "{} is missing: build the whole workspace first (`cargo build --workspace`), \
-         then run `cargo test --workspace` with the same CARGO_TARGET_DIR",
-        agent.display()
-    );
+    for b in [&agent, &shim] {
+        assert!(
+            b.is_file(),
+            "{} is missing: build the whole workspace first (`cargo build --workspace`), \
+             then run `cargo test --workspace` with the same CARGO_TARGET_DIR",
+            b.display()
+        );
+    }
     (agent, shim)
 }
 

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use dsec_sys::ipc::{self, PidFd};
 
-use super::proto::{SupervisorMsg, MAX_MSG};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State};
 use crate::substrate::{Backend, ContainerRuntime, RuntimeError, Sandbox};
+use dsec_shim::proto::{SupervisorMsg, MAX_MSG};
 
 /// How long a supervisor gets to answer a reconnect.
 const ADOPT_DEADLINE: Duration = Duration::from_secs(5);
@@ -133,9 +133,6 @@ impl ContainerRuntime {
             init_pid,
             run_dir,
             oom_kills,
-            uses: u32::from(state == State::Running),
-            busy: Duration::ZERO,
-            acquired_at: (state == State::Running).then(std::time::Instant::now),
         };
         sandbox.ping()?;
         Ok(sandbox)

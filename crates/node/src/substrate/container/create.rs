@@ -4,9 +4,11 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use dsec_shim::proto::{
+    LaunchConfig, LaunchFailure, LaunchStep, NodeMsg, SpawnRequest, SupervisorMsg, MAX_MSG,
+};
 use dsec_sys::ipc::{self, PidFd};
 
-use super::proto::{LaunchConfig, NodeMsg, SpawnRequest, SupervisorMsg, MAX_MSG};
 use super::spawner::Reply;
 use crate::agent_client::AgentConn;
 use crate::sandbox::{Limits, SandboxSpec, State};
@@ -173,9 +175,9 @@ impl ContainerRuntime {
         };
         let (msg, mut fds) = match reply {
             Ok(r) => r,
-            Err(message) => {
+            Err(failure) => {
                 self.cleanup_leftovers(&id, &run_dir);
-                return Err(RuntimeError::Launch { id, message });
+                return Err(RuntimeError::Launch { id, failure });
             }
         };
         let launch_us = t0.elapsed().as_micros() as u64;
@@ -187,25 +189,25 @@ impl ContainerRuntime {
                 configure_id,
                 ..
             } => (sup_pid, init_pid, phases_us, configure_id),
-            SupervisorMsg::Failed { message, .. } => {
-                return Err(RuntimeError::Launch { id, message })
+            SupervisorMsg::Failed { failure, .. } => {
+                return Err(RuntimeError::Launch { id, failure })
             }
             other => {
                 return Err(RuntimeError::Launch {
                     id,
-                    message: format!("unexpected {other:?}"),
+                    failure: LaunchFailure::new(LaunchStep::Reply, format!("unexpected {other:?}")),
                 })
             }
         };
         let (Some(control), Some(agent_fd)) = (fds.pop(), fds.pop()) else {
             return Err(RuntimeError::Launch {
                 id,
-                message: "supervisor sent no descriptors".into(),
+                failure: LaunchFailure::new(LaunchStep::Reply, "supervisor sent no descriptors"),
             });
         };
         let sup = PidFd::open(sup_pid).map_err(|e| RuntimeError::Launch {
             id: id.clone(),
-            message: e.to_string(),
+            failure: LaunchFailure::io(LaunchStep::Pidfd, &e),
         })?;
         let mut sandbox = Sandbox {
             id,
@@ -217,9 +219,6 @@ impl ContainerRuntime {
             init_pid,
             run_dir,
             oom_kills: 0,
-            uses: 0,
-            busy: Duration::ZERO,
-            acquired_at: None,
         };
         let id = sandbox.id.clone();
         // The supervisor sent the agent its `Configure` before answering (the agent of a
@@ -256,15 +255,23 @@ impl ContainerRuntime {
 }
 
 /// Waits (bounded) for a supervisor's answer on a per-create reply socket.
-fn wait_reply(sock: &OwnedFd) -> Result<Reply, String> {
-    if !ipc::poll_readable(sock.as_fd(), CREATE_DEADLINE).map_err(|e| e.to_string())? {
-        return Err("no answer from the supervisor".into());
+fn wait_reply(sock: &OwnedFd) -> Result<Reply, LaunchFailure> {
+    let reply_err = |e: std::io::Error| LaunchFailure::io(LaunchStep::Reply, &e);
+    if !ipc::poll_readable(sock.as_fd(), CREATE_DEADLINE).map_err(reply_err)? {
+        return Err(LaunchFailure::new(
+            LaunchStep::Timeout,
+            "no answer from the supervisor",
+        ));
     }
-    let (buf, fds) = ipc::recv_msg(sock.as_fd(), MAX_MSG).map_err(|e| e.to_string())?;
+    let (buf, fds) = ipc::recv_msg(sock.as_fd(), MAX_MSG).map_err(reply_err)?;
     if buf.is_empty() {
-        return Err("the supervisor closed the reply socket".into());
+        return Err(LaunchFailure::new(
+            LaunchStep::Reply,
+            "the supervisor closed the reply socket",
+        ));
     }
-    let msg = serde_json::from_slice::<SupervisorMsg>(&buf).map_err(|e| e.to_string())?;
+    let msg = serde_json::from_slice::<SupervisorMsg>(&buf)
+        .map_err(|e| LaunchFailure::new(LaunchStep::Reply, e.to_string()))?;
     Ok((msg, fds))
 }
 
@@ -285,21 +292,30 @@ impl ContainerRuntime {
     }
 
     /// Asks the spawner to fork a supervisor for this request and waits for its answer.
-    fn spawn_via_spawner(&self, req: u64, request: &SpawnRequest) -> Result<Reply, String> {
+    fn spawn_via_spawner(&self, req: u64, request: &SpawnRequest) -> Result<Reply, LaunchFailure> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.spawner
             .pending
             .lock()
-            .map_err(|_| "spawner state poisoned".to_string())?
+            .map_err(|_| LaunchFailure::new(LaunchStep::Spawner, "spawner state poisoned"))?
             .insert(req, tx);
         let bytes = serde_json::to_vec(&NodeMsg::Spawn(Box::new(request.clone())))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| LaunchFailure::new(LaunchStep::Spawner, e.to_string()))?;
         let sent = ipc::send_with_fds(self.spawner.sock.as_fd(), &bytes, &[]);
         let reply = sent
-            .map_err(|e| format!("spawner unavailable: {e}"))
+            .map_err(|e| LaunchFailure {
+                message: format!("spawner unavailable: {e}"),
+                ..LaunchFailure::io(LaunchStep::Spawner, &e)
+            })
             .and_then(|()| {
-                rx.recv_timeout(CREATE_DEADLINE)
-                    .map_err(|_| "no answer from the spawner".to_string())
+                rx.recv_timeout(CREATE_DEADLINE).map_err(|e| {
+                    let step = match e {
+                        mpsc::RecvTimeoutError::Timeout => LaunchStep::Timeout,
+                        // The spawner went away (its reader failed every waiter).
+                        mpsc::RecvTimeoutError::Disconnected => LaunchStep::Spawner,
+                    };
+                    LaunchFailure::new(step, "no answer from the spawner")
+                })
             });
         if reply.is_err() {
             if let Ok(mut p) = self.spawner.pending.lock() {

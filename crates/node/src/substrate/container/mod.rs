@@ -1,9 +1,8 @@
 //! The container substrate: namespaces + cgroups + seccomp + overlayfs, one `dsec-agent` per
-//! sandbox as PID 1. Each sandbox is supervised by its own `dsec-shim` process (see [`shim`]),
-//! forked by the spawner ([`spawner`]), so sandboxes survive the node.
+//! sandbox as PID 1. Each sandbox is supervised by its own `dsec-shim` process (the `dsec-shim`
+//! crate, [`shim`]), forked by the spawner ([`spawner`]), so sandboxes survive the node.
 
-pub mod proto;
-pub mod shim;
+pub use dsec_shim as shim;
 
 mod adopt;
 pub(crate) mod create;
@@ -12,12 +11,12 @@ pub(crate) mod spawner;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use dsec_shim::proto::{ControlMsg, SupervisorMsg, MAX_MSG};
 use dsec_sys::ipc;
 
 use super::{Backend, ContainerRuntime, RuntimeError, Sandbox};
 use crate::agent_client::{AgentConn, AgentError};
 use crate::sandbox::State;
-use proto::{ControlMsg, SupervisorMsg, MAX_MSG};
 use spawner::Reply;
 
 pub use adopt::ORPHAN_CGROUP_GRACE;

@@ -7,9 +7,9 @@ use std::path::Path;
 use std::process::Child;
 use std::sync::{mpsc, Mutex};
 
+use dsec_shim::proto::{self, SupervisorMsg, MAX_MSG};
 use dsec_sys::ipc;
 
-use super::proto::{self, SupervisorMsg, MAX_MSG};
 use crate::substrate::{RuntimeConfig, RuntimeError};
 
 /// A supervisor's answer and the descriptors it passed.

@@ -768,7 +768,7 @@ mod tests {
     fn opaque(path: &Path) -> anyhow::Result<()> {
         rustix::fs::lsetxattr(
             path,
-            crate::template::unpack::OPAQUE_XATTR,
+            dsec_sys::layer::OPAQUE_XATTR,
             b"y",
             rustix::fs::XattrFlags::empty(),
         )?;

@@ -405,7 +405,6 @@ impl VmBinding {
         sup: PidFd,
         agent: AgentConn,
     ) -> Sandbox {
-        let acquired = state == State::Running;
         Sandbox {
             id: id.to_owned(),
             spec,
@@ -416,9 +415,6 @@ impl VmBinding {
             run_dir: self.rt.run_dir(id),
             backend: Backend::Vm(self),
             oom_kills: 0,
-            uses: u32::from(acquired),
-            busy: Duration::ZERO,
-            acquired_at: acquired.then(Instant::now),
         }
     }
 }

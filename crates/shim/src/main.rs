@@ -3,5 +3,5 @@
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    std::process::exit(dsec_node::substrate::container::shim::main(&args));
+    std::process::exit(dsec_shim::main(&args));
 }

@@ -1,0 +1,211 @@
+//! One sandbox init as its supervisor sees it: launching it, its container spec, and what a
+//! supervisor does to it from outside (clearing its IPC namespace, killing everything else).
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::time::Duration;
+
+use dsec_sys::cgroup::Cgroup;
+use dsec_sys::ipc::{self, PidFd};
+use dsec_sys::launch::{self, ContainerSpec, IdMap, NamespaceSpec, Rlimit, RootfsSpec};
+
+use crate::ctx::SpawnerCtx;
+use crate::failure::launch_failure;
+use crate::proto::{LaunchConfig, LaunchFailure, LaunchStep};
+
+/// One running sandbox init, seen from its supervisor.
+pub(crate) struct Init {
+    pub(crate) pidfd: PidFd,
+    pub(crate) agent_host: OwnedFd,
+    /// The init's IPC namespace, opened at its first in-place reset.
+    pub(crate) ipc: Option<launch::IpcNamespace>,
+}
+
+/// Empties the IPC namespace of `init` (System V objects, POSIX message queues) for an
+/// in-place reset: they outlive the processes that made them. False when that failed: the
+/// caller then relaunches the init in fresh namespaces instead.
+pub(crate) fn clear_ipc(init: &mut Init, state: &mut launch::ResetState) -> bool {
+    let ns = match &mut init.ipc {
+        Some(ns) => ns,
+        None => match launch::IpcNamespace::open(&init.pidfd, state) {
+            Ok(ns) => init.ipc.insert(ns),
+            Err(_) => return false,
+        },
+    };
+    ns.clear(&init.pidfd, state).is_ok()
+}
+
+/// The container spec of `cfg`'s sandbox, its agent talking on `agent_sock`.
+pub(crate) fn container_spec<'a>(
+    ctx: &'a SpawnerCtx,
+    cfg: &LaunchConfig,
+    agent_sock: &'a OwnedFd,
+) -> ContainerSpec<'a> {
+    let l = &cfg.limits;
+    ContainerSpec {
+        ns: NamespaceSpec {
+            user: cfg.userns.map(|(uid, gid, count)| IdMap {
+                host_uid: uid,
+                host_gid: gid,
+                count,
+            }),
+            hostname: cfg.id.chars().take(63).collect(),
+        },
+        rootfs: RootfsSpec {
+            stage: cfg.stage.clone(),
+            lowerdirs: cfg.lowerdirs.clone(),
+            disk_bytes: l.disk_bytes,
+            disk_inodes: l.disk_inodes,
+            shm_bytes: l.shm_bytes,
+            writable_root: cfg.writable_root,
+            scratch: cfg.scratch.clone(),
+            empty_dir: ctx.empty_dir.clone(),
+        },
+        rlimits: vec![
+            Rlimit {
+                resource: libc_rlimit::CORE,
+                value: 0,
+            },
+            Rlimit {
+                resource: libc_rlimit::FSIZE,
+                value: l.file_size_max,
+            },
+            // The agent needs descriptors for every command's pipes; commands get the sandbox's
+            // own limits from the agent (`Configure`).
+            Rlimit {
+                resource: libc_rlimit::NOFILE,
+                value: l.open_files_max.max(AGENT_NOFILE),
+            },
+        ]
+        .into_iter()
+        // In a user namespace the kernel applies RLIMIT_NPROC, before a fork copies anything;
+        // the agent and every command inherit it (uid 0 of the initial namespace is exempt).
+        .chain(cfg.userns.map(|_| Rlimit {
+            resource: libc_rlimit::NPROC,
+            value: l.nproc(),
+        }))
+        .collect(),
+        agent_exe: &ctx.agent_exe,
+        agent_sock,
+        argv: vec!["dsec-agent".into()],
+        env: cfg.env.clone(),
+        seccomp: &ctx.seccomp,
+    }
+}
+
+/// A memory bomb inside the sandbox must kill the bomb, never the agent: the agent's commands
+/// raise their own OOM score to the maximum (see the agent's exec set-up), and where this process
+/// holds CAP_SYS_RESOURCE the agent is exempted outright (best effort: some hosts withhold it).
+fn protect_from_oom(pid: i32) {
+    let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "-1000");
+}
+
+/// The socket pair between the supervisor (first) and the agent (second).
+pub(crate) fn agent_socket() -> Result<(OwnedFd, OwnedFd), LaunchFailure> {
+    ipc::stream_pair().map_err(|e| LaunchFailure {
+        message: format!("socketpair: {e}"),
+        ..LaunchFailure::io(LaunchStep::Sockets, &e)
+    })
+}
+
+/// A pidfd on the sandbox init `pid`.
+fn open_pidfd(pid: i32) -> Result<PidFd, LaunchFailure> {
+    PidFd::open(pid).map_err(|e| LaunchFailure {
+        message: format!("pidfd_open: {e}"),
+        ..LaunchFailure::io(LaunchStep::Pidfd, &e)
+    })
+}
+
+/// Clones a sandbox init for `cfg` into `cgroup`, running the agent.
+pub(crate) fn launch_init(
+    ctx: &SpawnerCtx,
+    cfg: &LaunchConfig,
+    cgroup: &Cgroup,
+) -> Result<Init, LaunchFailure> {
+    let (agent_host, agent_child) = agent_socket()?;
+    let spec = container_spec(ctx, cfg, &agent_child);
+    let launched =
+        launch::spawn_container(&spec, |pid| cgroup.attach(pid).map_err(io::Error::other))
+            .map_err(|e| launch_failure(&e))?;
+    drop(agent_child);
+    Init::started(launched.pid, agent_host)
+}
+
+impl Init {
+    /// The init `pid` has exec'd the agent, which talks on `agent_host`: shield the agent from
+    /// the OOM killer and hold the init by a pidfd.
+    pub(crate) fn started(pid: i32, agent_host: OwnedFd) -> Result<Init, LaunchFailure> {
+        protect_from_oom(pid);
+        Ok(Init {
+            pidfd: open_pidfd(pid)?,
+            agent_host,
+            ipc: None,
+        })
+    }
+}
+
+/// Open-files limit of the agent itself.
+pub(crate) const AGENT_NOFILE: u64 = 4096;
+
+pub(crate) mod libc_rlimit {
+    pub const CORE: u32 = 4;
+    pub const FSIZE: u32 = 1;
+    pub const NOFILE: u32 = 7;
+    pub const NPROC: u32 = 6;
+}
+
+/// A sandbox init already cloned into its namespaces, attached to a cgroup and running the agent
+/// on an empty placeholder root, waiting in an idle supervisor for a request. Assigning it a
+/// template is an in-place reset onto that template's root.
+pub(crate) struct Prebuilt {
+    pub(crate) cgroup: Cgroup,
+    pub(crate) init: Init,
+    pub(crate) reset_state: launch::ResetState,
+    /// The likely root, already built.
+    pub(crate) tree: Option<launch::RootTree>,
+}
+
+/// Paths looked up once in a pre-built root, so that a sandbox's first commands find them cached
+/// (the interpreter, the shell, the dynamic loader and libc of common images).
+pub(crate) const WARM_PATHS: &[&str] = &[
+    "/bin/sh",
+    "/bin/true",
+    "/usr/bin/env",
+    "/usr/bin/python3",
+    "/lib64/ld-linux-x86-64.so.2",
+    "/etc/ld.so.cache",
+    "/lib/x86_64-linux-gnu/libc.so.6",
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+];
+
+/// Kills every process of the sandbox's cgroup except its init, through pidfds (no pid reuse
+/// race), until the cgroup lists only the init; false when that does not happen in time (a
+/// fork bomb outrunning the kills is bounded by pids.max, so this converges).
+pub(crate) fn kill_all_but_init(cgroup: &Cgroup, init: i32) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let Ok(pids) = cgroup.pids() else {
+            return false;
+        };
+        let others: Vec<i32> = pids.into_iter().filter(|&p| p != init).collect();
+        if others.is_empty() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        for pid in others {
+            if let Ok(fd) = PidFd::open(pid) {
+                let _ = fd.signal(9);
+            }
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+/// Kills what is left in `cgroup` and removes the sandbox's runtime directory.
+pub(crate) fn cleanup(cgroup: &Cgroup, run_dir: &Path) {
+    let _ = cgroup.kill_all();
+    let _ = std::fs::remove_dir_all(run_dir);
+}
