@@ -5,6 +5,7 @@
 //!   length is bounded and every failure is a typed [`frame::FrameError`].
 //! * [`agent`]: the request/event messages carried inside frames.
 //! * [`exec`]: exec requests and results, the same types the HTTP API exposes.
+//! * [`body`]: the API's small request bodies (tenants, batches, processes, sessions, files).
 //! * [`sandbox`]: the sandbox API's types: substrates, states, the create spec, the sandbox view.
 //! * [`problem`]: the problem document every API error is answered with.
 //! * [`error`]: stable error codes that a trainer can act on without parsing text.
@@ -15,6 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod body;
 pub mod error;
 pub mod exec;
 pub mod frame;

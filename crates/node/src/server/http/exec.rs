@@ -1,6 +1,7 @@
 //! Running things in a sandbox: commands, background processes, sessions; the trajectory log of each step.
 
 use super::*;
+use dsec_api::body::{RunBody, SessionBody, SignalBody, StdinBody, WaitBody};
 use dsec_api::exec::ExecBody;
 
 /// Runs `f` on the sandbox's agent on the blocking pool, holding the sandbox exclusively.
@@ -297,17 +298,6 @@ pub(super) async fn proc_status(
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct StdinBody {
-    #[serde(default)]
-    data: Option<String>,
-    #[serde(default)]
-    data_b64: Option<String>,
-    #[serde(default)]
-    eof: bool,
-}
-
 pub(super) async fn proc_stdin(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
@@ -326,12 +316,6 @@ pub(super) async fn proc_stdin(
     agent_ok(&app, &t, &id, req, Bytes::from(data)).await
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct SignalBody {
-    signal: i32,
-}
-
 pub(super) async fn proc_signal(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
@@ -346,13 +330,6 @@ pub(super) async fn proc_signal(
         signal: b.signal,
     };
     agent_ok(&app, &t, &id, req, Bytes::new()).await
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub(super) struct WaitBody {
-    #[serde(default)]
-    timeout_ms: Option<u64>,
 }
 
 pub(super) async fn proc_wait(
@@ -377,16 +354,6 @@ pub(super) async fn proc_wait(
         Event::ProcStatus { running, pid } => Ok(Json(json!({"running": running, "pid": pid}))),
         other => Err(ApiError::internal(format!("unexpected {other:?}"))),
     }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct SessionBody {
-    kind: SessionKind,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-    #[serde(default)]
-    cwd: Option<String>,
 }
 
 pub(super) async fn session_open(
@@ -417,18 +384,6 @@ pub(super) async fn session_open(
         }
         other => Err(ApiError::internal(format!("unexpected {other:?}"))),
     }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RunBody {
-    #[serde(default, alias = "trajectory_id")]
-    trajectory: Option<String>,
-    #[serde(default)]
-    step: Option<u64>,
-    input: String,
-    #[serde(default)]
-    timeout_ms: Option<u64>,
 }
 
 pub(super) async fn session_run(

@@ -1,6 +1,7 @@
 //! Files in a sandbox: read, write, list, stat, mkdir, remove, tar up and down.
 
 use super::*;
+use dsec_api::body::MkdirBody;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -172,16 +173,6 @@ pub(super) async fn file_stat(
         Event::Stat(s) => Ok(Json(serde_json::to_value(s).unwrap_or_default())),
         other => Err(ApiError::internal(format!("unexpected {other:?}"))),
     }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct MkdirBody {
-    path: String,
-    #[serde(default)]
-    parents: bool,
-    #[serde(default)]
-    mode: Option<u32>,
 }
 
 pub(super) async fn file_mkdir(

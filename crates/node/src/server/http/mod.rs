@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use base64::Engine as _;
-use dsec_api::agent::{Event, Request as AgentReq, SessionKind};
+use dsec_api::agent::{Event, Request as AgentReq};
 use dsec_api::exec::{Command, ExecRequest, ExecResult, Stream};
 use dsec_api::ErrorCode;
 use serde::Deserialize;

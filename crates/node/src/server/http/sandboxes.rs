@@ -1,6 +1,7 @@
 //! Sandboxes: create (one and batch), get, list, delete, lease, reset; the sandbox view.
 
 use super::*;
+use dsec_api::body::{BatchCreate, BatchDelete, LeaseBody};
 use dsec_api::sandbox::{CreateSpec, SandboxView};
 
 /// The public view of a sandbox record.
@@ -322,14 +323,6 @@ pub(super) async fn delete_sandbox(
     Ok(Json(view(&rec)))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct BatchCreate {
-    count: usize,
-    #[serde(default)]
-    spec: Option<Value>,
-}
-
 pub(super) async fn batch_create(
     AxState(app): AxState<AppState>,
     Extension(t): Extension<Tenant>,
@@ -371,15 +364,6 @@ pub(super) async fn batch_create(
     Ok(Json(
         json!({"items": out.into_iter().map(|(_, v)| v).collect::<Vec<_>>()}),
     ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct BatchDelete {
-    #[serde(default)]
-    ids: Option<Vec<String>>,
-    #[serde(default)]
-    labels: Option<BTreeMap<String, String>>,
 }
 
 pub(super) async fn batch_delete(
@@ -443,13 +427,6 @@ pub(super) async fn batch_delete(
     Ok(Json(
         json!({"items": out.into_iter().map(|(_, v)| v).collect::<Vec<_>>()}),
     ))
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub(super) struct LeaseBody {
-    #[serde(default)]
-    lease_ms: Option<u64>,
 }
 
 pub(super) async fn lease(

@@ -1,16 +1,7 @@
 //! Tenants and their API keys.
 
 use super::*;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct NewTenant {
-    name: String,
-    #[serde(default)]
-    max_sandboxes: Option<u64>,
-    #[serde(default)]
-    max_memory_bytes: Option<u64>,
-}
+use dsec_api::body::NewTenant;
 
 pub(super) async fn create_tenant(
     AxState(app): AxState<AppState>,

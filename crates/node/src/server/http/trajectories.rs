@@ -1,6 +1,7 @@
 //! Trajectories: list, read, stream, annotate, export, finish, compact.
 
 use super::*;
+use dsec_api::body::AnnotationBody;
 
 pub(super) async fn list_trajectories(
     AxState(app): AxState<AppState>,
@@ -72,19 +73,6 @@ pub(super) async fn trajectory_stream(
         })
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct AnnotationBody {
-    #[serde(default)]
-    step: Option<u64>,
-    #[serde(default)]
-    reward: Option<f64>,
-    #[serde(default)]
-    labels: Vec<String>,
-    #[serde(default)]
-    data: Option<Value>,
 }
 
 pub(super) async fn annotate(
