@@ -218,6 +218,7 @@ const L01_THREADS: u64 = 8;
 /// The L-01 child: appends from several threads until killed, printing each acknowledged record
 /// as `ACK <lsn> <trajectory> <step> END`. Does nothing unless [`L01_DIR`] is set.
 #[test]
+#[ignore = "the child process of l01_crash_points_keep_a_prefix_with_every_acked_record"]
 fn l01_child_appender() {
     let Ok(dir) = std::env::var(L01_DIR) else {
         return;
@@ -266,7 +267,13 @@ fn spawn_acking_child(
     round: u64,
 ) -> (Child, std::thread::JoinHandle<Vec<Ack>>) {
     let mut child = Command::new(exe)
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(dir_var, dir)
         .env(round_var, round.to_string())
         .stdout(Stdio::piped())
@@ -1331,6 +1338,7 @@ fn c01_finished(trajectory: &str) -> bool {
 /// acknowledged record as `ACK <lsn> <trajectory> <step> END`. Does nothing unless [`C01_DIR`]
 /// is set.
 #[test]
+#[ignore = "the child process of the C-01 compaction crash test"]
 fn c01_child_compactor() {
     let Ok(dir) = std::env::var(C01_DIR) else {
         return;

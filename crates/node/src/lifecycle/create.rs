@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pools::pool_key;
-use super::{failpoint, step, Entry, Error, Node, Result};
+use super::{step, Entry, Error, Node, Result};
 use crate::clock::now_ms;
 use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
@@ -220,7 +220,7 @@ impl Node {
                 e.id
             )));
         }
-        failpoint("create:before_launch");
+        self.failpoint("create:before_launch");
         let id = e.id.clone();
         let pooled = e.record().tenant.is_none();
         // A VM whose snapshot is not made yet waits for the node to make it (a minute or more
@@ -237,8 +237,9 @@ impl Node {
                 Ok(())
             })?;
         }
+        let node = Arc::clone(self);
         let made = tokio::task::spawn_blocking(move || {
-            failpoint("create:launching");
+            node.failpoint("create:launching");
             let mut made = rt.create_with_id(&id, &spec);
             if let (true, Ok((sb, _))) = (pooled, &mut made) {
                 sb.warm_up(&rt);
@@ -255,7 +256,7 @@ impl Node {
         }
         match made {
             Ok((mut sb, phases)) => {
-                failpoint("create:after_launch");
+                self.failpoint("create:after_launch");
                 let us = |v: u64| std::time::Duration::from_micros(v);
                 match sb.substrate() {
                     // (A function call's sandbox is a container.)
@@ -296,7 +297,7 @@ impl Node {
                     )));
                 }
                 self.set_state(e, State::Ready)?;
-                failpoint("create:after_ready");
+                self.failpoint("create:after_ready");
                 if for_tenant {
                     self.set_state(e, State::Running)?;
                 }

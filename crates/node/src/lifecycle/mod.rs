@@ -42,32 +42,6 @@ use crate::sandbox::State;
 use crate::store::{SandboxRecord, Store, Tenant};
 use crate::substrate::ContainerRuntime;
 
-/// Kills the process with SIGKILL when `DSEC_FAILPOINT` names this point: the crash tests
-/// (F-01) stop the daemon at each named step of a create exactly as `kill -9` would.
-///
-/// `DSEC_FAILPOINT=<point>=sleep:<ms>` sleeps there instead (the tests of races, e.g. a
-/// destroy during a create, F-15).
-pub fn failpoint(name: &str) {
-    static POINT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let point = POINT.get_or_init(|| std::env::var("DSEC_FAILPOINT").ok());
-    let Some(point) = point.as_deref() else {
-        return;
-    };
-    if let Some(ms) = point
-        .strip_prefix(name)
-        .and_then(|rest| rest.strip_prefix("=sleep:"))
-        .and_then(|ms| ms.parse::<u64>().ok())
-    {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-        return;
-    }
-    if point == name {
-        tracing::warn!(point = %name, "failpoint hit");
-        let _ =
-            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
-    }
-}
-
 /// Moves a record to `to` through the lifecycle's transition function (the only way states
 /// change).
 fn step(r: &mut SandboxRecord, to: State) -> Result<()> {
@@ -92,6 +66,8 @@ pub struct LifecycleEvent {
 
 /// Shared state of the node daemon.
 pub struct Node {
+    /// The crash point `DSEC_FAILPOINT` names, read once at start (see [`Node::failpoint`]).
+    failpoint: Option<String>,
     /// The container runtime.
     pub rt: Arc<ContainerRuntime>,
     /// Durable state.
@@ -142,6 +118,7 @@ impl Node {
     pub fn new(rt: Arc<ContainerRuntime>, store: Store, max_sandboxes: usize) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
+            failpoint: std::env::var("DSEC_FAILPOINT").ok(),
             rt,
             store,
             entries: Mutex::new(HashMap::new()),
@@ -158,6 +135,32 @@ impl Node {
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// Kills the process with SIGKILL when `DSEC_FAILPOINT` names this point: the crash tests
+    /// (F-01) stop the daemon at each named step of a create exactly as `kill -9` would.
+    ///
+    /// `DSEC_FAILPOINT=<point>=sleep:<ms>` sleeps there instead (the tests of races, e.g. a
+    /// destroy during a create, F-15).
+    pub fn failpoint(&self, name: &str) {
+        let Some(point) = self.failpoint.as_deref() else {
+            return;
+        };
+        if let Some(ms) = point
+            .strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix("=sleep:"))
+            .and_then(|ms| ms.parse::<u64>().ok())
+        {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            return;
+        }
+        if point == name {
+            tracing::warn!(point = %name, "failpoint hit");
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        }
     }
 
     /// Marks a request in flight until the guard drops.

@@ -141,7 +141,7 @@ pub(super) async fn create_sandbox(
     let mut req = create_request(json_body(&body)?)?;
     req.idem = idem.map(|Extension(IdemKey(k))| k);
     let rec = app.node.create(&t, req).await?;
-    crate::lifecycle::failpoint("create:before_answer");
+    app.node.failpoint("create:before_answer");
     tracing::info!(sandbox = %rec.id, tenant = %t.id, "sandbox created");
     Ok((StatusCode::CREATED, Json(view(&rec))).into_response())
 }
