@@ -373,10 +373,13 @@ fn vm_prepare(
         let spec = SandboxSpec {
             template: template.to_owned(),
             substrate: kind,
-            limits: Limits {
-                memory_max: memory,
-                ..Limits::default()
-            },
+            limits: rt
+                .capacity()
+                .admit(Limits {
+                    memory_max: memory,
+                    ..Limits::default()
+                })
+                .context("the VM's memory")?,
             ..SandboxSpec::default()
         };
         let progress = output::PhaseReport::new(kind.name());
@@ -422,10 +425,13 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     };
     // Limits beyond this machine are a usage error, found before anything is made.
     let capacity = NodeCapacity::detect().context("read what this machine has")?;
-    if let Err(e) = capacity.admit(&limits) {
-        eprintln!("dsec: invalid limits: {e}");
-        return Ok(ExitCode::from(client::EXIT_USAGE));
-    }
+    let limits = match capacity.admit(limits) {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            eprintln!("dsec: invalid limits: {e}");
+            return Ok(ExitCode::from(client::EXIT_USAGE));
+        }
+    };
     let spec = SandboxSpec {
         template: args.template.clone(),
         limits,

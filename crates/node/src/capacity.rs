@@ -14,7 +14,32 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::sandbox::{Limits, LimitsError};
+use serde::{Deserialize, Serialize};
+
+use dsec_api::limits::{Limits, LimitsError};
+
+/// Limits a node admitted ([`NodeCapacity::admit`]): in every range, and within what the node
+/// has. A sandbox's spec carries them, so nothing below the edge that admitted them checks them
+/// again. (The defaults count as admitted; so do a persisted record's, admitted when it was
+/// made.)
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Admitted(Limits);
+
+impl std::ops::Deref for Admitted {
+    type Target = Limits;
+
+    fn deref(&self) -> &Limits {
+        &self.0
+    }
+}
+
+impl Admitted {
+    /// The limits.
+    pub fn into_inner(self) -> Limits {
+        self.0
+    }
+}
 
 const MEMINFO: &str = "/proc/meminfo";
 const CPU_ONLINE: &str = "/sys/devices/system/cpu/online";
@@ -144,7 +169,7 @@ impl NodeCapacity {
 
     /// Checks `limits` on any node ([`Limits::validate`]), then against what this node has
     /// (the table in this module's documentation). The error names the first limit refused.
-    pub fn admit(&self, limits: &Limits) -> Result<(), LimitsError> {
+    pub fn admit(&self, limits: Limits) -> Result<Admitted, LimitsError> {
         limits.validate()?;
         let above_bytes = |limit, asked: u64, basis| {
             (asked > self.memory_bytes).then(|| LimitsError::AboveNode {
@@ -187,7 +212,7 @@ impl NodeCapacity {
                 basis,
             });
         }
-        Ok(())
+        Ok(Admitted(limits))
     }
 }
 
@@ -222,7 +247,7 @@ mod tests {
 
     #[test]
     fn limits_within_the_node_are_admitted() {
-        assert_eq!(NODE.admit(&Limits::default()), Ok(()));
+        assert!(NODE.admit(Limits::default().clone()).is_ok());
         let top = Limits {
             memory_max: 4 << 30,
             disk_bytes: 4 << 30,
@@ -230,7 +255,7 @@ mod tests {
             pids_max: 15000,
             ..Limits::default()
         };
-        assert_eq!(NODE.admit(&top), Ok(()));
+        assert!(NODE.admit(top.clone()).is_ok());
     }
 
     #[test]
@@ -270,7 +295,7 @@ mod tests {
             ),
         ];
         for (limits, want) in cases {
-            let e = NODE.admit(&limits).expect_err("above the node");
+            let e = NODE.admit(limits.clone()).expect_err("above the node");
             assert!(matches!(e, LimitsError::AboveNode { .. }), "{e:?}");
             assert_eq!(e.to_string(), want);
         }
@@ -279,7 +304,7 @@ mod tests {
     #[test]
     fn out_of_range_comes_before_the_node() {
         let e = NODE
-            .admit(&Limits {
+            .admit(Limits {
                 memory_max: u64::MAX,
                 ..Limits::default()
             })
@@ -300,6 +325,6 @@ mod tests {
     fn this_machine_is_read() {
         let cap = NodeCapacity::detect().expect("capacity of this machine");
         assert!(cap.memory_bytes > 64 << 20 && cap.cpus >= 1 && cap.pid_max >= 301);
-        assert_eq!(cap.admit(&Limits::default()), Ok(()));
+        assert!(cap.admit(Limits::default().clone()).is_ok());
     }
 }

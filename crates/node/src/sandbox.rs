@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::capacity::Admitted;
+
 pub use dsec_api::limits::{Limits, LimitsError, MAX_BYTES, NPROC_HEADROOM};
 pub use dsec_api::sandbox::{InvalidTransition, State, Substrate};
 
@@ -14,8 +16,10 @@ pub use dsec_api::sandbox::{InvalidTransition, State, Substrate};
 pub struct SandboxSpec {
     /// Template name (`host` by default).
     pub template: String,
-    /// Limits.
-    pub limits: Limits,
+    /// Limits, admitted by the node ([`NodeCapacity::admit`]).
+    ///
+    /// [`NodeCapacity::admit`]: crate::capacity::NodeCapacity::admit
+    pub limits: Admitted,
     /// Extra environment for every exec.
     pub env: BTreeMap<String, String>,
     /// Writable root (writes land in the private upper layer) instead of a read-only root with
@@ -32,7 +36,7 @@ impl Default for SandboxSpec {
     fn default() -> Self {
         Self {
             template: "host".into(),
-            limits: Limits::default(),
+            limits: Admitted::default(),
             env: BTreeMap::new(),
             writable_root: false,
             userns: false,

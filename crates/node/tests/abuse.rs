@@ -541,7 +541,7 @@ fn r07_fd_exhaustion_small_open_files_max() {
         };
         assert!(limits.validate().is_ok());
         let spec = SandboxSpec {
-            limits,
+            limits: common::admitted(limits),
             ..Default::default()
         };
         let sb = match rt().create(&spec) {

@@ -131,7 +131,7 @@ fn lifecycle_reset_gives_a_fresh_writable_layer() {
     let base = LeakSnapshot::take();
     check_reset(
         &SandboxSpec {
-            limits: small_limits(),
+            limits: common::admitted(small_limits()),
             ..Default::default()
         },
         "sleep 7401",
@@ -144,7 +144,7 @@ fn lifecycle_reset_gives_a_fresh_writable_layer_userns() {
     let _serial = serial();
     let base = LeakSnapshot::take();
     let spec = SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         userns: true,
         ..Default::default()
     };
@@ -296,7 +296,7 @@ fn lifecycle_userns_scratch_dirs_are_writable() {
     let _serial = serial();
     let base = LeakSnapshot::take();
     let spec = SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         userns: true,
         ..Default::default()
     };
@@ -398,7 +398,7 @@ fn c02_proc_self_exe_overwrite_leaves_host_binaries_unchanged() {
                   exec 3</proc/self/exe; echo pwned > /proc/self/fd/3; echo rc5=$?\n";
     for writable_root in [false, true] {
         let mut sb = create_spec(&SandboxSpec {
-            limits: small_limits(),
+            limits: common::admitted(small_limits()),
             writable_root,
             ..Default::default()
         });
@@ -477,7 +477,7 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
             .expect("starter thread");
     std::thread::sleep(Duration::from_millis(200));
     let created = rt.create(&SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         ..Default::default()
     });
     let verdict = match created {
@@ -507,7 +507,7 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
 fn lifecycle_dev_is_read_only_but_shm_is_writable() {
     let _serial = serial();
     let mut sb = create_spec(&SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         ..Default::default()
     });
     let r = sb.sh(
@@ -529,7 +529,7 @@ fn lifecycle_dev_is_read_only_but_shm_is_writable() {
 fn lifecycle_four_filesystems_per_sandbox() {
     let _serial = serial();
     let mut sb = create_spec(&SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         ..Default::default()
     });
     let script =
@@ -555,7 +555,7 @@ fn lifecycle_four_filesystems_per_sandbox() {
 fn c02b_agent_memory_and_fds_are_out_of_reach() {
     let _serial = serial();
     let mut sb = create_spec(&SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         ..Default::default()
     });
     let probe = "import os\n\
@@ -637,7 +637,7 @@ fn lifecycle_a_failed_launch_names_its_step() {
     };
     let rt = ContainerRuntime::start(cfg).expect("start runtime");
     let created = rt.create(&SandboxSpec {
-        limits: small_limits(),
+        limits: common::admitted(small_limits()),
         ..Default::default()
     });
     drop(rt);

@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use super::pools::pool_key;
 use super::{step, Entry, Error, Node, Result};
+use crate::capacity::Admitted;
 use crate::clock::now_ms;
-use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
+use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
 
 /// What a create asks for.
@@ -18,8 +19,8 @@ pub struct CreateRequest {
     pub template: String,
     /// Substrate.
     pub substrate: Substrate,
-    /// Limits.
-    pub limits: Limits,
+    /// Limits, admitted by this node where the request came in.
+    pub limits: Admitted,
     /// Environment for every command.
     pub env: BTreeMap<String, String>,
     /// Labels.
@@ -57,11 +58,6 @@ impl Node {
         req: CreateRequest,
     ) -> Result<SandboxRecord> {
         self.check_draining()?;
-        // Limits beyond this machine are refused before anything is recorded or made.
-        self.rt
-            .capacity()
-            .admit(&req.limits)
-            .map_err(|e| Error::invalid(e.to_string()))?;
         if req.template != "host" {
             let name = req.template.clone();
             let rt = Arc::clone(&self.rt);

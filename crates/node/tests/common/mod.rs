@@ -220,10 +220,19 @@ impl Drop for SbGuard {
     }
 }
 
+/// `limits` as this node admits them (the tests ask for limits within range).
+pub fn admitted(limits: Limits) -> dsec_node::capacity::Admitted {
+    fixture()
+        .rt
+        .capacity()
+        .admit(limits)
+        .expect("limits this node admits")
+}
+
 /// Creates a sandbox with `limits` (host template) and guards it.
 pub fn create(limits: Limits) -> SbGuard {
     create_spec(&SandboxSpec {
-        limits,
+        limits: admitted(limits),
         ..Default::default()
     })
 }

@@ -1,6 +1,7 @@
 //! Sandboxes: create (one and batch), get, list, delete, lease, reset; the sandbox view.
 
 use super::*;
+use crate::capacity::NodeCapacity;
 use dsec_api::body::{BatchCreate, BatchDelete, LeaseBody};
 use dsec_api::sandbox::{CreateSpec, SandboxView};
 
@@ -54,7 +55,8 @@ pub fn rfc3339(ms: u64) -> String {
     )
 }
 
-pub(super) fn create_request(b: CreateSpec) -> ApiResult<CreateRequest> {
+/// The create a spec asks for, its limits admitted by this node (the one place they are checked).
+pub(super) fn create_request(b: CreateSpec, capacity: &NodeCapacity) -> ApiResult<CreateRequest> {
     let substrate = match b.substrate.as_deref() {
         None => Substrate::Container,
         Some("function") => {
@@ -85,8 +87,9 @@ pub(super) fn create_request(b: CreateSpec) -> ApiResult<CreateRequest> {
         }
         Some(_) => return Err(ApiError::invalid("limits must be an object")),
     };
-    limits
-        .validate()
+    // Limits out of range or beyond this machine are refused before anything is recorded.
+    let limits = capacity
+        .admit(limits)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
     if b.userns && substrate.is_vm() {
         return Err(ApiError::invalid(
@@ -138,7 +141,7 @@ pub(super) async fn create_sandbox(
     idem: Option<Extension<IdemKey>>,
     body: Bytes,
 ) -> ApiResult<Response> {
-    let mut req = create_request(json_body(&body)?)?;
+    let mut req = create_request(json_body(&body)?, app.node.rt.capacity())?;
     req.idem = idem.map(|Extension(IdemKey(k))| k);
     let rec = app.node.create(&t, req).await?;
     app.node.failpoint("create:before_answer");
@@ -339,7 +342,7 @@ pub(super) async fn batch_create(
         }
         None => CreateSpec::default(),
     };
-    let req = create_request(spec)?;
+    let req = create_request(spec, app.node.rt.capacity())?;
     let mut set = tokio::task::JoinSet::new();
     for i in 0..b.count {
         let app = app.clone();

@@ -280,6 +280,13 @@ async fn runner_sandbox_with(
     limits: Limits,
     userns: bool,
 ) -> ApiResult<Arc<Entry>> {
+    // The runner's own limits, admitted here like an API create's.
+    let limits = app
+        .node
+        .rt
+        .capacity()
+        .admit(limits)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
     let mut labels = BTreeMap::new();
     labels.insert("dsec.run".to_owned(), "1".to_owned());
     let rec = app
