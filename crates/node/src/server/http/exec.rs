@@ -67,8 +67,7 @@ pub(super) struct ExecQuery {
 }
 
 pub(super) async fn exec(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<ExecQuery>,
     body: Bytes,
@@ -261,8 +260,7 @@ pub(super) fn agent_event(
 }
 
 pub(super) async fn spawn(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -283,8 +281,7 @@ pub(super) async fn spawn(
 }
 
 pub(super) async fn proc_status(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path((id, handle)): Path<(String, u64)>,
 ) -> ApiResult<Json<Value>> {
     let e = app.node.owned(&t, &id)?;
@@ -299,8 +296,7 @@ pub(super) async fn proc_status(
 }
 
 pub(super) async fn proc_stdin(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path((id, handle)): Path<(String, u64)>,
     JsonBody(b): JsonBody<StdinBody>,
 ) -> ApiResult<StatusCode> {
@@ -317,8 +313,7 @@ pub(super) async fn proc_stdin(
 }
 
 pub(super) async fn proc_signal(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path((id, handle)): Path<(String, u64)>,
     JsonBody(b): JsonBody<SignalBody>,
 ) -> ApiResult<StatusCode> {
@@ -333,8 +328,7 @@ pub(super) async fn proc_signal(
 }
 
 pub(super) async fn proc_wait(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path((id, handle)): Path<(String, u64)>,
     JsonBody(b): JsonBody<WaitBody>,
 ) -> ApiResult<Json<Value>> {
@@ -357,8 +351,7 @@ pub(super) async fn proc_wait(
 }
 
 pub(super) async fn session_open(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     JsonBody(b): JsonBody<SessionBody>,
 ) -> ApiResult<Response> {
@@ -387,8 +380,7 @@ pub(super) async fn session_open(
 }
 
 pub(super) async fn session_run(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path((id, session)): Path<(String, u64)>,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -432,8 +424,7 @@ pub(super) async fn session_run(
 }
 
 pub(super) async fn session_close(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path((id, session)): Path<(String, u64)>,
 ) -> ApiResult<StatusCode> {
     agent_ok(

@@ -64,8 +64,7 @@ pub(super) async fn agent_data(
 }
 
 pub(super) async fn file_read(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Response> {
@@ -78,8 +77,7 @@ pub(super) async fn file_read(
 }
 
 pub(super) async fn file_write(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
     body: Bytes,
@@ -129,8 +127,7 @@ pub(super) async fn file_write(
 }
 
 pub(super) async fn file_remove(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<StatusCode> {
@@ -142,8 +139,7 @@ pub(super) async fn file_remove(
 }
 
 pub(super) async fn file_list(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Json<Value>> {
@@ -159,8 +155,7 @@ pub(super) async fn file_list(
 }
 
 pub(super) async fn file_stat(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Json<Value>> {
@@ -176,8 +171,7 @@ pub(super) async fn file_stat(
 }
 
 pub(super) async fn file_mkdir(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     JsonBody(b): JsonBody<MkdirBody>,
 ) -> ApiResult<StatusCode> {
@@ -190,8 +184,7 @@ pub(super) async fn file_mkdir(
 }
 
 pub(super) async fn tar_upload(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
     body: Bytes,
@@ -200,8 +193,7 @@ pub(super) async fn tar_upload(
 }
 
 pub(super) async fn tar_download(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Response> {

@@ -174,6 +174,24 @@ fn require_admin(t: &Tenant) -> ApiResult<()> {
     }
 }
 
+/// Who is asking: the state every handler needs and the tenant the request authenticated as
+/// (the authentication middleware put it there).
+struct Caller(AppState, Tenant);
+
+impl axum::extract::FromRequestParts<AppState> for Caller {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Self, Response> {
+        let tenant = parts.extensions.get::<Tenant>().cloned().ok_or_else(|| {
+            ApiError::new(ErrorCode::Unauthorized, "no authenticated tenant").into_response()
+        })?;
+        Ok(Caller(state.clone(), tenant))
+    }
+}
+
 /// A JSON request body, parsed as [`json_body`] does. A body the transport refuses (too large)
 /// keeps axum's answer.
 struct JsonBody<T>(T);

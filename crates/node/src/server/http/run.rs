@@ -2,19 +2,11 @@
 
 use super::*;
 
-pub(super) async fn run_native(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
-    body: Bytes,
-) -> ApiResult<Json<Value>> {
+pub(super) async fn run_native(Caller(app, t): Caller, body: Bytes) -> ApiResult<Json<Value>> {
     Ok(Json(crate::server::run::run(app.runner, &t, &body).await?))
 }
 
-pub(super) async fn run_batch(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
-    body: Bytes,
-) -> ApiResult<Json<Value>> {
+pub(super) async fn run_batch(Caller(app, t): Caller, body: Bytes) -> ApiResult<Json<Value>> {
     Ok(Json(
         crate::server::run::run_batch(app.runner, &t, &body).await?,
     ))
@@ -36,11 +28,7 @@ pub(super) async fn languages(
     ))
 }
 
-pub(super) async fn run_code(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
-    body: Bytes,
-) -> Response {
+pub(super) async fn run_code(Caller(app, t): Caller, body: Bytes) -> Response {
     let (status, v) = crate::server::run::run_code(app.runner, &t, &body).await;
     (
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),

@@ -136,8 +136,7 @@ pub(super) fn create_request(b: CreateSpec, capacity: &NodeCapacity) -> ApiResul
 }
 
 pub(super) async fn create_sandbox(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     idem: Option<Extension<IdemKey>>,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -191,8 +190,7 @@ pub(super) fn parse_state(s: &str) -> ApiResult<State> {
 }
 
 pub(super) async fn get_sandbox(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     Query(q): Query<GetQuery>,
 ) -> ApiResult<Json<SandboxView>> {
@@ -247,8 +245,7 @@ pub(super) async fn get_sandbox(
 }
 
 pub(super) async fn list_sandboxes(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Query(q): Query<Vec<(String, String)>>,
 ) -> ApiResult<Json<Value>> {
     let mut state = None;
@@ -312,8 +309,7 @@ pub(super) async fn list_sandboxes(
 }
 
 pub(super) async fn delete_sandbox(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
 ) -> ApiResult<Json<SandboxView>> {
     let e = app.node.owned_or_admin(&t, &id)?;
@@ -327,8 +323,7 @@ pub(super) async fn delete_sandbox(
 }
 
 pub(super) async fn batch_create(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     idem: Option<Extension<IdemKey>>,
     JsonBody(b): JsonBody<BatchCreate>,
 ) -> ApiResult<Json<Value>> {
@@ -370,8 +365,7 @@ pub(super) async fn batch_create(
 }
 
 pub(super) async fn batch_delete(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     JsonBody(b): JsonBody<BatchDelete>,
 ) -> ApiResult<Json<Value>> {
     let ids: Vec<String> = match (b.ids, b.labels) {
@@ -433,8 +427,7 @@ pub(super) async fn batch_delete(
 }
 
 pub(super) async fn lease(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
     JsonBody(b): JsonBody<LeaseBody>,
 ) -> ApiResult<Json<SandboxView>> {
@@ -448,8 +441,7 @@ pub(super) async fn lease(
 }
 
 pub(super) async fn reset(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(id): Path<String>,
 ) -> ApiResult<Json<SandboxView>> {
     let e = app.node.owned(&t, &id)?;

@@ -30,8 +30,7 @@ pub(super) struct ImportQuery {
 }
 
 pub(super) async fn import_template(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
+    Caller(app, caller): Caller,
     Query(q): Query<ImportQuery>,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -67,8 +66,7 @@ pub(super) async fn import_template(
 }
 
 pub(super) async fn delete_template(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
+    Caller(app, caller): Caller,
     Path(name): Path<String>,
 ) -> ApiResult<StatusCode> {
     require_admin(&caller)?;
@@ -110,8 +108,7 @@ pub(super) async fn get_pool(
 }
 
 pub(super) async fn set_pool(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
+    Caller(app, caller): Caller,
     Path(template): Path<String>,
     JsonBody(size): JsonBody<PoolSize>,
 ) -> ApiResult<Json<Value>> {
@@ -167,8 +164,7 @@ pub(super) fn broadcast_sse<T: Clone + Send + 'static>(
 }
 
 pub(super) async fn events(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let rx = app.node.events.subscribe();
     let stream = broadcast_sse(app, rx, move |ev: &crate::lifecycle::LifecycleEvent| {

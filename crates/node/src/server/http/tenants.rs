@@ -4,8 +4,7 @@ use super::*;
 use dsec_api::body::NewTenant;
 
 pub(super) async fn create_tenant(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
+    Caller(app, caller): Caller,
     JsonBody(req): JsonBody<NewTenant>,
 ) -> ApiResult<Response> {
     require_admin(&caller)?;
@@ -38,18 +37,12 @@ pub(super) async fn create_tenant(
     Ok((StatusCode::CREATED, Json(v)).into_response())
 }
 
-pub(super) async fn list_tenants(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
-) -> ApiResult<Json<Value>> {
+pub(super) async fn list_tenants(Caller(app, caller): Caller) -> ApiResult<Json<Value>> {
     require_admin(&caller)?;
     Ok(Json(json!({"items": app.node.store.tenants()?})))
 }
 
-pub(super) async fn own_tenant(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
-) -> Json<Value> {
+pub(super) async fn own_tenant(Caller(app, caller): Caller) -> Json<Value> {
     let (n, mem) = app.node.usage(&caller.id);
     let mut v = serde_json::to_value(&caller).unwrap_or_default();
     v["usage"] = json!({"sandboxes": n, "memory_bytes": mem});

@@ -3,16 +3,12 @@
 use super::*;
 use dsec_api::body::AnnotationBody;
 
-pub(super) async fn list_trajectories(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
-) -> Json<Value> {
+pub(super) async fn list_trajectories(Caller(app, t): Caller) -> Json<Value> {
     Json(json!({"items": app.trajectories.list(&t)}))
 }
 
 pub(super) async fn get_trajectory(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(tid): Path<String>,
 ) -> ApiResult<Json<Value>> {
     let app2 = app.clone();
@@ -32,8 +28,7 @@ pub(super) struct RecordsQuery {
 }
 
 pub(super) async fn trajectory_records(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(tid): Path<String>,
     Query(q): Query<RecordsQuery>,
 ) -> ApiResult<Json<Value>> {
@@ -57,8 +52,7 @@ pub(super) async fn trajectory_records(
 }
 
 pub(super) async fn trajectory_stream(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(tid): Path<String>,
 ) -> ApiResult<Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>>> {
     crate::server::trajectory::check_id(&tid)?;
@@ -76,8 +70,7 @@ pub(super) async fn trajectory_stream(
 }
 
 pub(super) async fn annotate(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(tid): Path<String>,
     JsonBody(b): JsonBody<AnnotationBody>,
 ) -> ApiResult<Response> {
@@ -107,8 +100,7 @@ pub(super) struct ExportQuery {
 }
 
 pub(super) async fn export_trajectory(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(tid): Path<String>,
     Query(q): Query<ExportQuery>,
 ) -> ApiResult<Response> {
@@ -217,8 +209,7 @@ pub(super) fn export_row(r: &Value) -> crate::trajlog::export::ExportRow {
 /// Marks a trajectory finished: it will not be resumed, so its records may be compacted out
 /// of the log (after `--compact-finished-after`; export it first).
 pub(super) async fn finish_trajectory(
-    AxState(app): AxState<AppState>,
-    Extension(t): Extension<Tenant>,
+    Caller(app, t): Caller,
     Path(tid): Path<String>,
 ) -> ApiResult<Json<Value>> {
     let key = app.trajectories.existing_key(&t, &tid)?;
@@ -229,10 +220,7 @@ pub(super) async fn finish_trajectory(
 }
 
 /// Runs retention and compaction of finished trajectories now (admin).
-pub(super) async fn compact_log(
-    AxState(app): AxState<AppState>,
-    Extension(caller): Extension<Tenant>,
-) -> ApiResult<Json<Value>> {
+pub(super) async fn compact_log(Caller(app, caller): Caller) -> ApiResult<Json<Value>> {
     require_admin(&caller)?;
     let report = tokio::task::spawn_blocking(move || app.maintain_log())
         .await
