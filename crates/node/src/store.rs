@@ -92,6 +92,32 @@ pub struct SandboxRecord {
     pub phase: Option<String>,
 }
 
+impl SandboxRecord {
+    /// The record of a sandbox about to be created from `spec`: `Creating`, version 0, no
+    /// owner, nothing else set yet.
+    pub fn creating(id: String, spec: SandboxSpec, created_at_ms: u64) -> Self {
+        Self {
+            id,
+            tenant: None,
+            state: State::Creating,
+            version: 0,
+            spec,
+            labels: BTreeMap::new(),
+            env: BTreeMap::new(),
+            created_at_ms,
+            acquired_at_ms: None,
+            expires_at_ms: None,
+            lease_ms: None,
+            lease_expires_at_ms: None,
+            pooled: false,
+            error: None,
+            idem: None,
+            secret_env: Vec::new(),
+            phase: None,
+        }
+    }
+}
+
 /// A stored outcome of an idempotent request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdemOutcome {
@@ -476,23 +502,12 @@ mod tests {
 
     fn rec(id: &str, tenant: Option<&str>, state: State) -> SandboxRecord {
         SandboxRecord {
-            id: id.into(),
             tenant: tenant.map(Into::into),
             state,
             version: 1,
-            spec: SandboxSpec::default(),
             labels: BTreeMap::from([("k".into(), "v".into())]),
-            env: BTreeMap::new(),
-            created_at_ms: 1,
-            acquired_at_ms: None,
-            expires_at_ms: None,
-            lease_ms: None,
-            lease_expires_at_ms: None,
-            pooled: false,
-            error: None,
             idem: Some(format!("key-{id}")),
-            secret_env: Vec::new(),
-            phase: None,
+            ..SandboxRecord::creating(id.into(), SandboxSpec::default(), 1)
         }
     }
 

@@ -132,32 +132,15 @@ impl Node {
                         return Err(Error::Full(self.max_sandboxes));
                     }
                     let id = crate::substrate::new_id();
-                    let mut rec = SandboxRecord {
-                        id: id.clone(),
-                        tenant: None,
-                        state: State::Creating,
-                        version: 0,
-                        spec: SandboxSpec {
-                            template: req.template.clone(),
-                            limits: req.limits.clone(),
-                            writable_root: req.writable_root,
-                            substrate: req.substrate,
-                            userns: req.userns,
-                            ..SandboxSpec::default()
-                        },
-                        labels: BTreeMap::new(),
-                        env: BTreeMap::new(),
-                        created_at_ms: now,
-                        acquired_at_ms: None,
-                        expires_at_ms: None,
-                        lease_ms: None,
-                        lease_expires_at_ms: None,
-                        pooled: false,
-                        error: None,
-                        idem: None,
-                        secret_env: Vec::new(),
-                        phase: None,
+                    let spec = SandboxSpec {
+                        template: req.template.clone(),
+                        limits: req.limits.clone(),
+                        writable_root: req.writable_root,
+                        substrate: req.substrate,
+                        userns: req.userns,
+                        ..SandboxSpec::default()
                     };
+                    let mut rec = SandboxRecord::creating(id.clone(), spec, now);
                     fill(&mut rec);
                     let e = Entry::new(rec, None);
                     entries.insert(id, Arc::clone(&e));

@@ -1,6 +1,6 @@
 //! Warm pools per template and substrate, sized by the autoscaler, refilled in the background.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{CreateRequest, Entry, Error, Node, Result};
 use crate::autoscale::{AutoscaleConfig, Autoscaler};
 use crate::clock::now_ms;
-use crate::sandbox::{Limits, SandboxSpec, State, Substrate};
+use crate::sandbox::{Limits, SandboxSpec, Substrate};
 use crate::store::SandboxRecord;
 
 /// Sizing of one template's warm pool.
@@ -175,28 +175,14 @@ impl Node {
         let (template, substrate) = parse_pool_name(pool)
             .ok_or_else(|| Error::invalid(format!("bad pool name {pool:?}")))?;
         let id = crate::substrate::new_id();
+        let spec = SandboxSpec {
+            template: template.to_owned(),
+            substrate,
+            ..SandboxSpec::default()
+        };
         let rec = SandboxRecord {
-            id: id.clone(),
-            tenant: None,
-            state: State::Creating,
-            version: 0,
-            spec: SandboxSpec {
-                template: template.to_owned(),
-                substrate,
-                ..SandboxSpec::default()
-            },
-            labels: BTreeMap::new(),
-            env: BTreeMap::new(),
-            created_at_ms: now_ms(),
-            acquired_at_ms: None,
-            expires_at_ms: None,
-            lease_ms: None,
-            lease_expires_at_ms: None,
             pooled: true,
-            error: None,
-            idem: None,
-            secret_env: Vec::new(),
-            phase: None,
+            ..SandboxRecord::creating(id.clone(), spec, now_ms())
         };
         self.store.put_sandbox(&rec, now_ms())?;
         let e = Entry::new(rec, None);

@@ -284,12 +284,7 @@ pub(super) async fn proc_status(
     Caller(app, t): Caller,
     Path((id, handle)): Path<(String, u64)>,
 ) -> ApiResult<Json<Value>> {
-    let e = app.node.owned(&t, &id)?;
-    let ev = with_sandbox(&app, &e, move |_, sb| {
-        agent_event(sb, &AgentReq::ProcStatus { handle }, &[], None)
-    })
-    .await?;
-    match ev {
+    match agent_answer(&app, &t, &id, AgentReq::ProcStatus { handle }).await? {
         Event::ProcStatus { running, pid } => Ok(Json(json!({"running": running, "pid": pid}))),
         other => Err(ApiError::internal(format!("unexpected {other:?}"))),
     }

@@ -44,6 +44,17 @@ pub(super) async fn agent_ok(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Sends one request answered by a single event (a listing, a stat).
+pub(super) async fn agent_answer(
+    app: &AppState,
+    t: &Tenant,
+    id: &str,
+    req: AgentReq,
+) -> ApiResult<Event> {
+    let e = app.node.owned(t, id)?;
+    with_sandbox(app, &e, move |_, sb| agent_event(sb, &req, &[], None)).await
+}
+
 /// Sends one request answered by data chunks (a file, a tar stream), at most `max` bytes.
 pub(super) async fn agent_data(
     app: &AppState,
@@ -143,12 +154,7 @@ pub(super) async fn file_list(
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Json<Value>> {
-    let e = app.node.owned(&t, &id)?;
-    let ev = with_sandbox(&app, &e, move |_, sb| {
-        agent_event(sb, &AgentReq::FileList { path: q.path }, &[], None)
-    })
-    .await?;
-    match ev {
+    match agent_answer(&app, &t, &id, AgentReq::FileList { path: q.path }).await? {
         Event::Listing { entries } => Ok(Json(json!({"entries": entries}))),
         other => Err(ApiError::internal(format!("unexpected {other:?}"))),
     }
@@ -159,12 +165,7 @@ pub(super) async fn file_stat(
     Path(id): Path<String>,
     Query(q): Query<FileQuery>,
 ) -> ApiResult<Json<Value>> {
-    let e = app.node.owned(&t, &id)?;
-    let ev = with_sandbox(&app, &e, move |_, sb| {
-        agent_event(sb, &AgentReq::FileStat { path: q.path }, &[], None)
-    })
-    .await?;
-    match ev {
+    match agent_answer(&app, &t, &id, AgentReq::FileStat { path: q.path }).await? {
         Event::Stat(s) => Ok(Json(serde_json::to_value(s).unwrap_or_default())),
         other => Err(ApiError::internal(format!("unexpected {other:?}"))),
     }
