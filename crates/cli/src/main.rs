@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand};
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::capacity::NodeCapacity;
 use dsec_node::sandbox::{Limits, SandboxSpec, Substrate};
-use dsec_node::substrate::{ContainerRuntime, RuntimeConfig};
+use dsec_node::substrate::{Runtime, RuntimeConfig};
 
 /// dsec: elastic sandboxes for agentic training.
 #[derive(Debug, Parser)]
@@ -325,7 +325,7 @@ fn vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<ExitCode> {
             memory,
         } => vm_prepare(cli, template, substrates, *memory),
         VmCmd::Gc { max_bytes } => {
-            let cache = ContainerRuntime::vm_cache_dir();
+            let cache = Runtime::vm_cache_dir();
             let report = dsec_node::substrate::vm::gc_unused(&cache, *max_bytes)
                 .with_context(|| format!("garbage-collect {}", cache.display()))?;
             let out = serde_json::json!({
@@ -404,11 +404,11 @@ fn vm_prepare(
     Ok(ExitCode::SUCCESS)
 }
 
-fn runtime(cli: &Cli) -> anyhow::Result<ContainerRuntime> {
+fn runtime(cli: &Cli) -> anyhow::Result<Runtime> {
     let mut cfg = RuntimeConfig::from_env().context("locate dsec binaries")?;
     cfg.data_dir = cli.data_dir.clone();
     cfg.run_dir = cli.run_dir.clone();
-    ContainerRuntime::start(cfg).context("start the container runtime (dsec needs root)")
+    Runtime::start(cfg).context("start the container runtime (dsec needs root)")
 }
 
 fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {

@@ -23,7 +23,7 @@ use std::time::Duration;
 use dsec_api::agent::Request;
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
 use dsec_node::sandbox::SandboxSpec;
-use dsec_node::substrate::{ContainerRuntime, RuntimeConfig, Sandbox};
+use dsec_node::substrate::{Runtime, RuntimeConfig, Sandbox};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -230,14 +230,14 @@ fn unmount_and_remove(run_dir: &Path) {
 /// Owns the runtime and the sandbox of one mode; tears everything down when dropped (also when
 /// the fixture panics halfway).
 struct Env {
-    rt: Option<ContainerRuntime>,
+    rt: Option<Runtime>,
     sb: Option<Sandbox>,
     run_dir: PathBuf,
     _data_dir: tempfile::TempDir,
 }
 
 impl Env {
-    fn rt(&self) -> &ContainerRuntime {
+    fn rt(&self) -> &Runtime {
         self.rt.as_ref().expect("runtime")
     }
 
@@ -304,7 +304,7 @@ fn observe(mode: Mode) -> Obs {
         run_dir: run_dir.clone(),
         _data_dir: data_dir,
     };
-    env.rt = Some(ContainerRuntime::start(cfg).expect("start the container runtime"));
+    env.rt = Some(Runtime::start(cfg).expect("start the container runtime"));
     let spec = SandboxSpec {
         userns: mode == Mode::Userns,
         ..SandboxSpec::default()

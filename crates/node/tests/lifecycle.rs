@@ -16,7 +16,7 @@ use common::{create, create_spec, small_limits, stderr, stdout, LeakSnapshot};
 use dsec_api::agent::{Event, Request, SessionKind};
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::sandbox::{Limits, SandboxSpec};
-use dsec_node::substrate::{ContainerRuntime, RuntimeConfig};
+use dsec_node::substrate::{Runtime, RuntimeConfig};
 use sha2::{Digest, Sha256};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -471,10 +471,9 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
         agent_bin: fx.rt.config().agent_bin.clone(),
         shim_bin: fx.rt.config().shim_bin.clone(),
     };
-    let rt: ContainerRuntime =
-        std::thread::spawn(move || ContainerRuntime::start(cfg).expect("start runtime"))
-            .join()
-            .expect("starter thread");
+    let rt: Runtime = std::thread::spawn(move || Runtime::start(cfg).expect("start runtime"))
+        .join()
+        .expect("starter thread");
     std::thread::sleep(Duration::from_millis(200));
     let created = rt.create(&SandboxSpec {
         limits: common::admitted(small_limits()),
@@ -635,7 +634,7 @@ fn lifecycle_a_failed_launch_names_its_step() {
         agent_bin,
         shim_bin: fx.rt.config().shim_bin.clone(),
     };
-    let rt = ContainerRuntime::start(cfg).expect("start runtime");
+    let rt = Runtime::start(cfg).expect("start runtime");
     let created = rt.create(&SandboxSpec {
         limits: common::admitted(small_limits()),
         ..Default::default()

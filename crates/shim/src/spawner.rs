@@ -144,7 +144,7 @@ const DEFAULT_SHELLS: usize = 4;
 
 /// Copies the host template's mask layer onto a tmpfs mounted in a private mount namespace of
 /// the spawner (inherited by every supervisor and sandbox; nothing is mounted in the node's
-/// namespace). See `ContainerRuntime::start`. Returns the empty directory made beside it on the
+/// namespace). See `Runtime::start`. Returns the empty directory made beside it on the
 /// same tmpfs, which sandboxes bind read-only over their masked `/proc` directories.
 fn mount_host_mask() -> io::Result<Option<String>> {
     // Always private: supervisors also stage reset roots in this namespace.

@@ -14,9 +14,9 @@ use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::lifecycle::{CreateRequest, Node, PoolSize};
 use dsec_node::sandbox::SandboxSpec;
 use dsec_node::store::{Store, Tenant};
-use dsec_node::substrate::{ContainerRuntime, Sandbox};
+use dsec_node::substrate::{Runtime, Sandbox};
 
-fn exec_ok(sb: &mut Sandbox, rt: &ContainerRuntime, argv: &[&str]) -> anyhow::Result<u64> {
+fn exec_ok(sb: &mut Sandbox, rt: &Runtime, argv: &[&str]) -> anyhow::Result<u64> {
     let r = sb.exec(rt, &ExecRequest::argv(argv.iter().copied()), &[], |_, _| {})?;
     anyhow::ensure!(r.status == ExecStatus::Ok, "{argv:?} failed: {r:?}");
     Ok(r.wall_us)
@@ -118,7 +118,7 @@ type Notes = BTreeMap<&'static str, serde_json::Value>;
 
 /// What every measurement of a run works with.
 struct Run<'a> {
-    rt: &'a ContainerRuntime,
+    rt: &'a Runtime,
     spec: &'a SandboxSpec,
     /// Iterations per figure.
     n: usize,
@@ -301,7 +301,7 @@ fn execs_and_resets(r: &Run<'_>, res: &mut Results) -> anyhow::Result<()> {
 /// Warm acquire from the daemon's pool: a create that the node's lifecycle serves from its
 /// warm pool of the `host` template (the quota check, the handover recorded in the store, the
 /// refill kicked off), as `POST /v1/sandboxes` does less its HTTP.
-fn warm_acquire(rt: &Arc<ContainerRuntime>, n: usize, res: &mut Results) -> anyhow::Result<()> {
+fn warm_acquire(rt: &Arc<Runtime>, n: usize, res: &mut Results) -> anyhow::Result<()> {
     let pool_size = 50.min(n);
     let state = tempfile::tempdir()?;
     let store = Store::open(&state.path().join("state.db"))?;
@@ -352,12 +352,7 @@ fn warm_acquire(rt: &Arc<ContainerRuntime>, n: usize, res: &mut Results) -> anyh
 }
 
 /// Density: `idle` idle sandboxes held at once, host memory per sandbox.
-fn density(
-    rt: &ContainerRuntime,
-    spec: &SandboxSpec,
-    idle: usize,
-    notes: &mut Notes,
-) -> anyhow::Result<()> {
+fn density(rt: &Runtime, spec: &SandboxSpec, idle: usize, notes: &mut Notes) -> anyhow::Result<()> {
     let before = host_used_bytes();
     let mi_before = meminfo();
     let slab_before = slabinfo();
@@ -449,7 +444,7 @@ fn ratios(res: &Results) -> serde_json::Value {
 /// Runs the container benchmark.
 pub fn run(
     args: &BenchArgs,
-    rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
+    rt: impl FnOnce() -> anyhow::Result<Runtime>,
 ) -> anyhow::Result<ExitCode> {
     let rt = Arc::new(rt()?);
     let n = args.iterations.max(10);

@@ -7,7 +7,7 @@ use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use anyhow::Context;
-use dsec_node::substrate::ContainerRuntime;
+use dsec_node::substrate::Runtime;
 use serde::Serialize;
 
 mod api;
@@ -126,7 +126,7 @@ pub(crate) fn us(t: Instant) -> u64 {
 pub fn run(
     args: &BenchArgs,
     data_dir: &Path,
-    rt: impl FnOnce() -> anyhow::Result<ContainerRuntime>,
+    rt: impl FnOnce() -> anyhow::Result<Runtime>,
 ) -> anyhow::Result<ExitCode> {
     match args.what {
         BenchKind::Container => container::run(args, rt),

@@ -7,11 +7,11 @@ use std::time::Instant;
 use super::{step, Entry, Error, Node, Result};
 use crate::sandbox::{SandboxSpec, State};
 use crate::store::SandboxRecord;
-use crate::substrate::ContainerRuntime;
+use crate::substrate::Runtime;
 
 /// Destroys a sandbox the node has no record of: through its supervisor when it answers,
 /// otherwise by removing what is left. Returns whether nothing is left.
-pub(super) fn reap_orphan(rt: &ContainerRuntime, id: &str) -> bool {
+pub(super) fn reap_orphan(rt: &Runtime, id: &str) -> bool {
     match rt.adopt(id, SandboxSpec::default(), State::Running) {
         Ok(sb) => sb.destroy(rt).is_ok(),
         Err(_) => rt.cleanup_leftovers(id, &rt.sandbox_run_dir(id)),

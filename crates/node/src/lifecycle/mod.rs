@@ -40,7 +40,7 @@ use tokio::sync::broadcast;
 use crate::clock::now_ms;
 use crate::sandbox::State;
 use crate::store::{SandboxRecord, Store, Tenant};
-use crate::substrate::ContainerRuntime;
+use crate::substrate::Runtime;
 
 /// Moves a record to `to` through the lifecycle's transition function (the only way states
 /// change).
@@ -69,7 +69,7 @@ pub struct Node {
     /// The crash point `DSEC_FAILPOINT` names, read once at start (see [`Node::failpoint`]).
     failpoint: Option<String>,
     /// The container runtime.
-    pub rt: Arc<ContainerRuntime>,
+    pub rt: Arc<Runtime>,
     /// Durable state.
     pub store: Store,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
@@ -115,7 +115,7 @@ impl std::fmt::Debug for Node {
 
 impl Node {
     /// Wraps a started runtime and an open store.
-    pub fn new(rt: Arc<ContainerRuntime>, store: Store, max_sandboxes: usize) -> Arc<Self> {
+    pub fn new(rt: Arc<Runtime>, store: Store, max_sandboxes: usize) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
             failpoint: std::env::var("DSEC_FAILPOINT").ok(),

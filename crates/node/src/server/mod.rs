@@ -29,7 +29,7 @@ use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
 use crate::store;
-use crate::substrate::{ContainerRuntime, RuntimeConfig};
+use crate::substrate::{Runtime, RuntimeConfig};
 
 pub use crate::lifecycle::{Node, PoolSize};
 
@@ -124,7 +124,7 @@ async fn serve(
     let store = store::Store::open(&cfg.runtime.data_dir.join("state.db"))?;
     let admin_key = bootstrap_admin(&store, &cfg.runtime.data_dir)?;
     let runtime_cfg = cfg.runtime.clone();
-    let runtime = tokio::task::spawn_blocking(move || ContainerRuntime::start(runtime_cfg))
+    let runtime = tokio::task::spawn_blocking(move || Runtime::start(runtime_cfg))
         .await
         .map_err(|e| ServerError::Other(e.to_string()))??;
     runtime.set_vm_settings(crate::substrate::VmSettings {

@@ -2,14 +2,14 @@
 
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus, Stream};
 
-use super::{ContainerRuntime, RuntimeError, Sandbox};
+use super::{Runtime, RuntimeError, Sandbox};
 
 impl Sandbox {
     /// Runs a command to completion. A command killed by SIGKILL while the sandbox's cgroup
     /// recorded a new OOM kill is reported as `oom`.
     pub fn exec(
         &mut self,
-        rt: &ContainerRuntime,
+        rt: &Runtime,
         req: &ExecRequest,
         stdin: &[u8],
         on_output: impl FnMut(Stream, &[u8]),

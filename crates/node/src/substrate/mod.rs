@@ -3,7 +3,7 @@
 //! `dsec-shim`) and `microvm`/`vm` (QEMU restored from a template's snapshot, the same agent in
 //! the guest).
 //!
-//! [`ContainerRuntime`] owns the spawner process and the VM runtime and hands out [`Sandbox`]es;
+//! [`Runtime`] owns the spawner process and the VM runtime and hands out [`Sandbox`]es;
 //! what differs per substrate lives in [`container`] and [`vm`], each with the same shape
 //! (create, adopt after a node restart, reset, destroy).
 
@@ -36,7 +36,7 @@ pub use vm::sandbox::VmSettings;
 /// The runtime of one node's sandboxes: the container substrate's spawner, and the VM
 /// substrates (started on first use).
 /// The container substrate of one node.
-pub struct ContainerRuntime {
+pub struct Runtime {
     cfg: RuntimeConfig,
     templates: TemplateStore,
     cgroups: CgroupManager,
@@ -54,9 +54,9 @@ pub struct ContainerRuntime {
     vm_settings: Mutex<VmSettings>,
 }
 
-impl std::fmt::Debug for ContainerRuntime {
+impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ContainerRuntime")
+        f.debug_struct("Runtime")
             .field("cfg", &self.cfg)
             .finish_non_exhaustive()
     }
@@ -170,7 +170,7 @@ impl Sandbox {
     }
 
     /// Destroys the sandbox: every process, its cgroup, mounts and runtime directory.
-    pub fn destroy(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
+    pub fn destroy(mut self, rt: &Runtime) -> Result<(), RuntimeError> {
         self.state = self.state.transition(State::Stopping)?;
         match &self.backend {
             Backend::Vm(_) => self.destroy_vm(rt),
@@ -180,7 +180,7 @@ impl Sandbox {
 
     /// Prepares a sandbox that waits in a pool for its first command (see
     /// [`vm::sandbox`]: a restored VM warms its translation cache). Containers need nothing.
-    pub fn warm_up(&mut self, rt: &ContainerRuntime) {
+    pub fn warm_up(&mut self, rt: &Runtime) {
         if matches!(self.backend, Backend::Vm(_)) {
             self.warm_up_vm(rt);
         }

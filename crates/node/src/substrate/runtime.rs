@@ -10,7 +10,7 @@ use dsec_sys::ipc;
 
 use super::container::{create, shim, spawner};
 use super::vm::sandbox::VmSettings;
-use super::{ContainerRuntime, RuntimeError};
+use super::{Runtime, RuntimeError};
 use crate::capacity::NodeCapacity;
 use crate::template::TemplateStore;
 
@@ -78,7 +78,7 @@ fn prep_dir(path: &Path) -> Result<(), RuntimeError> {
     })
 }
 
-impl ContainerRuntime {
+impl Runtime {
     /// Prepares directories, cgroups and the host template, and starts the spawner.
     pub fn start(cfg: RuntimeConfig) -> Result<Self, RuntimeError> {
         ipc::raise_nofile_limit();
@@ -179,7 +179,7 @@ impl ContainerRuntime {
     }
 }
 
-impl Drop for ContainerRuntime {
+impl Drop for Runtime {
     fn drop(&mut self) {
         // The spawner goes; running sandboxes (their supervisors) are unaffected, and idle
         // shells clean up when the node's ends of their request sockets close.
@@ -190,7 +190,7 @@ impl Drop for ContainerRuntime {
     }
 }
 
-impl ContainerRuntime {
+impl Runtime {
     /// Removes the cgroup and runtime directory of a sandbox whose supervisor is gone.
     /// Removes the cgroup and runtime directory of a sandbox whose supervisor is gone; returns
     /// whether nothing is left.

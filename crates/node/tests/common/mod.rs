@@ -1,6 +1,6 @@
 //! Shared fixture of the root-level container integration tests (`abuse.rs`, `lifecycle.rs`).
 //!
-//! - [`fixture`] starts ONE [`ContainerRuntime`] per test binary, with its own run dir under
+//! - [`fixture`] starts ONE [`Runtime`] per test binary, with its own run dir under
 //!   `/run/dsec-test-<pid>-<nanos>` (data dir inside it). The fixture lives in a `static`, which
 //!   is never dropped, so a small cleaner process removes the run dir once the test process has
 //!   exited. Stale run dirs of earlier test processes (whose pid is gone, e.g. killed before
@@ -21,12 +21,12 @@ use std::time::{Duration, Instant};
 
 use dsec_api::exec::{ExecRequest, ExecResult};
 use dsec_node::sandbox::{Limits, SandboxSpec};
-use dsec_node::substrate::{ContainerRuntime, RuntimeConfig, RuntimeError, Sandbox};
+use dsec_node::substrate::{Runtime, RuntimeConfig, RuntimeError, Sandbox};
 
 /// The runtime shared by every test of one test binary.
 pub struct Fixture {
     /// The runtime.
-    pub rt: ContainerRuntime,
+    pub rt: Runtime,
     /// Its run dir (unique to this process).
     pub run_dir: PathBuf,
     /// Its data dir (inside the run dir).
@@ -125,7 +125,7 @@ pub fn fixture() -> &'static Fixture {
         std::thread::Builder::new()
             .name("dsec-test-runtime-owner".into())
             .spawn(move || {
-                let _ = tx.send(ContainerRuntime::start(cfg));
+                let _ = tx.send(Runtime::start(cfg));
                 loop {
                     std::thread::park();
                 }
@@ -146,7 +146,7 @@ pub fn fixture() -> &'static Fixture {
 }
 
 /// The runtime.
-pub fn rt() -> &'static ContainerRuntime {
+pub fn rt() -> &'static Runtime {
     &fixture().rt
 }
 

@@ -8,7 +8,7 @@ use dsec_api::exec::ExecBody;
 pub(super) async fn with_sandbox<T: Send + 'static>(
     app: &AppState,
     e: &Arc<Entry>,
-    f: impl FnOnce(&crate::substrate::ContainerRuntime, &mut crate::substrate::Sandbox) -> ApiResult<T>
+    f: impl FnOnce(&crate::substrate::Runtime, &mut crate::substrate::Sandbox) -> ApiResult<T>
         + Send
         + 'static,
 ) -> ApiResult<T> {

@@ -13,7 +13,7 @@ use dsec_sys::ipc::{self, PidFd};
 
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State};
-use crate::substrate::{Backend, ContainerRuntime, RuntimeError, Sandbox};
+use crate::substrate::{Backend, Runtime, RuntimeError, Sandbox};
 use dsec_shim::proto::{SupervisorMsg, MAX_MSG};
 
 /// How long a supervisor gets to answer a reconnect.
@@ -23,7 +23,7 @@ const ADOPT_DEADLINE: Duration = Duration::from_secs(5);
 /// it: twice the longest a create may take, so that no create still sets it up.
 pub const ORPHAN_CGROUP_GRACE: Duration = Duration::from_secs(60);
 
-impl ContainerRuntime {
+impl Runtime {
     /// The runtime directory of sandbox `id`.
     pub fn sandbox_run_dir(&self, id: &str) -> PathBuf {
         self.cfg.run_dir.join("sandboxes").join(id)

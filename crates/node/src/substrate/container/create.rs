@@ -12,7 +12,7 @@ use dsec_sys::ipc::{self, PidFd};
 use super::spawner::Reply;
 use crate::agent_client::AgentConn;
 use crate::sandbox::{Limits, SandboxSpec, State};
-use crate::substrate::{Backend, ContainerRuntime, RuntimeError, Sandbox};
+use crate::substrate::{Backend, Runtime, RuntimeError, Sandbox};
 
 type Env = Vec<(String, String)>;
 
@@ -57,7 +57,7 @@ pub fn valid_id(id: &str) -> bool {
             .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-impl ContainerRuntime {
+impl Runtime {
     fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
         if template == "host" {
             return Ok((
@@ -109,7 +109,7 @@ impl ContainerRuntime {
         self.create_with_id(&new_id(), spec)
     }
 
-    /// Like [`ContainerRuntime::create`], with an id from [`new_id`] the caller already
+    /// Like [`Runtime::create`], with an id from [`new_id`] the caller already
     /// recorded (so that a crash between the two leaves a record naming what to clean up).
     pub fn create_with_id(
         &self,
@@ -272,7 +272,7 @@ fn wait_reply(sock: &OwnedFd) -> Result<Reply, LaunchFailure> {
     Ok((msg, fds))
 }
 
-impl ContainerRuntime {
+impl Runtime {
     /// Sends the request straight to an idle pre-built shell; returns the socket its answer
     /// will come on, or `None` when no shell took it.
     fn hand_to_shell(&self, request: &[u8]) -> Option<OwnedFd> {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use dsec_shim::proto::{ControlMsg, SupervisorMsg, MAX_MSG};
 use dsec_sys::ipc;
 
-use super::{Backend, ContainerRuntime, RuntimeError, Sandbox};
+use super::{Backend, Runtime, RuntimeError, Sandbox};
 use crate::agent_client::{AgentConn, AgentError};
 use crate::sandbox::State;
 use spawner::Reply;
@@ -114,7 +114,7 @@ impl Sandbox {
 
     /// Destroys a container: kills every process, removes its cgroup, mounts (they live only in
     /// its own mount namespace) and runtime directory.
-    pub(super) fn destroy_container(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
+    pub(super) fn destroy_container(mut self, rt: &Runtime) -> Result<(), RuntimeError> {
         let answered = self.control_call(&ControlMsg::Destroy, Duration::from_secs(10));
         // Whatever the supervisor said, make sure it is gone and nothing is left behind.
         if !self

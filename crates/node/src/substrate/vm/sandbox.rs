@@ -8,7 +8,7 @@
 //! listens for the agent connection again, the guest's agent keeps its processes and greets
 //! the new connection, and the node skips whatever a cut frame left in the stream.
 //!
-//! [`adopt_vm`]: ContainerRuntime::adopt_vm
+//! [`adopt_vm`]: Runtime::adopt_vm
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ use super::{self as vm, Snapshot, SnapshotKey, TemplateRoot, VmError, VmKind, Vm
 use crate::agent_client::AgentConn;
 use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::substrate::container::create::SCRATCH_DIRS;
-use crate::substrate::{Backend, ContainerRuntime, Phases, RuntimeError, Sandbox};
+use crate::substrate::{Backend, Phases, Runtime, RuntimeError, Sandbox};
 use crate::template::unpack::{is_opaque, is_whiteout};
 
 /// Memory the QEMU process may use beyond guest RAM (its heap, the TCG translation cache).
@@ -110,7 +110,7 @@ fn mask_fingerprint(mask: &std::path::Path) -> String {
     crate::substrate::vm::image::image_key(&out.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
-impl ContainerRuntime {
+impl Runtime {
     /// Sets how the VM substrates are run; takes effect when they start (first use).
     pub fn set_vm_settings(&self, settings: VmSettings) {
         *self.vm_settings.lock().unwrap_or_else(|p| p.into_inner()) = settings;
@@ -345,7 +345,7 @@ impl ContainerRuntime {
     }
 }
 
-impl ContainerRuntime {
+impl Runtime {
     /// Re-attaches to a VM sandbox an earlier node process created: its QEMU (found by the pid
     /// recorded in the run directory, checked against its command line) listens for the agent
     /// connection again, and the guest's agent greets the new connection; its processes,
@@ -458,7 +458,7 @@ impl Sandbox {
     /// A restored QEMU starts with an empty translation cache (TCG): its first command costs
     /// ~100 ms more than the next, so a pooled VM runs `/bin/true` once, off the acquire path
     /// (it leaves nothing behind).
-    pub(crate) fn warm_up_vm(&mut self, rt: &ContainerRuntime) {
+    pub(crate) fn warm_up_vm(&mut self, rt: &Runtime) {
         let _ = self.exec(
             rt,
             &dsec_api::exec::ExecRequest::argv(["/bin/true"]),
@@ -482,7 +482,7 @@ impl Sandbox {
     }
 
     /// Destroys a VM sandbox: QEMU, cgroup, run directory.
-    pub(crate) fn destroy_vm(mut self, rt: &ContainerRuntime) -> Result<(), RuntimeError> {
+    pub(crate) fn destroy_vm(mut self, rt: &Runtime) -> Result<(), RuntimeError> {
         vm::kill(&self.sup);
         if let Backend::Vm(b) = &self.backend {
             let _ = b.cgroup.kill_all();
