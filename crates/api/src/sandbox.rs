@@ -153,7 +153,7 @@ pub struct SandboxView {
     /// Labels.
     pub labels: BTreeMap<String, String>,
     /// Its limits.
-    pub limits: serde_json::Value,
+    pub limits: crate::limits::Limits,
     /// Whether its root is writable.
     pub writable_root: bool,
     /// Whether it runs in a user namespace.

@@ -489,11 +489,7 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
         Err(e) => Err(format!("{e:?}")),
     };
     drop(rt);
-    let _ = std::process::Command::new("umount")
-        .arg("-l")
-        .arg(run_dir.join("mask"))
-        .status();
-    let _ = std::fs::remove_dir_all(&run_dir);
+    remove_runtime_dirs(&run_dir);
     assert_eq!(
         verdict,
         Ok((true, true)),
@@ -640,11 +636,7 @@ fn lifecycle_a_failed_launch_names_its_step() {
         ..Default::default()
     });
     drop(rt);
-    let _ = std::process::Command::new("umount")
-        .arg("-l")
-        .arg(run_dir.join("mask"))
-        .status();
-    let _ = std::fs::remove_dir_all(&run_dir);
+    remove_runtime_dirs(&run_dir);
     let Err(err) = created else {
         panic!("a create with no runnable agent succeeded");
     };
@@ -658,4 +650,13 @@ fn lifecycle_a_failed_launch_names_its_step() {
         err.to_string().contains("executing the agent failed"),
         "{err}"
     );
+}
+
+/// Removes the state of a runtime a test started on its own dirs (its mask tmpfs first).
+fn remove_runtime_dirs(run_dir: &std::path::Path) {
+    let _ = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(run_dir.join("mask"))
+        .status();
+    let _ = std::fs::remove_dir_all(run_dir);
 }

@@ -147,14 +147,7 @@ impl From<lifecycle::Error> for ApiError {
 
 impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
-        let detail = match &e {
-            RuntimeError::Agent {
-                source: AgentError::Remote { message, .. },
-                ..
-            } => message.clone(),
-            other => lifecycle::chain(other),
-        };
-        Self::new(e.code(), detail)
+        Self::from(lifecycle::Error::Runtime(e))
     }
 }
 

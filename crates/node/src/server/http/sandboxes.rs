@@ -14,7 +14,7 @@ pub fn view(r: &SandboxRecord) -> SandboxView {
         substrate: r.spec.substrate,
         state: r.state,
         labels: r.labels.clone(),
-        limits: serde_json::to_value(&r.spec.limits).unwrap_or_default(),
+        limits: Limits::clone(&r.spec.limits),
         writable_root: r.spec.writable_root,
         userns: r.spec.userns,
         env_keys: r.env.keys().cloned().collect(),
