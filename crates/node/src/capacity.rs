@@ -34,13 +34,6 @@ impl std::ops::Deref for Admitted {
     }
 }
 
-impl Admitted {
-    /// The limits.
-    pub fn into_inner(self) -> Limits {
-        self.0
-    }
-}
-
 const MEMINFO: &str = "/proc/meminfo";
 const CPU_ONLINE: &str = "/sys/devices/system/cpu/online";
 const PID_MAX: &str = "/proc/sys/kernel/pid_max";
