@@ -6,7 +6,7 @@ use clap::Subcommand;
 use serde_json::{json, Map, Value};
 
 use crate::client::{seg, Body, Client, ClientError};
-use crate::output::{print_json, print_table, size, text, write_out};
+use crate::output::{print_items, print_json, print_table, size, text, write_out};
 use crate::units;
 
 /// Pool commands.
@@ -140,27 +140,20 @@ pub fn tenant(c: &Client, cmd: &TenantCmd) -> Result<ExitCode, ClientError> {
         }
         TenantCmd::List { json } => {
             let v: Value = c.json("GET", "/v1/tenants", &[], Body::Empty)?;
-            let items = v["items"].as_array().cloned().unwrap_or_default();
-            if *json {
-                print_json(&Value::Array(items))?;
-            } else {
-                let rows: Vec<Vec<String>> = items
-                    .iter()
-                    .map(|t| {
-                        vec![
-                            cell(t, "id"),
-                            cell(t, "name"),
-                            cell(t, "admin"),
-                            cell(t, "max_sandboxes"),
-                            t["max_memory_bytes"].as_u64().map_or("-".into(), size),
-                        ]
-                    })
-                    .collect();
-                print_table(
-                    &["ID", "NAME", "ADMIN", "MAX_SANDBOXES", "MAX_MEMORY"],
-                    &rows,
-                )?;
-            }
+            print_items(
+                &v,
+                *json,
+                &["ID", "NAME", "ADMIN", "MAX_SANDBOXES", "MAX_MEMORY"],
+                |t| {
+                    vec![
+                        cell(t, "id"),
+                        cell(t, "name"),
+                        cell(t, "admin"),
+                        cell(t, "max_sandboxes"),
+                        t["max_memory_bytes"].as_u64().map_or("-".into(), size),
+                    ]
+                },
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

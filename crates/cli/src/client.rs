@@ -367,7 +367,17 @@ impl Client {
                 data.to_vec()
             }
         };
-        let req = b.body(bytes).map_err(|e| ClientError::Unexpected {
+        self.dispatch(method, path, b.body(bytes))
+    }
+
+    /// Runs a built request (or reports why it could not be built) and checks its answer.
+    fn dispatch<B: ureq::AsSendBody>(
+        &self,
+        method: &str,
+        path: &str,
+        req: Result<http::Request<B>, http::Error>,
+    ) -> Result<http::Response<ureq::Body>, ClientError> {
+        let req = req.map_err(|e| ClientError::Unexpected {
             method: method.to_owned(),
             path: path.to_owned(),
             status: 0,
@@ -397,19 +407,7 @@ impl Client {
         if let Some(key) = &self.key {
             b = b.header("authorization", format!("Bearer {key}"));
         }
-        let req =
-            b.body(ureq::SendBody::from_reader(reader))
-                .map_err(|e| ClientError::Unexpected {
-                    method: "POST".into(),
-                    path: path.to_owned(),
-                    status: 0,
-                    what: format!("cannot build the request: {e}"),
-                })?;
-        let resp = self
-            .agent
-            .run(req)
-            .map_err(|e| self.transport("POST", path, e))?;
-        Self::checked("POST", path, resp)
+        self.dispatch("POST", path, b.body(ureq::SendBody::from_reader(reader)))
     }
 
     /// Sends a request and parses its JSON answer.

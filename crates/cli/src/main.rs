@@ -196,38 +196,32 @@ struct ServerArgs {
     vm_cache_max_bytes: Option<u64>,
 }
 
+/// Where a template comes from: its name and its image.
+#[derive(Debug, clap::Args)]
+struct TemplateSource {
+    /// Template name.
+    name: String,
+    /// A root filesystem (tarball, or directory for `import`), an OCI image layout (directory
+    /// or tar) or a `docker save` tar.
+    path: PathBuf,
+    /// The image is a plain root filesystem.
+    #[arg(long, conflicts_with = "oci")]
+    rootfs: bool,
+    /// The image is an OCI image layout or a `docker save` archive.
+    #[arg(long)]
+    oci: bool,
+}
+
 #[derive(Debug, Subcommand)]
 enum TemplateCmd {
     /// List templates.
     List,
     /// Import a template into the local store (--data-dir). The format is told from the
     /// archive's top-level names unless --rootfs or --oci says it.
-    Import {
-        /// Template name.
-        name: String,
-        /// Path to a rootfs tarball, an OCI layout (directory or tar) or a `docker save` tar.
-        path: PathBuf,
-        /// Treat the input as a plain root filesystem tarball.
-        #[arg(long, conflicts_with = "oci")]
-        rootfs: bool,
-        /// Treat the input as an OCI image layout or a `docker save` archive.
-        #[arg(long)]
-        oci: bool,
-    },
+    Import(TemplateSource),
     /// Upload a template to a running daemon (admin key), with a progress bar on stderr. The
     /// format is told from the tarball's top-level names unless --rootfs or --oci says it.
-    Push {
-        /// Template name.
-        name: String,
-        /// A root filesystem tarball, an OCI layout tarball or a `docker save` tarball.
-        path: PathBuf,
-        /// The tarball is a plain root filesystem.
-        #[arg(long, conflicts_with = "oci")]
-        rootfs: bool,
-        /// The tarball is an OCI image layout or a `docker save` archive.
-        #[arg(long)]
-        oci: bool,
-    },
+    Push(TemplateSource),
     /// Remove a template of a running daemon (admin key), or with --local of the local store,
     /// and the layers no other template uses.
     Rm {
@@ -584,12 +578,12 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
                 println!("{}\t{} layer(s)", t.name, t.layers.len());
             }
         }
-        TemplateCmd::Import {
+        TemplateCmd::Import(TemplateSource {
             name,
             path,
             rootfs,
             oci,
-        } => {
+        }) => {
             use dsec_node::template::{ImageFormat, OciSource, TemplateError};
             let limits = dsec_node::template::ImportLimits::default();
             let format = archive_format(path, *rootfs, *oci)?;
@@ -630,7 +624,7 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
             let removed = store.remove(name, &|| std::collections::BTreeSet::new())?;
             println!("removed {name} ({} unused layer(s) deleted)", removed.len());
         }
-        TemplateCmd::Push { .. } => anyhow::bail!("`template push` talks to the daemon"),
+        TemplateCmd::Push(_) => anyhow::bail!("`template push` talks to the daemon"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -739,12 +733,12 @@ fn main() -> ExitCode {
         Command::Vm { command } => vm(&cli, command),
         Command::Template {
             command:
-                TemplateCmd::Push {
+                TemplateCmd::Push(TemplateSource {
                     name,
                     path,
                     rootfs,
                     oci,
-                },
+                }),
         } => match archive_format(path, *rootfs, *oci) {
             Ok(format) => return remote(&cli, |c| template_push(c, name, path, format)),
             Err(e) => Err(e),

@@ -56,6 +56,22 @@ pub fn print_table(header: &[&str], rows: &[Vec<String>]) -> Result<(), ClientEr
     write_out(out.as_bytes(), false)
 }
 
+/// Prints a list answer's `items`: as a JSON array with `json`, else as a table with `header`
+/// and one row per item made by `row`.
+pub fn print_items(
+    answer: &Value,
+    json: bool,
+    header: &[&str],
+    row: impl Fn(&Value) -> Vec<String>,
+) -> Result<(), ClientError> {
+    let items = answer["items"].as_array().map_or(&[][..], Vec::as_slice);
+    if json {
+        return print_json(&Value::Array(items.to_vec()));
+    }
+    let rows: Vec<Vec<String>> = items.iter().map(row).collect();
+    print_table(header, &rows)
+}
+
 /// A JSON scalar as text: strings bare, `null` as `-`.
 pub fn text(v: &Value) -> String {
     match v {

@@ -6,7 +6,7 @@ use clap::Subcommand;
 use serde_json::Value;
 
 use crate::client::{seg, Body, Client, ClientError};
-use crate::output::{print_json, print_table, text, write_out};
+use crate::output::{print_items, print_json, text, write_out};
 
 /// Trajectory commands.
 #[derive(Debug, Subcommand)]
@@ -81,38 +81,27 @@ pub fn run(c: &Client, cmd: &TrajectoryCmd) -> Result<ExitCode, ClientError> {
     match cmd {
         TrajectoryCmd::List { json } => {
             let v: Value = c.json("GET", "/v1/trajectories", &[], Body::Empty)?;
-            let items = v["items"].as_array().cloned().unwrap_or_default();
-            if *json {
-                print_json(&Value::Array(items))?;
-            } else {
-                let rows: Vec<Vec<String>> = items
-                    .iter()
-                    .map(|t| {
-                        [
-                            "id",
-                            "last_step",
-                            "intents",
-                            "results",
-                            "unknown",
-                            "annotations",
-                        ]
-                        .iter()
-                        .map(|k| text(&t[*k]))
-                        .collect()
-                    })
-                    .collect();
-                print_table(
-                    &[
-                        "ID",
-                        "STEPS",
-                        "INTENTS",
-                        "RESULTS",
-                        "UNKNOWN",
-                        "ANNOTATIONS",
-                    ],
-                    &rows,
-                )?;
-            }
+            let keys = [
+                "id",
+                "last_step",
+                "intents",
+                "results",
+                "unknown",
+                "annotations",
+            ];
+            print_items(
+                &v,
+                *json,
+                &[
+                    "ID",
+                    "STEPS",
+                    "INTENTS",
+                    "RESULTS",
+                    "UNKNOWN",
+                    "ANNOTATIONS",
+                ],
+                |t| keys.iter().map(|k| text(&t[*k])).collect(),
+            )?;
         }
         TrajectoryCmd::Show {
             id,

@@ -411,6 +411,10 @@ mod tests {
         Duration::from_secs_f64(s)
     }
 
+    fn want(create: usize, destroy: usize) -> Plan {
+        Plan { create, destroy }
+    }
+
     fn cfg(min: usize, max: usize) -> AutoscaleConfig {
         AutoscaleConfig {
             initial_refill: secs(2.0),
@@ -420,6 +424,19 @@ mod tests {
 
     fn scaler(cfg: AutoscaleConfig, t0: Instant) -> Autoscaler {
         Autoscaler::new(cfg, t0).expect("valid config")
+    }
+
+    /// `n` pool misses at `at`.
+    fn burst(a: &mut Autoscaler, at: Instant, n: usize) {
+        for _ in 0..n {
+            a.record_acquire(at, false);
+        }
+    }
+
+    /// A scaler started now, and the instant it started at.
+    fn started(cfg: AutoscaleConfig) -> (Autoscaler, Instant) {
+        let t0 = Instant::now();
+        (scaler(cfg, t0), t0)
     }
 
     /// Acquires every `every` from `from` (inclusive) until `to` (exclusive), planning after each.
@@ -510,23 +527,15 @@ mod tests {
 
     #[test]
     fn starts_at_min_and_fills_it() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(3, 10), t0);
+        let (mut a, t0) = started(cfg(3, 10));
         assert_eq!(a.target(t0), 3);
-        assert_eq!(
-            a.plan(t0, 0, 0),
-            Plan {
-                create: 3,
-                destroy: 0
-            }
-        );
+        assert_eq!(a.plan(t0, 0, 0), want(3, 0));
     }
 
     #[test]
     fn steady_demand_converges_to_peak_factor_times_rate_times_refill() {
         // 10 acquires/s, 2 s to create one: 20 acquires per refill time, 24 with the 1.2 floor.
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 100), t0);
+        let (mut a, t0) = started(cfg(0, 100));
         let t = steady(&mut a, t0, t0 + secs(600.0), secs(0.1));
         assert_eq!(a.target(t), 24);
         let s = a.stats(t);
@@ -537,22 +546,17 @@ mod tests {
 
     #[test]
     fn steady_demand_without_headroom_converges_to_rate_times_refill() {
-        let t0 = Instant::now();
-        let mut a = scaler(
-            AutoscaleConfig {
-                peak_factor: 1.0,
-                ..cfg(0, 100)
-            },
-            t0,
-        );
+        let (mut a, t0) = started(AutoscaleConfig {
+            peak_factor: 1.0,
+            ..cfg(0, 100)
+        });
         let t = steady(&mut a, t0, t0 + secs(600.0), secs(0.1));
         assert_eq!(a.target(t), 20);
     }
 
     #[test]
     fn target_follows_measured_refill_time() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 100), t0);
+        let (mut a, t0) = started(cfg(0, 100));
         let t = steady(&mut a, t0, t0 + secs(60.0), secs(0.1));
         assert_eq!(a.target(t), 24);
         // Creates get slower: 4 s each. The EWMA converges; the target grows at once.
@@ -566,8 +570,7 @@ mod tests {
 
     #[test]
     fn refill_ewma_weights_new_samples() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 10), t0);
+        let (mut a, t0) = started(cfg(0, 10));
         a.record_refill(secs(3.0));
         // 2 + 0.2 × (3 - 2)
         assert!((a.stats(t0).refill_ms - 2200.0).abs() < 1e-6);
@@ -578,21 +581,12 @@ mod tests {
 
     #[test]
     fn burst_raises_target_at_once_then_holds_then_steps_down() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 100), t0);
+        let (mut a, t0) = started(cfg(0, 100));
         let burst_at = t0 + secs(1.0);
-        for _ in 0..50 {
-            a.record_acquire(burst_at, false);
-        }
+        burst(&mut a, burst_at, 50);
         // Grow fast: 1.2 × 50 as soon as the burst is seen.
         assert_eq!(a.target(burst_at), 60);
-        assert_eq!(
-            a.plan(burst_at, 0, 0),
-            Plan {
-                create: 60,
-                destroy: 0
-            }
-        );
+        assert_eq!(a.plan(burst_at, 0, 0), want(60, 0));
         assert_eq!(a.stats(burst_at).peak, 50);
 
         // Hold for five minutes after the burst.
@@ -630,18 +624,13 @@ mod tests {
 
     #[test]
     fn demand_inside_the_window_delays_the_shrink() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 100), t0);
-        for _ in 0..50 {
-            a.record_acquire(t0, false);
-        }
+        let (mut a, t0) = started(cfg(0, 100));
+        burst(&mut a, t0, 50);
         assert_eq!(a.target(t0), 60);
         // A smaller burst 4 minutes later: still below the target, but the next five minutes
         // must keep the target at least 1.2 × 30.
         let second = t0 + secs(240.0);
-        for _ in 0..30 {
-            a.record_acquire(second, false);
-        }
+        burst(&mut a, second, 30);
         assert_eq!(a.target(second), 60);
         let mut t = second;
         while t < second + secs(299.0) {
@@ -653,35 +642,21 @@ mod tests {
 
     #[test]
     fn renewed_demand_grows_at_once_while_shrinking() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 100), t0);
-        for _ in 0..50 {
-            a.record_acquire(t0, false);
-        }
+        let (mut a, t0) = started(cfg(0, 100));
+        burst(&mut a, t0, 50);
         a.target(t0);
         let t = t0 + secs(400.0);
         assert!(a.target(t) < 60);
-        for _ in 0..70 {
-            a.record_acquire(t, false);
-        }
+        burst(&mut a, t, 70);
         assert_eq!(a.target(t), 84);
     }
 
     #[test]
     fn target_stays_within_bounds() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(3, 10), t0);
-        for _ in 0..1000 {
-            a.record_acquire(t0, false);
-        }
+        let (mut a, t0) = started(cfg(3, 10));
+        burst(&mut a, t0, 1000);
         assert_eq!(a.target(t0), 10);
-        assert_eq!(
-            a.plan(t0, 2, 3),
-            Plan {
-                create: 5,
-                destroy: 0
-            }
-        );
+        assert_eq!(a.plan(t0, 2, 3), want(5, 0));
         let mut t = t0;
         for _ in 0..720 {
             t += secs(5.0);
@@ -689,22 +664,13 @@ mod tests {
             assert!((3..=10).contains(&target), "{target}");
         }
         assert_eq!(a.target(t), 3);
-        assert_eq!(
-            a.plan(t, 10, 0),
-            Plan {
-                create: 0,
-                destroy: 7
-            }
-        );
+        assert_eq!(a.plan(t, 10, 0), want(0, 7));
     }
 
     #[test]
     fn plan_counts_creations_in_flight() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 100), t0);
-        for _ in 0..20 {
-            a.record_acquire(t0, false);
-        }
+        let (mut a, t0) = started(cfg(0, 100));
+        burst(&mut a, t0, 20);
         assert_eq!(a.target(t0), 24);
         let plan = |a: &mut Autoscaler, ready, creating| a.plan(t0, ready, creating);
         assert_eq!(plan(&mut a, 0, 0).create, 24);
@@ -716,61 +682,37 @@ mod tests {
         assert_eq!(plan(&mut a, 12, 0), Plan::default());
         assert_eq!(plan(&mut a, 24, 0), Plan::default());
         // Excess ready sandboxes are destroyed; creations in flight are not counted as excess.
-        assert_eq!(
-            plan(&mut a, 30, 5),
-            Plan {
-                create: 0,
-                destroy: 6
-            }
-        );
+        assert_eq!(plan(&mut a, 30, 5), want(0, 6));
     }
 
     #[test]
-    fn low_watermark_one_tops_up_after_every_acquire() {
-        let t0 = Instant::now();
-        let mut a = scaler(
-            AutoscaleConfig {
-                low_watermark: 1.0,
-                ..cfg(4, 4)
-            },
-            t0,
-        );
-        assert_eq!(a.plan(t0, 3, 0).create, 1);
-        assert_eq!(a.plan(t0, 3, 1).create, 0);
-        assert_eq!(a.plan(t0, 4, 0), Plan::default());
-    }
-
-    #[test]
-    fn low_watermark_rounds_up_without_float_noise() {
-        let t0 = Instant::now();
-        let mut a = scaler(
-            AutoscaleConfig {
-                low_watermark: 0.7,
-                ..cfg(10, 10)
-            },
-            t0,
-        );
-        // 0.7 × 10 is 7.000000000000001 in f64; the mark is 7.
-        assert_eq!(a.plan(t0, 7, 0).create, 0);
-        assert_eq!(a.plan(t0, 6, 0).create, 4);
+    fn low_watermark_sets_the_top_up_point() {
+        // (low watermark, pool min = max, ready, creating, creations planned). A mark of 1.0
+        // tops up after every acquire; 0.7 × 10 is 7.000000000000001 in f64, and the mark is 7.
+        let cases = [
+            (1.0, 4, 3, 0, 1),
+            (1.0, 4, 3, 1, 0),
+            (1.0, 4, 4, 0, 0),
+            (0.7, 10, 7, 0, 0),
+            (0.7, 10, 6, 0, 4),
+        ];
+        for (mark, size, ready, creating, create) in cases {
+            let (mut a, t0) = started(AutoscaleConfig {
+                low_watermark: mark,
+                ..cfg(size, size)
+            });
+            let case = format!("mark {mark}, size {size}, ready {ready}, creating {creating}");
+            assert_eq!(a.plan(t0, ready, creating), want(create, 0), "{case}");
+        }
     }
 
     #[test]
     fn zero_max_plans_nothing() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(0, 0), t0);
-        for _ in 0..10 {
-            a.record_acquire(t0, false);
-        }
+        let (mut a, t0) = started(cfg(0, 0));
+        burst(&mut a, t0, 10);
         assert_eq!(a.target(t0), 0);
         assert_eq!(a.plan(t0, 0, 0), Plan::default());
-        assert_eq!(
-            a.plan(t0, 2, 0),
-            Plan {
-                create: 0,
-                destroy: 2
-            }
-        );
+        assert_eq!(a.plan(t0, 2, 0), want(0, 2));
     }
 
     #[test]
@@ -785,8 +727,7 @@ mod tests {
 
     #[test]
     fn stats_count_hits_and_misses() {
-        let t0 = Instant::now();
-        let mut a = scaler(cfg(1, 9), t0);
+        let (mut a, t0) = started(cfg(1, 9));
         assert_eq!(a.stats(t0).hit_rate, 0.0);
         a.record_acquire(t0, true);
         a.record_acquire(t0, true);

@@ -208,79 +208,74 @@ impl Store {
         f(&mut c)
     }
 
-    /// Adds a tenant.
-    pub fn insert_tenant(&self, t: &Tenant) -> Result<(), StoreError> {
-        let rec = serde_json::to_string(t).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO tenants (id, name, record) VALUES (?1, ?2, ?3)",
-                params![t.id, t.name, rec],
-            )?;
-            Ok(())
-        })
+    /// Runs one statement.
+    fn execute(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+        self.with(|c| Ok(c.execute(sql, params)?))
     }
 
-    /// A tenant by id.
-    pub fn tenant(&self, id: &str) -> Result<Option<Tenant>, StoreError> {
-        self.with(|c| {
-            let rec: Option<String> = c
-                .query_row(
-                    "SELECT record FROM tenants WHERE id = ?1",
-                    params![id],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            rec.map(|r| parse(&r)).transpose()
-        })
+    /// The JSON record of a one-column query that finds at most one row, parsed.
+    fn record<T: for<'de> Deserialize<'de>>(
+        &self,
+        sql: &str,
+        params: impl rusqlite::Params,
+    ) -> Result<Option<T>, StoreError> {
+        Ok(self.records(sql, params)?.into_iter().next())
     }
 
-    /// A tenant by name.
-    pub fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+    /// The JSON records of every row of a one-column query, parsed.
+    fn records<T: for<'de> Deserialize<'de>>(
+        &self,
+        sql: &str,
+        params: impl rusqlite::Params,
+    ) -> Result<Vec<T>, StoreError> {
         self.with(|c| {
-            let rec: Option<String> = c
-                .query_row(
-                    "SELECT record FROM tenants WHERE name = ?1",
-                    params![name],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            rec.map(|r| parse(&r)).transpose()
-        })
-    }
-
-    /// Every tenant, by name.
-    pub fn tenants(&self) -> Result<Vec<Tenant>, StoreError> {
-        self.with(|c| {
-            let mut st = c.prepare("SELECT record FROM tenants ORDER BY name")?;
-            let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+            let mut st = c.prepare_cached(sql)?;
+            let rows = st.query_map(params, |r| r.get::<_, String>(0))?;
             rows.map(|r| parse(&r?)).collect()
         })
     }
 
+    /// Adds a tenant.
+    pub fn insert_tenant(&self, t: &Tenant) -> Result<(), StoreError> {
+        let rec = serde_json::to_string(t).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.execute(
+            "INSERT INTO tenants (id, name, record) VALUES (?1, ?2, ?3)",
+            params![t.id, t.name, rec],
+        )?;
+        Ok(())
+    }
+
+    /// A tenant by id.
+    pub fn tenant(&self, id: &str) -> Result<Option<Tenant>, StoreError> {
+        self.record("SELECT record FROM tenants WHERE id = ?1", params![id])
+    }
+
+    /// A tenant by name.
+    pub fn tenant_by_name(&self, name: &str) -> Result<Option<Tenant>, StoreError> {
+        self.record("SELECT record FROM tenants WHERE name = ?1", params![name])
+    }
+
+    /// Every tenant, by name.
+    pub fn tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        self.records("SELECT record FROM tenants ORDER BY name", [])
+    }
+
     /// Adds an API key (its sha256, hex) for a tenant.
     pub fn insert_key(&self, hash: &str, tenant: &str, now_ms: u64) -> Result<(), StoreError> {
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO api_keys (hash, tenant, created_at) VALUES (?1, ?2, ?3)",
-                params![hash, tenant, now_ms as i64],
-            )?;
-            Ok(())
-        })
+        self.execute(
+            "INSERT INTO api_keys (hash, tenant, created_at) VALUES (?1, ?2, ?3)",
+            params![hash, tenant, now_ms as i64],
+        )?;
+        Ok(())
     }
 
     /// The tenant an API key hash belongs to.
     pub fn tenant_for_key(&self, hash: &str) -> Result<Option<Tenant>, StoreError> {
-        self.with(|c| {
-            let rec: Option<String> = c
-                .query_row(
-                    "SELECT t.record FROM api_keys k JOIN tenants t ON t.id = k.tenant
+        self.record(
+            "SELECT t.record FROM api_keys k JOIN tenants t ON t.id = k.tenant
                      WHERE k.hash = ?1",
-                    params![hash],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            rec.map(|r| parse(&r)).transpose()
-        })
+            params![hash],
+        )
     }
 
     /// Inserts or replaces sandbox records in one transaction.
@@ -319,16 +314,7 @@ impl Store {
 
     /// One sandbox record.
     pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
-        self.with(|c| {
-            let rec: Option<String> = c
-                .query_row(
-                    "SELECT record FROM sandboxes WHERE id = ?1",
-                    params![id],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            rec.map(|r| parse(&r)).transpose()
-        })
+        self.record("SELECT record FROM sandboxes WHERE id = ?1", params![id])
     }
 
     /// The newest sandbox a tenant created with idempotency key `idem`.
@@ -337,27 +323,19 @@ impl Store {
         tenant: &str,
         idem: &str,
     ) -> Result<Option<SandboxRecord>, StoreError> {
-        self.with(|c| {
-            let rec: Option<String> = c
-                .query_row(
-                    "SELECT record FROM sandboxes WHERE tenant = ?1 AND idem = ?2
+        self.record(
+            "SELECT record FROM sandboxes WHERE tenant = ?1 AND idem = ?2
                      ORDER BY updated_at DESC LIMIT 1",
-                    params![tenant, idem],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            rec.map(|r| parse(&r)).transpose()
-        })
+            params![tenant, idem],
+        )
     }
 
     /// Every sandbox record not in a final state (`stopped`), by id.
     pub fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
-        self.with(|c| {
-            let mut st =
-                c.prepare("SELECT record FROM sandboxes WHERE state != 'stopped' ORDER BY id")?;
-            let rows = st.query_map([], |r| r.get::<_, String>(0))?;
-            rows.map(|r| parse(&r?)).collect()
-        })
+        self.records(
+            "SELECT record FROM sandboxes WHERE state != 'stopped' ORDER BY id",
+            [],
+        )
     }
 
     /// A page of a tenant's sandboxes with ids after `after`, by id, at most `limit`.
@@ -367,36 +345,27 @@ impl Store {
         after: &str,
         limit: usize,
     ) -> Result<Vec<SandboxRecord>, StoreError> {
-        self.with(|c| {
-            let mut st = c.prepare_cached(
-                "SELECT record FROM sandboxes WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
-            )?;
-            let rows = st.query_map(params![tenant, after, limit as i64], |r| {
-                r.get::<_, String>(0)
-            })?;
-            rows.map(|r| parse(&r?)).collect()
-        })
+        self.records(
+            "SELECT record FROM sandboxes WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+            params![tenant, after, limit as i64],
+        )
     }
 
     /// Deletes `stopped` records last updated before `before_ms`; returns how many.
     pub fn purge_stopped(&self, before_ms: u64) -> Result<usize, StoreError> {
-        self.with(|c| {
-            Ok(c.execute(
-                "DELETE FROM sandboxes WHERE state = 'stopped' AND updated_at < ?1",
-                params![before_ms as i64],
-            )?)
-        })
+        self.execute(
+            "DELETE FROM sandboxes WHERE state = 'stopped' AND updated_at < ?1",
+            params![before_ms as i64],
+        )
     }
 
     /// Marks a trajectory (its log key) finished: its records may be compacted away.
     pub fn finish_trajectory(&self, key: &str, now_ms: u64) -> Result<(), StoreError> {
-        self.with(|c| {
-            c.execute(
-                "INSERT OR IGNORE INTO finished_trajectories (key, at) VALUES (?1, ?2)",
-                params![key, now_ms as i64],
-            )?;
-            Ok(())
-        })
+        self.execute(
+            "INSERT OR IGNORE INTO finished_trajectories (key, at) VALUES (?1, ?2)",
+            params![key, now_ms as i64],
+        )?;
+        Ok(())
     }
 
     /// Log keys of the trajectories finished at or before `before_ms`.
@@ -410,13 +379,11 @@ impl Store {
 
     /// Records a template's pool bounds.
     pub fn put_pool(&self, template: &str, min: usize, max: usize) -> Result<(), StoreError> {
-        self.with(|c| {
-            c.execute(
-                "INSERT OR REPLACE INTO pools (template, min, max) VALUES (?1, ?2, ?3)",
-                params![template, min as i64, max as i64],
-            )?;
-            Ok(())
-        })
+        self.execute(
+            "INSERT OR REPLACE INTO pools (template, min, max) VALUES (?1, ?2, ?3)",
+            params![template, min as i64, max as i64],
+        )?;
+        Ok(())
     }
 
     /// Every configured pool: (template, min, max).
@@ -462,33 +429,29 @@ impl Store {
         out: &IdemOutcome,
         now_ms: u64,
     ) -> Result<(), StoreError> {
-        self.with(|c| {
-            c.execute(
-                "INSERT OR IGNORE INTO idempotency
+        self.execute(
+            "INSERT OR IGNORE INTO idempotency
                  (tenant, key, request_hash, status, content_type, body, created_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-                params![
-                    tenant,
-                    key,
-                    out.request_hash,
-                    i64::from(out.status),
-                    out.content_type,
-                    out.body,
-                    now_ms as i64
-                ],
-            )?;
-            Ok(())
-        })
+            params![
+                tenant,
+                key,
+                out.request_hash,
+                i64::from(out.status),
+                out.content_type,
+                out.body,
+                now_ms as i64
+            ],
+        )?;
+        Ok(())
     }
 
     /// Forgets idempotency outcomes older than `before_ms`; returns how many.
     pub fn purge_idempotent(&self, before_ms: u64) -> Result<usize, StoreError> {
-        self.with(|c| {
-            Ok(c.execute(
-                "DELETE FROM idempotency WHERE created_at < ?1",
-                params![before_ms as i64],
-            )?)
-        })
+        self.execute(
+            "DELETE FROM idempotency WHERE created_at < ?1",
+            params![before_ms as i64],
+        )
     }
 }
 

@@ -27,7 +27,9 @@ use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
 use tokio::sync::OwnedMutexGuard;
 
-use crate::trajlog::{Config, Entry, Lsn, Record, RecordKind, RecoveryReport, TrajLog};
+use crate::trajlog::{
+    Config, Entry, Lsn, Record, RecordKind, RecoveryReport, TrajLog, TrajectorySummary,
+};
 
 use super::error::{ApiError, ApiResult};
 use crate::clock::now_ms;
@@ -250,15 +252,24 @@ impl Trajectories {
 
     /// The log key of a tenant's trajectory (validated), when the log has it.
     pub fn existing_key(&self, tenant: &Tenant, trajectory: &str) -> ApiResult<String> {
+        self.existing(tenant, trajectory).map(|(key, _)| key)
+    }
+
+    /// The log key and counters of a tenant's trajectory (validated), when the log has it.
+    fn existing(
+        &self,
+        tenant: &Tenant,
+        trajectory: &str,
+    ) -> ApiResult<(String, TrajectorySummary)> {
         check_id(trajectory)?;
         let key = key(tenant, trajectory);
-        if self.log.trajectory(&key).is_none() {
-            return Err(ApiError::new(
+        match self.log.trajectory(&key) {
+            Some(s) => Ok((key, s)),
+            None => Err(ApiError::new(
                 ErrorCode::TrajectoryNotFound,
                 format!("no trajectory {trajectory}"),
-            ));
+            )),
         }
-        Ok(key)
     }
 
     /// Compacts the log: records of trajectories finished at least `after` ago go.
@@ -513,14 +524,7 @@ impl Trajectories {
         step: u64,
         data: &Value,
     ) -> ApiResult<Lsn> {
-        check_id(trajectory)?;
-        let key = key(tenant, trajectory);
-        if self.log.trajectory(&key).is_none() {
-            return Err(ApiError::new(
-                ErrorCode::TrajectoryNotFound,
-                format!("no trajectory {trajectory}"),
-            ));
-        }
+        let key = self.existing_key(tenant, trajectory)?;
         let e = self
             .append(Record::new(
                 key,
@@ -557,14 +561,7 @@ impl Trajectories {
 
     /// One trajectory's counters.
     pub fn summary(&self, tenant: &Tenant, trajectory: &str) -> ApiResult<Value> {
-        check_id(trajectory)?;
-        let key = key(tenant, trajectory);
-        let s = self.log.trajectory(&key).ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::TrajectoryNotFound,
-                format!("no trajectory {trajectory}"),
-            )
-        })?;
+        let (key, s) = self.existing(tenant, trajectory)?;
         let chain = self.chain(&key)?;
         Ok(json!({
             "id": trajectory,
@@ -587,14 +584,7 @@ impl Trajectories {
         from: u64,
         limit: usize,
     ) -> ApiResult<Vec<Value>> {
-        check_id(trajectory)?;
-        let key = key(tenant, trajectory);
-        if self.log.trajectory(&key).is_none() {
-            return Err(ApiError::new(
-                ErrorCode::TrajectoryNotFound,
-                format!("no trajectory {trajectory}"),
-            ));
-        }
+        let key = self.existing_key(tenant, trajectory)?;
         let mut entries = self.log.read(&key, from, limit).map_err(log_err)?;
         entries.sort_by_key(|e| e.lsn);
         Ok(entries.iter().map(entry_view).collect())

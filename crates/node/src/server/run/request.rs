@@ -298,26 +298,31 @@ fn timeout(
     Duration::from_secs_f64(applied)
 }
 
-fn files(m: &Map<String, Value>) -> Result<Vec<(String, Vec<u8>)>, BadRun> {
-    let obj = match m.get("files") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Object(o)) => o,
-        Some(v) => {
-            return Err(BadRun::field(
-                "files",
-                "dict_type",
-                "Input should be a valid dictionary",
-                v,
-            ))
-        }
+/// A collection field of at most [`MAX_FILES`] entries: `None` when absent or null, else what
+/// `take` makes of it (with its length), or a `kind` error when `take` makes nothing of it.
+fn collection<'a, T>(
+    m: &'a Map<String, Value>,
+    key: &'static str,
+    (kind, msg): (&'static str, &'static str),
+    take: impl FnOnce(&'a Value) -> Option<(T, usize)>,
+) -> Result<Option<T>, BadRun> {
+    let v = match m.get(key) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(v) => v,
     };
-    if obj.len() > MAX_FILES {
-        return Err(BadRun::value(
-            &["files"],
-            format!("at most {MAX_FILES} files"),
-            &Value::Null,
-        ));
+    let (t, len) = take(v).ok_or_else(|| BadRun::field(key, kind, msg, v))?;
+    if len > MAX_FILES {
+        let msg = format!("at most {MAX_FILES} {key}");
+        return Err(BadRun::value(&[key], msg, &Value::Null));
     }
+    Ok(Some(t))
+}
+
+fn files(m: &Map<String, Value>) -> Result<Vec<(String, Vec<u8>)>, BadRun> {
+    let dict = ("dict_type", "Input should be a valid dictionary");
+    let Some(obj) = collection(m, "files", dict, |v| v.as_object().map(|o| (o, o.len())))? else {
+        return Ok(Vec::new());
+    };
     let mut out = Vec::new();
     let mut total = 0usize;
     for (p, v) in obj {
@@ -352,26 +357,12 @@ fn files(m: &Map<String, Value>) -> Result<Vec<(String, Vec<u8>)>, BadRun> {
     Ok(out)
 }
 
-fn fetch_files(m: &Map<String, Value>) -> Result<Vec<String>, BadRun> {
-    let list = match m.get("fetch_files") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(a)) => a,
-        Some(v) => {
-            return Err(BadRun::field(
-                "fetch_files",
-                "list_type",
-                "Input should be a valid list",
-                v,
-            ))
-        }
+fn fetch_files<'a>(m: &'a Map<String, Value>) -> Result<Vec<String>, BadRun> {
+    let listed = ("list_type", "Input should be a valid list");
+    let take = |v: &'a Value| v.as_array().map(|a| (a, a.len()));
+    let Some(list) = collection(m, "fetch_files", listed, take)? else {
+        return Ok(Vec::new());
     };
-    if list.len() > MAX_FILES {
-        return Err(BadRun::value(
-            &["fetch_files"],
-            format!("at most {MAX_FILES} fetch_files"),
-            &Value::Null,
-        ));
-    }
     let mut out = Vec::new();
     for (i, v) in list.iter().enumerate() {
         let Value::String(p) = v else {
