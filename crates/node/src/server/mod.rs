@@ -30,6 +30,7 @@ use axum::response::{IntoResponse, Response};
 
 use crate::store;
 use crate::substrate::{Runtime, RuntimeConfig};
+use dsec_sys::cgroup::CgroupStats;
 
 pub use crate::lifecycle::{Node, PoolSize};
 
@@ -409,31 +410,33 @@ async fn metrics_text(AxState(state): AxState<state::AppState>) -> Response {
     })
     .await
     .unwrap_or_default();
-    let _ = writeln!(out, "# HELP dsec_sandbox_memory_bytes Memory charged to a sandbox\n# TYPE dsec_sandbox_memory_bytes gauge");
-    for (id, st) in &per {
-        let _ = writeln!(
-            out,
-            "dsec_sandbox_memory_bytes{{sandbox=\"{id}\"}} {}",
-            st.memory_current
-        );
-    }
-    let _ = writeln!(out, "# HELP dsec_sandbox_cpu_seconds_total CPU time of a sandbox\n# TYPE dsec_sandbox_cpu_seconds_total counter");
-    for (id, st) in &per {
-        if let Some(ns) = st.cpu_usage_ns {
-            let _ = writeln!(
-                out,
-                "dsec_sandbox_cpu_seconds_total{{sandbox=\"{id}\"}} {}",
-                ns as f64 / 1e9
-            );
+    let families: [(&str, &str, &str, fn(&CgroupStats) -> Option<f64>); 3] = [
+        (
+            "dsec_sandbox_memory_bytes",
+            "gauge",
+            "Memory charged to a sandbox",
+            |st| Some(st.memory_current as f64),
+        ),
+        (
+            "dsec_sandbox_cpu_seconds_total",
+            "counter",
+            "CPU time of a sandbox",
+            |st| st.cpu_usage_ns.map(|ns| ns as f64 / 1e9),
+        ),
+        (
+            "dsec_sandbox_oom_kills_total",
+            "counter",
+            "OOM kills inside a sandbox",
+            |st| Some(st.oom_kills as f64),
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (id, st) in &per {
+            if let Some(v) = value(st) {
+                let _ = writeln!(out, "{name}{{sandbox=\"{id}\"}} {v}");
+            }
         }
-    }
-    let _ = writeln!(out, "# HELP dsec_sandbox_oom_kills_total OOM kills inside a sandbox\n# TYPE dsec_sandbox_oom_kills_total counter");
-    for (id, st) in &per {
-        let _ = writeln!(
-            out,
-            "dsec_sandbox_oom_kills_total{{sandbox=\"{id}\"}} {}",
-            st.oom_kills
-        );
     }
     let mut resp = out.into_response();
     resp.headers_mut().insert(

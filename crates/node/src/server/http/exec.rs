@@ -37,14 +37,7 @@ pub(super) fn exec_request(
         (None, Some(s)) => Command::Shell(s),
         _ => return Err(ApiError::invalid("pass exactly one of argv and shell")),
     };
-    let stdin = match (b.stdin, b.stdin_b64) {
-        (Some(s), None) => s.into_bytes(),
-        (None, Some(s)) => base64::engine::general_purpose::STANDARD
-            .decode(s)
-            .map_err(|e| ApiError::invalid(format!("stdin_b64: {e}")))?,
-        (None, None) => Vec::new(),
-        _ => return Err(ApiError::invalid("pass at most one of stdin and stdin_b64")),
-    };
+    let stdin = text_or_b64(b.stdin, b.stdin_b64, "stdin")?;
     let mut env = base_env.clone();
     env.extend(b.env);
     let req = ExecRequest {
@@ -95,26 +88,14 @@ pub(super) async fn exec(
             "exec",
             action,
             move || async move {
-                let t0 = std::time::Instant::now();
-                let r = with_sandbox(&app2, &e2, move |rt, sb| {
-                    sb.exec(rt, &req, &stdin, |_, _| {}).map_err(ApiError::from)
-                })
-                .await?;
-                app2.node.metrics.exec.observe_duration(t0.elapsed());
-                count_kills(&app2, &r);
+                let r = exec_once(&app2, &e2, req, stdin).await?;
                 Ok(serde_json::to_value(r).unwrap_or_default())
             },
         )
         .await;
     }
     if !q.stream {
-        let t0 = std::time::Instant::now();
-        let r = with_sandbox(&app, &e, move |rt, sb| {
-            sb.exec(rt, &req, &stdin, |_, _| {}).map_err(ApiError::from)
-        })
-        .await?;
-        app.node.metrics.exec.observe_duration(t0.elapsed());
-        count_kills(&app, &r);
+        let r = exec_once(&app, &e, req, stdin).await?;
         return Ok(Json(r).into_response());
     }
     req.stream = true;
@@ -240,6 +221,23 @@ where
     Ok(resp)
 }
 
+/// Runs one command to its end, timed and counted for `/metrics`.
+async fn exec_once(
+    app: &AppState,
+    e: &Arc<Entry>,
+    req: ExecRequest,
+    stdin: Vec<u8>,
+) -> ApiResult<ExecResult> {
+    let t0 = std::time::Instant::now();
+    let r = with_sandbox(app, e, move |rt, sb| {
+        sb.exec(rt, &req, &stdin, |_, _| {}).map_err(ApiError::from)
+    })
+    .await?;
+    app.node.metrics.exec.observe_duration(t0.elapsed());
+    count_kills(app, &r);
+    Ok(r)
+}
+
 /// Counts seccomp (SIGSYS) and OOM kills for `/metrics`.
 pub(super) fn count_kills(app: &AppState, r: &ExecResult) {
     if r.signal == Some(31) {
@@ -295,14 +293,7 @@ pub(super) async fn proc_stdin(
     Path((id, handle)): Path<(String, u64)>,
     JsonBody(b): JsonBody<StdinBody>,
 ) -> ApiResult<StatusCode> {
-    let data = match (b.data, b.data_b64) {
-        (Some(s), None) => s.into_bytes(),
-        (None, Some(s)) => base64::engine::general_purpose::STANDARD
-            .decode(s)
-            .map_err(|e| ApiError::invalid(format!("data_b64: {e}")))?,
-        (None, None) => Vec::new(),
-        _ => return Err(ApiError::invalid("pass at most one of data and data_b64")),
-    };
+    let data = text_or_b64(b.data, b.data_b64, "data")?;
     let req = AgentReq::ProcStdin { handle, eof: b.eof };
     agent_ok(&app, &t, &id, req, Bytes::from(data)).await
 }
@@ -430,4 +421,19 @@ pub(super) async fn session_close(
         Bytes::new(),
     )
     .await
+}
+
+/// Bytes given as text in the field `name` or as base64 in `{name}_b64` (at most one of them;
+/// neither is no bytes).
+fn text_or_b64(text: Option<String>, b64: Option<String>, name: &str) -> ApiResult<Vec<u8>> {
+    match (text, b64) {
+        (Some(s), None) => Ok(s.into_bytes()),
+        (None, Some(s)) => base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .map_err(|e| ApiError::invalid(format!("{name}_b64: {e}"))),
+        (None, None) => Ok(Vec::new()),
+        _ => Err(ApiError::invalid(format!(
+            "pass at most one of {name} and {name}_b64"
+        ))),
+    }
 }

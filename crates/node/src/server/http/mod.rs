@@ -192,6 +192,19 @@ impl axum::extract::FromRequestParts<AppState> for Caller {
     }
 }
 
+/// Runs blocking work (disk, SQLite, the trajectory log) off the async workers.
+async fn blocking<T, E>(f: impl FnOnce() -> Result<T, E> + Send + 'static) -> ApiResult<T>
+where
+    T: Send + 'static,
+    E: Send + 'static,
+    ApiError: From<E>,
+{
+    let r = tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    r.map_err(ApiError::from)
+}
+
 /// A JSON request body, parsed as [`json_body`] does. A body the transport refuses (too large)
 /// keeps axum's answer.
 struct JsonBody<T>(T);

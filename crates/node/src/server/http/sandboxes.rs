@@ -338,25 +338,32 @@ pub(super) async fn batch_create(
         None => CreateSpec::default(),
     };
     let req = create_request(spec, app.node.rt.capacity())?;
-    let mut set = tokio::task::JoinSet::new();
-    for i in 0..b.count {
-        let app = app.clone();
-        let t = t.clone();
-        let mut req = req.clone();
+    let tasks = (0..b.count).map(|i| {
+        let (app, t, mut req) = (app.clone(), t.clone(), req.clone());
         // Each item has its own key, so that a retried batch finds what it already made.
         req.idem = idem.as_ref().map(|k| format!("{k}#{i}"));
-        set.spawn(async move { (i, app.node.create(&t, req).await) });
-    }
-    let mut out: Vec<(usize, Value)> = Vec::with_capacity(b.count);
-    while let Some(r) = set.join_next().await {
-        let (i, r) = r.map_err(|e| ApiError::internal(e.to_string()))?;
-        out.push((
-            i,
-            match r {
+        async move {
+            match app.node.create(&t, req).await {
                 Ok(rec) => json!({"ok": true, "sandbox": view(&rec)}),
                 Err(e) => json!({"ok": false, "error": ApiError::from(e).problem()}),
-            },
-        ));
+            }
+        }
+    });
+    batch(tasks).await
+}
+
+/// Runs one task per item at once and answers `{"items": [...]}` in the items' order.
+async fn batch<F>(tasks: impl IntoIterator<Item = F>) -> ApiResult<Json<Value>>
+where
+    F: std::future::Future<Output = Value> + Send + 'static,
+{
+    let mut set = tokio::task::JoinSet::new();
+    for (i, task) in tasks.into_iter().enumerate() {
+        set.spawn(async move { (i, task.await) });
+    }
+    let mut out = Vec::new();
+    while let Some(r) = set.join_next().await {
+        out.push(r.map_err(|e| ApiError::internal(e.to_string()))?);
     }
     out.sort_by_key(|(i, _)| *i);
     Ok(Json(
@@ -397,33 +404,20 @@ pub(super) async fn batch_delete(
         }
         _ => return Err(ApiError::invalid("pass exactly one of ids and labels")),
     };
-    let mut set = tokio::task::JoinSet::new();
-    for (i, id) in ids.into_iter().enumerate() {
-        let app = app.clone();
-        let t = t.clone();
-        set.spawn(async move {
+    let tasks = ids.into_iter().map(|id| {
+        let (app, t) = (app.clone(), t.clone());
+        async move {
             let r = match app.node.owned(&t, &id) {
                 Ok(e) => app.node.destroy(&e).await.map(|_| ()),
                 Err(e) => Err(e),
             };
-            (i, id, r)
-        });
-    }
-    let mut out = Vec::new();
-    while let Some(r) = set.join_next().await {
-        let (i, id, r) = r.map_err(|e| ApiError::internal(e.to_string()))?;
-        out.push((
-            i,
             match r {
                 Ok(()) => json!({"id": id, "ok": true}),
                 Err(e) => json!({"id": id, "ok": false, "error": ApiError::from(e).problem()}),
-            },
-        ));
-    }
-    out.sort_by_key(|(i, _)| *i);
-    Ok(Json(
-        json!({"items": out.into_iter().map(|(_, v)| v).collect::<Vec<_>>()}),
-    ))
+            }
+        }
+    });
+    batch(tasks).await
 }
 
 pub(super) async fn lease(

@@ -4,9 +4,7 @@ use super::*;
 
 pub(super) async fn list_templates(AxState(app): AxState<AppState>) -> ApiResult<Json<Value>> {
     let rt = Arc::clone(&app.node.rt);
-    let list = tokio::task::spawn_blocking(move || rt.templates().list())
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let list = blocking(move || rt.templates().list()).await?;
     Ok(Json(json!({"items": list})))
 }
 
@@ -15,9 +13,7 @@ pub(super) async fn get_template(
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
     let rt = Arc::clone(&app.node.rt);
-    let t = tokio::task::spawn_blocking(move || rt.templates().get(&name))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let t = blocking(move || rt.templates().get(&name)).await?;
     Ok(Json(serde_json::to_value(t).unwrap_or_default()))
 }
 
@@ -37,7 +33,7 @@ pub(super) async fn import_template(
     require_admin(&caller)?;
     let rt = Arc::clone(&app.node.rt);
     let limits = crate::template::ImportLimits::default();
-    let t = tokio::task::spawn_blocking(move || {
+    let t = blocking(move || {
         let mut reader = std::io::Cursor::new(body);
         match q.format.as_deref().unwrap_or("rootfs") {
             "rootfs" => rt
@@ -55,8 +51,7 @@ pub(super) async fn import_template(
             _ => Err(ApiError::invalid("format must be rootfs, oci or docker")),
         }
     })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    .await?;
     forget_template(&app, &t.name);
     Ok((
         StatusCode::CREATED,
@@ -72,12 +67,11 @@ pub(super) async fn delete_template(
     require_admin(&caller)?;
     let gone = name.clone();
     let owner = app.node.clone();
-    tokio::task::spawn_blocking(move || {
+    blocking(move || {
         let in_use = || owner.templates_in_use();
         owner.rt.templates().remove(&name, &in_use)
     })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    .await?;
     forget_template(&app, &gone);
     Ok(StatusCode::NO_CONTENT)
 }
@@ -121,9 +115,7 @@ pub(super) async fn set_pool(
     if base != "host" {
         let rt = Arc::clone(&app.node.rt);
         let name = base.to_owned();
-        tokio::task::spawn_blocking(move || rt.templates().get(&name))
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))??;
+        blocking(move || rt.templates().get(&name)).await?;
     }
     app.node.set_pool(&template, size)?;
     get_pool(AxState(app), Path(template)).await

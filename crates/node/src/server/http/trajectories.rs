@@ -12,9 +12,7 @@ pub(super) async fn get_trajectory(
     Path(tid): Path<String>,
 ) -> ApiResult<Json<Value>> {
     let app2 = app.clone();
-    let v = tokio::task::spawn_blocking(move || app2.trajectories.summary(&t, &tid))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let v = blocking(move || app2.trajectories.summary(&t, &tid)).await?;
     Ok(Json(v))
 }
 
@@ -35,10 +33,7 @@ pub(super) async fn trajectory_records(
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
     let from = q.from_step.unwrap_or(0);
     let app2 = app.clone();
-    let items =
-        tokio::task::spawn_blocking(move || app2.trajectories.records(&t, &tid, from, limit + 1))
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))??;
+    let items = blocking(move || app2.trajectories.records(&t, &tid, from, limit + 1)).await?;
     // Records are grouped by step; a page ends on a step boundary when it can.
     let mut items = items;
     let next = if items.len() > limit {
@@ -105,9 +100,7 @@ pub(super) async fn export_trajectory(
     Query(q): Query<ExportQuery>,
 ) -> ApiResult<Response> {
     let app2 = app.clone();
-    let rows = tokio::task::spawn_blocking(move || app2.trajectories.export_rows(&t, &tid))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let rows = blocking(move || app2.trajectories.export_rows(&t, &tid)).await?;
     let rows: Vec<Value> = rows
         .into_iter()
         .filter(|r| {
@@ -222,8 +215,6 @@ pub(super) async fn finish_trajectory(
 /// Runs retention and compaction of finished trajectories now (admin).
 pub(super) async fn compact_log(Caller(app, caller): Caller) -> ApiResult<Json<Value>> {
     require_admin(&caller)?;
-    let report = tokio::task::spawn_blocking(move || app.maintain_log())
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let report = blocking(move || app.maintain_log()).await?;
     Ok(Json(report))
 }
