@@ -304,10 +304,14 @@ fn write_column(
     use ColumnWriter::{
         ByteArrayColumnWriter as Bytes, DoubleColumnWriter as F64, Int64ColumnWriter as I64,
     };
-    let ints = |get: fn(&ExportRow) -> Option<i64>| optional(rows, get);
     match (column, w) {
-        (0, Bytes(w)) => {
-            let v: Vec<ByteArray> = rows.iter().map(|r| text(&r.trajectory)).collect();
+        (0 | 2 | 3, Bytes(w)) => {
+            let get: fn(&ExportRow) -> &str = match column {
+                0 => |r| &r.trajectory,
+                2 => |r| &r.action,
+                _ => |r| &r.observation,
+            };
+            let v: Vec<ByteArray> = rows.iter().map(|r| text(get(r))).collect();
             w.write_batch(&v, None, None)?;
         }
         (1, I64(w)) => {
@@ -319,32 +323,18 @@ fn write_column(
                 .collect();
             w.write_batch(&v, None, None)?;
         }
-        (2, Bytes(w)) => {
-            let v: Vec<ByteArray> = rows.iter().map(|r| text(&r.action)).collect();
-            w.write_batch(&v, None, None)?;
-        }
-        (3, Bytes(w)) => {
-            let v: Vec<ByteArray> = rows.iter().map(|r| text(&r.observation)).collect();
-            w.write_batch(&v, None, None)?;
-        }
         (4, Bytes(w)) => {
             let (v, def) = optional(rows, |r| r.exit_status.as_deref().map(text));
             w.write_batch(&v, Some(&def), None)?;
         }
-        (5, I64(w)) => {
-            let (v, def) = ints(|r| r.exit_code);
-            w.write_batch(&v, Some(&def), None)?;
-        }
-        (6, I64(w)) => {
-            let (v, def) = ints(|r| r.wall_us);
-            w.write_batch(&v, Some(&def), None)?;
-        }
-        (7, I64(w)) => {
-            let (v, def) = ints(|r| r.started_at_ms);
-            w.write_batch(&v, Some(&def), None)?;
-        }
-        (8, I64(w)) => {
-            let (v, def) = ints(|r| r.finished_at_ms);
+        (5..=8, I64(w)) => {
+            let get: fn(&ExportRow) -> Option<i64> = match column {
+                5 => |r| r.exit_code,
+                6 => |r| r.wall_us,
+                7 => |r| r.started_at_ms,
+                _ => |r| r.finished_at_ms,
+            };
+            let (v, def) = optional(rows, get);
             w.write_batch(&v, Some(&def), None)?;
         }
         (9, F64(w)) => {

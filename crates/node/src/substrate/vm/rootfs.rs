@@ -415,11 +415,10 @@ impl<'a> MergeScan<'a> {
             return Ok(());
         };
         let top_dir = top.path.join(rel);
-        match fs::symlink_metadata(&top_dir) {
-            Ok(meta) => self.count(rel, 'd', &meta),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io_err("stat", &top_dir, e)),
-        }
+        let Some(meta) = unless_gone(fs::symlink_metadata(&top_dir), "stat", &top_dir)? else {
+            return Ok(());
+        };
+        self.count(rel, 'd', &meta);
         ancestors.push((rel.to_path_buf(), top_dir));
         // Name → its entries in the layers that have it, topmost first.
         let mut names = BTreeMap::<OsString, Vec<Found>>::new();
@@ -429,17 +428,13 @@ impl<'a> MergeScan<'a> {
                 continue;
             };
             let dir = lower.path.join(rel);
-            let entries = match fs::read_dir(&dir) {
-                Ok(entries) => entries,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io_err("read dir", &dir, e)),
+            let Some(entries) = unless_gone(fs::read_dir(&dir), "read dir", &dir)? else {
+                continue;
             };
             for entry in entries {
                 let entry = entry.map_err(|e| io_err("read dir", &dir, e))?;
-                let meta = match entry.metadata() {
-                    Ok(meta) => meta,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(io_err("stat", &entry.path(), e)),
+                let Some(meta) = unless_gone(entry.metadata(), "stat", &entry.path())? else {
+                    continue;
                 };
                 whiteouts |= is_whiteout(&meta);
                 names.entry(entry.file_name()).or_default().push((i, meta));
@@ -537,6 +532,19 @@ impl<'a> MergeScan<'a> {
 /// Creates the fix-up layer at `root`: the directories `dirs` (relative path → directory to
 /// copy mode, owner, times and xattrs from), nothing else. Not opaque, it changes no
 /// contents; it only makes overlayfs merge (and filter) those directories.
+/// `r`, or `None` when the file is gone (never there, or removed while the layers are read).
+fn unless_gone<T>(
+    r: io::Result<T>,
+    op: &'static str,
+    path: &Path,
+) -> Result<Option<T>, ImageError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_err(op, path, e)),
+    }
+}
+
 fn build_fixup_layer(root: &Path, dirs: &BTreeMap<PathBuf, PathBuf>) -> Result<(), ImageError> {
     // Sorted, so parents come first; times are set last, deepest first, because creating
     // an entry changes its parent's mtime.
