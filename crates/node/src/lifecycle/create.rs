@@ -240,18 +240,15 @@ impl Node {
                 match sb.substrate() {
                     // (A function call's sandbox is a container.)
                     Substrate::Container | Substrate::Function => {
-                        self.metrics
-                            .phase_launch
-                            .observe_duration(us(phases.launch_us));
-                        self.metrics
-                            .phase_hello
-                            .observe_duration(us(phases.hello_us));
-                        self.metrics
-                            .phase_cgroup
-                            .observe_duration(us(phases.cgroup_us));
-                        self.metrics
-                            .phase_clone_exec
-                            .observe_duration(us(phases.clone_exec_us));
+                        let m = &self.metrics;
+                        for (h, v) in [
+                            (&m.phase_launch, phases.launch_us),
+                            (&m.phase_hello, phases.hello_us),
+                            (&m.phase_cgroup, phases.cgroup_us),
+                            (&m.phase_clone_exec, phases.clone_exec_us),
+                        ] {
+                            h.observe_duration(us(v));
+                        }
                     }
                     Substrate::Microvm => self.metrics.vm_created_microvm.inc(),
                     Substrate::Vm => self.metrics.vm_created_vm.inc(),

@@ -316,13 +316,7 @@ impl Trajectories {
     }
 
     fn lock_of(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        Arc::clone(
-            self.chains
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(key.to_owned())
-                .or_default(),
-        )
+        super::state::keyed(&self.chains, key.to_owned())
     }
 
     /// The current chain of a trajectory (built from the log once, then kept up to date).

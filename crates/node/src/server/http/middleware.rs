@@ -139,13 +139,7 @@ pub(super) async fn idempotency(
     h.update(&bytes);
     let hash = hex::encode(h.finalize());
     let slot = (tenant.id.clone(), key.clone());
-    let lock = Arc::clone(
-        app.idem
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(slot.clone())
-            .or_default(),
-    );
+    let lock = crate::server::state::keyed(&app.idem, slot.clone());
     let _held = lock.lock().await;
     let resp = async {
         match app.node.store.idempotent(&tenant.id, &key) {
