@@ -410,7 +410,14 @@ async fn metrics_text(AxState(state): AxState<state::AppState>) -> Response {
     })
     .await
     .unwrap_or_default();
-    let families: [(&str, &str, &str, fn(&CgroupStats) -> Option<f64>); 3] = [
+    /// A per-sandbox series: name, type, help, its value in a sandbox's cgroup figures.
+    type Family = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&CgroupStats) -> Option<f64>,
+    );
+    let families: [Family; 3] = [
         (
             "dsec_sandbox_memory_bytes",
             "gauge",

@@ -870,3 +870,11 @@ fn file_digest(p: &Path) -> Result<String, VmError> {
     let data = fs::read(p).map_err(VmError::io("read the agent binary"))?;
     Ok(hex::encode(Sha256::digest(&data)))
 }
+
+/// The path in the environment variable `var` that a hand-run (`#[ignore]`d) test of real
+/// resources needs; the test fails without it rather than pass having done nothing.
+#[cfg(test)]
+pub(crate) fn dev_path(var: &str) -> std::path::PathBuf {
+    let path = std::env::var_os(var).unwrap_or_else(|| panic!("set {var} to run this test"));
+    std::path::PathBuf::from(path)
+}

@@ -1039,11 +1039,7 @@ mod tests {
     #[test]
     #[ignore = "builds an image of the host's /; set DSEC_DEV_HOST_IMAGE"]
     fn real_host_root_image() -> anyhow::Result<()> {
-        let Some(out) = std::env::var_os("DSEC_DEV_HOST_IMAGE") else {
-            eprintln!("skipped: DSEC_DEV_HOST_IMAGE is not set");
-            return Ok(());
-        };
-        let out = PathBuf::from(out);
+        let out = crate::substrate::vm::dev_path("DSEC_DEV_HOST_IMAGE");
         let data_dir = parent_dir(&out).join("host-data");
         fs::create_dir_all(&data_dir)?;
         let mask = crate::template::host_mask_layer(&data_dir, &[])?;

@@ -170,11 +170,7 @@ mod tests {
     #[test]
     #[ignore = "downloads Debian's kernel; set DSEC_DEV_VM_CACHE"]
     fn real_kernel_and_initramfs() -> anyhow::Result<()> {
-        let Some(cache) = std::env::var_os("DSEC_DEV_VM_CACHE") else {
-            eprintln!("skipped: DSEC_DEV_VM_CACHE is not set");
-            return Ok(());
-        };
-        let cache = PathBuf::from(cache);
+        let cache = crate::substrate::vm::dev_path("DSEC_DEV_VM_CACHE");
         let start = std::time::Instant::now();
         let kernel = prepare_kernel(&cache)?;
         eprintln!("prepared {kernel:#?} in {:?}", start.elapsed());
