@@ -211,6 +211,23 @@ def test_templates_pools_node(client: dsec.Client, server) -> None:
     assert "/v1/sandboxes" in doc.get("paths", {})
 
 
+def test_metrics_show_each_live_sandbox(client: dsec.Client) -> None:
+    sb = dsec.Sandbox.create(client)
+    try:
+        text = client.metrics()
+        for name, kind in [
+            ("dsec_sandbox_memory_bytes", "gauge"),
+            ("dsec_sandbox_cpu_seconds_total", "counter"),
+            ("dsec_sandbox_oom_kills_total", "counter"),
+        ]:
+            assert f"# TYPE {name} {kind}" in text
+            series = [ln for ln in text.splitlines() if ln.startswith(f'{name}{{sandbox="{sb.id}"}} ')]
+            assert len(series) == 1, (name, text)
+            assert float(series[0].split()[-1]) >= 0
+    finally:
+        sb.destroy()
+
+
 def test_destroyed_sandbox_rejects_exec(client: dsec.Client) -> None:
     sb = dsec.Sandbox.create(client)
     sb.destroy()
