@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use dsec_api::agent::{Event, Request, DATA_CHUNK, PROTOCOL_VERSION};
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus, Stream, MAX_TIMEOUT_MS};
+use dsec_api::error::chain;
 use dsec_api::frame::{self, FrameError};
 use dsec_api::ErrorCode;
 use dsec_sys::proc;
@@ -69,13 +70,7 @@ impl Out {
     }
 
     fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
-        let mut message = err.to_string();
-        let mut src = err.source();
-        while let Some(s) = src {
-            message.push_str(": ");
-            message.push_str(&s.to_string());
-            src = s.source();
-        }
+        let message = chain(err);
         self.send(id, &Event::Error { code, message }, &[]);
     }
 }
