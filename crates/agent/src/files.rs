@@ -482,24 +482,19 @@ pub fn read_chunks(
         None => DEFAULT_READ_MAX,
     };
     let mut reader = file.take(bound);
-    let mut buf = vec![0u8; chunk_size];
+    let mut buf = Vec::with_capacity(chunk_size);
     let mut pending: Option<Vec<u8>> = None;
     loop {
-        let mut filled = 0;
-        while filled < buf.len() {
-            match reader.read(&mut buf[filled..]) {
-                Ok(0) => break,
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(source) => {
-                    return Err(FileError::Io {
-                        op: "read",
-                        path: path.to_owned(),
-                        source,
-                    })
-                }
-            }
-        }
+        buf.clear();
+        (&mut reader)
+            .take(chunk_size as u64)
+            .read_to_end(&mut buf)
+            .map_err(|source| FileError::Io {
+                op: "read",
+                path: path.to_owned(),
+                source,
+            })?;
+        let filled = buf.len();
         if let Some(p) = pending.take() {
             if filled == 0 {
                 chunk(&p, true);
@@ -507,11 +502,11 @@ pub fn read_chunks(
             }
             chunk(&p, false);
         }
-        if filled < buf.len() {
-            chunk(&buf[..filled], true);
+        if filled < chunk_size {
+            chunk(&buf, true);
             return Ok(());
         }
-        pending = Some(buf[..filled].to_vec());
+        pending = Some(buf.clone());
     }
 }
 
