@@ -522,4 +522,22 @@ mod tests {
         assert!(clean("/").expect("ok").is_empty());
         assert!(clean("a\0b").is_err());
     }
+
+    #[test]
+    fn read_chunks_marks_the_last_piece() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = Root::open(tmp.path()).expect("root");
+        for (len, want) in [
+            (0, vec![(0, true)]),
+            (3, vec![(3, true)]),
+            (8, vec![(4, false), (4, true)]),
+            (9, vec![(4, false), (4, false), (1, true)]),
+        ] {
+            std::fs::write(tmp.path().join("f"), vec![7u8; len]).expect("write");
+            let mut got = Vec::new();
+            read_chunks(&root, "/f", None, 4, &mut |b, eof| got.push((b.len(), eof)))
+                .expect("read");
+            assert_eq!(got, want, "{len} bytes");
+        }
+    }
 }
