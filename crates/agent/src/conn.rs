@@ -11,15 +11,17 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dsec_api::agent::{Event, Request, DATA_CHUNK, PROTOCOL_VERSION};
+use dsec_api::error::chain;
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus, Stream, MAX_TIMEOUT_MS};
 use dsec_api::frame::{self, FrameError};
 use dsec_api::ErrorCode;
 use dsec_sys::proc;
 
 use crate::exec::{self, StdinFeed, SIGKILL};
-use crate::files::Root;
+use crate::files::{FileError, Root};
 use crate::reaper::{lock, ExitSlot, Reaper};
 use crate::session::Sessions;
+use crate::tar::TarError;
 
 /// Most requests handled at once.
 const MAX_INFLIGHT: usize = 256;
@@ -68,14 +70,22 @@ impl Out {
         }
     }
 
-    fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
-        let mut message = err.to_string();
-        let mut src = err.source();
-        while let Some(s) = src {
-            message.push_str(": ");
-            message.push_str(&s.to_string());
-            src = s.source();
+    /// Answers with the `Data` events `read` passes its pieces to (`send(bytes, eof)`), or with
+    /// its error and the code `code` gives it.
+    fn send_data<E: std::error::Error>(
+        &self,
+        id: u64,
+        code: fn(&E) -> ErrorCode,
+        read: impl FnOnce(&mut dyn FnMut(&[u8], bool)) -> Result<(), E>,
+    ) {
+        let mut send = |b: &[u8], eof: bool| self.send(id, &Event::Data { eof }, b);
+        if let Err(e) = read(&mut send) {
+            self.error(id, code(&e), &e);
         }
+    }
+
+    fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
+        let message = chain(err);
         self.send(id, &Event::Error { code, message }, &[]);
     }
 }
@@ -553,14 +563,9 @@ impl Agent {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, e.code(), &e),
             },
-            Request::FileRead { path, max_bytes } => {
-                let mut send = |b: &[u8], eof: bool| out.send(id, &Event::Data { eof }, b);
-                if let Err(e) =
-                    crate::files::read_chunks(&self.root(), &path, max_bytes, DATA_CHUNK, &mut send)
-                {
-                    out.error(id, e.code(), &e);
-                }
-            }
+            Request::FileRead { path, max_bytes } => out.send_data(id, FileError::code, |send| {
+                crate::files::read_chunks(&self.root(), &path, max_bytes, DATA_CHUNK, send)
+            }),
             Request::FileWrite {
                 path,
                 mode,
@@ -598,14 +603,9 @@ impl Agent {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, e.code(), &e),
             },
-            Request::TarDownload { path, max_bytes } => {
-                let mut send = |b: &[u8], eof: bool| out.send(id, &Event::Data { eof }, b);
-                if let Err(e) =
-                    crate::tar::download(&self.root(), &path, max_bytes, DATA_CHUNK, &mut send)
-                {
-                    out.error(id, e.code(), &e);
-                }
-            }
+            Request::TarDownload { path, max_bytes } => out.send_data(id, TarError::code, |send| {
+                crate::tar::download(&self.root(), &path, max_bytes, DATA_CHUNK, send)
+            }),
             Request::KillAll => match self.kill_all(KILL_ALL_TIMEOUT) {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, ErrorCode::Internal, &e),

@@ -482,24 +482,19 @@ pub fn read_chunks(
         None => DEFAULT_READ_MAX,
     };
     let mut reader = file.take(bound);
-    let mut buf = vec![0u8; chunk_size];
+    let mut buf = Vec::with_capacity(chunk_size);
     let mut pending: Option<Vec<u8>> = None;
     loop {
-        let mut filled = 0;
-        while filled < buf.len() {
-            match reader.read(&mut buf[filled..]) {
-                Ok(0) => break,
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(source) => {
-                    return Err(FileError::Io {
-                        op: "read",
-                        path: path.to_owned(),
-                        source,
-                    })
-                }
-            }
-        }
+        buf.clear();
+        (&mut reader)
+            .take(chunk_size as u64)
+            .read_to_end(&mut buf)
+            .map_err(|source| FileError::Io {
+                op: "read",
+                path: path.to_owned(),
+                source,
+            })?;
+        let filled = buf.len();
         if let Some(p) = pending.take() {
             if filled == 0 {
                 chunk(&p, true);
@@ -507,11 +502,11 @@ pub fn read_chunks(
             }
             chunk(&p, false);
         }
-        if filled < buf.len() {
-            chunk(&buf[..filled], true);
+        if filled < chunk_size {
+            chunk(&buf, true);
             return Ok(());
         }
-        pending = Some(buf[..filled].to_vec());
+        pending = Some(buf.clone());
     }
 }
 
@@ -526,5 +521,23 @@ mod tests {
         assert_eq!(clean("/a/./b/../c").expect("ok"), vec!["a", "c"]);
         assert!(clean("/").expect("ok").is_empty());
         assert!(clean("a\0b").is_err());
+    }
+
+    #[test]
+    fn read_chunks_marks_the_last_piece() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = Root::open(tmp.path()).expect("root");
+        for (len, want) in [
+            (0, vec![(0, true)]),
+            (3, vec![(3, true)]),
+            (8, vec![(4, false), (4, true)]),
+            (9, vec![(4, false), (4, false), (1, true)]),
+        ] {
+            std::fs::write(tmp.path().join("f"), vec![7u8; len]).expect("write");
+            let mut got = Vec::new();
+            read_chunks(&root, "/f", None, 4, &mut |b, eof| got.push((b.len(), eof)))
+                .expect("read");
+            assert_eq!(got, want, "{len} bytes");
+        }
     }
 }

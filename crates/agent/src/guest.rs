@@ -137,26 +137,24 @@ fn largest_process() -> Option<i32> {
 
 /// The guest kernel's count of OOM kills (`oom_kill` in `/proc/vmstat`).
 fn kernel_oom_kills() -> u64 {
-    fs::read_to_string("/proc/vmstat")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("oom_kill "))
-                .and_then(|v| v.trim().parse().ok())
-        })
+    proc_value("/proc/vmstat", "oom_kill ")
+        .and_then(|v| v.parse().ok())
         .unwrap_or(0)
 }
 
 /// Guest RAM in bytes (`MemTotal`).
 fn mem_total() -> u64 {
-    fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
+    proc_value("/proc/meminfo", "MemTotal:")
+        .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+/// The value after `key` on the first line of the `/proc` file `path` that starts with it,
+/// trimmed.
+fn proc_value(path: &str, key: &str) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    let value = text.lines().find_map(|l| l.strip_prefix(key))?;
+    Some(value.trim().to_owned())
 }
 
 fn raw(f: &File) -> i32 {

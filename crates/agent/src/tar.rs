@@ -9,7 +9,7 @@
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 
 use dsec_api::ErrorCode;
@@ -364,6 +364,18 @@ fn pack_dir<W: Write>(
     Ok(())
 }
 
+/// Opens the entry `name` of `dir` with `flags`, neither following it nor any symlink on the way.
+fn open_beneath(dir: BorrowedFd<'_>, name: &OsStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+    sfs::openat2(
+        dir,
+        name,
+        flags | libc::O_NOFOLLOW,
+        0,
+        Confine::BeneathNoSymlinks,
+    )
+    .map_err(io::Error::other)
+}
+
 fn pack_entry<W: Write>(
     b: &mut Builder<W>,
     dir: BorrowedFd<'_>,
@@ -391,25 +403,11 @@ fn pack_entry<W: Write>(
             h.set_entry_type(EntryType::Directory);
             h.set_size(0);
             b.append_data(&mut h, format!("{archived}/"), io::empty())?;
-            let sub = sfs::openat2(
-                dir,
-                name,
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
-                0,
-                Confine::BeneathNoSymlinks,
-            )
-            .map_err(io::Error::other)?;
+            let sub = open_beneath(dir, name, libc::O_PATH | libc::O_DIRECTORY)?;
             pack_dir(b, sub.as_fd(), archived, depth + 1, count)
         }
         Kind::File => {
-            let fd = sfs::openat2(
-                dir,
-                name,
-                libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
-                0,
-                Confine::BeneathNoSymlinks,
-            )
-            .map_err(io::Error::other)?;
+            let fd = open_beneath(dir, name, libc::O_RDONLY | libc::O_NONBLOCK)?;
             let size = info.size;
             h.set_entry_type(EntryType::Regular);
             h.set_size(size);

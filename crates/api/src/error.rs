@@ -104,6 +104,18 @@ impl std::fmt::Display for ErrorCode {
     }
 }
 
+/// `e` and its chain of sources, joined with `": "`: the detail of an error in a message.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -562,19 +562,34 @@ fn writable_for_real(path: &str) -> (bool, Value) {
     }
 }
 
-fn s07_proc() -> Check {
+/// Runs `check` on each of `paths`: whether every one passed, and the detail of each by path.
+fn check_paths(
+    paths: &[&'static str],
+    check: impl Fn(&str) -> (bool, Value),
+) -> (bool, BTreeMap<&'static str, Value>) {
     let mut pass = true;
-    let mut reads = BTreeMap::new();
-    for p in [
-        "/proc/kcore",
-        "/proc/keys",
-        "/proc/sched_debug",
-        "/proc/timer_list",
-    ] {
-        let r = read_head(p);
-        pass &= !matches!(&r, Ok(b) if !b.is_empty());
-        reads.insert(p, describe_read(&r));
+    let mut details = BTreeMap::new();
+    for &p in paths {
+        let (ok, detail) = check(p);
+        pass &= ok;
+        details.insert(p, detail);
     }
+    (pass, details)
+}
+
+fn s07_proc() -> Check {
+    let (mut pass, mut reads) = check_paths(
+        &[
+            "/proc/kcore",
+            "/proc/keys",
+            "/proc/sched_debug",
+            "/proc/timer_list",
+        ],
+        |p| {
+            let r = read_head(p);
+            (!matches!(&r, Ok(b) if !b.is_empty()), describe_read(&r))
+        },
+    );
     let ksyms = read_head("/proc/kallsyms");
     let addrs_zero = match &ksyms {
         Ok(b) => String::from_utf8_lossy(b).lines().take(200).all(|l| {
@@ -589,17 +604,19 @@ fn s07_proc() -> Check {
         "/proc/kallsyms",
         json!({ "read": describe_read(&ksyms), "addresses_all_zero": addrs_zero }),
     );
-    let mut writes = BTreeMap::new();
-    for p in [
-        "/proc/sys/kernel/hostname",
-        "/proc/sysrq-trigger",
-        "/proc/sys/kernel/core_pattern",
-        "/proc/sys/vm/drop_caches",
-    ] {
-        let (w, d) = writable_for_real(p);
-        pass &= !w;
-        writes.insert(p, d);
-    }
+    let (unwritable, writes) = check_paths(
+        &[
+            "/proc/sys/kernel/hostname",
+            "/proc/sysrq-trigger",
+            "/proc/sys/kernel/core_pattern",
+            "/proc/sys/vm/drop_caches",
+        ],
+        |p| {
+            let (w, d) = writable_for_real(p);
+            (!w, d)
+        },
+    );
+    pass &= unwritable;
     let proc_sys_ro = mounts()
         .iter()
         .rev()
@@ -655,41 +672,38 @@ fn list_dev() -> BTreeMap<String, String> {
 }
 
 fn s08_devices() -> Check {
-    let mut pass = true;
-    let mut opens = BTreeMap::new();
-    for p in [
-        "/dev/kvm",
-        "/dev/mem",
-        "/dev/kmem",
-        "/dev/port",
-        "/dev/kmsg",
-        "/dev/vda",
-        "/dev/sda",
-        "/dev/nvme0n1",
-        "/dev/loop0",
-        "/dev/loop-control",
-        "/dev/net/tun",
-        "/dev/fuse",
-        "/dev/vhost-vsock",
-        "/dev/dm-0",
-    ] {
-        let r = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(p);
-        let v = match r {
-            Ok(_) => {
-                pass = false;
-                json!("opened")
+    let (mut pass, opens) = check_paths(
+        &[
+            "/dev/kvm",
+            "/dev/mem",
+            "/dev/kmem",
+            "/dev/port",
+            "/dev/kmsg",
+            "/dev/vda",
+            "/dev/sda",
+            "/dev/nvme0n1",
+            "/dev/loop0",
+            "/dev/loop-control",
+            "/dev/net/tun",
+            "/dev/fuse",
+            "/dev/vhost-vsock",
+            "/dev/dm-0",
+        ],
+        |p| {
+            let r = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+                .open(p);
+            match r {
+                Ok(_) => (false, json!("opened")),
+                Err(e) => {
+                    let errno = errno_of(&e);
+                    let ok = matches!(errno, libc::ENOENT | libc::EACCES | libc::EPERM);
+                    (ok, json!({ "errno": errno }))
+                }
             }
-            Err(e) => {
-                let errno = errno_of(&e);
-                pass &= matches!(errno, libc::ENOENT | libc::EACCES | libc::EPERM);
-                json!({ "errno": errno })
-            }
-        };
-        opens.insert(p, v);
-    }
+        },
+    );
     let dev = list_dev();
     let block: Vec<&String> = dev
         .iter()
@@ -859,43 +873,46 @@ fn c01_fds() -> Check {
     }
 }
 
-fn c03_masked_paths() -> Check {
-    let mut pass = true;
-    let mut out = BTreeMap::new();
-    for p in [
-        "/proc/acpi",
-        "/proc/asound",
-        "/proc/kcore",
-        "/proc/keys",
-        "/proc/latency_stats",
-        "/proc/timer_list",
-        "/proc/timer_stats",
-        "/proc/sched_debug",
-        "/proc/scsi",
-        "/sys/firmware",
-        "/sys/devices/virtual/powercap",
-    ] {
-        let v = match fs::metadata(p) {
-            Err(e) => json!({ "absent_errno": errno_of(&e) }),
-            Ok(m) if m.file_type().is_char_device() && sys::major_minor(m.rdev()) == (1, 3) => {
-                json!("/dev/null")
-            }
-            Ok(m) if m.is_dir() => {
-                let empty = fs::read_dir(p)
-                    .map(|mut d| d.next().is_none())
-                    .unwrap_or(false);
-                let (ty, ro) = sys::fs_type_and_ro(p).unwrap_or((0, false));
-                let ok = empty && ro && ty == libc::TMPFS_MAGIC;
-                pass &= ok;
-                json!({ "dir": { "empty": empty, "read_only": ro, "tmpfs": ty == libc::TMPFS_MAGIC } })
-            }
-            Ok(m) => {
-                pass = false;
-                json!({ "unmasked": format!("{:?}", m.file_type()) })
-            }
-        };
-        out.insert(p, v);
+/// How `p` is masked: `/dev/null` bound over a file, an empty read-only tmpfs over a directory,
+/// or absent; false for anything else.
+fn masked(p: &str) -> (bool, Value) {
+    match fs::metadata(p) {
+        Err(e) => (true, json!({ "absent_errno": errno_of(&e) })),
+        Ok(m) if m.file_type().is_char_device() && sys::major_minor(m.rdev()) == (1, 3) => {
+            (true, json!("/dev/null"))
+        }
+        Ok(m) if m.is_dir() => {
+            let empty = fs::read_dir(p)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
+            let (ty, ro) = sys::fs_type_and_ro(p).unwrap_or((0, false));
+            let ok = empty && ro && ty == libc::TMPFS_MAGIC;
+            (
+                ok,
+                json!({ "dir": { "empty": empty, "read_only": ro, "tmpfs": ty == libc::TMPFS_MAGIC } }),
+            )
+        }
+        Ok(m) => (false, json!({ "unmasked": format!("{:?}", m.file_type()) })),
     }
+}
+
+fn c03_masked_paths() -> Check {
+    let (pass, out) = check_paths(
+        &[
+            "/proc/acpi",
+            "/proc/asound",
+            "/proc/kcore",
+            "/proc/keys",
+            "/proc/latency_stats",
+            "/proc/timer_list",
+            "/proc/timer_stats",
+            "/proc/sched_debug",
+            "/proc/scsi",
+            "/sys/firmware",
+            "/sys/devices/virtual/powercap",
+        ],
+        masked,
+    );
     Check {
         id: "C-03",
         pass,

@@ -3,22 +3,11 @@
 use std::error::Error;
 use std::io;
 
+use dsec_api::error::chain;
 use dsec_sys::cgroup::CgroupError;
 use dsec_sys::launch::LaunchError;
 
 use crate::proto::{LaunchFailure, LaunchStep};
-
-/// `e` and its sources, joined with `": "`.
-pub(crate) fn error_chain(e: &dyn Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
 
 /// The first OS error number in `e`'s chain of sources.
 fn errno_in_chain(e: &(dyn Error + 'static)) -> Option<i32> {
@@ -40,7 +29,7 @@ pub(crate) fn failure(step: LaunchStep, e: &(dyn Error + 'static)) -> LaunchFail
     LaunchFailure {
         step,
         errno: errno_in_chain(e),
-        message: error_chain(e),
+        message: chain(e),
     }
 }
 
@@ -73,7 +62,7 @@ pub(crate) fn launch_failure(e: &LaunchError) -> LaunchFailure {
             return LaunchFailure {
                 step: child_step(step),
                 errno: errno.raw_os_error().filter(|&n| n != 0),
-                message: error_chain(e),
+                message: chain(e),
             }
         }
     };

@@ -169,10 +169,10 @@ pub enum LaunchStep {
     Reply,
 }
 
-impl LaunchStep {
-    /// What the step does, for messages.
-    pub fn describe(self) -> &'static str {
-        match self {
+/// What the step does, for messages.
+impl std::fmt::Display for LaunchStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
             LaunchStep::Fork => "forking the supervisor",
             LaunchStep::RunDir => "creating the runtime directory",
             LaunchStep::HostRoot => "binding the host root",
@@ -195,13 +195,7 @@ impl LaunchStep {
             LaunchStep::Spawner => "reaching the spawner",
             LaunchStep::Timeout => "waiting for the supervisor",
             LaunchStep::Reply => "reading the supervisor's answer",
-        }
-    }
-}
-
-impl std::fmt::Display for LaunchStep {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.describe())
+        })
     }
 }
 

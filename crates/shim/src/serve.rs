@@ -7,13 +7,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use dsec_api::agent::Request;
+use dsec_api::error::chain;
 use dsec_sys::cgroup::Cgroup;
 use dsec_sys::ipc::{self, PidFd};
 use dsec_sys::launch;
 
 use crate::agent::{configure_request, send_agent_request, CONFIGURE_ID};
 use crate::ctx::{send, SpawnerCtx};
-use crate::failure::error_chain;
 use crate::init::{clear_ipc, container_spec, kill_all_but_init, launch_init, Init, WARM_PATHS};
 use crate::proto::{ControlMsg, LaunchConfig, SupervisorMsg, MAX_MSG};
 
@@ -247,7 +247,7 @@ impl Loop<'_> {
                 self.spare_at.get_or_insert(Instant::now() + SPARE_DELAY);
             }
             Err(e) => {
-                let message = error_chain(&e);
+                let message = chain(&e);
                 self.reply(&SupervisorMsg::Error { message }, &[]);
             }
         }

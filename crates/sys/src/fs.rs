@@ -477,29 +477,18 @@ mod tests {
         std::os::unix::fs::symlink("../../../../..", tmp.path().join("d/up")).expect("symlink");
         std::fs::write(tmp.path().join("f"), b"x").expect("write");
         let root = open_root(tmp.path()).expect("root");
+        let open = |path: &str, confine| {
+            openat2(root.as_fd(), OsStr::new(path), libc::O_RDONLY, 0, confine)
+        };
         // "d/up/f" climbs to the root of the tmp dir, not the host root.
-        let fd = openat2(
-            root.as_fd(),
-            OsStr::new("d/up/f"),
-            libc::O_RDONLY,
-            0,
-            Confine::InRoot,
-        )
-        .expect("resolves inside root");
+        let fd = open("d/up/f", Confine::InRoot).expect("resolves inside root");
         assert_eq!(
             fstatat_nofollow(fd.as_fd(), OsStr::new(""))
                 .expect("stat")
                 .size,
             1
         );
-        let e = openat2(
-            root.as_fd(),
-            OsStr::new("../etc/passwd"),
-            libc::O_RDONLY,
-            0,
-            Confine::Beneath,
-        )
-        .expect_err("beneath refuses ..");
+        let e = open("../etc/passwd", Confine::Beneath).expect_err("beneath refuses ..");
         assert_eq!(e.raw_os_error(), Some(libc::EXDEV));
         let (entries, truncated) = read_dir(root.as_fd(), 10).expect("read_dir");
         assert!(!truncated);

@@ -1,6 +1,8 @@
 //! What a lifecycle operation fails with. The server maps it to wire codes in one place
 //! (`server/error.rs`).
 
+pub use dsec_api::error::chain;
+
 use crate::agent_client::AgentError;
 use crate::sandbox::InvalidTransition;
 use crate::store::StoreError;
@@ -76,16 +78,4 @@ impl Error {
             other => other.to_string(),
         }
     }
-}
-
-/// Full cause chain of an error, for details.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

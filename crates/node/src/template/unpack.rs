@@ -161,20 +161,6 @@ pub fn unpack_layer(
     unpack_stream(reader, dest, &mut budget, UnpackMode::Layer)
 }
 
-/// Reads up to `buf.len()` bytes, stopping early only at end of stream.
-fn read_head(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match r.read(&mut buf[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(n)
-}
-
 /// Unpacks a possibly compressed tar stream into `dest`; returns the digest of the
 /// uncompressed stream (including trailing padding).
 pub(crate) fn unpack_stream(
@@ -183,11 +169,13 @@ pub(crate) fn unpack_stream(
     budget: &mut Budget,
     mode: UnpackMode,
 ) -> Result<Digest, TemplateError> {
-    let mut head = [0u8; 4];
-    let n =
-        read_head(&mut raw, &mut head).map_err(|source| TemplateError::ReadArchive { source })?;
-    let head = &head[..n];
-    let chained = Cursor::new(head.to_vec()).chain(raw);
+    // The first four bytes (fewer only at the end of the stream) tell the compression.
+    let mut head = Vec::with_capacity(4);
+    (&mut raw)
+        .take(4)
+        .read_to_end(&mut head)
+        .map_err(|source| TemplateError::ReadArchive { source })?;
+    let chained = Cursor::new(head.clone()).chain(raw);
     let decoded: Box<dyn Read + '_> = if head.starts_with(&[0x1f, 0x8b]) {
         Box::new(MultiGzDecoder::new(chained))
     } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {

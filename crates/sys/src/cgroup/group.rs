@@ -140,15 +140,7 @@ impl Cgroup {
                 }
             }
         }
-        let mut backoff = Duration::from_micros(200);
-        loop {
-            let members = self.member_pids()?;
-            if members.is_empty() {
-                return Ok(());
-            }
-            if started.elapsed() > KILL_TIMEOUT {
-                return Err(self.kill_timeout(members.len(), started));
-            }
+        self.until_empty(started, Duration::from_micros(200), |members| {
             let pinned: Vec<(i32, OwnedFd)> = members
                 .iter()
                 .filter_map(|&pid| pidfd_open(pid).ok().map(|fd| (pid, fd)))
@@ -170,9 +162,8 @@ impl Cgroup {
                     }
                 }
             }
-            thread::sleep(backoff);
-            backoff = (backoff * 2).min(Duration::from_millis(20));
-        }
+            Ok(())
+        })
     }
 
     fn kill_timeout(&self, remaining: usize, started: Instant) -> CgroupError {
@@ -198,7 +189,17 @@ impl Cgroup {
     }
 
     fn wait_empty(&self, started: Instant) -> Result<(), CgroupError> {
-        let mut backoff = Duration::from_micros(100);
+        self.until_empty(started, Duration::from_micros(100), |_| Ok(()))
+    }
+
+    /// Until the cgroup is empty (or [`KILL_TIMEOUT`] after `started`): calls `each` with the
+    /// members found, then sleeps, `backoff` at first and twice as long each time (20 ms at most).
+    fn until_empty(
+        &self,
+        started: Instant,
+        mut backoff: Duration,
+        mut each: impl FnMut(&BTreeSet<i32>) -> Result<(), CgroupError>,
+    ) -> Result<(), CgroupError> {
         loop {
             let members = self.member_pids()?;
             if members.is_empty() {
@@ -207,6 +208,7 @@ impl Cgroup {
             if started.elapsed() > KILL_TIMEOUT {
                 return Err(self.kill_timeout(members.len(), started));
             }
+            each(&members)?;
             thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(20));
         }

@@ -2,13 +2,12 @@
 //! descriptors, limits, privileges and seccomp, then `execveat` of the agent. Every failure is
 //! reported as `step:errno` on the error pipe and ends the child.
 
-use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::prepare::Prepared;
-use super::rootfs::populate_and_pivot;
-use super::steps::{mkdir, try_mount, NONE};
+use super::rootfs::{make_stage_dirs, mount_overlay, mount_stage_tmpfs, populate_and_pivot};
+use super::steps::{make_mounts_private, try_mount};
 use super::{ContainerSpec, StepError};
 
 /// Reports `step:errno` (the last OS error) on the error pipe and exits. Never returns.
@@ -19,20 +18,6 @@ pub(super) fn fail(err: &OwnedFd, step: &'static str) -> ! {
 pub(super) fn check(rc: libc::c_int, err: &OwnedFd, step: &'static str) {
     if rc < 0 {
         fail(err, step);
-    }
-}
-
-fn mount(
-    err: &OwnedFd,
-    step: &'static str,
-    src: &CStr,
-    target: &CStr,
-    fstype: Option<&CStr>,
-    flags: libc::c_ulong,
-    data: Option<&CStr>,
-) {
-    if let Err(e) = try_mount(step, src, target, fstype, flags, data) {
-        fail_step(err, e);
     }
 }
 
@@ -53,7 +38,9 @@ pub(super) fn child_main(p: &Prepared, spec: &ContainerSpec<'_>, sync: OwnedFd, 
     }
     drop(sync);
     unshare_cgroup_and_time(&err);
-    mount_stage(p, &err);
+    if let Err(e) = mount_stage(p) {
+        fail_step(&err, e);
+    }
     let null = open_host_null(p, &err);
 
     if let Err(e) = populate_and_pivot(p) {
@@ -139,52 +126,17 @@ fn unshare_cgroup_and_time(err: &OwnedFd) {
 }
 
 /// Mounts the stage tmpfs and, on its root directory, the overlay (or a placeholder root).
-fn mount_stage(p: &Prepared, err: &OwnedFd) {
-    mount(
-        err,
-        "private",
-        NONE,
-        c"/",
-        None,
-        libc::MS_REC | libc::MS_PRIVATE,
-        None,
-    );
-    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
-    mount(
-        err,
-        "tmpfs",
-        c"tmpfs",
-        &p.stage,
-        Some(c"tmpfs"),
-        nosuid_nodev,
-        Some(&p.tmpfs_opts),
-    );
-    for d in [&p.upper, &p.work, &p.root] {
-        check(mkdir(d, 0o755), err, "mkdir_stage");
-    }
+fn mount_stage(p: &Prepared) -> Result<(), StepError> {
+    make_mounts_private()?;
+    mount_stage_tmpfs(p)?;
+    make_stage_dirs(p)?;
     if p.placeholder {
         // No template yet (a pre-built shell): an empty root on the tmpfs, made a mount point
         // so that it can be pivoted to. The supervisor pivots the sandbox onto its template's
         // root when a request assigns it (see `reset_in_place`).
-        mount(
-            err,
-            "placeholder",
-            &p.root,
-            &p.root,
-            None,
-            libc::MS_BIND,
-            None,
-        );
+        try_mount("placeholder", &p.root, &p.root, None, libc::MS_BIND, None)
     } else {
-        mount(
-            err,
-            "overlay",
-            c"overlay",
-            &p.root,
-            Some(c"overlay"),
-            nosuid_nodev,
-            Some(&p.overlay_opts),
-        );
+        mount_overlay(p)
     }
 }
 

@@ -1,6 +1,8 @@
 //! The sandbox's root: its `/dev` without a filesystem of its own, `/proc` with masked and
 //! read-only paths, scratch directories, the read-only root, then the pivot.
 
+use std::ffi::CStr;
+
 use super::prepare::Prepared;
 use super::steps::{ck, mkdir, mkdir_parents, path_kind, pivot_onto, try_mount};
 use super::StepError;
@@ -208,15 +210,51 @@ pub(super) fn populate_and_pivot(p: &Prepared) -> Result<(), StepError> {
                 None,
             )?;
         }
-        try_mount(
-            "ro_root",
-            nul,
-            &p.root,
-            None,
-            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
-            None,
-        )?;
+        make_root_read_only(p)?;
     }
 
     pivot_onto(&p.root)
+}
+
+/// Mounts the stage: a tmpfs limited to the sandbox's disk quota (bytes and inodes).
+pub(super) fn mount_stage_tmpfs(p: &Prepared) -> Result<(), StepError> {
+    mount_nosuid_nodev("tmpfs", c"tmpfs", &p.stage, &p.tmpfs_opts)
+}
+
+/// Makes the overlay's upper, work and root directories on the stage tmpfs.
+pub(super) fn make_stage_dirs(p: &Prepared) -> Result<(), StepError> {
+    for d in [&p.upper, &p.work, &p.root] {
+        ck(mkdir(d, 0o755), "mkdir_stage")?;
+    }
+    Ok(())
+}
+
+/// Mounts the overlay on the root directory: the template layers read-only, the upper layer on
+/// the stage tmpfs.
+pub(super) fn mount_overlay(p: &Prepared) -> Result<(), StepError> {
+    mount_nosuid_nodev("overlay", c"overlay", &p.root, &p.overlay_opts)
+}
+
+/// Mounts a new filesystem of type `fstype`, nosuid and nodev, with the options `opts` on
+/// `target`.
+fn mount_nosuid_nodev(
+    step: &'static str,
+    fstype: &CStr,
+    target: &CStr,
+    opts: &CStr,
+) -> Result<(), StepError> {
+    let flags = libc::MS_NOSUID | libc::MS_NODEV;
+    try_mount(step, fstype, target, Some(fstype), flags, Some(opts))
+}
+
+/// Remounts the root read-only (its scratch directories, bound on themselves, stay writable).
+pub(super) fn make_root_read_only(p: &Prepared) -> Result<(), StepError> {
+    try_mount(
+        "ro_root",
+        c"",
+        &p.root,
+        None,
+        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+        None,
+    )
 }

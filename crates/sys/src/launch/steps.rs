@@ -79,6 +79,19 @@ pub(super) fn try_mount(
     ck(rc, step)
 }
 
+/// Makes every mount of the caller's mount namespace private: nothing mounted in it propagates
+/// to another namespace, nor the other way.
+pub(super) fn make_mounts_private() -> Result<(), StepError> {
+    try_mount(
+        "private",
+        NONE,
+        c"/",
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
+}
+
 /// Makes `root` (a mount point) the root of the caller's mount namespace and of every process
 /// whose root or cwd was the old root, then detaches the old root.
 pub(super) fn pivot_onto(root: &CStr) -> Result<(), StepError> {

@@ -9,8 +9,12 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use crate::ipc::PidFd;
 
 use super::prepare::{cstr, prepare_parts};
-use super::rootfs::build_dev;
-use super::steps::{ck, mkdir, mkdir_parents, path_kind, pivot_onto, try_mount, NONE};
+use super::rootfs::{
+    build_dev, make_root_read_only, make_stage_dirs, mount_overlay, mount_stage_tmpfs,
+};
+use super::steps::{
+    ck, make_mounts_private, mkdir, mkdir_parents, path_kind, pivot_onto, try_mount,
+};
 use super::{ensure_single_threaded, ContainerSpec, LaunchError, RootfsSpec, StepError};
 
 /// State a supervisor keeps for in-place resets.
@@ -134,27 +138,10 @@ pub fn build_root_tree(
         ..rootfs.clone()
     };
     let p = prepare_parts(&staged, "", &[], &[], false)?;
-    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
-    try_mount(
-        "tmpfs",
-        c"tmpfs",
-        &p.stage,
-        Some(c"tmpfs"),
-        nosuid_nodev,
-        Some(&p.tmpfs_opts),
-    )?;
+    mount_stage_tmpfs(&p)?;
     let built = (|| -> Result<OwnedFd, StepError> {
-        for d in [&p.upper, &p.work, &p.root] {
-            ck(mkdir(d, 0o755), "mkdir_stage")?;
-        }
-        try_mount(
-            "overlay",
-            c"overlay",
-            &p.root,
-            Some(c"overlay"),
-            nosuid_nodev,
-            Some(&p.overlay_opts),
-        )?;
+        make_stage_dirs(&p)?;
+        mount_overlay(&p)?;
         // The sandbox's /dev but for its devpts instance, and the mount point for its /proc;
         // both move in later.
         ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
@@ -166,14 +153,7 @@ pub fn build_root_tree(
                 // A bind mount inherits nosuid/nodev from the overlay mount.
                 try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
             }
-            try_mount(
-                "ro_root",
-                c"",
-                &p.root,
-                None,
-                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev,
-                None,
-            )?;
+            make_root_read_only(&p)?;
         }
         for w in warm {
             if let Ok(c) = CString::new(format!("{}{w}", p.root.to_string_lossy())) {
@@ -316,13 +296,6 @@ pub fn enter_private_mount_ns() -> Result<(), LaunchError> {
     ensure_single_threaded()?;
     // SAFETY: integer-argument syscall in a single-threaded process.
     ck(unsafe { libc::unshare(libc::CLONE_NEWNS) }, "unshare_mnt")?;
-    try_mount(
-        "private",
-        NONE,
-        c"/",
-        None,
-        libc::MS_REC | libc::MS_PRIVATE,
-        None,
-    )?;
+    make_mounts_private()?;
     Ok(())
 }
