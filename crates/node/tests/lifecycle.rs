@@ -208,19 +208,19 @@ fn lifecycle_a_reset_removes_the_ipc_objects_of_the_episode_before() {
         sb.mark_acquired().expect("acquire");
         const MAKE: &str = "ipcmk -M 4096 >/dev/null && ipcmk -M 8192 >/dev/null && \
             ipcmk -Q >/dev/null && ipcmk -S 3 >/dev/null && python3 -c '
-    import ctypes, os
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    assert libc.mq_open(b\"/episode\", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
-    '";
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+assert libc.mq_open(b\"/episode\", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
+'";
         const COUNT: &str =
             "echo $(tail -n +2 /proc/sysvipc/shm | wc -l) $(tail -n +2 /proc/sysvipc/msg | wc -l) \
             $(tail -n +2 /proc/sysvipc/sem | wc -l) $(python3 -c '
-    import ctypes, os
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    print(1 if libc.mq_open(b\"/episode\", os.O_RDWR, 0, None) >= 0 else 0)
-    ')";
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+print(1 if libc.mq_open(b\"/episode\", os.O_RDWR, 0, None) >= 0 else 0)
+')";
         for (round, pause) in [(0, 0), (1, 150), (2, 150)] {
             let r = sb.sh(MAKE, 10_000);
             assert_eq!(r.status, ExecStatus::Ok, "round {round}: {r:?}");
