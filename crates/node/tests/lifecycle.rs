@@ -551,12 +551,7 @@ fn c02b_agent_memory_and_fds_are_out_of_reach() {
 }
 
 fn environ(pid: i32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/environ"))
-        .unwrap_or_else(|e| panic!("environ of {pid}: {e}"))
-        .split(|&b| b == 0)
-        .filter(|v| !v.is_empty())
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .collect()
+    common::proc_strings(pid, "environ").unwrap_or_else(|e| panic!("environ of {pid}: {e}"))
 }
 
 /// Supervisors run without glibc's per-thread malloc cache (each idle sandbox's supervisor then

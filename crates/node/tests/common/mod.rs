@@ -378,16 +378,19 @@ pub fn members_alive(ns: u64, members: &[i32]) -> Vec<i32> {
         .collect()
 }
 
-/// The command line of a process, NULs replaced by spaces.
+/// The NUL-separated strings of `/proc/<pid>/<file>` (`cmdline`, `environ`), empty ones left
+/// out.
+pub fn proc_strings(pid: i32, file: &str) -> std::io::Result<Vec<String>> {
+    Ok(fs::read(format!("/proc/{pid}/{file}"))?
+        .split(|&b| b == 0)
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect())
+}
+
+/// The command line of a process, its arguments joined by spaces (empty when it is gone).
 pub fn cmdline(pid: i32) -> String {
-    fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .replace('\0', " ")
-                .trim_end()
-                .to_owned()
-        })
-        .unwrap_or_default()
+    proc_strings(pid, "cmdline").unwrap_or_default().join(" ")
 }
 
 /// `pid comm state cmdline`, for failure messages.
