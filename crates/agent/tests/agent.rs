@@ -134,22 +134,76 @@ impl Agent {
             },
             b"",
         );
-        let mut out = Vec::new();
-        for (e, b) in evs {
-            match e {
-                Event::Data { .. } => out.extend(b),
-                Event::Error { code, .. } => return Err(code),
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        Ok(out)
+        data_of(evs)
     }
+
+    /// Opens a session of `kind` (default environment and directory); returns its id.
+    fn open_session(&self, kind: SessionKind) -> u64 {
+        let ev = self.call(Request::SessionOpen {
+            kind,
+            env: Default::default(),
+            cwd: None,
+        });
+        let Event::SessionOpened { session } = ev else {
+            panic!("expected session, got {ev:?}")
+        };
+        session
+    }
+
+    /// Runs `input` in `session`; returns its result.
+    fn session_run(&self, session: u64, input: &str, timeout_ms: Option<u64>) -> ExecResult {
+        done(self.call(Request::SessionRun {
+            session,
+            input: input.into(),
+            timeout_ms,
+        }))
+    }
+
+    /// Waits up to `timeout_ms` for the background process `handle`, which must finish.
+    fn wait_done(&self, handle: u64, timeout_ms: u64) -> ExecResult {
+        done(self.call(Request::ProcWait { handle, timeout_ms }))
+    }
+}
+
+/// The result an `exec_done` event carries.
+fn done(ev: Event) -> ExecResult {
+    match ev {
+        Event::ExecDone(r) => r,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// The bytes of a stream of `data` events, or the code of the error that ended it.
+fn data_of(evs: Vec<(Event, Vec<u8>)>) -> Result<Vec<u8>, ErrorCode> {
+    let mut out = Vec::new();
+    for (e, b) in evs {
+        match e {
+            Event::Data { .. } => out.extend(b),
+            Event::Error { code, .. } => return Err(code),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    Ok(out)
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Checks `done` every `every` until it holds; fails with `failure()` once `timeout` has passed.
+fn poll(
+    timeout: Duration,
+    every: Duration,
+    mut done: impl FnMut() -> bool,
+    failure: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "{}", failure());
+        std::thread::sleep(every);
     }
 }
 
@@ -172,15 +226,19 @@ fn hello_ping_and_clean_exit() {
     // EOF on the socket: the agent exits 0.
     let w = a.w.lock().expect("lock").try_clone().expect("clone");
     w.shutdown(std::net::Shutdown::Both).expect("shutdown");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(st) = a.child.try_wait().expect("try_wait") {
+    let exited = || {
+        let st = a.child.try_wait().expect("try_wait");
+        if let Some(st) = st {
             assert!(st.success(), "{st:?}");
-            break;
         }
-        assert!(Instant::now() < deadline, "agent did not exit on EOF");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        st.is_some()
+    };
+    poll(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        exited,
+        || "agent did not exit on EOF".to_owned(),
+    );
 }
 
 #[test]
@@ -375,16 +433,9 @@ fn background_spawn_stdin_wait_signal() {
             .0,
         Event::Ok
     );
-    match a.call(Request::ProcWait {
-        handle,
-        timeout_ms: 5000,
-    }) {
-        Event::ExecDone(r) => {
-            assert_eq!(r.status, ExecStatus::Ok);
-            assert_eq!(text(&r.stdout), "first second");
-        }
-        other => panic!("unexpected {other:?}"),
-    }
+    let r = a.wait_done(handle, 5000);
+    assert_eq!(r.status, ExecStatus::Ok);
+    assert_eq!(text(&r.stdout), "first second");
     // The handle is forgotten after ExecDone.
     assert_eq!(
         code_of(a.call(Request::ProcStatus { handle })),
@@ -407,16 +458,9 @@ fn background_spawn_stdin_wait_signal() {
         a.call(Request::ProcSignal { handle, signal: 15 }),
         Event::Ok
     );
-    match a.call(Request::ProcWait {
-        handle,
-        timeout_ms: 5000,
-    }) {
-        Event::ExecDone(r) => {
-            assert_eq!(r.status, ExecStatus::Killed);
-            assert_eq!(r.signal, Some(15));
-        }
-        other => panic!("unexpected {other:?}"),
-    }
+    let r = a.wait_done(handle, 5000);
+    assert_eq!(r.status, ExecStatus::Killed);
+    assert_eq!(r.signal, Some(15));
     assert_eq!(
         code_of(a.call(Request::ProcSignal {
             handle: 999,
@@ -429,21 +473,8 @@ fn background_spawn_stdin_wait_signal() {
 #[test]
 fn shell_session_keeps_state() {
     let a = Agent::start();
-    let Event::SessionOpened { session } = a.call(Request::SessionOpen {
-        kind: SessionKind::Shell,
-        env: Default::default(),
-        cwd: None,
-    }) else {
-        panic!("expected session")
-    };
-    let run = |input: &str| match a.call(Request::SessionRun {
-        session,
-        input: input.into(),
-        timeout_ms: Some(10_000),
-    }) {
-        Event::ExecDone(r) => r,
-        other => panic!("unexpected {other:?}"),
-    };
+    let session = a.open_session(SessionKind::Shell);
+    let run = |input: &str| a.session_run(session, input, Some(10_000));
     run("cd /tmp; export XYZ=42; f() { echo \"f:$1\"; }; shvar=7");
     let r = run("pwd; echo $XYZ; f hello; echo $shvar; echo oops >&2; false");
     assert_eq!(text(&r.stdout), "/tmp\n42\nf:hello\n7\n");
@@ -456,14 +487,8 @@ fn shell_session_keeps_state() {
     assert_ne!(r.exit_code, Some(0));
     assert_eq!(run("echo still alive").exit_code, Some(0));
     // Timeout kills the session.
-    match a.call(Request::SessionRun {
-        session,
-        input: "sleep 30".into(),
-        timeout_ms: Some(200),
-    }) {
-        Event::ExecDone(r) => assert_eq!(r.status, ExecStatus::Timeout),
-        other => panic!("unexpected {other:?}"),
-    }
+    let r = a.session_run(session, "sleep 30", Some(200));
+    assert_eq!(r.status, ExecStatus::Timeout);
     let ev = a.call(Request::SessionRun {
         session,
         input: "true".into(),
@@ -479,21 +504,8 @@ fn python_session_keeps_globals_and_reports_exceptions() {
         "/usr/bin/python3 is missing (scripts/test.sh installs it)"
     );
     let a = Agent::start();
-    let Event::SessionOpened { session } = a.call(Request::SessionOpen {
-        kind: SessionKind::Python,
-        env: Default::default(),
-        cwd: None,
-    }) else {
-        panic!("expected session")
-    };
-    let run = |input: &str| match a.call(Request::SessionRun {
-        session,
-        input: input.into(),
-        timeout_ms: Some(20_000),
-    }) {
-        Event::ExecDone(r) => r,
-        other => panic!("unexpected {other:?}"),
-    };
+    let session = a.open_session(SessionKind::Python);
+    let run = |input: &str| a.session_run(session, input, Some(20_000));
     let r = run("x = 40\ndef g(v):\n    return v + 2\nprint('set')");
     assert_eq!(text(&r.stdout), "set\n");
     assert_eq!(r.exit_code, Some(0));
@@ -737,11 +749,7 @@ fn tar_round_trip() {
         },
         b"",
     );
-    let mut tarball = Vec::new();
-    for (e, b) in evs {
-        assert!(matches!(e, Event::Data { .. }), "{e:?}");
-        tarball.extend(b);
-    }
+    let tarball = data_of(evs).expect("tar data");
     // Too small a bound fails with too_large.
     let ev = a
         .call_body(
@@ -823,15 +831,13 @@ fn zombies_are_reaped() {
         let r = a.sh("(sleep 0 &) ; exit 0");
         assert_eq!(r.status, ExecStatus::Ok);
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let z = zombie_children(a.child.id());
-        if z.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "zombies left: {z:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let zombies = || zombie_children(a.child.id());
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || zombies().is_empty(),
+        || format!("zombies left: {:?}", zombies()),
+    );
 }
 
 #[test]
@@ -843,13 +849,7 @@ fn kill_all_kills_only_our_processes() {
         panic!("expected started")
     };
     a.sh("sleep 100 >/dev/null 2>&1 &");
-    let Event::SessionOpened { session } = a.call(Request::SessionOpen {
-        kind: SessionKind::Shell,
-        env: Default::default(),
-        cwd: None,
-    }) else {
-        panic!("expected session")
-    };
+    let session = a.open_session(SessionKind::Shell);
     // A process of the test itself (not started by the agent) must survive.
     let mut bystander = Command::new("sleep").arg("100").spawn().expect("spawn");
     let t = Instant::now();

@@ -74,6 +74,18 @@ impl Env {
     }
 
     /// `dsec --data-dir D --run-dir R <args>`.
+    /// `dsec run <opts> -- <argv>`.
+    fn run(&self, opts: &[&str], argv: &[&str]) -> Output {
+        let args: Vec<&str> = ["run"]
+            .iter()
+            .chain(opts)
+            .chain(&["--"])
+            .chain(argv)
+            .copied()
+            .collect();
+        self.dsec(&args)
+    }
+
     fn dsec(&self, args: &[&str]) -> Output {
         let bin = env!("CARGO_BIN_EXE_dsec");
         Command::new(bin)
@@ -161,19 +173,13 @@ fn cli_finds_its_companion_binaries() {
 #[test]
 fn cli_run_prints_output_and_exits_with_the_command_code() {
     let env = Env::new();
-    let out = env.dsec(&[
-        "run",
-        "--",
-        "/bin/sh",
-        "-c",
-        "echo hi; echo err >&2; exit 3",
-    ]);
+    let out = env.run(&[], &["/bin/sh", "-c", "echo hi; echo err >&2; exit 3"]);
     assert_code(&out, 3);
     assert_eq!(text(&out.stdout), "hi\n");
     assert_stderr_has(&out, "err\n");
     env.assert_no_sandbox_left();
 
-    let out = env.dsec(&["run", "--", "/bin/true"]);
+    let out = env.run(&[], &["/bin/true"]);
     assert_code(&out, 0);
     assert!(out.stdout.is_empty());
 }
@@ -182,7 +188,7 @@ fn cli_run_prints_output_and_exits_with_the_command_code() {
 fn cli_run_timeout_exits_124_quickly() {
     let env = Env::new();
     let t0 = Instant::now();
-    let out = env.dsec(&["run", "--timeout", "200ms", "--", "/bin/sleep", "5"]);
+    let out = env.run(&["--timeout", "200ms"], &["/bin/sleep", "5"]);
     let took = t0.elapsed();
     assert_code(&out, 124);
     assert!(
@@ -196,17 +202,10 @@ fn cli_run_timeout_exits_124_quickly() {
 #[test]
 fn cli_run_oom_exits_137() {
     let env = Env::new();
-    let out = env.dsec(&[
-        "run",
-        "--memory",
-        "32M",
-        "--timeout",
-        "30s",
-        "--",
-        "/usr/bin/python3",
-        "-c",
-        "b'x'*(1<<30)",
-    ]);
+    let out = env.run(
+        &["--memory", "32M", "--timeout", "30s"],
+        &["/usr/bin/python3", "-c", "b'x'*(1<<30)"],
+    );
     assert_code(&out, 137);
     assert_stderr_has(&out, "out of memory");
     env.assert_no_sandbox_left();
@@ -215,7 +214,7 @@ fn cli_run_oom_exits_137() {
 #[test]
 fn cli_run_json_prints_the_result() {
     let env = Env::new();
-    let out = env.dsec(&["run", "--json", "--", "/bin/echo", "hi"]);
+    let out = env.run(&["--json"], &["/bin/echo", "hi"]);
     assert_code(&out, 0);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", text(&out.stdout)));
@@ -226,7 +225,7 @@ fn cli_run_json_prints_the_result() {
     assert_eq!(v["stdout"]["truncated"], false, "{v}");
 
     // A failing command keeps its exit code and says so in the JSON.
-    let out = env.dsec(&["run", "--json", "--", "/bin/sh", "-c", "exit 5"]);
+    let out = env.run(&["--json"], &["/bin/sh", "-c", "exit 5"]);
     assert_code(&out, 5);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(v["status"], "nonzero_exit", "{v}");
@@ -236,17 +235,10 @@ fn cli_run_json_prints_the_result() {
 #[test]
 fn cli_run_env_reaches_the_command() {
     let env = Env::new();
-    let out = env.dsec(&[
-        "run",
-        "-e",
-        "FOO=bar",
-        "--env",
-        "BAZ=a=b",
-        "--",
-        "/bin/sh",
-        "-c",
-        "echo $FOO; echo $BAZ",
-    ]);
+    let out = env.run(
+        &["-e", "FOO=bar", "--env", "BAZ=a=b"],
+        &["/bin/sh", "-c", "echo $FOO; echo $BAZ"],
+    );
     assert_code(&out, 0);
     assert_eq!(text(&out.stdout), "bar\na=b\n");
 }
@@ -254,21 +246,21 @@ fn cli_run_env_reaches_the_command() {
 #[test]
 fn cli_bad_flags_exit_2_naming_the_flag() {
     let env = Env::new();
-    let out = env.dsec(&["run", "--memory", "lots", "--", "/bin/true"]);
+    let out = env.run(&["--memory", "lots"], &["/bin/true"]);
     assert_code(&out, 2);
     let err = text(&out.stderr);
     assert!(err.contains("--memory"), "{err:?}");
     assert!(err.contains("lots"), "{err:?}");
 
-    let out = env.dsec(&["run", "--timeout", "soon", "--", "/bin/true"]);
+    let out = env.run(&["--timeout", "soon"], &["/bin/true"]);
     assert_code(&out, 2);
     assert_stderr_has(&out, "--timeout");
 
-    let out = env.dsec(&["run", "-e", "NOEQUALS", "--", "/bin/true"]);
+    let out = env.run(&["-e", "NOEQUALS"], &["/bin/true"]);
     assert_code(&out, 2);
     assert_stderr_has(&out, "--env");
 
-    let out = env.dsec(&["run", "--no-such-flag", "--", "/bin/true"]);
+    let out = env.run(&["--no-such-flag"], &["/bin/true"]);
     assert_code(&out, 2);
     assert_stderr_has(&out, "--no-such-flag");
 
@@ -290,7 +282,7 @@ fn cli_bad_flags_exit_2_naming_the_flag() {
 #[test]
 fn cli_unknown_template_exits_3() {
     let env = Env::new();
-    let out = env.dsec(&["run", "--template", "no-such-template", "--", "/bin/true"]);
+    let out = env.run(&["--template", "no-such-template"], &["/bin/true"]);
     assert_code(&out, 3);
     assert_stderr_has(&out, "template \"no-such-template\" not found");
     env.assert_no_sandbox_left();
@@ -383,10 +375,7 @@ fn cli_template_import_tells_the_format_and_rm_frees_layers() {
 /// daemon anything): a usage error, with the way out.
 #[test]
 fn cli_download_refuses_a_terminal() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = dsec_testkit::free_port();
     let cmd = format!(
         "{} --url http://127.0.0.1:{port} --api-key k sandbox files sb-0000000000000000 \
          download /tmp",

@@ -305,15 +305,14 @@ fn sandbox_lifecycle_output_and_exit_codes() {
         tar.stdout.len()
     );
     let tar_path = data.parent().expect("base").join("x.tar");
-    let to_file = d.ok(&[
-        "sandbox",
-        "files",
-        &id,
-        "download",
-        "/tmp/x",
-        "-o",
-        tar_path.to_str().expect("utf-8"),
-    ]);
+    // `dsec sandbox files ID <op> <path> <flag> <file>`, asserting its exit code.
+    let files = |op: &str, path: &str, flag: &str, file: &Path, code: i32| {
+        let file = file.to_str().expect("utf-8");
+        let out = d.dsec(&["sandbox", "files", &id, op, path, flag, file]);
+        assert_eq!(out.code, code, "{op} {path}: {out:?}");
+        out
+    };
+    let to_file = files("download", "/tmp/x", "-o", &tar_path, 0);
     assert!(to_file.stdout.is_empty(), "{to_file:?}");
     assert_eq!(
         std::fs::read(&tar_path).expect("read tar").len(),
@@ -321,26 +320,9 @@ fn sandbox_lifecycle_output_and_exit_codes() {
         "-o writes the same archive"
     );
     let nothing = data.parent().expect("base").join("nothing.tar");
-    let missing = d.dsec(&[
-        "sandbox",
-        "files",
-        &id,
-        "download",
-        "/no/such/dir",
-        "-o",
-        nothing.to_str().expect("utf-8"),
-    ]);
-    assert_eq!(missing.code, 3, "{missing:?}");
+    files("download", "/no/such/dir", "-o", &nothing, 3);
     assert!(!nothing.exists(), "no file is made for a failed download");
-    d.ok(&[
-        "sandbox",
-        "files",
-        &id,
-        "upload",
-        "/tmp/y",
-        "--tar",
-        tar_path.to_str().expect("utf-8"),
-    ]);
+    files("upload", "/tmp/y", "--tar", &tar_path, 0);
     let copy = d.ok(&["sandbox", "files", &id, "read", "/tmp/y/blob.bin"]);
     assert!(copy.stdout == bytes, "the tar roundtrip keeps the bytes");
     d.ok(&["sandbox", "files", &id, "rm", "/tmp/x", "-r"]);
@@ -471,10 +453,7 @@ fn failures_name_their_fix_and_exit_with_documented_codes() {
 
 #[test]
 fn unreachable_daemon_exits_6_with_a_hint() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = testkit::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let out = dsec_at(&url, Some("k"), &["sandbox", "list"], b"");
     assert_eq!(out.code, 6, "{out:?}");
@@ -491,13 +470,7 @@ fn unreachable_daemon_exits_6_with_a_hint() {
 
 /// The tar layer dirs of the node's layer store.
 fn layer_dirs(data: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(data.join("layers"))
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default()
+    testkit::entry_names(&data.join("layers"))
 }
 
 /// `dsec template rm` through the daemon: refused while a sandbox uses the template, then the
@@ -608,14 +581,7 @@ fn wrong_methods_answer_problem_documents() {
     // Every path of the API document: PATCH is taken nowhere.
     let (_, _, _, doc) = ask("GET", "/openapi.json");
     for path in doc["paths"].as_object().expect("paths").keys() {
-        let concrete = path
-            .replace("{id}", "sb-0000000000000000")
-            .replace("{handle}", "1")
-            .replace("{session}", "1")
-            .replace("{name}", "host")
-            .replace("{template}", "host")
-            .replace("{tid}", "t1")
-            .replace("{key}", "k");
+        let concrete = testkit::concrete_path(path).replace("{key}", "k");
         let (s, ct, allow, v) = ask("PATCH", &concrete);
         assert_eq!(
             (s, ct.as_str(), v["code"].as_str()),

@@ -48,6 +48,14 @@ impl Daemon {
         }
     }
 
+    /// POSTs `body` to `path` with `key`: the answer must be `status` with `field` = `want`.
+    fn post_expect(&self, path: &str, key: &str, body: Value, want: (u16, &str, &str)) -> Value {
+        let (status, field, value) = want;
+        let (s, v) = self.post(path, Some(key), &body);
+        assert_eq!((s, v[field].as_str()), (status, Some(value)), "{v}");
+        v
+    }
+
     /// A GET with the admin key: the answer's JSON.
     fn get(&self, path: &str) -> Value {
         self.http().call("GET", path, None).expect("http").1
@@ -414,16 +422,8 @@ fn sandbox_fusion_requests_answer_as_its_server_does() {
             .is_some_and(|e| e.contains("lean: command not found")),
         "{v}"
     );
-    let (s, v) = d.post(
-        "/v1/run",
-        Some(&key),
-        &json!({"code": "1", "language": "lean"}),
-    );
-    assert_eq!(
-        (s, v["code"].as_str()),
-        (400, Some("invalid_request")),
-        "{v}"
-    );
+    let body = json!({"code": "1", "language": "lean"});
+    d.post_expect("/v1/run", &key, body, (400, "code", "invalid_request"));
 }
 
 /// The R-xx abuse cases through SandboxFusion's `/run_code`: each is contained in its call
@@ -567,27 +567,15 @@ fn runs_in_flight_follow_the_tenant_quota() {
             )
         });
         std::thread::sleep(Duration::from_millis(500));
-        let (s, v) = d.post(
+        let print = json!({"code": "print(1)", "language": "python"});
+        d.post_expect(
             "/v1/run",
-            Some(&key),
-            &json!({"code": "print(1)", "language": "python"}),
-        );
-        assert_eq!(
-            (s, v["code"].as_str()),
-            (429, Some("quota_exceeded")),
-            "{v}"
+            &key,
+            print.clone(),
+            (429, "code", "quota_exceeded"),
         );
         // SandboxFusion's route answers what the node cannot serve as `SandboxError`.
-        let (s, v) = d.post(
-            "/run_code",
-            Some(&key),
-            &json!({"code": "print(1)", "language": "python"}),
-        );
-        assert_eq!(
-            (s, v["status"].as_str()),
-            (200, Some("SandboxError")),
-            "{v}"
-        );
+        let v = d.post_expect("/run_code", &key, print, (200, "status", "SandboxError"));
         assert_eq!(v["code"], "quota_exceeded", "{v}");
         let (s, v) = slow.join().expect("join");
         assert_eq!(s, 200, "{v}");

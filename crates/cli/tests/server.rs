@@ -23,6 +23,12 @@ impl Daemon {
         Self::start_with(data, run, env, &["--pool-max", "0"])
     }
 
+    /// A daemon in fresh directories named after `test`, with the default arguments.
+    fn fresh(test: &str) -> Self {
+        let (data, run) = testkit::dirs("dst", test);
+        Self::start(&data, &run, &[])
+    }
+
     fn start_with(data: &Path, run: &Path, env: &[(&str, &str)], args: &[&str]) -> Self {
         let d = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
             .args(&["--drain-seconds", "10"])
@@ -64,6 +70,21 @@ impl Daemon {
     fn create(&self, idem: Option<&str>) -> Value {
         let (s, v) = self.req("POST", "/v1/sandboxes", Some(json!({})), idem);
         assert_eq!(s, 201, "create: {v}");
+        v
+    }
+
+    /// The id of a sandbox created with `spec`.
+    fn create_spec(&self, spec: Value) -> String {
+        let (s, v) = self.req("POST", "/v1/sandboxes", Some(spec), None);
+        assert_eq!(s, 201, "create: {v}");
+        v["id"].as_str().expect("id").to_owned()
+    }
+
+    /// Creates `count` sandboxes labelled `labels` in one batch; returns the answer.
+    fn batch(&self, count: u64, labels: Value) -> Value {
+        let body = json!({"count": count, "spec": {"labels": labels}});
+        let (s, v) = self.req("POST", "/v1/sandboxes/batch", Some(body), None);
+        assert_eq!(s, 200, "{v}");
         v
     }
 
@@ -193,13 +214,7 @@ fn f01_kill9_at_each_create_step_then_retry_with_the_same_key() {
 fn f02_kill9_six_times_with_50_sandboxes() {
     let (data, run) = testkit::dirs("dst", "f02");
     let mut d = Daemon::start(&data, &run, &[]);
-    let (s, v) = d.req(
-        "POST",
-        "/v1/sandboxes/batch",
-        Some(json!({"count": 50, "spec": {"labels": {"set": "f02"}}})),
-        None,
-    );
-    assert_eq!(s, 200, "{v}");
+    let v = d.batch(50, json!({"set": "f02"}));
     let made: BTreeSet<String> = v["items"]
         .as_array()
         .expect("items")
@@ -240,8 +255,7 @@ fn f02_kill9_six_times_with_50_sandboxes() {
 
 #[test]
 fn f03_killed_supervisor_is_reaped_and_recorded() {
-    let (data, run) = testkit::dirs("dst", "f03");
-    let d = Daemon::start(&data, &run, &[]);
+    let d = Daemon::fresh("f03");
     let id = d.create(None)["id"].as_str().expect("id").to_owned();
     let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None, None);
     let sup = v["supervisor_pid"]
@@ -366,8 +380,7 @@ fn f05_full_state_disk_is_resource_exhausted() {
 
 #[test]
 fn f13_retry_storm_with_one_key_has_one_effect() {
-    let (data, run) = testkit::dirs("dst", "f13");
-    let d = Daemon::start(&data, &run, &[]);
+    let d = Daemon::fresh("f13");
     let ids: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..16)
             .map(|_| {
@@ -431,32 +444,10 @@ fn f15_destroy_during_create_wins() {
 
 #[test]
 fn ttl_and_lease_expire_on_the_node() {
-    let (data, run) = testkit::dirs("dst", "ttl");
-    let d = Daemon::start(&data, &run, &[]);
-    let a = d
-        .req("POST", "/v1/sandboxes", Some(json!({"ttl_ms": 1500})), None)
-        .1;
-    let b = d
-        .req(
-            "POST",
-            "/v1/sandboxes",
-            Some(json!({"lease_ms": 1500})),
-            None,
-        )
-        .1;
-    let c = d
-        .req(
-            "POST",
-            "/v1/sandboxes",
-            Some(json!({"lease_ms": 1500})),
-            None,
-        )
-        .1;
-    let (a, b, c) = (
-        a["id"].as_str().expect("a").to_owned(),
-        b["id"].as_str().expect("b").to_owned(),
-        c["id"].as_str().expect("c").to_owned(),
-    );
+    let d = Daemon::fresh("ttl");
+    let a = d.create_spec(json!({"ttl_ms": 1500}));
+    let b = d.create_spec(json!({"lease_ms": 1500}));
+    let c = d.create_spec(json!({"lease_ms": 1500}));
     for _ in 0..6 {
         std::thread::sleep(Duration::from_millis(500));
         let (s, v) = d.req(
@@ -481,8 +472,7 @@ fn ttl_and_lease_expire_on_the_node() {
 
 #[test]
 fn tenants_are_isolated_and_quotas_hold() {
-    let (data, run) = testkit::dirs("dst", "ten");
-    let d = Daemon::start(&data, &run, &[]);
+    let d = Daemon::fresh("ten");
     let (s, t) = d.req(
         "POST",
         "/v1/tenants",
@@ -558,94 +548,56 @@ fn tenants_are_isolated_and_quotas_hold() {
 
 #[test]
 fn bad_requests_get_typed_errors() {
-    let (data, run) = testkit::dirs("dst", "bad");
-    let d = Daemon::start(&data, &run, &[]);
-    type Case<'a> = (&'a str, &'a str, Option<Vec<u8>>, u16, &'a str);
-    let cases: Vec<Case> = vec![
+    let d = Daemon::fresh("bad");
+    // (status, code, the requests that get it, as `METHOD path[ body]`)
+    let cases: [(u16, &str, &[&str]); 4] = [
         (
-            "POST",
-            "/v1/sandboxes",
-            Some(b"{not json".to_vec()),
             400,
             "invalid_request",
+            &[
+                "POST /v1/sandboxes {not json",
+                r#"POST /v1/sandboxes {"substrate":"function"}"#,
+                r#"POST /v1/sandboxes {"substrate":"firecracker"}"#,
+                r#"POST /v1/sandboxes {"limits":{"pids_max":1}}"#,
+                r#"POST /v1/sandboxes {"limits":{"bogus":1}}"#,
+                r#"POST /v1/sandboxes {"extra":1}"#,
+                r#"POST /v1/sandboxes/batch {"count":0}"#,
+                "GET /v1/sandboxes?state=bogus",
+            ],
         ),
         (
-            "POST",
-            "/v1/sandboxes",
-            Some(br#"{"template":"nope"}"#.to_vec()),
             404,
             "template_not_found",
+            &[r#"POST /v1/sandboxes {"template":"nope"}"#],
         ),
         (
-            "POST",
-            "/v1/sandboxes",
-            Some(br#"{"substrate":"function"}"#.to_vec()),
-            400,
-            "invalid_request",
-        ),
-        (
-            "POST",
-            "/v1/sandboxes",
-            Some(br#"{"substrate":"firecracker"}"#.to_vec()),
-            400,
-            "invalid_request",
-        ),
-        (
-            "POST",
-            "/v1/sandboxes",
-            Some(br#"{"limits":{"pids_max":1}}"#.to_vec()),
-            400,
-            "invalid_request",
-        ),
-        (
-            "POST",
-            "/v1/sandboxes",
-            Some(br#"{"limits":{"bogus":1}}"#.to_vec()),
-            400,
-            "invalid_request",
-        ),
-        (
-            "POST",
-            "/v1/sandboxes",
-            Some(br#"{"extra":1}"#.to_vec()),
-            400,
-            "invalid_request",
-        ),
-        (
-            "GET",
-            "/v1/sandboxes/sb-0000000000000000",
-            None,
             404,
             "sandbox_not_found",
-        ),
-        ("GET", "/v1/sandboxes/../../etc", None, 404, "not_found"),
-        (
-            "POST",
-            "/v1/sandboxes/batch",
-            Some(br#"{"count":0}"#.to_vec()),
-            400,
-            "invalid_request",
+            &["GET /v1/sandboxes/sb-0000000000000000"],
         ),
         (
-            "GET",
-            "/v1/sandboxes?state=bogus",
-            None,
-            400,
-            "invalid_request",
+            404,
+            "not_found",
+            &["GET /v1/sandboxes/../../etc", "GET /v1/nope"],
         ),
-        ("GET", "/v1/nope", None, 404, "not_found"),
     ];
-    for (m, p, body, status, code) in cases {
-        let (s, v) = d.req_raw(m, p, body, None);
-        assert_eq!(
-            (s, v["code"].as_str().unwrap_or_default()),
-            (status, code),
-            "{m} {p}: {v}"
-        );
-        assert!(
-            v["request_id"].as_str().is_some_and(|r| !r.is_empty()),
-            "{v}"
-        );
+    for (status, code, requests) in cases {
+        for request in requests {
+            let mut parts = request.splitn(3, ' ');
+            let m = parts.next().expect("method");
+            let p = parts.next().expect("path");
+            let body = parts.next().map(|b| b.as_bytes().to_vec());
+            let (s, v) = d.req_raw(m, p, body, None);
+            assert_eq!(
+                (s, v["code"].as_str().unwrap_or_default()),
+                (status, code),
+                "{m} {p}: {v}"
+            );
+            assert!(
+                v["request_id"].as_str().is_some_and(|r| !r.is_empty()),
+                "{v}"
+            );
+        }
     }
     let id = d.create(None)["id"].as_str().expect("id").to_owned();
     for (body, code) in [
@@ -743,8 +695,7 @@ fn pool_serves_creates_refills_and_survives_a_restart() {
 /// not `not_found` or 405), and it is a valid OpenAPI 3.1 skeleton.
 #[test]
 fn openapi_document_matches_the_router() {
-    let (data, run) = testkit::dirs("dst", "oapi");
-    let d = Daemon::start(&data, &run, &[]);
+    let d = Daemon::fresh("oapi");
     let (s, doc) = d.req("GET", "/openapi.json", None, None);
     assert_eq!(s, 200);
     assert_eq!(doc["openapi"], "3.1.0");
@@ -752,13 +703,7 @@ fn openapi_document_matches_the_router() {
     assert!(paths.len() >= 25, "{} paths", paths.len());
     let mut checked = 0;
     for (path, ops) in paths {
-        let concrete = path
-            .replace("{id}", "sb-0000000000000000")
-            .replace("{handle}", "1")
-            .replace("{session}", "1")
-            .replace("{name}", "host")
-            .replace("{template}", "host")
-            .replace("{tid}", "t1");
+        let concrete = testkit::concrete_path(path);
         for (method, op) in ops.as_object().expect("ops") {
             assert!(
                 op["summary"].is_string() && op["responses"].is_object(),
@@ -856,8 +801,7 @@ fn templates_import_use_and_delete() {
 /// mount table and the sandbox cgroups where they were.
 #[test]
 fn leak_counters_return_to_baseline() {
-    let (data, run) = testkit::dirs("dst", "leak");
-    let d = Daemon::start(&data, &run, &[]);
+    let d = Daemon::fresh("leak");
     let fds = || {
         std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
             .map(|r| r.count())
@@ -882,13 +826,7 @@ fn leak_counters_return_to_baseline() {
     };
     let (fd0, mounts0, rss0) = (fds(), host_mounts(), rss_kb());
     for _ in 0..3 {
-        let (s, v) = d.req(
-            "POST",
-            "/v1/sandboxes/batch",
-            Some(json!({"count": 10, "spec": {"labels": {"leak": "1"}}})),
-            None,
-        );
-        assert_eq!(s, 200, "{v}");
+        let v = d.batch(10, json!({"leak": "1"}));
         for it in v["items"].as_array().expect("items") {
             let id = it["sandbox"]["id"].as_str().expect("id");
             d.exec_ok(id, "echo x > /tmp/x; sleep 0.01 &");
@@ -1091,8 +1029,7 @@ fn f14_whole_host_crash_closes_stale_records() {
 /// times a second.
 #[test]
 fn userns_sandboxes_refuse_forks_before_the_copy() {
-    let (data, run) = testkit::dirs("dst", "uns");
-    let d = Daemon::start(&data, &run, &[]);
+    let d = Daemon::fresh("uns");
     let make = |userns: bool| -> String {
         let (s, v) = d.req(
             "POST",

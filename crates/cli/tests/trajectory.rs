@@ -83,6 +83,15 @@ fn step_body(step: u64, marker: &str) -> Value {
     })
 }
 
+/// Runs step `step` of the trajectory in sandbox `id` as a new action (marked `marker`).
+fn exec_step(d: &Daemon, id: &str, step: u64, marker: &str) {
+    let (s, _, _) = d.post(
+        &format!("/v1/sandboxes/{id}/exec"),
+        &step_body(step, marker),
+    );
+    assert_eq!(s, 200, "step {step}");
+}
+
 #[test]
 fn l04_replay_after_a_crash_executes_nothing_and_is_byte_identical() {
     let (data, run, _dirs) = testkit::dirs_removed_on_drop("dtr", "l04");
@@ -230,11 +239,7 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
                 (409, Some("unknown_outcome")) => {
                     // The client decides: here it re-runs the step as a new action.
                     unknown.push(next);
-                    let (s, _, _) = d.post(
-                        &format!("/v1/sandboxes/{id}/exec"),
-                        &step_body(next, &format!("s{next}-retry")),
-                    );
-                    assert_eq!(s, 200);
+                    exec_step(&d, &id, next, &format!("s{next}-retry"));
                     acked.push(next);
                     next += 1;
                     break;
@@ -248,11 +253,7 @@ fn l03_kill9_at_random_moments_each_side_effect_once_or_unknown() {
     }
     // Finish the trajectory without kills.
     while next <= total {
-        let (s, _, _) = d.post(
-            &format!("/v1/sandboxes/{id}/exec"),
-            &step_body(next, &format!("s{next}")),
-        );
-        assert_eq!(s, 200);
+        exec_step(&d, &id, next, &format!("s{next}"));
         acked.push(next);
         next += 1;
     }

@@ -149,33 +149,27 @@ fn vm_gc_removes_unused_and_old_format_entries_and_reports_bytes() {
         removed.sort();
         (v, removed)
     };
+    // Runs gc with `args`: it removes exactly `want` (name, reason) and frees at least
+    // `min_freed` bytes.
+    let gc_removes = |args: &[&str], want: [(&str, &str); 2], min_freed: u64| {
+        let (v, removed) = gc(args);
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|&(name, reason)| (name.to_owned(), reason.to_owned()))
+            .collect();
+        assert_eq!(removed, want, "{v}");
+        let freed = v["bytes_freed"].as_u64().expect("bytes_freed");
+        assert!(freed >= min_freed, "{v}");
+        v
+    };
     // Under a bound the cache already fits: only the earlier format goes.
-    let (v, removed) = gc(&["--max-bytes", "100M"]);
-    assert_eq!(
-        removed,
-        [
-            ("host-old.ext4".to_owned(), "legacy".to_owned()),
-            ("s1".to_owned(), "legacy".to_owned()),
-        ],
-        "{v}"
-    );
-    assert!(
-        v["bytes_freed"].as_u64().expect("bytes_freed") >= 1 << 20,
-        "{v}"
-    );
+    let legacy = [("host-old.ext4", "legacy"), ("s1", "legacy")];
+    gc_removes(&["--max-bytes", "100M"], legacy, 1 << 20);
     // Without one: everything no process uses.
-    let (v, removed) = gc(&[]);
-    assert!(
-        v["bytes_freed"].as_u64().expect("bytes_freed") >= 256 << 10,
-        "{v}"
-    );
-    assert_eq!(
-        removed,
-        [
-            ("i.cpio".to_owned(), "idle".to_owned()),
-            ("unused.sqfs".to_owned(), "idle".to_owned()),
-        ],
-        "{v}"
+    let v = gc_removes(
+        &[],
+        [("i.cpio", "idle"), ("unused.sqfs", "idle")],
+        256 << 10,
     );
     assert_eq!(
         (v["kept"].as_u64(), v["in_use"].as_u64()),

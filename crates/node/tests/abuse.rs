@@ -119,7 +119,7 @@ fn r01_fork_bomb_hits_pids_limit() {
         cgroup_u64(&id, "pids.current")
     );
     let r = sb.sh("echo alive", 5000);
-    assert_eq!((r.status, stdout(&r).as_str()), (ExecStatus::Ok, "alive\n"));
+    common::assert_ok_stdout(&r, "alive\n");
 
     // Thread bomb: threads count against pids.max too.
     let r = sb.sh(
@@ -174,11 +174,7 @@ fn r02_setsid_escapee_dies_with_sandbox() {
          echo started",
         5000,
     );
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "started\n"),
-        "{r:?}"
-    );
+    common::assert_ok_stdout(&r, "started\n");
     assert!(
         t.elapsed() < Duration::from_secs(3),
         "exec with detached children took {:?}",
@@ -303,8 +299,7 @@ fn r03_memory_bomb_is_oom_inside_only() {
     );
     assert!(time_true(&mut neighbour) < Duration::from_secs(2));
     // Freeing the shm file gives the sandbox back.
-    let r = sb.sh("rm -f /dev/shm/bomb; echo freed", 10_000);
-    assert_eq!(stdout(&r), "freed\n", "sandbox after the tmpfs bomb: {r:?}");
+    sb.sh_prints("rm -f /dev/shm/bomb; echo freed", 10_000, "freed\n");
 
     sb.destroy().expect("destroy");
     neighbour.destroy().expect("destroy neighbour");
@@ -362,11 +357,11 @@ fn r04_disk_fill_and_inode_exhaustion_enospc_inside_only() {
         ExecStatus::NonzeroExit,
         "a second scratch dir escapes the quota: {r:?}"
     );
-    let r = sb.sh(
+    sb.sh_prints(
         "rm /tmp/fill && dd if=/dev/zero of=/tmp/ok bs=1M count=4 2>/dev/null && echo ok",
         10_000,
+        "ok\n",
     );
-    assert_eq!(stdout(&r), "ok\n", "space not given back after rm: {r:?}");
     sb.destroy().expect("destroy");
 
     let mut sb = create(Limits {
@@ -396,12 +391,7 @@ fn r04_disk_fill_and_inode_exhaustion_enospc_inside_only() {
         "dd if=/dev/zero of=/tmp/x bs=1M count=8 2>/dev/null && i=0; while [ $i -lt 100 ]; do true > /tmp/g$i || exit 1; i=$((i+1)); done; echo fine",
         10_000,
     );
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "fine\n"),
-        "{r:?} {}",
-        stderr(&r)
-    );
+    common::assert_ok_stdout(&r, "fine\n");
     fresh.destroy().expect("destroy fresh");
 }
 
@@ -602,12 +592,7 @@ fn r07_huge_argv_rejected_with_typed_error() {
         ])
     };
     let r = sb.run(&req);
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "102400"),
-        "{r:?} {}",
-        stderr(&r)
-    );
+    common::assert_ok_stdout(&r, "102400");
     sb.destroy().expect("destroy");
 }
 
@@ -690,11 +675,7 @@ fn r08_output_flood_is_capped() {
         "exec held by a grandchild for {:?}",
         t.elapsed()
     );
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "hi\n"),
-        "{r:?}"
-    );
+    common::assert_ok_stdout(&r, "hi\n");
     sb.destroy().expect("destroy");
 }
 
@@ -709,11 +690,7 @@ fn r09_orphaned_zombies_are_reaped() {
         "for i in $(seq 200); do (sleep 0 &) ; done; echo spawned",
         60_000,
     );
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "spawned\n"),
-        "{r:?}"
-    );
+    common::assert_ok_stdout(&r, "spawned\n");
     let zombies_host = || {
         common::all_procs()
             .into_iter()
@@ -738,11 +715,11 @@ fn r09_orphaned_zombies_are_reaped() {
     }
     assert_eq!(stdout(&r).trim(), "0", "zombies seen inside: {r:?}");
     // Orphans that are still running when the exec ends are reaped once they exit.
-    let r = sb.sh(
+    sb.sh_prints(
         "for i in $(seq 20); do (sleep 0.3 &) ; done; echo ok",
         10_000,
+        "ok\n",
     );
-    assert_eq!(stdout(&r), "ok\n");
     std::thread::sleep(Duration::from_millis(400));
     assert!(
         wait_until(Duration::from_secs(3), || zombies_host() == 0),
@@ -768,17 +745,14 @@ fn r09_orphaned_zombies_are_reaped() {
 fn r10_signals_to_the_agent_from_inside_are_survived() {
     let mut sb = create(small_limits());
     let init = sb.init_pid();
-    let r = sb.sh(
+    sb.sh_prints(
         "for s in KILL TERM STOP INT HUP QUIT USR1 USR2 SEGV PIPE ALRM; do kill -s $s 1; done; echo sent",
         5000,
+        "sent\n",
     );
-    assert_eq!(stdout(&r), "sent\n", "{r:?}");
     sb.ping().expect("agent answers ping after signals");
     let r = sb.sh("echo still-here", 5000);
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "still-here\n")
-    );
+    common::assert_ok_stdout(&r, "still-here\n");
     assert_eq!(sb.init_pid(), init);
     let state =
         std::fs::read_to_string(format!("/proc/{init}/stat")).expect("agent alive on the host");
@@ -786,20 +760,16 @@ fn r10_signals_to_the_agent_from_inside_are_survived() {
     assert!(!after.starts_with('T'), "agent stopped: {state}");
     // kill -9 -1 kills every process the caller may signal except itself and init.
     let r = sb.sh("sleep 30 & kill -9 -1; echo rc=$?", 5000);
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "rc=0\n"),
-        "{r:?}"
-    );
+    common::assert_ok_stdout(&r, "rc=0\n");
     sb.ping().expect("agent answers ping after kill -9 -1");
     assert_eq!(stdout(&sb.sh("echo ok", 5000)), "ok\n");
     // Also from a background process (`sleep`, not `wait`: see
     // `exec_children_start_with_an_empty_signal_mask` in lifecycle.rs).
-    let r = sb.sh(
+    sb.sh_prints(
         "(sleep 0.2; kill -STOP 1; kill -KILL 1) & sleep 1; echo done",
         5000,
+        "done\n",
     );
-    assert_eq!(stdout(&r), "done\n", "{r:?}");
     sb.ping().expect("ping after background signals");
     sb.destroy().expect("destroy");
 }
@@ -814,11 +784,11 @@ fn r12_kill_supervisor_kills_the_whole_tree() {
     let sup = sb.supervisor_pid();
     let init = sb.init_pid();
     let ns = ns_inode(init, "pid").expect("pid ns");
-    let r = sb.sh(
+    sb.sh_prints(
         "setsid sleep 7312 </dev/null >/dev/null 2>&1 & echo bg",
         5000,
+        "bg\n",
     );
-    assert_eq!(stdout(&r), "bg\n");
     assert!(wait_until(Duration::from_secs(2), || procs_in_pid_ns(ns)
         .len()
         >= 2));

@@ -12,6 +12,9 @@
 //! missing protection would change; `pass` of a probe check is asserted in addition, never
 //! instead.
 
+#[path = "common/run_dirs.rs"]
+mod run_dirs;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::Read;
@@ -24,6 +27,7 @@ use dsec_api::agent::Request;
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
 use dsec_node::sandbox::SandboxSpec;
 use dsec_node::substrate::{Runtime, RuntimeConfig, Sandbox};
+use run_dirs::{sweep_stale_run_dirs, unmount_and_remove};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -197,36 +201,6 @@ fn secret_value() -> &'static str {
     })
 }
 
-/// Removes run dirs of earlier (dead) test processes.
-fn sweep_stale_run_dirs() {
-    let Ok(entries) = fs::read_dir("/run") else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix("dsec-iso-") else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        unmount_and_remove(&e.path());
-    }
-}
-
-fn unmount_and_remove(run_dir: &Path) {
-    let mask = run_dir.join("mask");
-    let _ = std::process::Command::new("umount")
-        .arg("-l")
-        .arg(&mask)
-        .stderr(std::process::Stdio::null())
-        .status();
-    let _ = fs::remove_dir_all(run_dir);
-}
-
 /// Owns the runtime and the sandbox of one mode; tears everything down when dropped (also when
 /// the fixture panics halfway).
 struct Env {
@@ -280,7 +254,7 @@ impl Drop for Env {
 }
 
 fn observe(mode: Mode) -> Obs {
-    sweep_stale_run_dirs();
+    sweep_stale_run_dirs("dsec-iso-");
     let secret = secret_value().to_owned();
     let (agent_bin, shim_bin, probe_bin) = binaries();
     let probe_bytes = fs::read(&probe_bin).expect("read dsec-probe");
@@ -512,6 +486,25 @@ fn s(v: &Value) -> &str {
     v.as_str().unwrap_or_default()
 }
 
+/// Runs `f` for each mode with its observations, the verdict and detail of the probe check
+/// `id`, and the context for messages.
+fn each_mode_checked(id: &str, f: impl Fn(Mode, &Obs, bool, &Value, &str)) {
+    for mode in MODES {
+        let o = obs(mode);
+        let (pass, d) = o.check(id);
+        f(mode, o, pass, d, &o.ctx(id));
+    }
+}
+
+/// Runs `f` for each mode with its observations, the detail of the probe check `id` (which
+/// must have passed) and the context for messages.
+fn each_mode_passed(id: &str, f: impl Fn(&Obs, &Value, &str)) {
+    for mode in MODES {
+        let o = obs(mode);
+        f(o, o.passed(id), &o.ctx(id));
+    }
+}
+
 fn errno_of(v: &Value, key: &str) -> Option<i64> {
     v.get(key).and_then(Value::as_i64)
 }
@@ -521,10 +514,7 @@ fn errno_of(v: &Value, key: &str) -> Option<i64> {
 
 #[test]
 fn s01_no_capabilities_nnp_seccomp() {
-    for mode in MODES {
-        let o = obs(mode);
-        let (pass, d) = o.check("S-01");
-        let ctx = o.ctx("S-01");
+    each_mode_checked("S-01", |mode, _, pass, d, ctx| {
         for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
             let v = s(&d["caps"][set]);
             assert_eq!(
@@ -557,15 +547,12 @@ fn s01_no_capabilities_nnp_seccomp() {
                 assert_eq!(gmap.get(1), Some(&"100000"), "{ctx}");
             }
         }
-    }
+    });
 }
 
 #[test]
 fn s02_namespaces_differ() {
-    for mode in MODES {
-        let o = obs(mode);
-        let (pass, d) = o.check("S-02");
-        let ctx = o.ctx("S-02");
+    each_mode_checked("S-02", |mode, o, pass, d, ctx| {
         // The default mode keeps the host's user namespace by design (host uid 0 without any
         // capability, see S-01): "user" is the only namespace it may share with the host, so
         // the probe's overall verdict is asserted in the user-namespace mode only.
@@ -609,15 +596,12 @@ fn s02_namespaces_differ() {
             o.host_hostname_after, o.host_hostname,
             "the host's hostname changed"
         );
-    }
+    });
 }
 
 #[test]
 fn s03_read_only_root_and_mounts() {
-    for mode in MODES {
-        let o = obs(mode);
-        let (pass, d) = o.check("S-03");
-        let ctx = o.ctx("S-03");
+    each_mode_checked("S-03", |mode, o, pass, d, ctx| {
         assert_eq!(s(&d["root"]["fstype"]), "overlay", "{ctx}");
         assert!(
             d["root"]["options"]
@@ -689,7 +673,7 @@ fn s03_read_only_root_and_mounts() {
             "mounts without nodev/nosuid: {ctx}"
         );
         assert!(pass, "{ctx}");
-    }
+    });
 }
 
 /// S-03 "only scratch dirs writable": the scratch dirs ARE writable (and /tmp per the probe).
@@ -720,10 +704,7 @@ fn scratch_dirs() -> &'static [&'static str] {
 
 #[test]
 fn s04_syscall_policy_sweep() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("S-04");
-        let ctx = o.ctx("S-04");
+    each_mode_passed("S-04", |_, d, ctx| {
         assert_eq!(d["mismatches"], Value::Array(vec![]), "{ctx}");
         assert!(d["tried"].as_u64().unwrap_or(0) >= 470, "{ctx}");
         assert!(d["policy_kill"].as_u64().unwrap_or(0) > 0, "{ctx}");
@@ -737,15 +718,12 @@ fn s04_syscall_policy_sweep() {
                 "foreign ABI not killed: {a}: {ctx}"
             );
         }
-    }
+    });
 }
 
 #[test]
 fn s05_dangerous_syscalls_denied() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("S-05");
-        let ctx = o.ctx("S-05");
+    each_mode_passed("S-05", |_, d, ctx| {
         let calls = d.as_array().expect("S-05 detail is a list");
         let by_name: BTreeMap<&str, &Value> = calls.iter().map(|c| (s(&c["call"]), c)).collect();
         for c in calls {
@@ -787,15 +765,12 @@ fn s05_dangerous_syscalls_denied() {
                 .unwrap_or_else(|| panic!("{name} not probed: {ctx}"));
             assert_eq!(s(&c["observed"]), want, "{name}: {ctx}");
         }
-    }
+    });
 }
 
 #[test]
 fn s06_network_only_loopback_no_host_services() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("S-06");
-        let ctx = o.ctx("S-06");
+    each_mode_passed("S-06", |o, d, ctx| {
         assert_eq!(d["interfaces"], serde_json::json!(["lo"]), "{ctx}");
         let connects = d["connect"].as_object().expect("connect");
         let daemon = format!("127.0.0.1:{}", o.daemon_port);
@@ -818,15 +793,12 @@ fn s06_network_only_loopback_no_host_services() {
         for (k, v) in raw {
             assert!(errno_of(v, "errno").is_some(), "{k} socket created: {ctx}");
         }
-    }
+    });
 }
 
 #[test]
 fn s07_proc_masked_and_read_only() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("S-07");
-        let ctx = o.ctx("S-07");
+    each_mode_passed("S-07", |_, d, ctx| {
         for p in [
             "/proc/kcore",
             "/proc/keys",
@@ -850,15 +822,12 @@ fn s07_proc_masked_and_read_only() {
             assert_ne!(s(&d["writes"][p]), "opened for writing", "{p}: {ctx}");
             assert!(!d["writes"][p].is_null(), "{p} not probed: {ctx}");
         }
-    }
+    });
 }
 
 #[test]
 fn s08_no_dangerous_devices() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("S-08");
-        let ctx = o.ctx("S-08");
+    each_mode_passed("S-08", |_, d, ctx| {
         let opens = d["open"].as_object().expect("open");
         for p in [
             "/dev/kvm",
@@ -882,20 +851,17 @@ fn s08_no_dangerous_devices() {
             Value::Array(vec![]),
             "unexpected character devices in /dev: {ctx}"
         );
-    }
+    });
 }
 
 #[test]
 fn s10_no_host_secrets() {
-    for mode in MODES {
-        let o = obs(mode);
+    each_mode_passed("S-10", |o, d, ctx| {
         // The test process really holds the secret, so a leak would be visible.
         assert_eq!(
             std::env::var(SECRET_ENV).ok().as_deref(),
             Some(secret_value())
         );
-        let d = o.passed("S-10");
-        let ctx = o.ctx("S-10");
         for k in [
             "secret_names_visible",
             "secret_values_in",
@@ -909,7 +875,7 @@ fn s10_no_host_secrets() {
             "secret file not probed"
         );
         assert!(d["env_count"].as_u64().unwrap_or(0) > 0, "{ctx}");
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -917,10 +883,7 @@ fn s10_no_host_secrets() {
 
 #[test]
 fn c01_no_leaked_fds_cwd_inside() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("C-01");
-        let ctx = o.ctx("C-01");
+    each_mode_passed("C-01", |_, d, ctx| {
         let fds = d["fds"].as_object().expect("fds");
         assert!(!fds.is_empty(), "{ctx}");
         for (fd, v) in fds {
@@ -928,7 +891,7 @@ fn c01_no_leaked_fds_cwd_inside() {
         }
         assert_eq!(d["cwd_inside"], Value::Bool(true), "{ctx}");
         assert_eq!(s(&d["root"]), "/", "{ctx}");
-    }
+    });
 }
 
 #[test]
@@ -962,10 +925,7 @@ fn c02_proc_self_exe_overwrite() {
 
 #[test]
 fn c03_masked_paths_are_devices_or_ro_tmpfs() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("C-03");
-        let ctx = o.ctx("C-03");
+    each_mode_passed("C-03", |_, d, ctx| {
         let paths = d.as_object().expect("C-03 detail");
         assert_eq!(paths.len(), 11, "{ctx}");
         for (p, v) in paths {
@@ -984,46 +944,37 @@ fn c03_masked_paths_are_devices_or_ro_tmpfs() {
         ] {
             assert!(paths[p].get("unmasked").is_none(), "{p} unmasked: {ctx}");
         }
-    }
+    });
 }
 
 #[test]
 fn c04_release_agent_not_writable() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("C-04");
-        let ctx = o.ctx("C-04");
+    each_mode_passed("C-04", |_, d, ctx| {
         assert_eq!(d["writable_release_agents"], Value::Array(vec![]), "{ctx}");
         let sys_hidden =
             d["sys"].get("absent_errno").is_some() || d["sys"]["entries"] == Value::Array(vec![]);
         assert!(sys_hidden, "/sys is visible: {ctx}");
-    }
+    });
 }
 
 #[test]
 fn c05_tiocsti_tioclinux_denied() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("C-05");
-        let ctx = o.ctx("C-05");
+    each_mode_passed("C-05", |_, d, ctx| {
         let tried = d["tried"].as_array().expect("tried");
         assert!(!tried.is_empty(), "{ctx}");
         for t in tried {
             assert_ne!(s(&t["tiocsti"]), "allowed", "{t}: {ctx}");
             assert_eq!(t["tioclinux"].as_i64(), Some(1), "{t}: {ctx}");
         }
-    }
+    });
 }
 
 #[test]
 fn c06_open_by_handle_at_denied() {
-    for mode in MODES {
-        let o = obs(mode);
-        let d = o.passed("C-06");
-        let ctx = o.ctx("C-06");
+    each_mode_passed("C-06", |_, d, ctx| {
         let got = s(&d["observed"]);
         assert!(got == "sigsys" || got == "errno 1", "{ctx}");
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Runs a test's `body` alone, checking it leaves nothing behind.
+fn isolated(body: impl FnOnce()) {
+    common::leak_checked(&SERIAL, SETTLE, body);
+}
+
 const SETTLE: Duration = Duration::from_secs(5);
 
 fn sha256_file(path: &Path) -> String {
@@ -112,44 +117,31 @@ fn check_reset(spec: &SandboxSpec, marker: &str) {
         "old writable layer or /dev/shm visible after reset ({spec:?}): {r:?}"
     );
     let r = sb.sh("echo after > /tmp/marker && cat /tmp/marker", 5000);
-    assert_eq!(
-        (r.status, stdout(&r).as_str()),
-        (ExecStatus::Ok, "after\n"),
-        "{r:?}"
-    );
+    common::assert_ok_stdout(&r, "after\n");
     // A second reset works too.
     sb.mark_acquired().expect("acquire again");
     sb.reset().expect("second reset");
-    let r = sb.sh("test -e /tmp/marker && echo present || echo absent", 5000);
-    assert_eq!(stdout(&r), "absent\n");
+    sb.sh_prints(
+        "test -e /tmp/marker && echo present || echo absent",
+        5000,
+        "absent\n",
+    );
     sb.destroy().expect("destroy");
 }
 
 #[test]
 fn lifecycle_reset_gives_a_fresh_writable_layer() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    check_reset(
-        &SandboxSpec {
-            limits: common::admitted(small_limits()),
-            ..Default::default()
-        },
-        "sleep 7401",
-    );
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        check_reset(&common::small_spec(false), "sleep 7401");
+    });
 }
 
 #[test]
 fn lifecycle_reset_gives_a_fresh_writable_layer_userns() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let spec = SandboxSpec {
-        limits: common::admitted(small_limits()),
-        userns: true,
-        ..Default::default()
-    };
-    check_reset(&spec, "sleep 7404");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        let spec = common::small_spec(true);
+        check_reset(&spec, "sleep 7404");
+    });
 }
 
 /// Resets spaced like a reuse loop pivot onto the spare root the supervisor built meanwhile:
@@ -158,49 +150,51 @@ fn lifecycle_reset_gives_a_fresh_writable_layer_userns() {
 /// stays the same size, and nothing is left after the destroy.
 #[test]
 fn lifecycle_spaced_resets_start_from_a_fresh_layer_each_time() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let mut sb = create(small_limits());
-    sb.mark_acquired().expect("acquire");
-    let mounts = |sb: &mut common::SbGuard| {
-        let r = sb.sh("wc -l < /proc/self/mountinfo", 5000);
-        assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
-        stdout(&r).trim().parse::<u32>().expect("a count")
-    };
-    let first = mounts(&mut sb);
-    for round in 0..4 {
-        let r = sb.sh(
-            &format!(
-                "ls -A /tmp /workspace /dev/shm; echo {round} > /tmp/m; echo {round} > /dev/shm/m; \
-                 echo {round} > /workspace/m; setsid sleep 740{round} </dev/null >/dev/null 2>&1 &"
-            ),
+    isolated(|| {
+        let mut sb = create(small_limits());
+        sb.mark_acquired().expect("acquire");
+        let mounts = |sb: &mut common::SbGuard| {
+            let r = sb.sh("wc -l < /proc/self/mountinfo", 5000);
+            assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+            stdout(&r).trim().parse::<u32>().expect("a count")
+        };
+        let first = mounts(&mut sb);
+        for round in 0..4 {
+            let r = sb.sh(
+                &format!(
+                    "ls -A /tmp /workspace /dev/shm; echo {round} > /tmp/m; echo {round} > /dev/shm/m; \
+                     echo {round} > /workspace/m; setsid sleep 740{round} </dev/null >/dev/null 2>&1 &"
+                ),
+                5000,
+            );
+            assert_eq!(
+                (r.status, stdout(&r).as_str()),
+                (ExecStatus::Ok, "/dev/shm:\n\n/tmp:\n\n/workspace:\n"),
+                "round {round}: state of an earlier episode is visible: {r:?}"
+            );
+            // Longer than the supervisor waits before it builds the spare.
+            std::thread::sleep(Duration::from_millis(150));
+            sb.reset()
+                .unwrap_or_else(|e| panic!("reset {round}: {e:?}"));
+            sb.mark_acquired().expect("acquire again");
+            assert!(
+                common::wait_until(SETTLE, || live_with_cmdline(&format!("sleep 740{round}"))
+                    .is_empty()),
+                "round {round}: a process survives the reset"
+            );
+            assert_eq!(
+                mounts(&mut sb),
+                first,
+                "round {round}: the mount table grew"
+            );
+        }
+        sb.sh_prints(
+            "ls -A /tmp /workspace /dev/shm",
             5000,
+            "/dev/shm:\n\n/tmp:\n\n/workspace:\n",
         );
-        assert_eq!(
-            (r.status, stdout(&r).as_str()),
-            (ExecStatus::Ok, "/dev/shm:\n\n/tmp:\n\n/workspace:\n"),
-            "round {round}: state of an earlier episode is visible: {r:?}"
-        );
-        // Longer than the supervisor waits before it builds the spare.
-        std::thread::sleep(Duration::from_millis(150));
-        sb.reset()
-            .unwrap_or_else(|e| panic!("reset {round}: {e:?}"));
-        sb.mark_acquired().expect("acquire again");
-        assert!(
-            common::wait_until(SETTLE, || live_with_cmdline(&format!("sleep 740{round}"))
-                .is_empty()),
-            "round {round}: a process survives the reset"
-        );
-        assert_eq!(
-            mounts(&mut sb),
-            first,
-            "round {round}: the mount table grew"
-        );
-    }
-    let r = sb.sh("ls -A /tmp /workspace /dev/shm", 5000);
-    assert_eq!(stdout(&r), "/dev/shm:\n\n/tmp:\n\n/workspace:\n", "{r:?}");
-    sb.destroy().expect("destroy");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+        sb.destroy().expect("destroy");
+    });
 }
 
 /// System V shared memory, message queues and semaphores, and POSIX message queues, live in
@@ -209,252 +203,246 @@ fn lifecycle_spaced_resets_start_from_a_fresh_layer_each_time() {
 /// path or pivots onto the spare).
 #[test]
 fn lifecycle_a_reset_removes_the_ipc_objects_of_the_episode_before() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let mut sb = create(small_limits());
-    sb.mark_acquired().expect("acquire");
-    const MAKE: &str = "ipcmk -M 4096 >/dev/null && ipcmk -M 8192 >/dev/null && \
-        ipcmk -Q >/dev/null && ipcmk -S 3 >/dev/null && python3 -c '
+    isolated(|| {
+        let mut sb = create(small_limits());
+        sb.mark_acquired().expect("acquire");
+        const MAKE: &str = "ipcmk -M 4096 >/dev/null && ipcmk -M 8192 >/dev/null && \
+            ipcmk -Q >/dev/null && ipcmk -S 3 >/dev/null && python3 -c '
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
 assert libc.mq_open(b\"/episode\", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
 '";
-    const COUNT: &str =
-        "echo $(tail -n +2 /proc/sysvipc/shm | wc -l) $(tail -n +2 /proc/sysvipc/msg | wc -l) \
-        $(tail -n +2 /proc/sysvipc/sem | wc -l) $(python3 -c '
+        const COUNT: &str =
+            "echo $(tail -n +2 /proc/sysvipc/shm | wc -l) $(tail -n +2 /proc/sysvipc/msg | wc -l) \
+            $(tail -n +2 /proc/sysvipc/sem | wc -l) $(python3 -c '
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
 print(1 if libc.mq_open(b\"/episode\", os.O_RDWR, 0, None) >= 0 else 0)
 ')";
-    for (round, pause) in [(0, 0), (1, 150), (2, 150)] {
-        let r = sb.sh(MAKE, 10_000);
-        assert_eq!(r.status, ExecStatus::Ok, "round {round}: {r:?}");
-        let r = sb.sh(COUNT, 10_000);
-        assert_eq!(stdout(&r), "2 1 1 1\n", "round {round}: made: {r:?}");
-        // Longer than the supervisor waits before it builds the spare root, after the first.
-        std::thread::sleep(Duration::from_millis(pause));
-        sb.reset()
-            .unwrap_or_else(|e| panic!("reset {round}: {e:?}"));
-        sb.mark_acquired().expect("acquire again");
-        let r = sb.sh(COUNT, 10_000);
-        assert_eq!(
-            stdout(&r),
-            "0 0 0 0\n",
-            "round {round}: IPC objects of the episode before are visible: {r:?}"
-        );
-    }
-    sb.destroy().expect("destroy");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+        for (round, pause) in [(0, 0), (1, 150), (2, 150)] {
+            let r = sb.sh(MAKE, 10_000);
+            assert_eq!(r.status, ExecStatus::Ok, "round {round}: {r:?}");
+            sb.sh_prints(COUNT, 10_000, "2 1 1 1\n");
+            // Longer than the supervisor waits before it builds the spare root, after the first.
+            std::thread::sleep(Duration::from_millis(pause));
+            sb.reset()
+                .unwrap_or_else(|e| panic!("reset {round}: {e:?}"));
+            sb.mark_acquired().expect("acquire again");
+            let r = sb.sh(COUNT, 10_000);
+            assert_eq!(
+                stdout(&r),
+                "0 0 0 0\n",
+                "round {round}: IPC objects of the episode before are visible: {r:?}"
+            );
+        }
+        sb.destroy().expect("destroy");
+    });
 }
 
 /// A reset frees the old writable layer while the sandbox sits idle after it (nothing, the
 /// agent included, keeps the old root alive until the next command).
 #[test]
 fn lifecycle_a_reset_frees_the_old_layer_before_the_next_command() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let mut sb = create(Limits {
-        memory_max: 256 << 20,
-        disk_bytes: 128 << 20,
-        ..small_limits()
+    isolated(|| {
+        let mut sb = create(Limits {
+            memory_max: 256 << 20,
+            disk_bytes: 128 << 20,
+            ..small_limits()
+        });
+        sb.mark_acquired().expect("acquire");
+        sb.sh_prints(
+            "head -c 48000000 /dev/zero > /tmp/big && echo ok",
+            20_000,
+            "ok\n",
+        );
+        let rt = common::rt();
+        let usage = |id: &str| {
+            rt.cgroups()
+                .open(id)
+                .expect("cgroup")
+                .stats()
+                .expect("stats")
+                .memory_current
+        };
+        let before = usage(sb.id());
+        assert!(
+            before > 40_000_000,
+            "the file is charged to the sandbox: {before}"
+        );
+        sb.reset().expect("reset");
+        let id = sb.id().to_owned();
+        assert!(
+            common::wait_until(Duration::from_secs(5), || usage(&id) < before - 30_000_000),
+            "the old layer is still charged after the reset: {} of {before}",
+            usage(&id)
+        );
+        sb.sh_prints(
+            "test -e /tmp/big && echo present || echo absent",
+            5000,
+            "absent\n",
+        );
+        sb.destroy().expect("destroy");
     });
-    sb.mark_acquired().expect("acquire");
-    let r = sb.sh("head -c 48000000 /dev/zero > /tmp/big && echo ok", 20_000);
-    assert_eq!(stdout(&r), "ok\n", "{r:?}");
-    let rt = common::rt();
-    let usage = |id: &str| {
-        rt.cgroups()
-            .open(id)
-            .expect("cgroup")
-            .stats()
-            .expect("stats")
-            .memory_current
-    };
-    let before = usage(sb.id());
-    assert!(
-        before > 40_000_000,
-        "the file is charged to the sandbox: {before}"
-    );
-    sb.reset().expect("reset");
-    let id = sb.id().to_owned();
-    assert!(
-        common::wait_until(Duration::from_secs(5), || usage(&id) < before - 30_000_000),
-        "the old layer is still charged after the reset: {} of {before}",
-        usage(&id)
-    );
-    let r = sb.sh("test -e /tmp/big && echo present || echo absent", 5000);
-    assert_eq!(stdout(&r), "absent\n", "{r:?}");
-    sb.destroy().expect("destroy");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
 }
 
 /// HOME (`/root`) is a scratch dir and must be usable in user-namespace mode too.
 #[test]
 fn lifecycle_userns_scratch_dirs_are_writable() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let spec = SandboxSpec {
-        limits: common::admitted(small_limits()),
-        userns: true,
-        ..Default::default()
-    };
-    let mut sb = create_spec(&spec);
-    let r = sb.sh("for d in /tmp /var/tmp /root /home /workspace; do echo x > $d/probe || echo \"FAIL $d\"; done; echo end", 5000);
-    sb.destroy().expect("destroy");
-    assert_eq!(
-        stdout(&r),
-        "end\n",
-        "scratch dirs not writable in userns mode: {}",
-        stderr(&r)
-    );
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        let spec = common::small_spec(true);
+        let mut sb = create_spec(&spec);
+        let r = sb.sh("for d in /tmp /var/tmp /root /home /workspace; do echo x > $d/probe || echo \"FAIL $d\"; done; echo end", 5000);
+        sb.destroy().expect("destroy");
+        assert_eq!(
+            stdout(&r),
+            "end\n",
+            "scratch dirs not writable in userns mode: {}",
+            stderr(&r)
+        );
+    });
 }
 
 #[test]
 fn lifecycle_destroy_takes_background_work_with_it() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let mut sb = create(small_limits());
-    let ns = common::ns_inode(sb.init_pid(), "pid").expect("pid ns");
-    let (ev, _) = sb
-        .agent()
-        .call(
-            &Request::Spawn(ExecRequest::shell("sleep 7402")),
-            b"",
-            None,
-            |_, _| {},
-        )
-        .expect("spawn");
-    assert!(matches!(ev, Event::Started { .. }), "{ev:?}");
-    let (ev, _) = sb
-        .agent()
-        .call(
-            &Request::SessionOpen {
-                kind: SessionKind::Shell,
-                env: BTreeMap::new(),
-                cwd: None,
-            },
-            b"",
-            None,
-            |_, _| {},
-        )
-        .expect("session open");
-    let Event::SessionOpened { session } = ev else {
-        panic!("{ev:?}")
-    };
-    let (ev, _) = sb
-        .agent()
-        .call(
-            &Request::SessionRun {
-                session,
-                input: "sleep 7403 &".into(),
-                timeout_ms: Some(5000),
-            },
-            b"",
-            Some(Duration::from_secs(5)),
-            |_, _| {},
-        )
-        .expect("session run");
-    assert!(matches!(ev, Event::ExecDone(_)), "{ev:?}");
-    assert!(
-        common::wait_until(Duration::from_secs(2), || common::live_procs_in_pid_ns(ns)
-            .iter()
-            .filter(|p| common::cmdline(**p).starts_with("sleep 740"))
-            .count()
-            == 2),
-        "background processes not running"
-    );
-    let members = common::live_procs_in_pid_ns(ns);
-    sb.destroy().expect("destroy with background work");
-    assert!(
-        common::wait_until(Duration::from_secs(1), || common::members_alive(
-            ns, &members
-        )
-        .is_empty()),
-        "survivors: {:?}",
-        common::members_alive(ns, &members)
-            .iter()
-            .map(|p| common::describe(*p))
-            .collect::<Vec<_>>()
-    );
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        let mut sb = create(small_limits());
+        let ns = common::ns_inode(sb.init_pid(), "pid").expect("pid ns");
+        let (ev, _) = sb
+            .agent()
+            .call(
+                &Request::Spawn(ExecRequest::shell("sleep 7402")),
+                b"",
+                None,
+                |_, _| {},
+            )
+            .expect("spawn");
+        assert!(matches!(ev, Event::Started { .. }), "{ev:?}");
+        let (ev, _) = sb
+            .agent()
+            .call(
+                &Request::SessionOpen {
+                    kind: SessionKind::Shell,
+                    env: BTreeMap::new(),
+                    cwd: None,
+                },
+                b"",
+                None,
+                |_, _| {},
+            )
+            .expect("session open");
+        let Event::SessionOpened { session } = ev else {
+            panic!("{ev:?}")
+        };
+        let (ev, _) = sb
+            .agent()
+            .call(
+                &Request::SessionRun {
+                    session,
+                    input: "sleep 7403 &".into(),
+                    timeout_ms: Some(5000),
+                },
+                b"",
+                Some(Duration::from_secs(5)),
+                |_, _| {},
+            )
+            .expect("session run");
+        assert!(matches!(ev, Event::ExecDone(_)), "{ev:?}");
+        assert!(
+            common::wait_until(Duration::from_secs(2), || common::live_procs_in_pid_ns(ns)
+                .iter()
+                .filter(|p| common::cmdline(**p).starts_with("sleep 740"))
+                .count()
+                == 2),
+            "background processes not running"
+        );
+        let members = common::live_procs_in_pid_ns(ns);
+        sb.destroy().expect("destroy with background work");
+        assert!(
+            common::wait_until(Duration::from_secs(1), || common::members_alive(
+                ns, &members
+            )
+            .is_empty()),
+            "survivors: {:?}",
+            common::members_alive(ns, &members)
+                .iter()
+                .map(|p| common::describe(*p))
+                .collect::<Vec<_>>()
+        );
+    });
 }
 
 #[test]
 fn c02_proc_self_exe_overwrite_leaves_host_binaries_unchanged() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let agent_bin = common::rt().config().agent_bin.clone();
-    let sh = std::fs::canonicalize("/bin/sh").expect("resolve /bin/sh");
-    let targets: Vec<PathBuf> = vec![agent_bin, sh, PathBuf::from("/bin/cp")];
-    let before: Vec<String> = targets.iter().map(|p| sha256_file(p)).collect();
+    isolated(|| {
+        let agent_bin = common::rt().config().agent_bin.clone();
+        let sh = std::fs::canonicalize("/bin/sh").expect("resolve /bin/sh");
+        let targets: Vec<PathBuf> = vec![agent_bin, sh, PathBuf::from("/bin/cp")];
+        let before: Vec<String> = targets.iter().map(|p| sha256_file(p)).collect();
 
-    let script = "echo pwned > /proc/self/exe; echo rc1=$?\n\
-                  cp /bin/sh /proc/1/exe; echo rc2=$?\n\
-                  echo pwned > /proc/1/exe; echo rc3=$?\n\
-                  cat /proc/self/exe > /dev/null; echo rc4=$?\n\
-                  exec 3</proc/self/exe; echo pwned > /proc/self/fd/3; echo rc5=$?\n";
-    for writable_root in [false, true] {
-        let mut sb = create_spec(&SandboxSpec {
-            limits: common::admitted(small_limits()),
-            writable_root,
-            ..Default::default()
-        });
-        let r = sb.sh(script, 10_000);
-        let out = stdout(&r);
-        for (k, must_fail) in [
-            ("rc1", true),
-            ("rc2", true),
-            ("rc3", true),
-            ("rc4", false),
-            ("rc5", true),
-        ] {
-            let line = out
-                .lines()
-                .find(|l| l.starts_with(k))
-                .unwrap_or_else(|| panic!("{k} missing: {out}"));
-            assert_eq!(
-                line != format!("{k}=0"),
-                must_fail,
-                "writable_root={writable_root}: {line}\n{out}\n{}",
-                stderr(&r)
-            );
+        let script = "echo pwned > /proc/self/exe; echo rc1=$?\n\
+                      cp /bin/sh /proc/1/exe; echo rc2=$?\n\
+                      echo pwned > /proc/1/exe; echo rc3=$?\n\
+                      cat /proc/self/exe > /dev/null; echo rc4=$?\n\
+                      exec 3</proc/self/exe; echo pwned > /proc/self/fd/3; echo rc5=$?\n";
+        for writable_root in [false, true] {
+            let mut sb = create_spec(&SandboxSpec {
+                limits: common::admitted(small_limits()),
+                writable_root,
+                ..Default::default()
+            });
+            let r = sb.sh(script, 10_000);
+            let out = stdout(&r);
+            for (k, must_fail) in [
+                ("rc1", true),
+                ("rc2", true),
+                ("rc3", true),
+                ("rc4", false),
+                ("rc5", true),
+            ] {
+                let line = out
+                    .lines()
+                    .find(|l| l.starts_with(k))
+                    .unwrap_or_else(|| panic!("{k} missing: {out}"));
+                assert_eq!(
+                    line != format!("{k}=0"),
+                    must_fail,
+                    "writable_root={writable_root}: {line}\n{out}\n{}",
+                    stderr(&r)
+                );
+            }
+            // A second command still runs the real shell and agent.
+            sb.sh_prints("echo still-sh", 5000, "still-sh\n");
+            sb.destroy().expect("destroy");
         }
-        // A second command still runs the real shell and agent.
-        let r = sb.sh("echo still-sh", 5000);
-        assert_eq!(stdout(&r), "still-sh\n");
-        sb.destroy().expect("destroy");
-    }
-    let after: Vec<String> = targets.iter().map(|p| sha256_file(p)).collect();
-    assert_eq!(before, after, "a host binary changed: {targets:?}");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+        let after: Vec<String> = targets.iter().map(|p| sha256_file(p)).collect();
+        assert_eq!(before, after, "a host binary changed: {targets:?}");
+    });
 }
 
 /// The agent blocks SIGCHLD in all its threads; the commands it starts must not inherit that
 /// mask, or `cmd & wait` in dash (which sigsuspends with the inherited mask) never returns.
 #[test]
 fn exec_children_start_with_an_empty_signal_mask() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let mut sb = create(small_limits());
-    let r = sb.argv(&["grep", "SigBlk", "/proc/self/status"], 5000);
-    let blocked = stdout(&r);
-    let r = sb.sh("sleep 0.1 & wait $!; echo rc=$?", 3000);
-    let wait_status = (r.status, stdout(&r));
-    sb.destroy().expect("destroy");
-    assert_eq!(
-        blocked.trim(),
-        "SigBlk:\t0000000000000000",
-        "signal mask inherited by exec children"
-    );
-    assert_eq!(
-        wait_status,
-        (ExecStatus::Ok, "rc=0\n".to_owned()),
-        "`sleep 0.1 & wait` in /bin/sh"
-    );
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        let mut sb = create(small_limits());
+        let r = sb.argv(&["grep", "SigBlk", "/proc/self/status"], 5000);
+        let blocked = stdout(&r);
+        let r = sb.sh("sleep 0.1 & wait $!; echo rc=$?", 3000);
+        let wait_status = (r.status, stdout(&r));
+        sb.destroy().expect("destroy");
+        assert_eq!(
+            blocked.trim(),
+            "SigBlk:\t0000000000000000",
+            "signal mask inherited by exec children"
+        );
+        assert_eq!(
+            wait_status,
+            (ExecStatus::Ok, "rc=0\n".to_owned()),
+            "`sleep 0.1 & wait` in /bin/sh"
+        );
+    });
 }
 
 /// A node starts its runtime on whatever thread it likes (a worker, a `spawn_blocking` task);
@@ -475,10 +463,7 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
         .join()
         .expect("starter thread");
     std::thread::sleep(Duration::from_millis(200));
-    let created = rt.create(&SandboxSpec {
-        limits: common::admitted(small_limits()),
-        ..Default::default()
-    });
+    let created = rt.create(&common::small_spec(false));
     let verdict = match created {
         Ok((mut sb, _)) => {
             let r = sb.exec(&rt, &ExecRequest::shell("echo hi"), b"", |_, _| {});
@@ -501,10 +486,7 @@ fn lifecycle_runtime_outlives_the_thread_that_started_it() {
 #[test]
 fn lifecycle_dev_is_read_only_but_shm_is_writable() {
     let _serial = serial();
-    let mut sb = create_spec(&SandboxSpec {
-        limits: common::admitted(small_limits()),
-        ..Default::default()
-    });
+    let mut sb = create_spec(&common::small_spec(false));
     let r = sb.sh(
         "touch /dev/planted 2>/dev/null && echo planted; echo s > /dev/shm/x && cat /dev/shm/x; \
          echo data > /dev/null && echo null-ok",
@@ -523,10 +505,7 @@ fn lifecycle_dev_is_read_only_but_shm_is_writable() {
 #[test]
 fn lifecycle_four_filesystems_per_sandbox() {
     let _serial = serial();
-    let mut sb = create_spec(&SandboxSpec {
-        limits: common::admitted(small_limits()),
-        ..Default::default()
-    });
+    let mut sb = create_spec(&common::small_spec(false));
     let script =
         "grep -v ' - mqueue ' /proc/self/mountinfo | awk '$5 !~ /^\\/proc\\// {print $3}' \
                   | sort -u | wc -l; \
@@ -549,10 +528,7 @@ fn lifecycle_four_filesystems_per_sandbox() {
 #[test]
 fn c02b_agent_memory_and_fds_are_out_of_reach() {
     let _serial = serial();
-    let mut sb = create_spec(&SandboxSpec {
-        limits: common::admitted(small_limits()),
-        ..Default::default()
-    });
+    let mut sb = create_spec(&common::small_spec(false));
     let probe = "import os\n\
                  for path, mode in (('/proc/1/mem', 'r+b'), ('/proc/1/mem', 'rb'), ('/proc/1/environ', 'rb')):\n\
                  \x20   try:\n\
@@ -575,37 +551,31 @@ fn c02b_agent_memory_and_fds_are_out_of_reach() {
 }
 
 fn environ(pid: i32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/environ"))
-        .unwrap_or_else(|e| panic!("environ of {pid}: {e}"))
-        .split(|&b| b == 0)
-        .filter(|v| !v.is_empty())
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .collect()
+    common::proc_strings(pid, "environ").unwrap_or_else(|e| panic!("environ of {pid}: {e}"))
 }
 
 /// Supervisors run without glibc's per-thread malloc cache (each idle sandbox's supervisor then
 /// keeps ~23 KiB less of private heap), and the setting stays outside the sandbox.
 #[test]
 fn lifecycle_supervisors_run_without_the_malloc_cache_and_sandboxes_do_not_inherit_it() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let mut sb = create(small_limits());
-    let tunable = format!(
-        "GLIBC_TUNABLES={}",
-        dsec_node::substrate::SPAWNER_MALLOC_TUNABLES
-    );
-    let sup = environ(sb.supervisor_pid());
-    assert!(sup.contains(&tunable), "{sup:?}");
-    let agent = environ(sb.init_pid());
-    assert!(
-        !agent.iter().any(|v| v.starts_with("GLIBC_TUNABLES")),
-        "{agent:?}"
-    );
-    let r = sb.sh("env", 10_000);
-    assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
-    assert!(!stdout(&r).contains("GLIBC_TUNABLES"), "{}", stdout(&r));
-    sb.destroy().expect("destroy");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        let mut sb = create(small_limits());
+        let tunable = format!(
+            "GLIBC_TUNABLES={}",
+            dsec_node::substrate::SPAWNER_MALLOC_TUNABLES
+        );
+        let sup = environ(sb.supervisor_pid());
+        assert!(sup.contains(&tunable), "{sup:?}");
+        let agent = environ(sb.init_pid());
+        assert!(
+            !agent.iter().any(|v| v.starts_with("GLIBC_TUNABLES")),
+            "{agent:?}"
+        );
+        let r = sb.sh("env", 10_000);
+        assert_eq!(r.status, ExecStatus::Ok, "{r:?}");
+        assert!(!stdout(&r).contains("GLIBC_TUNABLES"), "{}", stdout(&r));
+        sb.destroy().expect("destroy");
+    });
 }
 
 /// A launch that fails comes back typed: the step that failed and its errno, which decide the
@@ -631,10 +601,7 @@ fn lifecycle_a_failed_launch_names_its_step() {
         shim_bin: fx.rt.config().shim_bin.clone(),
     };
     let rt = Runtime::start(cfg).expect("start runtime");
-    let created = rt.create(&SandboxSpec {
-        limits: common::admitted(small_limits()),
-        ..Default::default()
-    });
+    let created = rt.create(&common::small_spec(false));
     drop(rt);
     remove_runtime_dirs(&run_dir);
     let Err(err) = created else {

@@ -13,10 +13,14 @@ use dsec_api::ErrorCode;
 use dsec_node::template::{detect_archive, detect_dir, ImageFormat};
 use dsec_node::template::{
     shares_filesystem_with_root, stage_layer, unpack_layer, Digest, ImportLimits, LayerRef,
-    OciSource, TemplateError, TemplateSource, TemplateStore,
+    OciSource, Template, TemplateError, TemplateSource, TemplateStore,
 };
 use flate2::write::GzEncoder;
-use sha2::{Digest as _, Sha256};
+#[path = "common/oci.rs"]
+mod oci;
+use oci::sha_hex;
+
+use tar::EntryType::{Block, Char, Directory, Fifo, Link, Regular, Symlink};
 use tar::{Builder, EntryType, Header};
 
 // ---------------------------------------------------------------------------------------------
@@ -55,6 +59,48 @@ fn dir(b: &mut Builder<Vec<u8>>, name: &str) {
     raw(b, name.as_bytes(), EntryType::Directory, b"", 0o755, b"");
 }
 
+/// A tarball member for [`raw_members`]: (name, type, link name, mode, data).
+type Member<'a> = (&'a str, EntryType, &'a str, u32, &'a [u8]);
+
+/// Appends each of `members` with [`raw`].
+fn raw_members(b: &mut Builder<Vec<u8>>, members: &[Member]) {
+    for &(name, kind, link, mode, data) in members {
+        raw(b, name.as_bytes(), kind, link.as_bytes(), mode, data);
+    }
+}
+
+/// A tarball of members written `<kind> <name> [<link or data>]`, the kind one of `f` (a file,
+/// with its data), `d` (a directory), `s` (a symlink), `h` (a hard link), `c`, `b`, `p` (a
+/// character or block device, a fifo).
+fn tar_spec(members: &[&str]) -> Vec<u8> {
+    tar_of(|b| {
+        for m in members {
+            let mut f = m.splitn(3, ' ');
+            let kind = f.next().expect("kind");
+            let name = f.next().expect("name");
+            let extra = f.next().unwrap_or("");
+            let (kind, mode, link, data) = match kind {
+                "f" => (Regular, 0o644, "", extra),
+                "d" => (Directory, 0o755, "", ""),
+                "s" => (Symlink, 0o777, extra, ""),
+                "h" => (Link, 0o644, extra, ""),
+                "c" => (Char, 0o600, "", ""),
+                "b" => (Block, 0o600, "", ""),
+                "p" => (Fifo, 0o600, "", ""),
+                other => panic!("unknown member kind {other}"),
+            };
+            raw(
+                b,
+                name.as_bytes(),
+                kind,
+                link.as_bytes(),
+                mode,
+                data.as_bytes(),
+            );
+        }
+    })
+}
+
 fn tar_of(f: impl FnOnce(&mut Builder<Vec<u8>>)) -> Vec<u8> {
     let mut b = Builder::new(Vec::new());
     f(&mut b);
@@ -67,10 +113,6 @@ fn gzip(data: &[u8]) -> Vec<u8> {
     e.finish().expect("gzip")
 }
 
-fn sha(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
-}
-
 fn limits() -> ImportLimits {
     ImportLimits::default()
 }
@@ -79,6 +121,31 @@ fn open_store() -> Result<(tempfile::TempDir, TemplateStore)> {
     let dir = tempfile::tempdir()?;
     let store = TemplateStore::open(&dir.path().join("data"))?;
     Ok((dir, store))
+}
+
+/// A fresh store holding templates `one` and `two` (the same one-file layer, imported plain and
+/// gzipped) and `third` (imported from the tarball `own`); returns them in that order.
+fn store_sharing_a_layer(
+    third: &str,
+    own: &[u8],
+) -> Result<(tempfile::TempDir, TemplateStore, [Template; 3])> {
+    let (d, store) = open_store()?;
+    let shared = tar_of(|b| file(b, "a", b"shared"));
+    let t1 = store.import_rootfs_tar("one", &shared[..], &limits())?;
+    let t2 = store.import_rootfs_tar("two", &gzip(&shared)[..], &limits())?;
+    let t3 = store.import_rootfs_tar(third, own, &limits())?;
+    Ok((d, store, [t1, t2, t3]))
+}
+
+/// Imports the OCI layout at `layout` into a fresh store, which must refuse it; returns the
+/// store and the error.
+fn refused_oci(layout: &Path) -> Result<(tempfile::TempDir, TemplateStore, TemplateError)> {
+    let (d, store) = open_store()?;
+    let err = store
+        .import_oci("x", OciSource::Dir(layout), &limits())
+        .err()
+        .context("ok")?;
+    Ok((d, store, err))
 }
 
 fn dir_is_empty(p: &Path) -> Result<bool> {
@@ -93,6 +160,26 @@ fn assert_clean(store: &TemplateStore) -> Result<()> {
     let records = fs::read_dir(d.join("templates"))?.count();
     ensure!(records == 0, "template record left behind");
     Ok(())
+}
+
+/// Imports `tar` as a rootfs under `limits`, which must refuse it for exceeding the limit
+/// `what` and leave nothing behind; returns the error.
+fn limit_refusal(
+    store: &TemplateStore,
+    tar: impl Read,
+    limits: ImportLimits,
+    what: &str,
+) -> Result<TemplateError> {
+    let err = store
+        .import_rootfs_tar("t", tar, &limits)
+        .err()
+        .context("accepted")?;
+    assert!(
+        matches!(&err, TemplateError::LimitExceeded { what: w, .. } if *w == what),
+        "{err:?}"
+    );
+    assert_clean(store)?;
+    Ok(err)
 }
 
 /// Runs a shell script in a private mount namespace; returns stdout.
@@ -130,27 +217,18 @@ fn rootfs_import_basic() -> Result<()> {
         dir(b, "./");
         dir(b, "./etc/");
         file(b, "./etc/hostname", b"box\n");
-        raw(
+        raw_members(
             b,
-            b"usr/bin/tool",
-            EntryType::Regular,
-            b"",
-            0o4755,
-            b"#!/bin/sh\n",
+            &[
+                ("usr/bin/tool", Regular, "", 0o4755, b"#!/bin/sh\n"),
+                ("tmp", Directory, "", 0o1777, b""),
+                ("usr/bin/sg", Regular, "", 0o2711, b"x"),
+                ("usr/bin/link", Symlink, "tool", 0o777, b""),
+                ("usr/bin/hard", Link, "usr/bin/tool", 0o755, b""),
+                ("/abs/file", Regular, "", 0o600, b"abs"),
+                ("ro", Directory, "", 0o555, b""),
+            ],
         );
-        raw(b, b"tmp", EntryType::Directory, b"", 0o1777, b"");
-        raw(b, b"usr/bin/sg", EntryType::Regular, b"", 0o2711, b"x");
-        raw(b, b"usr/bin/link", EntryType::Symlink, b"tool", 0o777, b"");
-        raw(
-            b,
-            b"usr/bin/hard",
-            EntryType::Link,
-            b"usr/bin/tool",
-            0o755,
-            b"",
-        );
-        raw(b, b"/abs/file", EntryType::Regular, b"", 0o600, b"abs");
-        raw(b, b"ro", EntryType::Directory, b"", 0o555, b"");
         file(b, "ro/inside", b"x");
     });
     let t = store.import_rootfs_tar("base", &gzip(&tar)[..], &limits())?;
@@ -159,7 +237,7 @@ fn rootfs_import_basic() -> Result<()> {
         anyhow::bail!("expected one stored layer: {:?}", t.layers);
     };
     // The digest is the sha256 of the *uncompressed* stream.
-    assert_eq!(digest.hex(), sha(&tar));
+    assert_eq!(digest.hex(), sha_hex(&tar));
     let l = store.layers().path(digest);
     assert_eq!(store.lowerdirs(&t), vec![l.clone()]);
     assert_eq!(fs::read(l.join("etc/hostname"))?, b"box\n");
@@ -201,94 +279,38 @@ fn hostile_tarballs_are_refused() -> Result<()> {
     type Case = (&'static str, Vec<u8>, fn(&TemplateError) -> bool);
     let path_escape: fn(&TemplateError) -> bool = |e| matches!(e, TemplateError::PathEscape { .. });
     let unpack: fn(&TemplateError) -> bool = |e| matches!(e, TemplateError::Unpack { .. });
-    let cases: Vec<Case> = vec![
-        ("dotdot", tar_of(|b| file(b, "../x", b"x")), path_escape),
-        (
-            "inner dotdot",
-            tar_of(|b| file(b, "a/../../x", b"x")),
-            path_escape,
-        ),
-        ("dotdot dir", tar_of(|b| dir(b, "a/..")), path_escape),
-        (
-            "symlink escape",
-            tar_of(|b| {
-                raw(b, b"a", EntryType::Symlink, b"/", 0o777, b"");
-                file(b, "a/etc/x", b"x");
-            }),
-            path_escape,
-        ),
-        (
-            "relative symlink escape",
-            tar_of(|b| {
-                raw(b, b"a", EntryType::Symlink, b"../../../..", 0o777, b"");
-                dir(b, "a/etc");
-            }),
-            path_escape,
-        ),
-        (
-            "hardlink outside",
-            tar_of(|b| raw(b, b"x", EntryType::Link, b"/etc/passwd", 0o644, b"")),
-            path_escape,
-        ),
-        (
-            "hardlink dotdot",
-            tar_of(|b| raw(b, b"x", EntryType::Link, b"../../../etc/passwd", 0o644, b"")),
-            path_escape,
-        ),
-        (
-            "hardlink through symlink",
-            tar_of(|b| {
-                raw(b, b"a", EntryType::Symlink, b"/etc", 0o777, b"");
-                raw(b, b"x", EntryType::Link, b"a/passwd", 0o644, b"");
-            }),
-            path_escape,
-        ),
-        (
-            "hardlink to symlink",
-            tar_of(|b| {
-                raw(b, b"a", EntryType::Symlink, b"/etc/passwd", 0o777, b"");
-                raw(b, b"x", EntryType::Link, b"a", 0o644, b"");
-            }),
-            path_escape,
-        ),
-        (
-            "hardlink to later entry",
-            tar_of(|b| {
-                raw(b, b"x", EntryType::Link, b"y", 0o644, b"");
-                file(b, "y", b"y");
-            }),
-            path_escape,
-        ),
-        (
-            "char device",
-            tar_of(|b| raw(b, b"dev/mem", EntryType::Char, b"", 0o600, b"")),
-            unpack,
-        ),
-        (
-            "block device",
-            tar_of(|b| raw(b, b"dev/sda", EntryType::Block, b"", 0o600, b"")),
-            unpack,
-        ),
-        (
-            "fifo",
-            tar_of(|b| raw(b, b"p", EntryType::Fifo, b"", 0o600, b"")),
-            unpack,
-        ),
-        (
-            "file under a file",
-            tar_of(|b| {
-                file(b, "f", b"");
-                file(b, "f/g", b"");
-            }),
-            unpack,
-        ),
-        ("bad whiteout", tar_of(|b| file(b, "a/.wh.", b"")), unpack),
-        (
-            "truncated",
-            tar_of(|b| file(b, "f", &[1u8; 4096]))[..1024].to_vec(),
-            |e| matches!(e, TemplateError::ReadArchive { .. }),
-        ),
+    let escapes: [(&str, &[&str]); 10] = [
+        ("dotdot", &["f ../x x"]),
+        ("inner dotdot", &["f a/../../x x"]),
+        ("dotdot dir", &["d a/.."]),
+        ("symlink escape", &["s a /", "f a/etc/x x"]),
+        ("relative symlink escape", &["s a ../../../..", "d a/etc"]),
+        ("hardlink outside", &["h x /etc/passwd"]),
+        ("hardlink dotdot", &["h x ../../../etc/passwd"]),
+        ("hardlink through symlink", &["s a /etc", "h x a/passwd"]),
+        ("hardlink to symlink", &["s a /etc/passwd", "h x a"]),
+        ("hardlink to later entry", &["h x y", "f y y"]),
     ];
+    let unpacks: [(&str, &[&str]); 5] = [
+        ("char device", &["c dev/mem"]),
+        ("block device", &["b dev/sda"]),
+        ("fifo", &["p p"]),
+        ("file under a file", &["f f", "f f/g"]),
+        ("bad whiteout", &["f a/.wh."]),
+    ];
+    let mut cases: Vec<Case> = Vec::new();
+    for (table, expect) in [(&escapes[..], path_escape), (&unpacks[..], unpack)] {
+        cases.extend(
+            table
+                .iter()
+                .map(|&(what, spec)| (what, tar_spec(spec), expect)),
+        );
+    }
+    cases.push((
+        "truncated",
+        tar_of(|b| file(b, "f", &[1u8; 4096]))[..1024].to_vec(),
+        |e| matches!(e, TemplateError::ReadArchive { .. }),
+    ));
     for (what, tar, expect) in cases {
         let (_d, store) = open_store()?;
         for data in [tar.clone(), gzip(&tar)] {
@@ -314,22 +336,12 @@ fn limits_are_enforced_while_streaming() -> Result<()> {
         max_entries: 10,
         ..limits()
     };
-    let err = store
-        .import_rootfs_tar("t", &many[..], &l)
-        .err()
-        .context("accepted")?;
+    let err = limit_refusal(&store, &many[..], l, "entries")?;
     assert!(
-        matches!(
-            err,
-            TemplateError::LimitExceeded {
-                what: "entries",
-                limit: 10
-            }
-        ),
+        matches!(err, TemplateError::LimitExceeded { limit: 10, .. }),
         "{err:?}"
     );
     assert_eq!(err.code(), ErrorCode::ResourceExhausted);
-    assert_clean(&store)?;
 
     // A single file too large (refused from its header, before reading it).
     let big = tar_of(|b| file(b, "big", &[0u8; 10_000]));
@@ -337,21 +349,7 @@ fn limits_are_enforced_while_streaming() -> Result<()> {
         max_file_bytes: 1000,
         ..limits()
     };
-    let err = store
-        .import_rootfs_tar("t", &big[..], &l)
-        .err()
-        .context("accepted")?;
-    assert!(
-        matches!(
-            err,
-            TemplateError::LimitExceeded {
-                what: "file size",
-                ..
-            }
-        ),
-        "{err:?}"
-    );
-    assert_clean(&store)?;
+    limit_refusal(&store, &big[..], l, "file size")?;
 
     // Path too long.
     let long = tar_of(|b| file(b, &"d/".repeat(40), b""));
@@ -359,21 +357,7 @@ fn limits_are_enforced_while_streaming() -> Result<()> {
         max_path_len: 50,
         ..limits()
     };
-    let err = store
-        .import_rootfs_tar("t", &long[..], &l)
-        .err()
-        .context("accepted")?;
-    assert!(
-        matches!(
-            err,
-            TemplateError::LimitExceeded {
-                what: "path length",
-                ..
-            }
-        ),
-        "{err:?}"
-    );
-    assert_clean(&store)?;
+    limit_refusal(&store, &long[..], l, "path length")?;
 
     // A gzip bomb: 512 MiB of zeros compress to ~0.5 MiB; with max_bytes = 1 MiB unpacking
     // must stop after reading a small prefix of the compressed stream.
@@ -405,27 +389,13 @@ fn limits_are_enforced_while_streaming() -> Result<()> {
         max_bytes: 1 << 20,
         ..limits()
     };
-    let err = store
-        .import_rootfs_tar("t", &mut reader, &l)
-        .err()
-        .context("accepted")?;
-    assert!(
-        matches!(
-            err,
-            TemplateError::LimitExceeded {
-                what: "total bytes",
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    limit_refusal(&store, &mut reader, l, "total bytes")?;
     assert!(
         reader.1 < bomb.len() / 4,
         "read {} of {} compressed bytes",
         reader.1,
         bomb.len()
     );
-    assert_clean(&store)?;
 
     // Zstd is refused, not misparsed.
     let zstd = [0x28u8, 0xb5, 0x2f, 0xfd, 0, 0, 0, 0];
@@ -440,12 +410,8 @@ fn limits_are_enforced_while_streaming() -> Result<()> {
 
 #[test]
 fn dedup_delete_and_gc() -> Result<()> {
-    let (_d, store) = open_store()?;
-    let tar = tar_of(|b| file(b, "a", b"shared"));
     let other = tar_of(|b| file(b, "b", b"other"));
-    let t1 = store.import_rootfs_tar("one", &tar[..], &limits())?;
-    let t2 = store.import_rootfs_tar("two", &gzip(&tar)[..], &limits())?;
-    let t3 = store.import_rootfs_tar("three", &other[..], &limits())?;
+    let (_d, store, [t1, t2, t3]) = store_sharing_a_layer("three", &other)?;
     assert_eq!(t1.layers, t2.layers, "identical layers dedup");
     assert_eq!(store.layers().list()?.len(), 2);
 
@@ -523,12 +489,8 @@ fn archive_formats_are_detected() -> Result<()> {
 #[test]
 fn remove_frees_unshared_layers_and_spares_those_in_use() -> Result<()> {
     use std::collections::BTreeSet;
-    let (_d, store) = open_store()?;
-    let shared = tar_of(|b| file(b, "a", b"shared"));
     let own = tar_of(|b| file(b, "b", b"own"));
-    store.import_rootfs_tar("one", &shared[..], &limits())?;
-    store.import_rootfs_tar("two", &shared[..], &limits())?;
-    let solo = store.import_rootfs_tar("solo", &own[..], &limits())?;
+    let (_d, store, [_, _, solo]) = store_sharing_a_layer("solo", &own)?;
     let none = || BTreeSet::new();
     let solo_in_use = || BTreeSet::from(["solo".to_owned()]);
     assert!(matches!(
@@ -622,60 +584,27 @@ fn test_image() -> Image {
 }
 
 fn config_json(img: &Image) -> Vec<u8> {
-    let diff_ids: Vec<String> = img
-        .layers
-        .iter()
-        .map(|l| format!("sha256:{}", sha(l)))
-        .collect();
-    serde_json::to_vec(&serde_json::json!({
-        "architecture": "amd64",
-        "os": "linux",
-        "config": {"Env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"], "WorkingDir": "/app", "User": "1000"},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-    }))
-    .expect("json")
+    oci::config_json(
+        &img.layers,
+        serde_json::json!({"Env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"], "WorkingDir": "/app", "User": "1000"}),
+    )
 }
 
 /// Writes an OCI image layout into `dir`; returns the manifest digest.
 fn write_oci_layout(dir: &Path, img: &Image, config: &[u8]) -> Result<String> {
-    let blobs = dir.join("blobs/sha256");
-    fs::create_dir_all(&blobs)?;
-    let put = |data: &[u8]| -> Result<(String, usize)> {
-        let h = sha(data);
-        fs::write(blobs.join(&h), data)?;
-        Ok((h, data.len()))
-    };
-    let (ch, cs) = put(config)?;
-    let mut layers = Vec::new();
-    for (l, gz) in img.layers.iter().zip(&img.gzip) {
-        let (data, mt) = if *gz {
-            (gzip(l), "application/vnd.oci.image.layer.v1.tar+gzip")
-        } else {
-            (l.clone(), "application/vnd.oci.image.layer.v1.tar")
-        };
-        let (h, s) = put(&data)?;
-        layers
-            .push(serde_json::json!({"mediaType": mt, "digest": format!("sha256:{h}"), "size": s}));
-    }
-    let manifest = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                   "digest": format!("sha256:{ch}"), "size": cs},
-        "layers": layers,
-    }))?;
-    let (mh, ms) = put(&manifest)?;
-    fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#)?;
-    fs::write(
-        dir.join("index.json"),
-        serde_json::to_vec(&serde_json::json!({
-            "schemaVersion": 2,
-            "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                           "digest": format!("sha256:{mh}"), "size": ms,
-                           "platform": {"architecture": "amd64", "os": "linux"}}],
-        }))?,
-    )?;
-    Ok(mh)
+    let layers: Vec<(Vec<u8>, &str)> = img
+        .layers
+        .iter()
+        .zip(&img.gzip)
+        .map(|(l, gz)| {
+            if *gz {
+                (gzip(l), "application/vnd.oci.image.layer.v1.tar+gzip")
+            } else {
+                (l.clone(), "application/vnd.oci.image.layer.v1.tar")
+            }
+        })
+        .collect();
+    Ok(oci::write_layout(dir, config, &layers, true))
 }
 
 /// Tars a directory (paths relative to it).
@@ -686,7 +615,7 @@ fn tar_dir(dir: &Path) -> Result<Vec<u8>> {
     Ok(b.into_inner()?)
 }
 
-fn check_image_template(store: &TemplateStore, t: &dsec_node::template::Template) -> Result<()> {
+fn check_image_template(store: &TemplateStore, t: &Template) -> Result<()> {
     assert_eq!(
         t.env,
         vec![
@@ -749,7 +678,7 @@ fn oci_layout_dir_and_tar() -> Result<()> {
             _ => None,
         })
         .collect();
-    let want: Vec<String> = img.layers.iter().map(|l| sha(l)).collect();
+    let want: Vec<String> = img.layers.iter().map(|l| sha_hex(l)).collect();
     assert_eq!(digests, want, "digests are diff_ids, bottom to top");
     check_image_template(&store, &t)?;
 
@@ -786,7 +715,7 @@ fn docker_save_tarball() -> Result<()> {
     let (_d, store) = open_store()?;
     let img = test_image();
     let config = config_json(&img);
-    let ch = sha(&config);
+    let ch = sha_hex(&config);
     let tar = tar_of(|b| {
         file(b, &format!("{ch}.json"), &config);
         let mut layers = Vec::new();
@@ -818,18 +747,17 @@ fn digest_mismatches_are_refused() -> Result<()> {
     let img = test_image();
 
     // A layer blob whose content does not match its descriptor.
-    let (_d, store) = open_store()?;
     let layout = tempfile::tempdir()?;
     write_oci_layout(layout.path(), &img, &config_json(&img))?;
-    let victim = layout.path().join("blobs/sha256").join(sha(&img.layers[0]));
+    let victim = layout
+        .path()
+        .join("blobs/sha256")
+        .join(sha_hex(&img.layers[0]));
     let mut tampered = img.layers[0].clone();
     let last = tampered.len() - 1;
     tampered[last] ^= 1; // in the end-of-archive padding: parses fine, hashes differently
     fs::write(&victim, &tampered)?;
-    let err = store
-        .import_oci("x", OciSource::Dir(layout.path()), &limits())
-        .err()
-        .context("ok")?;
+    let (_d, store, err) = refused_oci(layout.path())?;
     assert!(
         matches!(err, TemplateError::DigestMismatch { .. }),
         "{err:?}"
@@ -838,16 +766,12 @@ fn digest_mismatches_are_refused() -> Result<()> {
     assert_clean(&store)?;
 
     // A config whose diff_ids do not match the layers.
-    let (_d, store) = open_store()?;
     let layout = tempfile::tempdir()?;
     let mut other = test_image();
     other.layers[1] = tar_of(|b| file(b, "z", b"z"));
     let bad_config = config_json(&other);
     write_oci_layout(layout.path(), &img, &bad_config)?;
-    let err = store
-        .import_oci("x", OciSource::Dir(layout.path()), &limits())
-        .err()
-        .context("ok")?;
+    let (_d, store, err) = refused_oci(layout.path())?;
     assert!(
         matches!(err, TemplateError::DigestMismatch { .. }),
         "{err:?}"
@@ -862,12 +786,8 @@ fn digest_mismatches_are_refused() -> Result<()> {
     assert_clean(&store)?;
 
     // Not an image at all.
-    let (_d, store) = open_store()?;
     let empty = tempfile::tempdir()?;
-    let err = store
-        .import_oci("x", OciSource::Dir(empty.path()), &limits())
-        .err()
-        .context("ok")?;
+    let (_d, _, err) = refused_oci(empty.path())?;
     assert!(matches!(err, TemplateError::InvalidImage { .. }), "{err:?}");
     Ok(())
 }

@@ -2,32 +2,34 @@
 //! (`sh`, `echo`, `cat` and their shared libraries) is imported as a rootfs tarball and as a
 //! two-layer OCI layout, and sandboxes are created from it for real. Run as root, never skipped.
 //!
-//! Every test holds [`SERIAL`] and compares the [`LeakSnapshot`] taken at its start with the one
-//! at its end.
+//! Every test holds [`SERIAL`] and compares the [`LeakSnapshot`](common::LeakSnapshot) taken
+//! at its start with the one at its end.
 
 mod common;
+#[path = "common/oci.rs"]
+mod oci;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{create_spec, rt, stderr, stdout, LeakSnapshot, SbGuard};
+use common::{create_spec, rt, stderr, stdout, SbGuard};
 use dsec_api::exec::ExecStatus;
 use dsec_api::ErrorCode;
 use dsec_node::sandbox::SandboxSpec;
 use dsec_node::substrate::RuntimeError;
 use dsec_node::template::{ImportLimits, LayerRef, OciSource, Template};
-use sha2::{Digest as _, Sha256};
 use tar::{Builder, EntryType, Header};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+/// Runs a test's `body` alone, checking it leaves nothing behind.
+fn isolated(body: impl FnOnce()) {
+    common::leak_checked(&SERIAL, SETTLE, body);
 }
 
 const SETTLE: Duration = Duration::from_secs(10);
@@ -192,56 +194,17 @@ fn whiteout_layer_tar() -> Vec<u8> {
     b.into_inner().expect("finish tar")
 }
 
-fn sha_hex(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
-}
-
 /// Writes an OCI image layout with `layers` (uncompressed tars, bottom first) into `dir`.
 fn write_oci_layout(dir: &Path, layers: &[Vec<u8>]) {
-    let blobs = dir.join("blobs/sha256");
-    fs::create_dir_all(&blobs).expect("create blobs dir");
-    let put = |data: &[u8]| -> (String, usize) {
-        let h = sha_hex(data);
-        fs::write(blobs.join(&h), data).expect("write blob");
-        (h, data.len())
-    };
-    let diff_ids: Vec<String> = layers
+    let config = oci::config_json(
+        layers,
+        serde_json::json!({"Env": ["PATH=/usr/bin:/bin", "FROM_IMAGE=yes"]}),
+    );
+    let layers: Vec<(Vec<u8>, &str)> = layers
         .iter()
-        .map(|l| format!("sha256:{}", sha_hex(l)))
+        .map(|l| (l.clone(), "application/vnd.oci.image.layer.v1.tar"))
         .collect();
-    let config = serde_json::to_vec(&serde_json::json!({
-        "architecture": "amd64",
-        "os": "linux",
-        "config": {"Env": ["PATH=/usr/bin:/bin", "FROM_IMAGE=yes"]},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-    }))
-    .expect("config json");
-    let (ch, cs) = put(&config);
-    let descs: Vec<serde_json::Value> = layers
-        .iter()
-        .map(|l| {
-            let (h, s) = put(l);
-            serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar",
-                               "digest": format!("sha256:{h}"), "size": s})
-        })
-        .collect();
-    let manifest = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                   "digest": format!("sha256:{ch}"), "size": cs},
-        "layers": descs,
-    }))
-    .expect("manifest json");
-    let (mh, ms) = put(&manifest);
-    fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).expect("oci-layout");
-    let index = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2,
-        "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                       "digest": format!("sha256:{mh}"), "size": ms}],
-    }))
-    .expect("index json");
-    fs::write(dir.join("index.json"), index).expect("index.json");
+    oci::write_layout(dir, &config, &layers, false);
 }
 
 /// Deletes a template record when dropped (its layers stay: no gc while other tests run).
@@ -315,6 +278,13 @@ fn exists_in(sb: &mut SbGuard, path: &str) -> bool {
     }
 }
 
+/// Destroys the sandbox and asserts its cgroup and run dir are gone.
+fn destroy_and_assert_gone(sb: SbGuard) {
+    let id = sb.id().to_owned();
+    sb.destroy().expect("destroy");
+    assert_gone(&id);
+}
+
 /// Asserts the sandbox's cgroup and run dir are gone.
 fn assert_gone(id: &str) {
     assert!(rt().cgroups().open(id).is_none(), "cgroup of {id} left");
@@ -329,179 +299,169 @@ fn assert_gone(id: &str) {
 /// directories, e.g. `/var/tmp`, are its business, not the template author's).
 #[test]
 fn template_e2e_rootfs_tar_runs_isolated_from_the_host() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let (t, _tg) = import_mini();
-    let mut sb = create_spec(&SandboxSpec {
-        template: t.name.clone(),
-        ..Default::default()
+    isolated(|| {
+        let (t, _tg) = import_mini();
+        let mut sb = create_spec(&SandboxSpec {
+            template: t.name.clone(),
+            ..Default::default()
+        });
+
+        let out = sh_ok(&mut sb, "cat /etc/hello; echo ok > /tmp/x; cat /tmp/x");
+        assert_eq!(out.as_bytes(), [HELLO, b"ok\n"].concat());
+
+        // Only what the template holds is there.
+        assert!(exists_in(&mut sb, "/bin/cat"));
+        assert!(
+            !exists_in(&mut sb, "/usr/bin/python3"),
+            "host python visible"
+        );
+        let host_passwd = fs::read("/etc/passwd").expect("host /etc/passwd");
+        let r = sb.sh("cat /etc/passwd", 10_000);
+        assert_ne!(
+            r.stdout.data, host_passwd,
+            "the host's /etc/passwd is visible"
+        );
+        assert!(!exists_in(&mut sb, "/etc/passwd"), "/etc/passwd exists");
+        assert!(
+            !exists_in(&mut sb, "/usr/bin/dash"),
+            "host /usr/bin visible"
+        );
+
+        // Read-only root: writes to /etc fail, and nothing reaches the layer store.
+        let layer_etc = stored_layer_dir(&t, 0).join("etc");
+        let before = tree_listing(&layer_etc);
+        let r = sb.sh("echo x > /etc/new", 10_000);
+        assert_ne!(r.status, ExecStatus::Ok, "write to /etc succeeded: {r:?}");
+        assert!(!exists_in(&mut sb, "/etc/new"));
+        let r = sb.sh("echo x >> /etc/hello", 10_000);
+        assert_ne!(
+            r.status,
+            ExecStatus::Ok,
+            "append to /etc/hello succeeded: {r:?}"
+        );
+        assert_eq!(sh_ok(&mut sb, "cat /etc/hello").as_bytes(), HELLO);
+        assert_eq!(tree_listing(&layer_etc), before, "the layer changed");
+
+        destroy_and_assert_gone(sb);
     });
-
-    let out = sh_ok(&mut sb, "cat /etc/hello; echo ok > /tmp/x; cat /tmp/x");
-    assert_eq!(out.as_bytes(), [HELLO, b"ok\n"].concat());
-
-    // Only what the template holds is there.
-    assert!(exists_in(&mut sb, "/bin/cat"));
-    assert!(
-        !exists_in(&mut sb, "/usr/bin/python3"),
-        "host python visible"
-    );
-    let host_passwd = fs::read("/etc/passwd").expect("host /etc/passwd");
-    let r = sb.sh("cat /etc/passwd", 10_000);
-    assert_ne!(
-        r.stdout.data, host_passwd,
-        "the host's /etc/passwd is visible"
-    );
-    assert!(!exists_in(&mut sb, "/etc/passwd"), "/etc/passwd exists");
-    assert!(
-        !exists_in(&mut sb, "/usr/bin/dash"),
-        "host /usr/bin visible"
-    );
-
-    // Read-only root: writes to /etc fail, and nothing reaches the layer store.
-    let layer_etc = stored_layer_dir(&t, 0).join("etc");
-    let before = tree_listing(&layer_etc);
-    let r = sb.sh("echo x > /etc/new", 10_000);
-    assert_ne!(r.status, ExecStatus::Ok, "write to /etc succeeded: {r:?}");
-    assert!(!exists_in(&mut sb, "/etc/new"));
-    let r = sb.sh("echo x >> /etc/hello", 10_000);
-    assert_ne!(
-        r.status,
-        ExecStatus::Ok,
-        "append to /etc/hello succeeded: {r:?}"
-    );
-    assert_eq!(sh_ok(&mut sb, "cat /etc/hello").as_bytes(), HELLO);
-    assert_eq!(tree_listing(&layer_etc), before, "the layer changed");
-
-    let id = sb.id().to_owned();
-    sb.destroy().expect("destroy");
-    assert_gone(&id);
-    LeakSnapshot::assert_back_to(&base, SETTLE);
 }
 
 #[test]
 fn template_e2e_writable_root_stays_private_and_reset_drops_it() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let (t, _tg) = import_mini();
-    let layer = stored_layer_dir(&t, 0);
-    let before = tree_listing(&layer);
-    let hello_before = fs::read(layer.join("etc/hello")).expect("layer etc/hello");
-    let mut sb = create_spec(&SandboxSpec {
-        template: t.name.clone(),
-        writable_root: true,
-        ..Default::default()
+    isolated(|| {
+        let (t, _tg) = import_mini();
+        let layer = stored_layer_dir(&t, 0);
+        let before = tree_listing(&layer);
+        let hello_before = fs::read(layer.join("etc/hello")).expect("layer etc/hello");
+        let mut sb = create_spec(&SandboxSpec {
+            template: t.name.clone(),
+            writable_root: true,
+            ..Default::default()
+        });
+        sb.mark_acquired().expect("mark acquired");
+
+        let out = sh_ok(
+            &mut sb,
+            "echo new > /etc/new; echo more >> /etc/hello; echo tmp > /tmp/x; cat /etc/new /tmp/x",
+        );
+        assert_eq!(out, "new\ntmp\n");
+        assert_eq!(
+            sh_ok(&mut sb, "cat /etc/hello").as_bytes(),
+            [HELLO, b"more\n"].concat()
+        );
+        // The writes landed in the sandbox's private upper layer, not in the shared layer.
+        assert_eq!(tree_listing(&layer), before, "the stored layer changed");
+        assert_eq!(
+            fs::read(layer.join("etc/hello")).expect("layer etc/hello"),
+            hello_before
+        );
+        assert!(!layer.join("etc/new").exists());
+
+        // A reset gives a fresh writable layer.
+        sb.reset().expect("reset");
+        sb.mark_acquired().expect("mark acquired again");
+        assert!(!exists_in(&mut sb, "/tmp/x"), "/tmp survived the reset");
+        assert!(
+            !exists_in(&mut sb, "/etc/new"),
+            "/etc/new survived the reset"
+        );
+        assert_eq!(sh_ok(&mut sb, "cat /etc/hello").as_bytes(), HELLO);
+        assert_eq!(
+            sh_ok(&mut sb, "echo again > /etc/new; cat /etc/new"),
+            "again\n"
+        );
+
+        destroy_and_assert_gone(sb);
+        assert_eq!(tree_listing(&layer), before, "the stored layer changed");
     });
-    sb.mark_acquired().expect("mark acquired");
-
-    let out = sh_ok(
-        &mut sb,
-        "echo new > /etc/new; echo more >> /etc/hello; echo tmp > /tmp/x; cat /etc/new /tmp/x",
-    );
-    assert_eq!(out, "new\ntmp\n");
-    assert_eq!(
-        sh_ok(&mut sb, "cat /etc/hello").as_bytes(),
-        [HELLO, b"more\n"].concat()
-    );
-    // The writes landed in the sandbox's private upper layer, not in the shared layer.
-    assert_eq!(tree_listing(&layer), before, "the stored layer changed");
-    assert_eq!(
-        fs::read(layer.join("etc/hello")).expect("layer etc/hello"),
-        hello_before
-    );
-    assert!(!layer.join("etc/new").exists());
-
-    // A reset gives a fresh writable layer.
-    sb.reset().expect("reset");
-    sb.mark_acquired().expect("mark acquired again");
-    assert!(!exists_in(&mut sb, "/tmp/x"), "/tmp survived the reset");
-    assert!(
-        !exists_in(&mut sb, "/etc/new"),
-        "/etc/new survived the reset"
-    );
-    assert_eq!(sh_ok(&mut sb, "cat /etc/hello").as_bytes(), HELLO);
-    assert_eq!(
-        sh_ok(&mut sb, "echo again > /etc/new; cat /etc/new"),
-        "again\n"
-    );
-
-    let id = sb.id().to_owned();
-    sb.destroy().expect("destroy");
-    assert_gone(&id);
-    assert_eq!(tree_listing(&layer), before, "the stored layer changed");
-    LeakSnapshot::assert_back_to(&base, SETTLE);
 }
 
 #[test]
 fn template_e2e_oci_layout_whiteout_hides_the_file() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let img = tempfile::tempdir().expect("tempdir");
-    write_oci_layout(img.path(), &[mini_rootfs_tar(), whiteout_layer_tar()]);
+    isolated(|| {
+        let img = tempfile::tempdir().expect("tempdir");
+        write_oci_layout(img.path(), &[mini_rootfs_tar(), whiteout_layer_tar()]);
 
-    // From the directory.
-    let name = unique_name("mini-oci");
-    let _tg = TemplateGuard(name.clone());
-    let t = rt()
-        .templates()
-        .import_oci(&name, OciSource::Dir(img.path()), &ImportLimits::default())
-        .expect("import the OCI layout");
-    assert_eq!(t.layers.len(), 2);
-    assert!(
-        stored_layer_dir(&t, 0).join("etc/hello").is_file(),
-        "the bottom layer still has the file"
-    );
-
-    // And from a tar stream of the same layout.
-    let mut b = Builder::new(Vec::new());
-    b.follow_symlinks(false);
-    b.append_dir_all(".", img.path()).expect("tar the layout");
-    let layout_tar = b.into_inner().expect("finish tar");
-    let name2 = unique_name("mini-oci-tar");
-    let _tg2 = TemplateGuard(name2.clone());
-    let t2 = rt()
-        .templates()
-        .import_oci(
-            &name2,
-            OciSource::Tar(&mut &layout_tar[..]),
-            &ImportLimits::default(),
-        )
-        .expect("import the OCI layout tar");
-    assert_eq!(t2.layers, t.layers, "same layers, deduplicated");
-
-    for tmpl in [&name, &name2] {
-        let mut sb = create_spec(&SandboxSpec {
-            template: tmpl.clone(),
-            ..Default::default()
-        });
+        // From the directory.
+        let name = unique_name("mini-oci");
+        let _tg = TemplateGuard(name.clone());
+        let t = rt()
+            .templates()
+            .import_oci(&name, OciSource::Dir(img.path()), &ImportLimits::default())
+            .expect("import the OCI layout");
+        assert_eq!(t.layers.len(), 2);
         assert!(
-            !exists_in(&mut sb, "/etc/hello"),
-            "whiteout ignored in {tmpl}"
+            stored_layer_dir(&t, 0).join("etc/hello").is_file(),
+            "the bottom layer still has the file"
         );
-        let r = sb.sh("cat /etc/hello", 10_000);
-        assert_ne!(r.status, ExecStatus::Ok, "{r:?}");
-        assert_eq!(sh_ok(&mut sb, "cat /etc/added"), "from layer two\n");
-        assert_eq!(sh_ok(&mut sb, "echo $FROM_IMAGE"), "yes\n", "image env");
-        assert_eq!(sh_ok(&mut sb, "echo ok > /tmp/y; cat /tmp/y"), "ok\n");
-        let id = sb.id().to_owned();
-        sb.destroy().expect("destroy");
-        assert_gone(&id);
-    }
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+
+        // And from a tar stream of the same layout.
+        let mut b = Builder::new(Vec::new());
+        b.follow_symlinks(false);
+        b.append_dir_all(".", img.path()).expect("tar the layout");
+        let layout_tar = b.into_inner().expect("finish tar");
+        let name2 = unique_name("mini-oci-tar");
+        let _tg2 = TemplateGuard(name2.clone());
+        let t2 = rt()
+            .templates()
+            .import_oci(
+                &name2,
+                OciSource::Tar(&mut &layout_tar[..]),
+                &ImportLimits::default(),
+            )
+            .expect("import the OCI layout tar");
+        assert_eq!(t2.layers, t.layers, "same layers, deduplicated");
+
+        for tmpl in [&name, &name2] {
+            let mut sb = create_spec(&SandboxSpec {
+                template: tmpl.clone(),
+                ..Default::default()
+            });
+            assert!(
+                !exists_in(&mut sb, "/etc/hello"),
+                "whiteout ignored in {tmpl}"
+            );
+            let r = sb.sh("cat /etc/hello", 10_000);
+            assert_ne!(r.status, ExecStatus::Ok, "{r:?}");
+            assert_eq!(sh_ok(&mut sb, "cat /etc/added"), "from layer two\n");
+            assert_eq!(sh_ok(&mut sb, "echo $FROM_IMAGE"), "yes\n", "image env");
+            assert_eq!(sh_ok(&mut sb, "echo ok > /tmp/y; cat /tmp/y"), "ok\n");
+            destroy_and_assert_gone(sb);
+        }
+    });
 }
 
 #[test]
 fn template_e2e_unknown_template_is_template_not_found() {
-    let _serial = serial();
-    let base = LeakSnapshot::take();
-    let name = unique_name("no-such-template");
-    let err = rt()
-        .create(&SandboxSpec {
-            template: name,
-            ..Default::default()
-        })
-        .expect_err("create from an unknown template");
-    assert!(matches!(err, RuntimeError::Template(_)), "{err:?}");
-    assert_eq!(err.code(), ErrorCode::TemplateNotFound);
-    LeakSnapshot::assert_back_to(&base, SETTLE);
+    isolated(|| {
+        let name = unique_name("no-such-template");
+        let err = rt()
+            .create(&SandboxSpec {
+                template: name,
+                ..Default::default()
+            })
+            .expect_err("create from an unknown template");
+        assert!(matches!(err, RuntimeError::Template(_)), "{err:?}");
+        assert_eq!(err.code(), ErrorCode::TemplateNotFound);
+    });
 }

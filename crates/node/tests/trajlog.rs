@@ -17,9 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use dsec_node::trajlog::{
-    CompactionReport, Config, Entry, FsStorage, LogError, Lsn, Record, RecordKind, SegmentFile,
-    Storage, TrajLog,
+    CompactionReport, Config, Entry, FsStorage, LogError, Lsn, Record, RecordKind, RecoveryReport,
+    SegmentFile, Storage, TrajLog,
 };
+
+#[path = "common/trajlog.rs"]
+mod shared;
+use shared::{open_configured, read_all};
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -38,14 +42,20 @@ fn record(trajectory: &str, step: u64, kind: RecordKind) -> Record {
     Record::new(trajectory, step, kind, payload(trajectory, step))
 }
 
-/// Every record of the log, by lsn.
-fn read_all(log: &TrajLog) -> Vec<Entry> {
-    let mut out = Vec::new();
-    for t in log.trajectories() {
-        out.extend(log.read(&t.id, 0, usize::MAX).expect("read"));
-    }
-    out.sort_by_key(|e| e.lsn);
-    out
+/// Reopens the log of `cfg`, which must not be corrupt.
+fn reopen_clean(cfg: Config) -> (TrajLog, RecoveryReport) {
+    let (log, report) = TrajLog::open(cfg).expect("reopen");
+    assert!(!report.is_corrupt(), "{report:?}");
+    (log, report)
+}
+
+/// Asserts the next append (an intent of `trajectory` at `step`) gets `lsn`.
+fn assert_next_append(log: &TrajLog, trajectory: &str, step: u64, lsn: Lsn) {
+    assert_eq!(
+        log.append_blocking(record(trajectory, step, RecordKind::Intent))
+            .expect("append"),
+        lsn
+    );
 }
 
 /// Asserts the log is lsns `first..first+n` with no gap and every payload as generated.
@@ -169,13 +179,44 @@ fn open_faulty(dir: &Path, plan: Plan) -> (TrajLog, Arc<Plan>) {
     (log, plan)
 }
 
-/// Runs `threads` appenders of `per_thread` records each; returns every outcome in completion
-/// order as (trajectory, step, result).
-fn hammer(
-    log: &TrajLog,
+/// One append's outcome: (trajectory, step, result).
+type Outcome = (String, u64, Result<Lsn, LogError>);
+
+/// An F-12 case: opens a log in a fresh directory over storage faulty by `plan` and runs
+/// [`hammer`] on it; the log must then be poisoned by the operation `poisoned` names (`None`:
+/// not poisoned), and `live` checks the open log, the plan's counters, the outcomes and the
+/// acknowledged appends; then the log is closed, `closed` checks its directory and the plan,
+/// and every acknowledged append must survive a reopen.
+fn f12_case(
+    plan: Plan,
     threads: usize,
     per_thread: u64,
-) -> Vec<(String, u64, Result<Lsn, LogError>)> {
+    poisoned: Option<&str>,
+    live: impl FnOnce(&TrajLog, &Plan, &[Outcome], &[Ack]),
+    closed: impl FnOnce(&Path, &Plan),
+) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (log, plan) = open_faulty(tmp.path(), plan);
+    let outcomes = hammer(&log, threads, per_thread);
+    let acked = acked(&outcomes);
+    assert_eq!(log.stats().poisoned, poisoned);
+    live(&log, &plan, &outcomes, &acked);
+    drop(log);
+    closed(tmp.path(), &plan);
+    assert_acked_recovered(tmp.path(), &acked);
+}
+
+/// The acknowledged appends among `outcomes`.
+fn acked(outcomes: &[Outcome]) -> Vec<Ack> {
+    outcomes
+        .iter()
+        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
+        .collect()
+}
+
+/// Runs `threads` appenders of `per_thread` records each; returns every outcome in completion
+/// order as (trajectory, step, result).
+fn hammer(log: &TrajLog, threads: usize, per_thread: u64) -> Vec<Outcome> {
     let out = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for t in 0..threads {
@@ -192,11 +233,39 @@ fn hammer(
     out.into_inner().expect("lock")
 }
 
+/// A multi-thread tokio runtime of `workers` threads.
+fn runtime(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Runs `tasks` async appenders of `steps` records each (trajectories `<prefix><task>`) and
+/// waits for them all.
+async fn append_async(log: &Arc<TrajLog>, prefix: &str, tasks: u64, steps: u64) {
+    let mut handles = Vec::new();
+    for t in 0..tasks {
+        let log = log.clone();
+        let traj = format!("{prefix}{t}");
+        handles.push(tokio::spawn(async move {
+            for step in 0..steps {
+                log.append(record(&traj, step, RecordKind::Intent))
+                    .await
+                    .expect("append");
+            }
+        }));
+    }
+    for h in handles {
+        h.await.expect("task");
+    }
+}
+
 /// Asserts every acknowledged record is in the log at `dir` after reopening with the real file
 /// system, and that the log is a contiguous, well-formed prefix.
 fn assert_acked_recovered(dir: &Path, acked: &[(String, u64, Lsn)]) {
-    let (log, report) = TrajLog::open(Config::new(dir)).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
+    let (log, _) = reopen_clean(Config::new(dir));
     let all = read_all(&log);
     assert_contiguous_and_well_formed(&all, 1);
     let by_lsn: HashMap<Lsn, &Entry> = all.iter().map(|e| (e.lsn, e)).collect();
@@ -215,41 +284,64 @@ const L01_DIR: &str = "DSEC_TRAJLOG_L01_DIR";
 const L01_ROUND: &str = "DSEC_TRAJLOG_L01_ROUND";
 const L01_THREADS: u64 = 8;
 
+/// Opens the log of a crash test's child (its directory in `dir_var`, `segment_bytes` per
+/// segment) and returns it with the round in `round_var`; `None` unless run as that child.
+fn open_child_log(dir_var: &str, round_var: &str, segment_bytes: u64) -> Option<(TrajLog, String)> {
+    let dir = std::env::var(dir_var).ok()?;
+    let round = std::env::var(round_var).unwrap_or_default();
+    let mut cfg = Config::new(&dir);
+    cfg.segment_bytes = segment_bytes;
+    let (log, report) = TrajLog::open(cfg).expect("child open");
+    assert!(!report.is_corrupt(), "{report:?}");
+    Some((log, round))
+}
+
+/// A child's append: prints `ACK <lsn> <trajectory> <step> END` once it is acknowledged.
+fn append_and_ack(log: &TrajLog, traj: &str, step: u64, kind: RecordKind) {
+    let lsn = log
+        .append_blocking(record(traj, step, kind))
+        .expect("child append");
+    let line = format!("ACK {lsn} {traj} {step} END\n");
+    let mut out = io::stdout().lock();
+    out.write_all(line.as_bytes()).expect("stdout");
+    out.flush().expect("flush");
+}
+
+/// Runs `threads` appenders on `s`, trajectory `<prefix><n>` for the n-th, each appending
+/// records of `kind(step)` and acknowledging them with [`append_and_ack`] until killed.
+fn spawn_ackers<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    log: &'s TrajLog,
+    prefix: &str,
+    threads: u64,
+    kind: fn(u64) -> RecordKind,
+) {
+    for t in 0..threads {
+        let traj = format!("{prefix}{t}");
+        s.spawn(move || {
+            for step in 0.. {
+                append_and_ack(log, &traj, step, kind(step));
+            }
+        });
+    }
+}
+
 /// The L-01 child: appends from several threads until killed, printing each acknowledged record
 /// as `ACK <lsn> <trajectory> <step> END`. Does nothing unless [`L01_DIR`] is set.
 #[test]
 #[ignore = "the child process of l01_crash_points_keep_a_prefix_with_every_acked_record"]
 fn l01_child_appender() {
-    let Ok(dir) = std::env::var(L01_DIR) else {
+    let Some((log, round)) = open_child_log(L01_DIR, L01_ROUND, 512 << 10) else {
         return;
     };
-    let round = std::env::var(L01_ROUND).unwrap_or_default();
-    let mut cfg = Config::new(&dir);
-    cfg.segment_bytes = 512 << 10;
-    let (log, report) = TrajLog::open(cfg).expect("child open");
-    assert!(!report.is_corrupt(), "{report:?}");
-    std::thread::scope(|s| {
-        for t in 0..L01_THREADS {
-            let log = &log;
-            let traj = format!("r{round}-t{t}");
-            s.spawn(move || {
-                for step in 0.. {
-                    let kind = if step % 2 == 0 {
-                        RecordKind::Intent
-                    } else {
-                        RecordKind::Result
-                    };
-                    let lsn = log
-                        .append_blocking(record(&traj, step, kind))
-                        .expect("child append");
-                    let line = format!("ACK {lsn} {traj} {step} END\n");
-                    let mut out = io::stdout().lock();
-                    out.write_all(line.as_bytes()).expect("stdout");
-                    out.flush().expect("flush");
-                }
-            });
+    let kind = |step: u64| {
+        if step.is_multiple_of(2) {
+            RecordKind::Intent
+        } else {
+            RecordKind::Result
         }
-    });
+    };
+    std::thread::scope(|s| spawn_ackers(s, &log, &format!("r{round}-t"), L01_THREADS, kind));
 }
 
 /// One acknowledged append a child reported: (trajectory, step, lsn).
@@ -475,91 +567,74 @@ fn f11_corruption_in_the_middle_is_reported_not_skipped() {
 /// record acknowledged before it survives a reopen.
 #[test]
 fn f12_fsync_failure_is_fatal_and_nothing_is_acknowledged() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let (log, plan) = open_faulty(
-        tmp.path(),
-        Plan {
-            fail_sync_at: Some(5),
-            sync_delay: Duration::from_millis(2),
-            ..Plan::default()
-        },
-    );
-    let outcomes = hammer(&log, 16, 40);
-    let acked: Vec<(String, u64, Lsn)> = outcomes
-        .iter()
-        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
-        .collect();
-    let failed = outcomes.iter().filter(|(_, _, r)| r.is_err()).count();
-    assert!(failed > 0);
-    for (_, _, r) in &outcomes {
-        if let Err(e) = r {
-            assert!(
-                matches!(e, LogError::Poisoned { op: "fdatasync" }),
-                "unexpected error {e}"
-            );
+    let plan = Plan {
+        fail_sync_at: Some(5),
+        sync_delay: Duration::from_millis(2),
+        ..Plan::default()
+    };
+    let live = |log: &TrajLog, _: &Plan, outcomes: &[Outcome], acked: &[Ack]| {
+        let failed = outcomes.iter().filter(|(_, _, r)| r.is_err()).count();
+        assert!(failed > 0);
+        for (_, _, r) in outcomes {
+            if let Err(e) = r {
+                assert!(
+                    matches!(e, LogError::Poisoned { op: "fdatasync" }),
+                    "unexpected error {e}"
+                );
+            }
         }
-    }
-    let stats = log.stats();
-    assert_eq!(stats.poisoned, Some("fdatasync"));
-    assert_eq!(stats.fsyncs, 4, "four good fsyncs");
-    assert_eq!(stats.appends, acked.len() as u64);
-    // Nothing after the failure: all acks are from the first four batches, lsn-contiguous.
-    let mut lsns: Vec<u64> = acked.iter().map(|a| a.2 .0).collect();
-    lsns.sort_unstable();
-    assert_eq!(lsns, (1..=acked.len() as u64).collect::<Vec<_>>());
-    // Each appender stops at its first error, so no thread saw an ack after a failure.
-    let mut first_err: HashMap<&str, u64> = HashMap::new();
-    for (t, s, r) in &outcomes {
-        if r.is_err() {
-            let e = first_err.entry(t).or_insert(*s);
-            *e = (*e).min(*s);
+        let stats = log.stats();
+        assert_eq!(stats.fsyncs, 4, "four good fsyncs");
+        assert_eq!(stats.appends, acked.len() as u64);
+        // Nothing after the failure: all acks are from the first four batches, lsn-contiguous.
+        let mut lsns: Vec<u64> = acked.iter().map(|a| a.2 .0).collect();
+        lsns.sort_unstable();
+        assert_eq!(lsns, (1..=acked.len() as u64).collect::<Vec<_>>());
+        // Each appender stops at its first error, so no thread saw an ack after a failure.
+        let mut first_err: HashMap<&str, u64> = HashMap::new();
+        for (t, s, r) in outcomes {
+            if r.is_err() {
+                let e = first_err.entry(t).or_insert(*s);
+                *e = (*e).min(*s);
+            }
         }
-    }
-    for (t, s, _) in &acked {
-        if let Some(&e) = first_err.get(t.as_str()) {
-            assert!(*s < e, "{t} step {s} acked after its step {e} failed");
+        for (t, s, _) in acked {
+            if let Some(&e) = first_err.get(t.as_str()) {
+                assert!(*s < e, "{t} step {s} acked after its step {e} failed");
+            }
         }
-    }
-    assert!(matches!(
-        log.append_blocking(record("late", 0, RecordKind::Intent)),
-        Err(LogError::Poisoned { .. })
-    ));
-    drop(log);
-    assert_eq!(
-        plan.syncs.load(Ordering::SeqCst),
-        5,
-        "fdatasync is never retried"
-    );
-    assert_acked_recovered(tmp.path(), &acked);
+        assert!(matches!(
+            log.append_blocking(record("late", 0, RecordKind::Intent)),
+            Err(LogError::Poisoned { .. })
+        ));
+    };
+    f12_case(plan, 16, 40, Some("fdatasync"), live, |_, plan| {
+        assert_eq!(
+            plan.syncs.load(Ordering::SeqCst),
+            5,
+            "fdatasync is never retried"
+        );
+    });
 }
 
 /// F-12: a failed write poisons the log like a failed fsync.
 #[test]
 fn f12_write_error_poisons_the_log() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let (log, plan) = open_faulty(
-        tmp.path(),
-        Plan {
-            fail_write_at: Some(3),
-            ..Plan::default()
-        },
-    );
-    let outcomes = hammer(&log, 4, 20);
-    let acked: Vec<_> = outcomes
-        .iter()
-        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
-        .collect();
-    assert!(outcomes
-        .iter()
-        .any(|(_, _, r)| matches!(r, Err(LogError::Poisoned { op: "write" }))));
-    assert_eq!(log.stats().poisoned, Some("write"));
-    assert_eq!(
-        plan.syncs.load(Ordering::SeqCst),
-        2,
-        "no sync after the failed write"
-    );
-    drop(log);
-    assert_acked_recovered(tmp.path(), &acked);
+    let plan = Plan {
+        fail_write_at: Some(3),
+        ..Plan::default()
+    };
+    let live = |_: &TrajLog, plan: &Plan, outcomes: &[Outcome], _: &[Ack]| {
+        assert!(outcomes
+            .iter()
+            .any(|(_, _, r)| matches!(r, Err(LogError::Poisoned { op: "write" }))));
+        assert_eq!(
+            plan.syncs.load(Ordering::SeqCst),
+            2,
+            "no sync after the failed write"
+        );
+    };
+    f12_case(plan, 4, 20, Some("write"), live, |_, _| {});
 }
 
 /// F-12: a write that stops one byte short and then fails leaves a torn record; the log is
@@ -567,47 +642,38 @@ fn f12_write_error_poisons_the_log() {
 /// but unacknowledged records of that batch may be recovered: their outcome was unknown).
 #[test]
 fn f12_partial_write_then_error_is_a_torn_tail() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let (log, _) = open_faulty(
-        tmp.path(),
-        Plan {
-            partial_write_at: Some(4),
-            ..Plan::default()
+    let plan = Plan {
+        partial_write_at: Some(4),
+        ..Plan::default()
+    };
+    f12_case(
+        plan,
+        4,
+        20,
+        Some("write"),
+        |_, _, _, _| {},
+        |dir, _| {
+            let (_, report) = TrajLog::open(Config::new(dir)).expect("reopen");
+            assert!(report.truncated_bytes > 0, "{report:?}");
         },
     );
-    let outcomes = hammer(&log, 4, 20);
-    let acked: Vec<_> = outcomes
-        .iter()
-        .filter_map(|(t, s, r)| r.as_ref().ok().map(|l| (t.clone(), *s, *l)))
-        .collect();
-    assert_eq!(log.stats().poisoned, Some("write"));
-    drop(log);
-    let (_, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
-    assert!(report.truncated_bytes > 0, "{report:?}");
-    assert_acked_recovered(tmp.path(), &acked);
 }
 
 /// F-12: short writes (the kernel accepting 7 bytes at a time) are completed, not mistaken for
 /// failures, and the records come back intact.
 #[test]
 fn f12_short_writes_are_completed() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let (log, plan) = open_faulty(
-        tmp.path(),
-        Plan {
-            max_write: 7,
-            ..Plan::default()
-        },
-    );
-    let outcomes = hammer(&log, 4, 25);
-    let acked: Vec<_> = outcomes
-        .iter()
-        .map(|(t, s, r)| (t.clone(), *s, *r.as_ref().expect("no failure")))
-        .collect();
-    assert!(plan.writes.load(Ordering::SeqCst) > 100);
-    assert_eq!(log.stats().poisoned, None);
-    drop(log);
-    assert_acked_recovered(tmp.path(), &acked);
+    let plan = Plan {
+        max_write: 7,
+        ..Plan::default()
+    };
+    let live = |_: &TrajLog, plan: &Plan, outcomes: &[Outcome], _: &[Ack]| {
+        for (_, _, r) in outcomes {
+            r.as_ref().expect("no failure");
+        }
+        assert!(plan.writes.load(Ordering::SeqCst) > 100);
+    };
+    f12_case(plan, 4, 25, None, live, |_, _| {});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -619,27 +685,7 @@ fn group_commit_batches_64_concurrent_appenders() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let (log, _) = TrajLog::open(Config::new(tmp.path())).expect("open");
     let log = Arc::new(log);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
-        let mut tasks = Vec::new();
-        for t in 0..64 {
-            let log = log.clone();
-            tasks.push(tokio::spawn(async move {
-                for step in 0..50 {
-                    log.append(record(&format!("g{t}"), step, RecordKind::Intent))
-                        .await
-                        .expect("append");
-                }
-            }));
-        }
-        for t in tasks {
-            t.await.expect("task");
-        }
-    });
+    runtime(4).block_on(append_async(&log, "g", 64, 50));
     let s = log.stats();
     eprintln!("group commit: {s:?}");
     assert_eq!(s.appends, 64 * 50);
@@ -687,11 +733,7 @@ fn backpressure_bounds_the_queue_under_slow_storage() {
             }
         })
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = runtime(2);
     std::thread::scope(|s| {
         for t in 0..16 {
             let log = &log;
@@ -702,22 +744,7 @@ fn backpressure_bounds_the_queue_under_slow_storage() {
                 }
             });
         }
-        rt.block_on(async {
-            let mut tasks = Vec::new();
-            for t in 0..16 {
-                let log = log.clone();
-                tasks.push(tokio::spawn(async move {
-                    for step in 0..10 {
-                        log.append(record(&format!("a{t}"), step, RecordKind::Intent))
-                            .await
-                            .expect("append");
-                    }
-                }));
-            }
-            for t in tasks {
-                t.await.expect("task");
-            }
-        });
+        rt.block_on(append_async(&log, "a", 16, 10));
     });
     done.store(true, Ordering::Relaxed);
     sampler.join().expect("sampler");
@@ -859,11 +886,7 @@ fn retention_deletes_old_segments_but_never_the_active_one() {
     assert_eq!(s.segments, 1, "only the active segment stays");
     let all = read_all(&log);
     assert_contiguous_and_well_formed(&all, all.first().map_or(1, |e| e.lsn.0));
-    assert_eq!(
-        log.append_blocking(record("k0", 1000, RecordKind::Intent))
-            .expect("append"),
-        Lsn(301)
-    );
+    assert_next_append(&log, "k0", 1000, Lsn(301));
     drop(log);
     let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen after retention");
     assert!(!report.is_corrupt(), "{report:?}");
@@ -875,11 +898,7 @@ fn open_temp_in_gives_a_working_log() {
     let parent = tempfile::tempdir().expect("tempdir");
     let (log, dir) = TrajLog::open_temp_in(parent.path(), Config::new("")).expect("open");
     assert_eq!(log.dir(), dir.path());
-    assert_eq!(
-        log.append_blocking(record("t", 0, RecordKind::Intent))
-            .expect("append"),
-        Lsn(1)
-    );
+    assert_next_append(&log, "t", 0, Lsn(1));
     let s = log.stats();
     assert_eq!((s.appends, s.fsyncs, s.next_lsn), (1, 1, Lsn(2)));
     assert!(s.bytes_written > 0);
@@ -976,8 +995,7 @@ fn compaction_drops_finished_trajectories_and_keeps_the_rest() {
     assert_eq!(again, CompactionReport::default());
     drop(log);
 
-    let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
+    let (log, report) = reopen_clean(small_segments(tmp.path()));
     assert_eq!(report.truncated_bytes, 0);
     assert_eq!(read_all(&log), expected);
     assert_eq!(
@@ -986,11 +1004,7 @@ fn compaction_drops_finished_trajectories_and_keeps_the_rest() {
         "recovery rebuilds the same index"
     );
     assert_eq!(log.stats().next_lsn, Lsn(401));
-    assert_eq!(
-        log.append_blocking(record("k0", 999, RecordKind::Intent))
-            .expect("append"),
-        Lsn(401)
-    );
+    assert_next_append(&log, "k0", 999, Lsn(401));
 }
 
 /// Trajectories whose records are all in sealed segments disappear from `trajectories()`;
@@ -1028,8 +1042,7 @@ fn compaction_deletes_empty_segments_and_never_lowers_next_lsn() {
     assert!(compacted_segments(tmp.path()) > 0);
     drop(log);
 
-    let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
+    let (log, report) = reopen_clean(small_segments(tmp.path()));
     assert_eq!(report.next_lsn, Lsn(231));
     assert_eq!(read_all(&log).len(), 70);
 
@@ -1038,13 +1051,8 @@ fn compaction_deletes_empty_segments_and_never_lowers_next_lsn() {
     assert!(r.segments_deleted > 0, "{r:?}");
     assert_eq!(log.stats().segments, 1);
     drop(log);
-    let (log, report) = TrajLog::open(small_segments(tmp.path())).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
-    assert_eq!(
-        log.append_blocking(record("new", 0, RecordKind::Intent))
-            .expect("append"),
-        Lsn(231)
-    );
+    let (log, _) = reopen_clean(small_segments(tmp.path()));
+    assert_next_append(&log, "new", 0, Lsn(231));
 }
 
 /// Retention over compacted segments (bare headers included) keeps a valid log.
@@ -1060,8 +1068,7 @@ fn retention_works_with_compacted_segments() {
     log.compact(&|t| t == "r1").expect("compact");
     drop(log);
     cfg.retention_max_bytes = Some(6000);
-    let (log, report) = TrajLog::open(cfg.clone()).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
+    let (log, _) = reopen_clean(cfg.clone());
     let r = log.enforce_retention().expect("retention");
     assert!(!r.deleted.is_empty());
     assert!(log.stats().segment_bytes <= 6000);
@@ -1071,8 +1078,7 @@ fn retention_works_with_compacted_segments() {
         .iter()
         .all(|e| e.payload == payload(&e.trajectory, e.step)));
     drop(log);
-    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
+    let (log, _) = reopen_clean(Config::new(tmp.path()));
     assert_eq!(log.stats().next_lsn, Lsn(301));
 }
 
@@ -1111,9 +1117,7 @@ fn compaction_keeps_segment_modification_times() {
 #[test]
 fn compaction_runs_concurrently_with_appends_and_reads() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let mut cfg = Config::new(tmp.path());
-    cfg.segment_bytes = 4096;
-    let (log, _) = TrajLog::open(cfg).expect("open");
+    let log = open_configured(tmp.path(), |cfg| cfg.segment_bytes = 4096);
     for step in 0..200u64 {
         for t in 0..4 {
             log.append_blocking(record(&format!("done-{t}"), step, RecordKind::Result))
@@ -1180,8 +1184,7 @@ fn compaction_runs_concurrently_with_appends_and_reads() {
         .all(|e| !e.trajectory.starts_with("done-") || e.lsn >= active));
     assert_eq!(all.len() as u64 + dropped, log.stats().next_lsn.0 - 1);
     drop(log);
-    let (log, report) = TrajLog::open(Config::new(tmp.path())).expect("reopen");
-    assert!(!report.is_corrupt(), "{report:?}");
+    let (log, _) = reopen_clean(Config::new(tmp.path()));
     assert_eq!(read_all(&log), all);
 }
 
@@ -1340,31 +1343,12 @@ fn c01_finished(trajectory: &str) -> bool {
 #[test]
 #[ignore = "the child process of the C-01 compaction crash test"]
 fn c01_child_compactor() {
-    let Ok(dir) = std::env::var(C01_DIR) else {
+    let Some((log, round)) = open_child_log(C01_DIR, C01_ROUND, 8 << 10) else {
         return;
     };
-    let round = std::env::var(C01_ROUND).unwrap_or_default();
-    let mut cfg = Config::new(&dir);
-    cfg.segment_bytes = 8 << 10;
-    let (log, report) = TrajLog::open(cfg).expect("child open");
-    assert!(!report.is_corrupt(), "{report:?}");
     std::thread::scope(|s| {
-        for t in 0..4 {
-            let log = &log;
-            let traj = format!("c{round}-t{t}");
-            s.spawn(move || {
-                for step in 0.. {
-                    let lsn = log
-                        .append_blocking(record(&traj, step, RecordKind::Intent))
-                        .expect("child append");
-                    let line = format!("ACK {lsn} {traj} {step} END\n");
-                    let mut out = io::stdout().lock();
-                    out.write_all(line.as_bytes()).expect("stdout");
-                    out.flush().expect("flush");
-                }
-            });
-        }
         let log = &log;
+        spawn_ackers(s, log, &format!("c{round}-t"), 4, |_| RecordKind::Intent);
         s.spawn(move || loop {
             log.compact(&c01_finished).expect("child compact");
         });

@@ -68,16 +68,6 @@ fn s05_allowed_programs_run_under_the_filter() {
 }
 
 #[test]
-fn s05_ptrace_is_killed() {
-    assert_killed(&["ptrace"]);
-}
-
-#[test]
-fn s05_unshare_is_killed() {
-    assert_killed(&["unshare"]);
-}
-
-#[test]
 fn s05_clone_with_clone_newnet_is_killed_plain_clone_works() {
     assert_killed(&["clone-newnet"]);
     assert_eq!(result_of(&["clone-plain"])["ok"], Value::Bool(true));
@@ -100,16 +90,6 @@ fn s04_unlisted_numbers_fail_with_enosys() {
 }
 
 #[test]
-fn s04_i386_int80_is_killed() {
-    assert_killed(&["int80"]);
-}
-
-#[test]
-fn s04_x32_abi_is_killed() {
-    assert_killed(&["x32"]);
-}
-
-#[test]
 fn c05_tiocsti_and_tioclinux_fail_with_eperm() {
     let r = result_of(&["tiocsti"]);
     assert_eq!(r["tiocsti"]["errno"], libc::EPERM, "{r}");
@@ -124,9 +104,13 @@ fn s05_personality_only_query() {
     assert_eq!(r["set_linux32"]["errno"], libc::EPERM, "{r}");
 }
 
+/// S-05 ptrace and unshare, S-04 the i386 `int 0x80` and x32 ABIs, C-06 open_by_handle_at:
+/// each is killed by SIGSYS.
 #[test]
-fn c06_open_by_handle_at_is_killed() {
-    assert_killed(&["open-by-handle"]);
+fn s04_s05_c06_denied_calls_are_killed() {
+    for case in ["ptrace", "unshare", "int80", "x32", "open-by-handle"] {
+        assert_killed(&[case]);
+    }
 }
 
 #[test]

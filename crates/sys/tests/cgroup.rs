@@ -105,6 +105,34 @@ impl Drop for TestCgroups {
     }
 }
 
+/// Creates the cgroup `name` with `limits` under `mgr`; returns both (dropping `mgr` kills and
+/// removes the cgroup).
+fn with_cgroup(
+    mgr: TestCgroups,
+    name: &str,
+    limits: CgroupLimits,
+) -> Result<(TestCgroups, Cgroup), CgroupError> {
+    let cg = mgr.create(name, &limits)?;
+    Ok((mgr, cg))
+}
+
+/// [`with_cgroup`] of the host layout and default limits.
+fn host_cgroup(test: &str, name: &str) -> Result<(TestCgroups, Cgroup), CgroupError> {
+    with_cgroup(host(test), name, CgroupLimits::default())
+}
+
+/// Kills everything in `cg`, which must then be empty, and asserts `child` died of SIGKILL.
+fn kill_all_sigkills(cg: &Cgroup, child: &mut ChildGuard) -> TestResult {
+    cg.kill_all()?;
+    assert!(cg.pids()?.is_empty());
+    let status = child.0.wait()?;
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    Ok(())
+}
+
 fn test_base(prefix: &str, test: &str) -> String {
     format!("{prefix}-{}-{test}", std::process::id())
 }
@@ -222,27 +250,18 @@ fn limits_are_written_and_read_back() -> TestResult {
             // OOM killer left enabled.
             assert!(read(&memory.join("memory.oom_control")).contains("oom_kill_disable 0"));
 
-            // Raising the limit above memsw takes the EINVAL path (memsw lifted first).
-            cg.set_limits(&CgroupLimits {
-                memory_max: Some(1024 * MIB),
-                ..CgroupLimits::default()
-            })?;
-            assert_eq!(
-                read(&memory.join("memory.limit_in_bytes")),
-                (1024 * MIB).to_string()
-            );
-            if memsw.exists() {
-                assert_eq!(read(&memsw), (1024 * MIB).to_string());
+            // Raising the limit above memsw takes the EINVAL path (memsw lifted first), and
+            // lowering it again; memsw follows the raise.
+            for (max, memsw_follows) in [(1024 * MIB, true), (64 * MIB, false)] {
+                cg.set_limits(&CgroupLimits {
+                    memory_max: Some(max),
+                    ..CgroupLimits::default()
+                })?;
+                assert_eq!(read(&memory.join("memory.limit_in_bytes")), max.to_string());
+                if memsw_follows && memsw.exists() {
+                    assert_eq!(read(&memsw), max.to_string());
+                }
             }
-            // And lowering it again.
-            cg.set_limits(&CgroupLimits {
-                memory_max: Some(64 * MIB),
-                ..CgroupLimits::default()
-            })?;
-            assert_eq!(
-                read(&memory.join("memory.limit_in_bytes")),
-                (64 * MIB).to_string()
-            );
         }
         CgroupLayout::V2 { root } => {
             let dir = root.join(&mgr.base).join(name);
@@ -259,10 +278,7 @@ fn limits_are_written_and_read_back() -> TestResult {
 
 #[test]
 fn attach_pids_kill_remove() -> TestResult {
-    let mgr = host("attach_pids_kill_remove");
-    let name = "attach";
-    let _guard = CgGuard::new(&mgr, name);
-    let cg = mgr.create(name, &CgroupLimits::default())?;
+    let (_mgr, cg) = host_cgroup("attach_pids_kill_remove", "attach")?;
     let mut child = spawn("sleep", &["30"])?;
     cg.attach(child.pid())?;
     assert_eq!(cg.pids()?, vec![child.pid()]);
@@ -271,25 +287,17 @@ fn attach_pids_kill_remove() -> TestResult {
     }
     assert_eq!(cg.stats()?.pids_current, 1);
 
-    cg.kill_all()?;
-    assert!(cg.pids()?.is_empty());
-    let status = child.0.wait()?;
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&status),
-        Some(9)
-    );
+    kill_all_sigkills(&cg, &mut child)?;
     remove_all_gone(cg)?;
     Ok(())
 }
 
 #[test]
 fn pids_max_is_enforced() -> TestResult {
-    let mgr = host("pids_max_is_enforced");
-    let name = "pidsmax";
-    let _guard = CgGuard::new(&mgr, name);
-    let cg = mgr.create(
-        name,
-        &CgroupLimits {
+    let (_mgr, cg) = with_cgroup(
+        host("pids_max_is_enforced"),
+        "pidsmax",
+        CgroupLimits {
             pids_max: Some(5),
             ..CgroupLimits::default()
         },
@@ -350,10 +358,7 @@ fn memory_max_is_enforced_by_oom_kill() -> TestResult {
 
 #[test]
 fn kill_all_kills_a_process_tree() -> TestResult {
-    let mgr = host("kill_all_kills_a_process_tree");
-    let name = "killtree";
-    let _guard = CgGuard::new(&mgr, name);
-    let cg = mgr.create(name, &CgroupLimits::default())?;
+    let (_mgr, cg) = host_cgroup("kill_all_kills_a_process_tree", "killtree")?;
     let mut sh = spawn_in(
         &cg,
         "for i in 1 2 3; do (sleep 60 & sleep 60) & done; exec sleep 60",
@@ -380,10 +385,7 @@ fn kill_all_kills_a_process_tree() -> TestResult {
 
 #[test]
 fn stats_report_cpu_and_memory() -> TestResult {
-    let mgr = host("stats_report_cpu_and_memory");
-    let name = "stats";
-    let _guard = CgGuard::new(&mgr, name);
-    let cg = mgr.create(name, &CgroupLimits::default())?;
+    let (_mgr, cg) = host_cgroup("stats_report_cpu_and_memory", "stats")?;
     let mut busy = spawn_in(&cg, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")?;
     busy.0.wait()?;
     let stats = cg.stats()?;
@@ -515,10 +517,12 @@ fn v2_host(test: &str) -> TestCgroups {
 
 #[test]
 fn v2_real_create_attach_kill_remove() -> TestResult {
-    let mgr = v2_host("v2_real_create_attach_kill_remove");
     let name = "v2-real";
-    let _guard = CgGuard::new(&mgr, name);
-    let cg = mgr.create(name, &CgroupLimits::default())?;
+    let (mgr, cg) = with_cgroup(
+        v2_host("v2_real_create_attach_kill_remove"),
+        name,
+        CgroupLimits::default(),
+    )?;
     assert_eq!(cg.version(), CgroupVersion::V2);
     assert_eq!(cg.procs_paths().len(), 1);
     assert!(cg.dirs()[0].join("cgroup.kill").exists());
@@ -528,13 +532,7 @@ fn v2_real_create_attach_kill_remove() -> TestResult {
     assert_eq!(cg.pids()?, vec![child.pid()]);
     assert!(mgr.list()?.iter().any(|n| n == name));
 
-    cg.kill_all()?; // cgroup.kill
-    assert!(cg.pids()?.is_empty());
-    let status = child.0.wait()?;
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&status),
-        Some(9)
-    );
+    kill_all_sigkills(&cg, &mut child)?; // cgroup.kill
     remove_all_gone(cg)?;
     Ok(())
 }

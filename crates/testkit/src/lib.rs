@@ -85,13 +85,38 @@ pub fn rootfs_tarball(base: &Path, name: &str, motd: &str) -> PathBuf {
 
 /// The sandboxes whose runtime dirs are on the machine under a node's run dir.
 pub fn sandbox_run_dirs(run: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(run.join("sandboxes"))
+    entry_names(&run.join("sandboxes"))
+}
+
+/// The names of the entries of `dir` (none when it cannot be read).
+pub fn entry_names(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
         .map(|rd| {
             rd.flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_owned))
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// An API document's path template with its parameters filled in: a sandbox id that does not
+/// exist, handle and session 1, the `host` template, tenant `t1`.
+pub fn concrete_path(template: &str) -> String {
+    template
+        .replace("{id}", "sb-0000000000000000")
+        .replace("{handle}", "1")
+        .replace("{session}", "1")
+        .replace("{name}", "host")
+        .replace("{template}", "host")
+        .replace("{tid}", "t1")
+}
+
+/// A TCP port on 127.0.0.1 that nothing listened on a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
 }
 
 /// Where the daemon's stderr (its log) goes.

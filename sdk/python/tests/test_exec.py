@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -179,26 +180,42 @@ def test_unknown_process_handle(sandbox: dsec.Sandbox) -> None:
         dsec.Process(sandbox, {"handle": 987654}).status()
 
 
-def test_shell_session_keeps_state(sandbox: dsec.Sandbox) -> None:
-    with sandbox.session("shell") as sh:
-        assert sh.run("cd /tmp && export FOO=bar").ok
-        r = sh.run("pwd; echo $FOO")
-        assert r.ok, r
-        assert r.text == "/tmp\nbar\n"
-        r = sh.run("false")
-        assert r.exit_code == 1
+# (session kind, what sets state, what reads it back, what that prints, what fails, how it
+# fails, what then still reads the state and what that prints, if checked)
+SESSIONS = [
+    ("shell", "cd /tmp && export FOO=bar", "pwd; echo $FOO", "/tmp\nbar\n", "false", lambda r: r.exit_code == 1, None),
+    (
+        "python",
+        "x = 41\ndef f(a):\n    return a + x\n",
+        "print(f(1))",
+        "42\n",
+        "raise ValueError('boom')",
+        lambda r: not r.ok and "ValueError" in r.stderr_text + r.text,
+        ("print(x)", "41\n"),
+    ),
+]
 
 
-def test_python_session_keeps_globals(sandbox: dsec.Sandbox) -> None:
-    with sandbox.session("python") as py:
-        assert py.run("x = 41\ndef f(a):\n    return a + x\n").ok
-        r = py.run("print(f(1))")
+@pytest.mark.parametrize(("kind", "setup", "read", "printed", "failing", "failed", "after"), SESSIONS)
+def test_session_keeps_state(
+    sandbox: dsec.Sandbox,
+    kind: dsec.SessionKind,
+    setup: str,
+    read: str,
+    printed: str,
+    failing: str,
+    failed: Callable[[dsec.ExecResult], bool],
+    after: tuple[str, str] | None,
+) -> None:
+    with sandbox.session(kind) as s:
+        assert s.run(setup).ok
+        r = s.run(read)
         assert r.ok, r
-        assert r.text == "42\n"
-        r = py.run("raise ValueError('boom')")
-        assert not r.ok
-        assert "ValueError" in r.stderr_text + r.text
-        assert py.run("print(x)").text == "41\n"
+        assert r.text == printed
+        r = s.run(failing)
+        assert failed(r), r
+        if after is not None:
+            assert s.run(after[0]).text == after[1]
 
 
 def test_session_close(sandbox: dsec.Sandbox) -> None:

@@ -24,33 +24,39 @@ def b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
 
 
-# (language, code, stdin, files, what the run's stdout holds). Every language SandboxFusion
-# lists whose toolchain scripts/install-run-toolchains.sh installs, and those of the base system.
-LANGUAGES = [
-    ("python", "print(input()[::-1])", "abc", {}, "cba\n"),
-    ("pytest", "def test_adds():\n    assert 1 + 1 == 2\n", "", {}, "1 passed"),
-    ("cpp", "#include <iostream>\nint main(){int a; std::cin >> a; std::cout << a * 2 << std::endl;}", "21", {}, "42\n"),
-    ("bash", "read x; echo $((x * 2))", "21", {}, "42\n"),
-    ("nodejs", "const s = require('fs').readFileSync(0, 'utf8');\nconsole.log(Number(s) * 2);", "21", {}, "42\n"),
-    ("typescript", "const n: number = 6 * 7;\nconsole.log(n);", "", {}, "42\n"),
-    ("go", 'package main\nimport "fmt"\nfunc main() { var a int; fmt.Scan(&a); fmt.Println(a * 2) }\n', "21", {}, "42\n"),
-    ("go_test", 'package main\nimport "testing"\nfunc TestAdds(t *testing.T) { if 1+1 != 2 { t.Fatal("no") } }\n', "", {}, "ok"),
-    ("java", "public class Main { public static void main(String[] a) { System.out.println(6 * 7); } }", "", {}, "42\n"),
+# (language, code, stdin, what the run's stdout holds): the programs that read their stdin.
+READING = [
+    ("python", "print(input()[::-1])", "abc", "cba\n"),
+    ("cpp", "#include <iostream>\nint main(){int a; std::cin >> a; std::cout << a * 2 << std::endl;}", "21", "42\n"),
+    ("bash", "read x; echo $((x * 2))", "21", "42\n"),
+    ("nodejs", "const s = require('fs').readFileSync(0, 'utf8');\nconsole.log(Number(s) * 2);", "21", "42\n"),
+    ("go", 'package main\nimport "fmt"\nfunc main() { var a int; fmt.Scan(&a); fmt.Println(a * 2) }\n', "21", "42\n"),
+    ("csharp", "using System;\nclass P { static void Main() { Console.WriteLine(int.Parse(Console.ReadLine()) * 2); } }", "21", "42\n"),
+    ("perl", 'my $x = <STDIN>; print $x * 2, "\\n";', "21", "42\n"),
+    ("ruby", "puts gets.to_i * 2", "21", "42\n"),
+]
+# (language, code, what the run's stdout holds): the programs that take no input.
+PRINTING = [
+    ("pytest", "def test_adds():\n    assert 1 + 1 == 2\n", "1 passed"),
+    ("typescript", "const n: number = 6 * 7;\nconsole.log(n);", "42\n"),
+    ("go_test", 'package main\nimport "testing"\nfunc TestAdds(t *testing.T) { if 1+1 != 2 { t.Fatal("no") } }\n', "ok"),
+    ("java", "public class Main { public static void main(String[] a) { System.out.println(6 * 7); } }", "42\n"),
+    ("php", 'echo 6 * 7, "\\n";', "42\n"),
+    ("lua", "print(6 * 7)", "42\n"),
+    ("sql", "select 6 * 7;", "42\n"),
+    ("verilog", 'module tb; initial begin $display("%0d", 6 * 7); $finish; end endmodule', "42\n"),
     (
         "junit",
         "import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.assertEquals;\n"
         "public class CalcTest {\n  @Test void adds() { assertEquals(4, 2 + 2); }\n}\n",
-        "",
-        {},
         "1 tests successful",
     ),
-    ("php", 'echo 6 * 7, "\\n";', "", {}, "42\n"),
-    ("csharp", "using System;\nclass P { static void Main() { Console.WriteLine(int.Parse(Console.ReadLine()) * 2); } }", "21", {}, "42\n"),
-    ("lua", "print(6 * 7)", "", {}, "42\n"),
-    ("perl", 'my $x = <STDIN>; print $x * 2, "\\n";', "21", {}, "42\n"),
-    ("ruby", "puts gets.to_i * 2", "21", {}, "42\n"),
-    ("sql", "select 6 * 7;", "", {}, "42\n"),
-    ("verilog", 'module tb; initial begin $display("%0d", 6 * 7); $finish; end endmodule', "", {}, "42\n"),
+]
+# (language, code, stdin, files, what the run's stdout holds). Every language SandboxFusion
+# lists whose toolchain scripts/install-run-toolchains.sh installs, and those of the base system.
+LANGUAGES = [
+    *((lang, code, stdin, {}, out) for lang, code, stdin, out in READING),
+    *((lang, code, "", {}, out) for lang, code, out in PRINTING),
     (
         "python_gpu",
         "",

@@ -4,6 +4,10 @@
 use super::*;
 use proptest::prelude::*;
 
+#[path = "../../tests/common/trajlog.rs"]
+mod shared;
+use shared::{open_configured, read_all};
+
 /// Writes `records` (lsn 1..) as segments starting at the given record indexes; returns the
 /// concatenated bytes and each segment's (path, start offset in the concatenation).
 fn write_log(dir: &Path, records: &[Record], splits: &[usize]) -> (Vec<u8>, Vec<(PathBuf, usize)>) {
@@ -36,16 +40,6 @@ fn write_log(dir: &Path, records: &[Record], splits: &[usize]) -> (Vec<u8>, Vec<
         all.extend_from_slice(&buf);
     }
     (all, segs)
-}
-
-/// Every record of the log, by lsn.
-fn read_all(log: &TrajLog) -> Vec<Entry> {
-    let mut out = Vec::new();
-    for t in log.trajectories() {
-        out.extend(log.read(&t.id, 0, usize::MAX).expect("read"));
-    }
-    out.sort_by_key(|e| e.lsn);
-    out
 }
 
 fn records_strategy() -> impl Strategy<Value = Vec<Record>> {
@@ -304,9 +298,7 @@ fn a_missing_middle_segment_is_a_reported_gap() {
 #[test]
 fn invalid_records_are_refused_before_queueing() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let mut cfg = Config::new(tmp.path());
-    cfg.max_payload = 10;
-    let (log, _) = TrajLog::open(cfg).expect("open");
+    let log = open_configured(tmp.path(), |cfg| cfg.max_payload = 10);
     let bad =
         |t: &str, n: usize| log.append_blocking(Record::new(t, 0, RecordKind::Intent, vec![0; n]));
     assert!(matches!(

@@ -11,6 +11,8 @@
 //!   users on the machine do not disturb it.
 #![allow(dead_code)] // each test binary uses a different subset
 
+mod run_dirs;
+
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::ops::{Deref, DerefMut};
@@ -19,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use dsec_api::exec::{ExecRequest, ExecResult};
+use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
 use dsec_node::sandbox::{Limits, SandboxSpec};
 use dsec_node::substrate::{Runtime, RuntimeConfig, RuntimeError, Sandbox};
 
@@ -74,36 +76,10 @@ fn agent_and_shim() -> (PathBuf, PathBuf) {
     (agent, shim)
 }
 
-/// Removes run dirs of earlier test processes that are gone (their mask tmpfs stays mounted
-/// because the fixture lives in a `static` that is never dropped).
-fn sweep_stale_run_dirs() {
-    let Ok(entries) = fs::read_dir("/run") else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix("dsec-test-") else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        let dir = e.path();
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(dir.join("mask"))
-            .status();
-        let _ = fs::remove_dir_all(&dir);
-    }
-}
-
 /// The shared runtime, started on first use.
 pub fn fixture() -> &'static Fixture {
     FIXTURE.get_or_init(|| {
-        sweep_stale_run_dirs();
+        run_dirs::sweep_stale_run_dirs("dsec-test-");
         let (agent_bin, shim_bin) = agent_and_shim();
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -173,6 +149,12 @@ impl SbGuard {
     }
 
     /// Runs a shell command with a timeout; panics on a transport/validation error.
+    /// Runs `script` (see [`SbGuard::sh`]) and asserts it printed exactly `want`.
+    pub fn sh_prints(&mut self, script: &str, timeout_ms: u64, want: &str) {
+        let r = self.sh(script, timeout_ms);
+        assert_eq!(stdout(&r), want, "{script}: {r:?}");
+    }
+
     pub fn sh(&mut self, script: &str, timeout_ms: u64) -> ExecResult {
         let mut req = ExecRequest::shell(script);
         req.timeout_ms = Some(timeout_ms);
@@ -266,6 +248,25 @@ pub fn stdout(r: &ExecResult) -> String {
 /// Stderr of a result as text.
 pub fn stderr(r: &ExecResult) -> String {
     String::from_utf8_lossy(&r.stderr.data).into_owned()
+}
+
+/// Asserts `r` finished with [`ExecStatus::Ok`] and printed exactly `want` on stdout.
+pub fn assert_ok_stdout(r: &ExecResult, want: &str) {
+    assert_eq!(
+        (r.status, stdout(r).as_str()),
+        (ExecStatus::Ok, want),
+        "{r:?} {}",
+        stderr(r)
+    );
+}
+
+/// A spec of [`small_limits`] (admitted), in a user namespace when `userns`.
+pub fn small_spec(userns: bool) -> SandboxSpec {
+    SandboxSpec {
+        limits: admitted(small_limits()),
+        userns,
+        ..Default::default()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -377,16 +378,19 @@ pub fn members_alive(ns: u64, members: &[i32]) -> Vec<i32> {
         .collect()
 }
 
-/// The command line of a process, NULs replaced by spaces.
+/// The NUL-separated strings of `/proc/<pid>/<file>` (`cmdline`, `environ`), empty ones left
+/// out.
+pub fn proc_strings(pid: i32, file: &str) -> std::io::Result<Vec<String>> {
+    Ok(fs::read(format!("/proc/{pid}/{file}"))?
+        .split(|&b| b == 0)
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect())
+}
+
+/// The command line of a process, its arguments joined by spaces (empty when it is gone).
 pub fn cmdline(pid: i32) -> String {
-    fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .replace('\0', " ")
-                .trim_end()
-                .to_owned()
-        })
-        .unwrap_or_default()
+    proc_strings(pid, "cmdline").unwrap_or_default().join(" ")
 }
 
 /// `pid comm state cmdline`, for failure messages.
@@ -459,6 +463,15 @@ pub struct LeakSnapshot {
     pub net_namespaces: usize,
     /// Entries in `<run_dir>/sandboxes`.
     pub run_entries: usize,
+}
+
+/// Runs `body` holding `serial` (a test binary's lock for the tests that must run alone) and
+/// asserts that within `settle` afterwards it left nothing behind (see [`LeakSnapshot`]).
+pub fn leak_checked(serial: &Mutex<()>, settle: Duration, body: impl FnOnce()) {
+    let _serial = serial.lock().unwrap_or_else(|p| p.into_inner());
+    let base = LeakSnapshot::take();
+    body();
+    LeakSnapshot::assert_back_to(&base, settle);
 }
 
 impl LeakSnapshot {
