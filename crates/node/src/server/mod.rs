@@ -11,6 +11,7 @@
 mod auth;
 pub mod error;
 mod http;
+mod keyed;
 pub mod openapi;
 pub mod run;
 mod state;

@@ -9,18 +9,6 @@ use super::run::Runner;
 use super::trajectory::Trajectories;
 use crate::lifecycle::Node;
 
-/// The shared value under `key` of `map`, made (default) on first use: per-key locks and
-/// once-cells.
-pub fn keyed<K: Eq + std::hash::Hash, V: Default>(
-    map: &Mutex<HashMap<K, Arc<V>>>,
-    key: K,
-) -> Arc<V> {
-    let mut map = map
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    Arc::clone(map.entry(key).or_default())
-}
-
 /// Per-(tenant, key) locks so that two identical requests in flight run once.
 pub type IdemLocks = Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>;
 

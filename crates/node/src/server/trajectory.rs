@@ -316,7 +316,7 @@ impl Trajectories {
     }
 
     fn lock_of(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        super::state::keyed(&self.chains, key.to_owned())
+        super::keyed::keyed(&self.chains, key.to_owned())
     }
 
     /// The current chain of a trajectory (built from the log once, then kept up to date).

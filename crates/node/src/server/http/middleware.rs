@@ -139,7 +139,7 @@ pub(super) async fn idempotency(
     h.update(&bytes);
     let hash = hex::encode(h.finalize());
     let slot = (tenant.id.clone(), key.clone());
-    let lock = crate::server::state::keyed(&app.idem, slot.clone());
+    let lock = crate::server::keyed::keyed(&app.idem, slot.clone());
     let _held = lock.lock().await;
     let resp = async {
         match app.node.store.idempotent(&tenant.id, &key) {

@@ -383,7 +383,7 @@ async fn run_one(app: &Arc<Runner>, spec: RunSpec) -> ApiResult<RunOutcome> {
 /// The languages whose toolchain is on `template` (probed once per template, in a sandbox of
 /// it; a failed probe is not cached).
 async fn languages(app: &Arc<Runner>, template: &str) -> ApiResult<Vec<String>> {
-    let cell = super::state::keyed(&app.languages, template.to_owned());
+    let cell = crate::server::keyed::keyed(&app.languages, template.to_owned());
     cell.get_or_try_init(|| async {
         let e = runner_sandbox(app, template).await?;
         let script = lang::probe_script();
