@@ -49,6 +49,14 @@ impl AgentError {
             }
         }
     }
+
+    /// A timeout says the whole wait, `limit`, not what was left of it at the last read.
+    fn waited(self, limit: Duration) -> Self {
+        match self {
+            AgentError::Timeout(_) => AgentError::Timeout(limit),
+            other => other,
+        }
+    }
 }
 
 /// Grace added to a request's own timeout before the connection is declared dead.
@@ -134,7 +142,9 @@ impl AgentConn {
                 ));
             }
             let mut chunk = [0u8; READ_CHUNK];
-            let n = c.read_some(deadline, &mut chunk)?;
+            let n = c
+                .read_some(deadline, &mut chunk)
+                .map_err(|e| e.waited(timeout))?;
             pending.extend_from_slice(&chunk[..n]);
         }
     }
@@ -194,9 +204,10 @@ impl AgentConn {
         self.stream
             .write_all(&bytes)
             .map_err(AgentError::Disconnected)?;
-        let deadline = Instant::now() + timeout.map_or(DEFAULT_DEADLINE, |t| t + DEADLINE_SLACK);
+        let limit = timeout.map_or(DEFAULT_DEADLINE, |t| t + DEADLINE_SLACK);
+        let deadline = Instant::now() + limit;
         loop {
-            let (rid, ev, body) = self.read_event(deadline)?;
+            let (rid, ev, body) = self.read_event(deadline).map_err(|e| e.waited(limit))?;
             if rid != id {
                 if let Event::Hello { version, .. } = ev {
                     // A request may be pipelined behind the agent's greeting (see `create`).
@@ -229,7 +240,7 @@ impl AgentConn {
     pub fn await_reply(&mut self, id: u64, timeout: Duration) -> Result<(), AgentError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let (rid, ev, _) = self.read_event(deadline)?;
+            let (rid, ev, _) = self.read_event(deadline).map_err(|e| e.waited(timeout))?;
             if let Event::Hello { version, .. } = ev {
                 if version != PROTOCOL_VERSION {
                     return Err(AgentError::Unexpected(format!(
@@ -376,7 +387,10 @@ mod tests {
         let (_unused, node, mut agent) = pair()?;
         agent.write_all(b"DS\x01\x01garbage")?;
         let r = AgentConn::reattach(node.into(), Duration::from_millis(200));
-        assert!(matches!(r, Err(AgentError::Timeout(_))));
+        // The error names the whole wait (it used to say "within 0ns").
+        let Err(e) = r else { panic!("no timeout") };
+        assert!(matches!(e, AgentError::Timeout(d) if d == Duration::from_millis(200)));
+        assert_eq!(e.to_string(), "agent did not answer within 200ms");
         Ok(())
     }
 }

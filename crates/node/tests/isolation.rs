@@ -797,6 +797,24 @@ fn s06_network_only_loopback_no_host_services() {
 }
 
 #[test]
+fn s11_socket_families_are_a_closed_list() {
+    each_mode_passed("S-11", |_, d, ctx| {
+        let cases = d.as_array().expect("S-11 detail is a list");
+        let refused: Vec<&str> = cases
+            .iter()
+            .filter(|c| c["policy"] == "EAFNOSUPPORT")
+            .map(|c| s(&c["family"]))
+            .collect();
+        for family in ["AF_VSOCK", "AF_PACKET", "AF_ALG", "AF_NETLINK/AUDIT"] {
+            assert!(refused.contains(&family), "{family} not probed: {ctx}");
+        }
+        for c in cases {
+            assert_eq!(c["pass"], Value::Bool(true), "{c}: {ctx}");
+        }
+    });
+}
+
+#[test]
 fn s07_proc_masked_and_read_only() {
     each_mode_passed("S-07", |_, d, ctx| {
         for p in [
@@ -986,8 +1004,8 @@ fn report_is_complete_and_sandboxes_destroyed() {
         let o = obs(mode);
         let ids: Vec<&str> = o.checks.keys().map(String::as_str).collect();
         for id in [
-            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "C-01", "C-03",
-            "C-04", "C-05", "C-06",
+            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "S-11", "C-01",
+            "C-03", "C-04", "C-05", "C-06",
         ] {
             assert!(
                 ids.contains(&id),

@@ -627,3 +627,69 @@ fn remove_runtime_dirs(run_dir: &std::path::Path) {
         .status();
     let _ = std::fs::remove_dir_all(run_dir);
 }
+
+/// What a process reaching `sup.sock` gets, as `/usr/bin/python3` run by `cmd` (a prefix such as
+/// `setpriv` or `unshare`) reports it: `connect <errno>`, `nothing` (hung up on) or
+/// `got <bytes> <fds>`.
+fn sup_sock_answer(cmd: &[&str], sock: &Path) -> String {
+    const CLIENT: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print("connect", e.errno)
+    sys.exit(0)
+msg, anc, _, _ = s.recvmsg(65536, socket.CMSG_SPACE(64))
+fds = sum(len(d) // 4 for (_, t, d) in anc if t == socket.SCM_RIGHTS)
+print("nothing" if not msg else f"got {len(msg)} {fds}")
+"#;
+    let out = std::process::Command::new(cmd[0])
+        .args(&cmd[1..])
+        .args(["/usr/bin/python3", "-c", CLIENT])
+        .arg(sock)
+        .output()
+        .expect("run the sup.sock client");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// G-4: a supervisor's `sup.sock` hands the agent and control sockets only to the node: a
+/// process of another uid, or host root in another pid namespace (as an escaped sandbox process
+/// would be), is hung up on with nothing, even when the socket is reachable by mistake.
+#[test]
+fn g04_sup_sock_answers_only_the_node() {
+    use std::os::unix::fs::PermissionsExt;
+    isolated(|| {
+        let mut sb = create(small_limits());
+        let run_dir = &common::fixture().run_dir;
+        let sock = run_dir.join("sandboxes").join(sb.id()).join("sup.sock");
+        // A permission slip: every directory on the way and the socket open to everyone.
+        let mut opened = Vec::new();
+        for p in sock.ancestors().take_while(|p| p.starts_with(run_dir)) {
+            let mode = std::fs::metadata(p).expect("stat").permissions().mode();
+            opened.push((p.to_path_buf(), mode));
+            let world = if p == sock { 0o777 } else { mode | 0o011 };
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(world)).expect("chmod");
+        }
+        let nobody = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ];
+        let other_pid_ns = ["unshare", "--pid", "--fork"];
+        let answers = [
+            sup_sock_answer(&nobody, &sock),
+            sup_sock_answer(&other_pid_ns, &sock),
+        ];
+        for (p, mode) in opened {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        }
+        assert_eq!(answers, ["nothing", "nothing"]);
+        // The supervisor still serves its sandbox.
+        common::assert_ok_stdout(&sb.sh("echo alive", 5_000), "alive\n");
+        sb.destroy().expect("destroy");
+    });
+}

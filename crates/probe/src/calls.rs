@@ -358,3 +358,79 @@ pub fn open_by_handle_check() -> Check {
         detail: json!({ "observed": got.describe() }),
     }
 }
+
+/// S-11: `socket` and `socketpair` open only the families a sandbox needs (`AF_UNIX`, `AF_INET`,
+/// `AF_INET6`, and `AF_NETLINK` for `NETLINK_ROUTE`); every other family and netlink protocol
+/// fails with `EAFNOSUPPORT`, as if the kernel had none.
+pub fn socket_families_check() -> Check {
+    use libc::{SOCK_DGRAM, SOCK_RAW, SOCK_SEQPACKET, SOCK_STREAM};
+    let allowed = [
+        ("AF_UNIX", libc::AF_UNIX, SOCK_STREAM, 0),
+        ("AF_INET", libc::AF_INET, SOCK_STREAM, 0),
+        ("AF_INET6", libc::AF_INET6, SOCK_DGRAM, 0),
+        (
+            "AF_NETLINK/ROUTE",
+            libc::AF_NETLINK,
+            SOCK_RAW,
+            libc::NETLINK_ROUTE,
+        ),
+    ];
+    let refused = [
+        ("AF_VSOCK", libc::AF_VSOCK, SOCK_STREAM, 0),
+        ("AF_PACKET", libc::AF_PACKET, SOCK_DGRAM, 0),
+        ("AF_ALG", libc::AF_ALG, SOCK_SEQPACKET, 0),
+        ("AF_KEY", libc::AF_KEY, SOCK_RAW, 2),
+        (
+            "AF_NETLINK/AUDIT",
+            libc::AF_NETLINK,
+            SOCK_RAW,
+            libc::NETLINK_AUDIT,
+        ),
+        (
+            "AF_NETLINK/KOBJECT_UEVENT",
+            libc::AF_NETLINK,
+            SOCK_RAW,
+            libc::NETLINK_KOBJECT_UEVENT,
+        ),
+        (
+            "AF_NETLINK/SOCK_DIAG",
+            libc::AF_NETLINK,
+            SOCK_RAW,
+            libc::NETLINK_SOCK_DIAG,
+        ),
+        ("AF_XDP", libc::AF_XDP, SOCK_RAW, 0),
+        ("AF_TIPC", libc::AF_TIPC, SOCK_RAW, 0),
+        ("AF_BLUETOOTH", libc::AF_BLUETOOTH, SOCK_RAW, 0),
+    ];
+    let eafnosupport = Outcome::Exited(libc::EAFNOSUPPORT);
+    let mut results = Vec::new();
+    let mut pass = true;
+    let cases = allowed
+        .iter()
+        .map(|c| (c, true))
+        .chain(refused.iter().map(|c| (c, false)));
+    for (&(name, family, ty, protocol), open) in cases {
+        let args = [family as u64, ty as u64, protocol as u64, 0, 0, 0];
+        let socket = observe(libc::SYS_socket as u64, args);
+        // socketpair with a NULL vector: EFAULT where the family passes the filter.
+        let pair = observe(libc::SYS_socketpair as u64, args);
+        let ok = if open {
+            socket == Outcome::Exited(0) && pair != eafnosupport
+        } else {
+            socket == eafnosupport && pair == eafnosupport
+        };
+        pass &= ok;
+        results.push(json!({
+            "family": name,
+            "policy": if open { "allow" } else { "EAFNOSUPPORT" },
+            "socket": socket.describe(),
+            "socketpair": pair.describe(),
+            "pass": ok,
+        }));
+    }
+    Check {
+        id: "S-11",
+        pass,
+        detail: Value::Array(results),
+    }
+}

@@ -91,6 +91,7 @@ pub fn run(o: &Options) -> Value {
         ("S-07", Box::new(s07_proc)),
         ("S-08", Box::new(s08_devices)),
         ("S-10", Box::new(|| s10_secrets(o))),
+        ("S-11", Box::new(calls::socket_families_check)),
         ("C-01", Box::new(c01_fds)),
         ("C-03", Box::new(c03_masked_paths)),
         ("C-04", Box::new(c04_sys_and_release_agent)),

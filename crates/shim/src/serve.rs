@@ -299,6 +299,12 @@ impl Loop<'_> {
             return Flow::Next;
         };
         if let Ok((stream, _)) = l.accept() {
+            // Only the node: a process of another uid or pid namespace that reaches the socket
+            // (a permission slip, an escaped sandbox process) is hung up on with nothing.
+            let node = ipc::peer_cred(stream.as_fd()).is_ok_and(|c| c.is_host_peer());
+            if !node {
+                return Flow::Poll;
+            }
             if let Ok((node_end, ours)) = ipc::seqpacket_pair() {
                 let msg = SupervisorMsg::Launched {
                     req: 0,

@@ -165,6 +165,65 @@ pub fn recv_msg(sock: BorrowedFd<'_>, max: usize) -> io::Result<(Vec<u8>, Vec<Ow
     Ok((buf, fds))
 }
 
+/// The credentials of the process at the other end of a connected Unix socket, as the kernel
+/// recorded them (`SO_PEERCRED`): for a stream accepted from a listener, the process that
+/// connected; for a stream connected to a listener, the process that called `listen`. The pid is
+/// as this process's pid namespace sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Process id.
+    pub pid: i32,
+    /// Effective uid at connect (or listen) time.
+    pub uid: u32,
+    /// Effective gid at connect (or listen) time.
+    pub gid: u32,
+}
+
+impl PeerCred {
+    /// True when the peer is this process's own effective uid and sits in this process's pid
+    /// namespace: the node, a supervisor or the spawner, not a sandboxed process (another pid
+    /// namespace, and in the user-namespace mode another uid).
+    pub fn is_host_peer(&self) -> bool {
+        let pid_ns = |pid: &str| std::fs::metadata(format!("/proc/{pid}/ns/pid")).ok();
+        let same_ns = match (pid_ns("self"), pid_ns(&self.pid.to_string())) {
+            (Some(a), Some(b)) => {
+                use std::os::unix::fs::MetadataExt;
+                (a.dev(), a.ino()) == (b.dev(), b.ino())
+            }
+            _ => false,
+        };
+        // SAFETY: geteuid has no arguments and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        self.pid > 0 && self.uid == euid && same_ns
+    }
+}
+
+/// The credentials of `sock`'s peer (`SO_PEERCRED`).
+pub fn peer_cred(sock: BorrowedFd<'_>) -> io::Result<PeerCred> {
+    let mut c = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `c` and `len` are valid for writes of the sizes passed; the fd is borrowed.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    cvt(rc)?;
+    Ok(PeerCred {
+        pid: c.pid,
+        uid: c.uid,
+        gid: c.gid,
+    })
+}
+
 /// A process file descriptor: signals go to exactly the process it was opened for.
 #[derive(Debug)]
 pub struct PidFd {

@@ -7,9 +7,11 @@
 //!    ABI, `int 0x80`);
 //! 2. kills the process if `nr >= 0x4000_0000` (the x32 ABI bit);
 //! 3. binary-searches the syscall number over the table, compressed into ranges of equal rules,
-//!    and returns the rule's action. Three rules inspect an argument: `clone` (killed when any
-//!    `CLONE_NEW*` flag is set), `ioctl` (`TIOCSTI` and `TIOCLINUX` fail with `EPERM`) and
-//!    `personality` (only the query `0xffffffff` is allowed, anything else fails with `EPERM`).
+//!    and returns the rule's action. Four rules inspect an argument: `clone` (killed when any
+//!    `CLONE_NEW*` flag is set), `ioctl` (`TIOCSTI` and `TIOCLINUX` fail with `EPERM`),
+//!    `personality` (only the query `0xffffffff` is allowed, anything else fails with `EPERM`)
+//!    and `socket`/`socketpair` (only the families of [`SOCKET_FAMILIES`] and `NETLINK_ROUTE`;
+//!    anything else fails with `EAFNOSUPPORT`).
 //!
 //! Anything the table does not allow or kill fails with `ENOSYS`, so programs take their
 //! fallback paths (glibc retries `clone3` as `clone`). The [`Filter`] is built before fork (it
@@ -42,6 +44,9 @@ enum Rule {
     Ioctl,
     /// `personality`: only the query `0xffffffff` is allowed; any change fails with `EPERM`.
     Personality,
+    /// `socket`, `socketpair`: only the families in [`SOCKET_FAMILIES`], and `AF_NETLINK` only
+    /// for `NETLINK_ROUTE`; any other family fails with `EAFNOSUPPORT`.
+    Socket,
 }
 
 const A: Rule = Rule::Plain(Action::Allow);
@@ -61,6 +66,20 @@ pub const CLONE_NEW_MASK: u32 = (libc::CLONE_NEWNS
     | libc::CLONE_NEWNET
     | libc::CLONE_NEWCGROUP
     | libc::CLONE_NEWTIME) as u32;
+
+/// The address families `socket` and `socketpair` may open (besides `AF_NETLINK` with
+/// `NETLINK_ROUTE`): local sockets and IP. Every other family (`AF_VSOCK`, which on a node that is
+/// itself a VM reaches the hypervisor's host, `AF_PACKET`, `AF_ALG`, `AF_KEY`, Bluetooth, …) fails
+/// with `EAFNOSUPPORT`, as if the kernel had no such family.
+pub const SOCKET_FAMILIES: [u32; 3] = [
+    libc::AF_UNIX as u32,
+    libc::AF_INET as u32,
+    libc::AF_INET6 as u32,
+];
+
+const AF_NETLINK: u32 = libc::AF_NETLINK as u32;
+const NETLINK_ROUTE: u32 = libc::NETLINK_ROUTE as u32;
+const EAFNOSUPPORT: u16 = libc::EAFNOSUPPORT as u16;
 
 /// `personality(0xffffffff)`: the read-only query, the only allowed form.
 pub const PERSONALITY_QUERY: u32 = 0xffff_ffff;
@@ -84,10 +103,10 @@ const TABLE: &[(u32, &str, Rule)] = &[
     (25, "mremap", A), (26, "msync", A), (27, "mincore", A), (28, "madvise", A),
     (29, "shmget", A), (30, "shmat", A), (31, "shmctl", A), (32, "dup", A), (33, "dup2", A),
     (34, "pause", A), (35, "nanosleep", A), (36, "getitimer", A), (37, "alarm", A),
-    (38, "setitimer", A), (39, "getpid", A), (40, "sendfile", A), (41, "socket", A),
+    (38, "setitimer", A), (39, "getpid", A), (40, "sendfile", A), (41, "socket", Rule::Socket),
     (42, "connect", A), (43, "accept", A), (44, "sendto", A), (45, "recvfrom", A),
     (46, "sendmsg", A), (47, "recvmsg", A), (48, "shutdown", A), (49, "bind", A),
-    (50, "listen", A), (51, "getsockname", A), (52, "getpeername", A), (53, "socketpair", A),
+    (50, "listen", A), (51, "getsockname", A), (52, "getpeername", A), (53, "socketpair", Rule::Socket),
     (54, "setsockopt", A), (55, "getsockopt", A), (56, "clone", Rule::Clone), (57, "fork", A),
     (58, "vfork", A), (59, "execve", A), (60, "exit", A), (61, "wait4", A), (62, "kill", A),
     (63, "uname", A), (64, "semget", A), (65, "semop", A), (66, "semctl", A), (67, "shmdt", A),
@@ -213,17 +232,17 @@ pub fn policy_action(nr: u32) -> Action {
         Some(Rule::Plain(a)) => a,
         Some(Rule::Clone | Rule::Ioctl) => Action::Allow,
         Some(Rule::Personality) => Action::Errno(libc::EPERM as u16),
+        // Family 0 is `AF_UNSPEC`, not on the list.
+        Some(Rule::Socket) => Action::Errno(EAFNOSUPPORT),
         None => Action::Errno(DEFAULT_ERRNO),
     }
 }
 
 /// True for the calls whose outcome depends on their arguments (`clone`, `ioctl`,
-/// `personality`); [`policy_action`] describes them with all-zero arguments.
+/// `personality`, `socket`, `socketpair`); [`policy_action`] describes them with all-zero
+/// arguments.
 pub fn is_arg_filtered(nr: u32) -> bool {
-    matches!(
-        lookup(nr),
-        Some((_, Rule::Clone | Rule::Ioctl | Rule::Personality))
-    )
+    matches!(lookup(nr), Some((_, rule)) if !matches!(rule, Rule::Plain(_)))
 }
 
 /// The x86_64 name of syscall `nr`, if the table knows it.
@@ -240,6 +259,7 @@ fn errno_name(e: u16) -> String {
     match i32::from(e) {
         libc::EPERM => "EPERM".to_owned(),
         libc::ENOSYS => "ENOSYS".to_owned(),
+        libc::EAFNOSUPPORT => "EAFNOSUPPORT".to_owned(),
         other => format!("errno {other}"),
     }
 }
@@ -255,6 +275,10 @@ pub fn render_table() -> String {
             Rule::Clone => "allow; kill process if flags contain CLONE_NEW*".to_owned(),
             Rule::Ioctl => "allow; EPERM for TIOCSTI and TIOCLINUX".to_owned(),
             Rule::Personality => "allow the query 0xffffffff; EPERM otherwise".to_owned(),
+            Rule::Socket => {
+                "allow AF_UNIX, AF_INET, AF_INET6, AF_NETLINK with NETLINK_ROUTE; EAFNOSUPPORT otherwise"
+                    .to_owned()
+            }
         };
         out.push_str(&format!("| {nr} | {name} | {action} |\n"));
     }
@@ -348,6 +372,20 @@ fn leaf(rule: Rule) -> Vec<libc::sock_filter> {
             jump(BPF_JEQ_K, PERSONALITY_QUERY, 0, 1),
             stmt(BPF_RET_K, RET_ALLOW),
             stmt(BPF_RET_K, ret_errno(libc::EPERM as u16)),
+        ],
+        // The kernel reads the family and the protocol as `int`: the low 32 bits.
+        Rule::Socket => vec![
+            stmt(BPF_LD_W_ABS, off_arg_lo(0)),
+            jump(BPF_JEQ_K, SOCKET_FAMILIES[0], 4, 0),
+            jump(BPF_JEQ_K, SOCKET_FAMILIES[1], 3, 0),
+            jump(BPF_JEQ_K, SOCKET_FAMILIES[2], 2, 0),
+            jump(BPF_JEQ_K, AF_NETLINK, 2, 0),
+            stmt(BPF_RET_K, ret_errno(EAFNOSUPPORT)),
+            stmt(BPF_RET_K, RET_ALLOW),
+            stmt(BPF_LD_W_ABS, off_arg_lo(2)),
+            jump(BPF_JEQ_K, NETLINK_ROUTE, 0, 1),
+            stmt(BPF_RET_K, RET_ALLOW),
+            stmt(BPF_RET_K, ret_errno(EAFNOSUPPORT)),
         ],
     }
 }
@@ -560,6 +598,54 @@ mod tests {
         assert_eq!(run(p, x, 16, [0, libc::TCGETS, 0, 0, 0, 0]), RET_ALLOW);
         assert_eq!(run(p, x, 135, [0xffff_ffff, 0, 0, 0, 0, 0]), RET_ALLOW);
         assert_eq!(run(p, x, 135, [8, 0, 0, 0, 0, 0]), eperm);
+    }
+
+    #[test]
+    fn socket_families_are_a_closed_list() {
+        let f = Filter::build();
+        let p = f.instructions();
+        let x = AUDIT_ARCH_X86_64;
+        let refused = ret_errno(EAFNOSUPPORT);
+        let stream = libc::SOCK_STREAM as u64 | libc::SOCK_CLOEXEC as u64;
+        let (unix, inet, inet6) = (libc::AF_UNIX, libc::AF_INET, libc::AF_INET6);
+        let netlink = libc::AF_NETLINK as u64;
+        for nr in [41, 53] {
+            for family in [unix, inet, inet6] {
+                assert_eq!(
+                    run(p, x, nr, [family as u64, stream, 0, 0, 0, 0]),
+                    RET_ALLOW
+                );
+            }
+            let route = [netlink, libc::SOCK_RAW as u64, 0, 0, 0, 0];
+            assert_eq!(run(p, x, nr, route), RET_ALLOW);
+            for protocol in [libc::NETLINK_AUDIT, libc::NETLINK_KOBJECT_UEVENT, 1 << 16] {
+                let args = [netlink, libc::SOCK_RAW as u64, protocol as u64, 0, 0, 0];
+                assert_eq!(run(p, x, nr, args), refused, "netlink protocol {protocol}");
+            }
+            for family in [
+                libc::AF_UNSPEC,
+                libc::AF_VSOCK,
+                libc::AF_PACKET,
+                libc::AF_ALG,
+                libc::AF_KEY,
+                libc::AF_BLUETOOTH,
+                libc::AF_XDP,
+                libc::AF_TIPC,
+                libc::AF_RDS,
+                libc::AF_CAN,
+                46, // AF_MAX, no family yet
+            ] {
+                let args = [family as u64, stream, 0, 0, 0, 0];
+                assert_eq!(run(p, x, nr, args), refused, "family {family}");
+            }
+            // The kernel reads the family as an int; a set high half changes nothing.
+            let high = (1u64 << 32) | unix as u64;
+            assert_eq!(run(p, x, nr, [high, stream, 0, 0, 0, 0]), RET_ALLOW);
+            let high = (1u64 << 32) | libc::AF_VSOCK as u64;
+            assert_eq!(run(p, x, nr, [high, stream, 0, 0, 0, 0]), refused);
+        }
+        assert!(is_arg_filtered(41) && is_arg_filtered(53));
+        assert_eq!(policy_action(41), Action::Errno(EAFNOSUPPORT));
     }
 
     #[test]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -251,6 +252,23 @@ def test_warm_pool_of_vms(client: dsec.Client, substrate: str) -> None:
         client.set_pool("host@function", min=0, max=1)
 
 
+def test_qemus_cannot_signal_each_other(server, client: dsec.Client) -> None:
+    """G-18: each VM's QEMU runs as a uid of its own, so a compromised QEMU cannot signal (or
+    ptrace) another VM's QEMU."""
+    with dsec.Sandbox.create(client, substrate="microvm") as a, dsec.Sandbox.create(
+        client, substrate="microvm"
+    ) as b:
+        pa, pb = qemu_pid(server, a.id), qemu_pid(server, b.id)
+        uid = (1 << 30) + pa
+        assert Path(f"/proc/{pa}/status").read_text().count(f"\t{uid}") >= 4
+        probe = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-0"]
+        other = subprocess.run([*probe, str(pb)], capture_output=True, text=True)
+        assert other.returncode != 0 and "not permitted" in other.stderr, other
+        # the same uid reaches its own QEMU: the refusal above is the uid's, not setpriv's
+        own = subprocess.run([*probe, str(pa)], capture_output=True, text=True)
+        assert own.returncode == 0, own
+
+
 @pytest.mark.parametrize("substrate", VMS)
 def test_qemu_is_confined(server, client: dsec.Client, substrate: str) -> None:
     """QEMU is treated as hostile: unprivileged, chrooted, in the sandbox's cgroup with a
@@ -258,8 +276,10 @@ def test_qemu_is_confined(server, client: dsec.Client, substrate: str) -> None:
     with dsec.Sandbox.create(client, substrate=substrate, limits={"memory_max": 256 << 20}) as sb:
         pid = qemu_pid(server, sb.id)
         status = Path(f"/proc/{pid}/status").read_text()
-        uids = next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1:]
-        assert all(u == "65534" for u in uids), f"QEMU runs as {uids}"
+        # a uid and gid of its own: 2^30 + its pid (G-18), no passwd entry needed (G-24)
+        for field in ("Uid:", "Gid:"):
+            ids = next(l for l in status.splitlines() if l.startswith(field)).split()[1:]
+            assert ids == [str((1 << 30) + pid)] * 4, f"QEMU runs as {field} {ids}"
         assert os.readlink(f"/proc/{pid}/root") == str(server.run_dir / "sandboxes" / sb.id / "jail")
         assert "Seccomp:\t2" in status, "QEMU has no seccomp filter"
         # in the sandbox's cgroup, memory capped at guest RAM + QEMU's overhead

@@ -95,6 +95,14 @@ impl Runtime {
         };
         let stream = UnixStream::connect(run_dir.join("sup.sock"))
             .map_err(|e| sup_err(format!("connect sup.sock: {e}")))?;
+        // The listener must be a host process of our uid, and below the supervisor it names.
+        let listener = ipc::peer_cred(stream.as_fd()).map_err(|e| sup_err(e.to_string()))?;
+        if !listener.is_host_peer() {
+            return Err(sup_err(format!(
+                "sup.sock is held by pid {} (uid {}), not a supervisor of this node",
+                listener.pid, listener.uid
+            )));
+        }
         if !ipc::poll_readable(stream.as_fd(), ADOPT_DEADLINE)
             .map_err(|e| sup_err(e.to_string()))?
         {
@@ -117,6 +125,12 @@ impl Runtime {
         let (Some(control), Some(agent_fd)) = (fds.pop(), fds.pop()) else {
             return Err(sup_err("supervisor sent no descriptors".into()));
         };
+        if sup_pid != listener.pid {
+            return Err(sup_err(format!(
+                "sup.sock is held by pid {}, but its answer names supervisor {sup_pid}",
+                listener.pid
+            )));
+        }
         let sup = PidFd::open(sup_pid).map_err(|e| sup_err(format!("pidfd: {e}")))?;
         let oom_kills = self
             .cgroups()

@@ -601,15 +601,12 @@ impl VmRuntime {
             incoming: !boot,
             // Clones only: a template boot runs nothing but the agent, and handing its block
             // devices over at the end of the save reopens files by path (not in a chroot).
-            jail: (!boot)
-                .then(jail_user)
-                .flatten()
-                .map(|u| (u, run_dir.join("jail"))),
+            jail: (!boot).then(|| run_dir.join("jail")),
         }
     }
 
     fn spawn(&self, args: &VmArgs, log: &Path) -> Result<PidFd, VmError> {
-        if let Some((_, dir)) = &args.jail {
+        if let Some(dir) = &args.jail {
             fs::create_dir_all(dir).map_err(VmError::io("create the QEMU jail"))?;
         }
         let log = fs::File::create(log).map_err(VmError::io("create the qemu log"))?;
@@ -618,8 +615,7 @@ impl VmRuntime {
         // unlinked at start in TMPDIR: on disk, next to the cache, gone with the process.
         let tmp = self.cache.join("tmp");
         fs::create_dir_all(&tmp).map_err(VmError::io("create the overlay dir"))?;
-        let child = Command::new(&self.qemu)
-            .args(args.to_args())
+        let child = qemu::jailed_command(&self.qemu, args)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -774,15 +770,6 @@ pub fn identify(
 /// unreaped, it would stay a zombie until the node exits).
 pub fn kill(qemu: &PidFd) {
     qemu.kill_and_reap(Duration::from_secs(5));
-}
-
-/// The unprivileged user QEMU runs as once started: `nobody`, when the host has it.
-fn jail_user() -> Option<String> {
-    let passwd = fs::read_to_string("/etc/passwd").ok()?;
-    passwd
-        .lines()
-        .any(|l| l.starts_with("nobody:"))
-        .then(|| "nobody".to_owned())
 }
 
 /// An exclusive `flock` on `<cache>/lock`, held while building shared cache entries.

@@ -101,9 +101,38 @@ pub struct VmArgs {
     pub console_log: Option<PathBuf>,
     /// Wait for an incoming snapshot instead of booting.
     pub incoming: bool,
-    /// Least privilege after start-up: the user QEMU switches to (`-runas`) and the empty
-    /// directory it chroots into (`-chroot`), once every file and socket it needs is open.
-    pub jail: Option<(String, PathBuf)>,
+    /// Least privilege after start-up: the empty directory QEMU chroots into (`-chroot`) once
+    /// every file and socket it needs is open, dropping to a uid of its own (`-runas`, added
+    /// when it is started: see [`jailed_command`]).
+    pub jail: Option<PathBuf>,
+}
+
+/// First uid (and gid) of the range QEMU processes of VM clones run as: a clone's QEMU drops to
+/// `QEMU_UID_BASE + its pid`. A pid is unique among the host's live processes, so no two live
+/// QEMUs share a uid (they cannot signal or ptrace each other), with no allocator to keep and
+/// nothing to recover after a restart; no passwd entry is needed. The range, 2^30 up to 2^30 +
+/// 2^22 (the kernel's largest pid), is far above the ids of users and of the sandboxes' user
+/// namespaces.
+pub const QEMU_UID_BASE: u32 = 1 << 30;
+
+/// The command that starts `qemu` with `args`: when `args` has a jail, through `/bin/sh`, which
+/// adds `-runas <uid>:<gid>` for the pid it then hands to QEMU with `exec`
+/// ([`QEMU_UID_BASE`]).
+pub fn jailed_command(qemu: &Path, args: &VmArgs) -> std::process::Command {
+    let argv = args.to_args();
+    if args.jail.is_none() {
+        let mut c = std::process::Command::new(qemu);
+        c.args(argv);
+        return c;
+    }
+    let mut c = std::process::Command::new("/bin/sh");
+    c.arg("-c")
+        .arg(format!(
+            "id=$(({QEMU_UID_BASE} + $$)); exec \"$0\" \"$@\" -runas \"$id:$id\""
+        ))
+        .arg(qemu)
+        .args(argv);
+    c
 }
 
 /// QMP socket name in the run directory.
@@ -196,9 +225,8 @@ impl VmArgs {
         // allow the set*id calls when the process drops root; a QEMU that runs as `nobody`
         // in an empty chroot cannot elevate with them anyway.
         let elevate = match &self.jail {
-            Some((user, dir)) => {
-                let dir = dir.display().to_string();
-                push(&["-runas", user, "-chroot", &dir]);
+            Some(dir) => {
+                push(&["-chroot", &dir.display().to_string()]);
                 "allow"
             }
             None => "deny",
@@ -371,7 +399,7 @@ mod tests {
             run_dir: "/run/x".into(),
             console_log: None,
             incoming,
-            jail: Some(("nobody".into(), "/run/x/jail".into())),
+            jail: Some("/run/x/jail".into()),
         }
         .to_args()
     }
@@ -382,7 +410,7 @@ mod tests {
         assert!(a.contains("mem-path=/ram,share=off"), "{a}");
         assert!(a.contains("-incoming defer"));
         assert!(a.contains("spawn=deny"));
-        assert!(a.contains("-runas nobody -chroot /run/x/jail"));
+        assert!(a.contains("-chroot /run/x/jail"));
         assert!(a.contains("readonly=on"));
         assert!(a.contains("-nodefaults"));
         assert!(!a.contains("-netdev") && !a.contains("-nic"));
