@@ -163,8 +163,8 @@ fn report_prints_stable_json_outside_a_sandbox() {
     assert_eq!(
         ids,
         [
-            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "C-01", "C-03",
-            "C-04", "C-05", "C-06"
+            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "S-11", "C-01",
+            "C-03", "C-04", "C-05", "C-06"
         ]
     );
     // The test process is no sandbox: at least the seccomp-dependent checks fail.
