@@ -532,19 +532,22 @@ fn s01_no_capabilities_nnp_seccomp() {
             Mode::Default => {
                 assert_eq!(d["initial_user_ns_root"], Value::Bool(true), "{ctx}");
             }
-            // The user-namespace mode maps root to host uid 100000: the whole S-01 passes.
+            // The user-namespace mode maps root to the first id of a leased range (uid and
+            // gid alike, 65,536 ids): the whole S-01 passes.
             Mode::Userns => {
                 assert!(pass, "{ctx}");
                 assert_eq!(d["initial_user_ns_root"], Value::Bool(false), "{ctx}");
                 let map: Vec<&str> = s(&d["uid_map"]).split_whitespace().collect();
-                assert_eq!(map.first(), Some(&"0"), "{ctx}");
-                assert_eq!(
-                    map.get(1),
-                    Some(&"100000"),
-                    "root is not mapped to 100000: {ctx}"
-                );
                 let gmap: Vec<&str> = s(&d["gid_map"]).split_whitespace().collect();
-                assert_eq!(gmap.get(1), Some(&"100000"), "{ctx}");
+                assert_eq!(map, gmap, "{ctx}");
+                assert_eq!(
+                    (map.first(), map.get(2)),
+                    (Some(&"0"), Some(&"65536")),
+                    "{ctx}"
+                );
+                let first: u32 = map.get(1).and_then(|v| v.parse().ok()).expect("host id");
+                let (base, span) = (dsec_sys::idrange::BASE, dsec_sys::idrange::SPAN);
+                assert!(first >= base && (first - base).is_multiple_of(span), "{ctx}");
             }
         }
     });

@@ -17,6 +17,7 @@ use dsec_api::agent::{Event, Request, SessionKind};
 use dsec_api::exec::{ExecRequest, ExecStatus};
 use dsec_node::sandbox::{Limits, SandboxSpec};
 use dsec_node::substrate::{Runtime, RuntimeConfig};
+use dsec_sys::idrange::IdRangeLease;
 use sha2::{Digest, Sha256};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -691,5 +692,38 @@ fn g04_sup_sock_answers_only_the_node() {
         // The supervisor still serves its sandbox.
         common::assert_ok_stdout(&sb.sh("echo alive", 5_000), "alive\n");
         sb.destroy().expect("destroy");
+    });
+}
+
+/// Issue-20 item 1: every sandbox with a user namespace maps root to a host id range of its own,
+/// leased while its supervisor lives and given back when it is destroyed; a reset keeps it.
+#[test]
+fn userns_sandboxes_get_host_id_ranges_of_their_own() {
+    isolated(|| {
+        let host_id = |sb: &mut common::SbGuard| -> u32 {
+            let map = stdout(&sb.sh("cat /proc/self/uid_map", 5_000));
+            let f: Vec<&str> = map.split_whitespace().collect();
+            assert_eq!((f[0], f[2]), ("0", "65536"), "{map}");
+            f[1].parse().expect("host id")
+        };
+        let spec = common::small_spec(true);
+        let (mut a, mut b) = (create_spec(&spec), create_spec(&spec));
+        let (ia, ib) = (host_id(&mut a), host_id(&mut b));
+        assert_ne!(ia, ib, "two live sandboxes share host ids");
+        let leased = |first: u32| {
+            let index = IdRangeLease::index_of(first).expect("a leased range");
+            IdRangeLease::is_leased(index).expect("lease check")
+        };
+        assert!(leased(ia) && leased(ib));
+        a.mark_acquired().expect("acquired");
+        a.reset().expect("reset");
+        assert_eq!(host_id(&mut a), ia, "a reset keeps the range");
+        a.destroy().expect("destroy");
+        assert!(
+            common::wait_until(Duration::from_secs(5), || !leased(ia)),
+            "the range of a destroyed sandbox is given back"
+        );
+        assert!(leased(ib));
+        b.destroy().expect("destroy");
     });
 }

@@ -32,7 +32,10 @@ pub struct LaunchConfig {
     pub scratch: Vec<String>,
     /// Environment of the agent (the base environment of every exec).
     pub env: Vec<(String, String)>,
-    /// Map root inside to this unprivileged host uid/gid range (user namespace).
+    /// A user namespace: root inside mapped to the unprivileged host (uid, gid, count) range.
+    /// The node sends `Some` with any ids to ask for one; the supervisor replaces them with a
+    /// range of its own that it leases for its life (`dsec_sys::idrange`), so that no two live
+    /// sandboxes of the host share host ids.
     pub userns: Option<(u32, u32, u32)>,
 }
 

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use dsec_sys::cgroup::Cgroup;
+use dsec_sys::idrange::{self, IdRangeLease};
 use dsec_sys::ipc;
 use dsec_sys::launch;
 
@@ -42,6 +43,11 @@ pub(crate) fn supervise(
         1
     };
     let run_dir = PathBuf::from(&cfg.run_dir);
+    // Held while this supervisor lives: its relaunches (resets) keep the same ids.
+    let _ids = match lease_ids(&mut cfg) {
+        Ok(lease) => lease,
+        Err(f) => return fail(f),
+    };
     if let Err(f) = prepare_run_dir(&mut cfg, &run_dir) {
         return fail(f);
     }
@@ -88,6 +94,21 @@ pub(crate) fn supervise(
         reset_state: got.reset_state,
     };
     serve(sandbox, old_placeholder)
+}
+
+/// For a sandbox with a user namespace, leases a host id range of its own and writes it into
+/// `cfg` (see [`LaunchConfig::userns`]).
+fn lease_ids(cfg: &mut LaunchConfig) -> Result<Option<IdRangeLease>, LaunchFailure> {
+    if cfg.userns.is_none() {
+        return Ok(None);
+    }
+    let lease = IdRangeLease::acquire().map_err(|e| LaunchFailure {
+        message: format!("lease a user-namespace id range: {e}"),
+        ..LaunchFailure::io(LaunchStep::IdMap, &e)
+    })?;
+    let first = lease.first_id();
+    cfg.userns = Some((first, first, idrange::SPAN));
+    Ok(Some(lease))
 }
 
 /// Creates the sandbox's runtime directory; for a sandbox with a user namespace over the host

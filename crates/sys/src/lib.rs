@@ -11,6 +11,7 @@
 pub mod cgroup;
 pub mod fs;
 pub mod guest;
+pub mod idrange;
 pub mod ipc;
 pub mod launch;
 pub mod layer;

@@ -155,7 +155,8 @@ impl Runtime {
             writable_root: spec.writable_root,
             scratch: SCRATCH_DIRS.iter().map(|s| (*s).to_string()).collect(),
             env,
-            userns: spec.userns.then_some((100_000, 100_000, 65_536)),
+            // The supervisor leases the ids (a range of its own, host-wide).
+            userns: spec.userns.then_some((0, 0, 0)),
         };
         let req = self.new_req();
         let request = SpawnRequest { req, config };
