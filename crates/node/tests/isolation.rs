@@ -547,7 +547,10 @@ fn s01_no_capabilities_nnp_seccomp() {
                 );
                 let first: u32 = map.get(1).and_then(|v| v.parse().ok()).expect("host id");
                 let (base, span) = (dsec_sys::idrange::BASE, dsec_sys::idrange::SPAN);
-                assert!(first >= base && (first - base).is_multiple_of(span), "{ctx}");
+                assert!(
+                    first >= base && (first - base).is_multiple_of(span),
+                    "{ctx}"
+                );
             }
         }
     });
