@@ -6,8 +6,9 @@
 //! (the peer: no sandbox, no HTTP). Each at concurrency 1, 16 and 64 with p50/p99 through
 //! HTTP, the node's own time (`server_us`) and calls/s; the function substrate once more at
 //! concurrency 1 with calls paced 5 ms apart, and paced beside 20 calls that spin or fork
-//! to their time limit (R-13: short calls are not held up behind long ones); then a C++
-//! compile-and-run.
+//! to their time limit (R-13: short calls are not held up behind long ones); a trainer's load
+//! shape (32 keep-alive clients calling SandboxFusion's `/run_code` for 10 s: is the tail
+//! fair?); then a C++ compile-and-run.
 
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,15 +28,24 @@ struct Client {
 
 impl Client {
     fn run(&self, body: &Value) -> anyhow::Result<Value> {
+        self.post("/v1/run", body)
+    }
+
+    /// A call through SandboxFusion's `/run_code`, as its clients send it.
+    fn run_code(&self, body: &Value) -> anyhow::Result<Value> {
+        self.post("/run_code", body)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> anyhow::Result<Value> {
         let mut r = self
             .agent
-            .post(format!("{}/v1/run", self.url))
+            .post(format!("{}{path}", self.url))
             .header("X-API-Key", &self.key)
             .send(body.to_string())?;
         let status = r.status().as_u16();
         let v: Value = serde_json::from_slice(&r.body_mut().read_to_vec()?)?;
         if status != 200 || v["status"] != "Success" {
-            bail!("run: {status} {v}");
+            bail!("{path}: {status} {v}");
         }
         Ok(v)
     }
@@ -58,21 +68,33 @@ impl Client {
     }
 }
 
-/// `threads` workers each calling `call` `per_thread` times: client latency, node time, rate.
-fn load(
-    threads: usize,
-    per_thread: usize,
-    call: &(dyn Fn() -> anyhow::Result<u64> + Sync),
-) -> Value {
+/// How long each worker of [`load`] keeps calling.
+#[derive(Clone, Copy)]
+enum Until {
+    /// This many calls each.
+    Calls(usize),
+    /// Until this much time has passed since the start.
+    Elapsed(Duration),
+}
+
+/// `threads` workers each calling `call` back to back `until` the rule says stop: client
+/// latency, node time, rate.
+fn load(threads: usize, until: Until, call: &(dyn Fn() -> anyhow::Result<u64> + Sync)) -> Value {
     let errors = AtomicU64::new(0);
     let t0 = Instant::now();
+    let more = |done: usize| match until {
+        Until::Calls(n) => done < n,
+        Until::Elapsed(d) => t0.elapsed() < d,
+    };
     let results: Vec<(Vec<u64>, Vec<u64>)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|_| {
-                let errors = &errors;
+                let (errors, more) = (&errors, &more);
                 s.spawn(move || {
                     let (mut lat, mut server) = (vec![], vec![]);
-                    for _ in 0..per_thread {
+                    let mut done = 0;
+                    while more(done) {
+                        done += 1;
                         let t = Instant::now();
                         match call() {
                             Ok(server_us) => {
@@ -210,10 +232,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         let mut by = serde_json::Map::new();
         for conc in [1usize, 16, 64] {
             let per = (n / scale / conc).clamp(2, 1000);
-            by.insert(conc.to_string(), load(conc, per, call));
+            by.insert(conc.to_string(), load(conc, Until::Calls(per), call));
         }
         out.insert(name.into(), Value::Object(by));
     }
+    // A trainer's load shape: 32 client threads with keep-alive calling SandboxFusion's
+    // `/run_code` back to back for 10 s. A fair queue keeps the tail near the median.
+    let fusion = json!({"code": "print(1+1)", "language": "python"});
+    let call_fusion = || -> anyhow::Result<u64> { c.run_code(&fusion).map(|_| 0) };
+    out.insert(
+        "run_code_32_threads_10s".into(),
+        load(32, Until::Elapsed(Duration::from_secs(10)), &call_fusion),
+    );
     // Concurrency 1 back to back keeps both cores of a small machine busy (each call's fork,
     // exit and sweep run beside the next call): the same calls paced 5 ms apart give the
     // latency of a node with CPU to spare.
@@ -274,6 +304,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             / ms(&["function", "1", "latency", "p50_us"]).max(0.001),
         "function_calls_per_s_at_64": out["function"]["64"]["calls_per_s"],
         "function_errors_at_64": out["function"]["64"]["errors"],
+        "run_code_32x10s_calls_per_s": out["run_code_32_threads_10s"]["calls_per_s"],
+        "run_code_32x10s_p50_ms": ms(&["run_code_32_threads_10s", "latency", "p50_us"]),
+        "run_code_32x10s_p99_ms": ms(&["run_code_32_threads_10s", "latency", "p99_us"]),
+        "run_code_32x10s_p99_over_p50": ms(&["run_code_32_threads_10s", "latency", "p99_us"])
+            / ms(&["run_code_32_threads_10s", "latency", "p50_us"]).max(0.001),
         "beside_20_spinners_p50_ms": ms(&["function_beside_20_spinners", "latency", "p50_us"]),
         "beside_20_spinners_p99_ms": ms(&["function_beside_20_spinners", "latency", "p99_us"]),
         "beside_20_fork_bombs_p50_ms": ms(&["function_beside_20_fork_bombs", "latency", "p50_us"]),
