@@ -1044,7 +1044,15 @@ fn userns_sandboxes_refuse_forks_before_the_copy() {
     let (with, without) = (make(true), make(false));
     let probe =
         "awk '/Max processes/ {print $3}' /proc/self/limits; awk '{print $2}' /proc/self/uid_map";
-    assert_eq!(d.exec_ok(&with, probe), "28\n100000\n");
+    let out = d.exec_ok(&with, probe);
+    let (nproc, first) = out.split_once('\n').expect("two lines");
+    assert_eq!(nproc, "28", "{out}");
+    // Root is the first id of a host id range the sandbox holds alone.
+    let first: u32 = first.trim().parse().expect("a host id");
+    assert!(
+        dsec_sys::idrange::IdRangeLease::index_of(first).is_some(),
+        "{out}"
+    );
     // (Without the namespace the host's RLIMIT_NPROC is inherited; uid 0 is exempt from it.)
     assert!(d.exec_ok(&without, probe).ends_with("\n0\n"));
     let bomb =
@@ -1078,7 +1086,7 @@ fn userns_sandboxes_refuse_forks_before_the_copy() {
     // Reset relaunches a userns sandbox (no in-place swap): still in its namespace after.
     let (s, v) = d.req("POST", &format!("/v1/sandboxes/{with}/reset"), None, None);
     assert_eq!(s, 200, "reset: {v}");
-    assert_eq!(d.exec_ok(&with, probe), "28\n100000\n");
+    assert_eq!(d.exec_ok(&with, probe), out, "a reset keeps the range");
     // A VM guest has its own kernel: the option is refused there.
     let (s, v) = d.req(
         "POST",

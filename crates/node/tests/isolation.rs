@@ -38,7 +38,7 @@ const SECRET_ENV: &str = "DSEC_ISO_TEST_API_TOKEN";
 enum Mode {
     /// Host uid 0 with every capability dropped, no_new_privs, seccomp.
     Default,
-    /// Root inside a user namespace mapped to host uid 100000.
+    /// Root inside a user namespace mapped to a host id range of its own.
     Userns,
 }
 
