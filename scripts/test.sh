@@ -24,6 +24,10 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v mksquashfs >/dev/null || need+=(squashfs-tools)
 command -v mke2fs >/dev/null || need+=(e2fsprogs)
 command -v unshare >/dev/null || need+=(util-linux)
+# setpriv runs a test's client as another uid (sup.sock's peer check, one QEMU per uid), and the
+# QEMU test then needs the kill program itself (procps), not the shell's builtin.
+command -v setpriv >/dev/null || need+=(util-linux)
+[ -x /bin/kill ] || [ -x /usr/bin/kill ] || need+=(procps)
 # ipcmk (util-linux) makes the IPC objects an in-place reset must remove.
 command -v ipcmk >/dev/null || need+=(util-linux)
 command -v mount >/dev/null || need+=(mount)
