@@ -610,7 +610,12 @@ impl Agent {
                 Ok(()) => ok(),
                 Err(e) => out.error(id, ErrorCode::Internal, &e),
             },
-            Request::Configure { env, nofile, fsize } => self.configure(id, env, nofile, fsize),
+            Request::Configure {
+                env,
+                nofile,
+                fsize,
+                nproc,
+            } => self.configure(id, env, nofile, fsize, nproc),
             Request::Identify {
                 hostname,
                 unix_ns,
@@ -708,8 +713,15 @@ impl Agent {
         env: Vec<(String, String)>,
         nofile: Option<u64>,
         fsize: Option<u64>,
+        nproc: Option<u64>,
     ) {
         exec::configure(env, nofile, fsize);
+        if let Some(n) = nproc {
+            if let Err(e) = dsec_sys::proc::set_own_rlimit(libc::RLIMIT_NPROC, n) {
+                self.out.error(id, ErrorCode::Internal, &e);
+                return;
+            }
+        }
         match Root::open(&self.root_path) {
             Ok(r) => {
                 if let Ok(mut g) = self.root.write() {

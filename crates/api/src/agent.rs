@@ -197,6 +197,10 @@ pub enum Request {
         /// RLIMIT_FSIZE (largest file a command may write) for commands.
         #[serde(default)]
         fsize: Option<u64>,
+        /// RLIMIT_NPROC of the agent itself, inherited by every command (a sandbox with a user
+        /// namespace: the kernel then refuses a fork before it copies anything).
+        #[serde(default)]
+        nproc: Option<u64>,
     },
     /// VM guests only: gives a guest restored from its template's snapshot its own identity —
     /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —

@@ -132,9 +132,11 @@ pub struct CreateSpec {
     /// A writable root instead of a read-only root with writable scratch directories.
     #[serde(default)]
     pub writable_root: bool,
-    /// Root inside mapped to an unprivileged host id.
+    /// Root inside mapped to an unprivileged host id range of the sandbox's own (container
+    /// substrate). On when absent; `false` (root inside is host root, with every capability
+    /// dropped) is for the admin tenant only.
     #[serde(default)]
-    pub userns: bool,
+    pub userns: Option<bool>,
 }
 
 /// A sandbox as the API shows it.

@@ -85,10 +85,12 @@ pub struct CreateArgs {
     /// Make the whole root writable (writes land in the private layer).
     #[arg(long)]
     writable_root: bool,
-    /// Map root inside to an unprivileged host uid (user namespace); RLIMIT_NPROC then
-    /// refuses forks beyond pids_max less 4 before they are copied.
-    #[arg(long)]
-    userns: bool,
+    /// The user namespace (on by default): root inside is an unprivileged host id range of the
+    /// sandbox's own, and RLIMIT_NPROC refuses forks beyond pids_max less 4 before they are
+    /// copied. `--userns false` runs the sandbox's root as host root with every capability
+    /// dropped (admin tenant only).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    userns: Option<bool>,
     /// How many sandboxes to create (more than one uses the batch endpoint).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     count: u32,
@@ -315,8 +317,8 @@ fn create(c: &Client, a: &CreateArgs) -> Result<ExitCode, ClientError> {
     if a.writable_root {
         spec.insert("writable_root".into(), true.into());
     }
-    if a.userns {
-        spec.insert("userns".into(), true.into());
+    if let Some(userns) = a.userns {
+        spec.insert("userns".into(), userns.into());
     }
     let headers: Vec<(&str, &str)> = a
         .idempotency_key

@@ -1022,26 +1022,26 @@ fn f14_whole_host_crash_closes_stale_records() {
     d.finish();
 }
 
-/// G-23 through the API: a sandbox created with `"userns": true` runs as an unprivileged host
-/// uid with `RLIMIT_NPROC` = `pids_max` less 4, so a fork bomb's forks beyond it are refused
-/// before the kernel copies anything: none reaches the pids controller. The same bomb in a
-/// sandbox without the namespace is refused by `pids.max` only, after the copy, thousands of
-/// times a second.
+/// G-1 and G-23 through the API: a sandbox runs by default in a user namespace, as an
+/// unprivileged host id range of its own, with `RLIMIT_NPROC` = `pids_max` less 4, so a fork
+/// bomb's forks beyond it are refused before the kernel copies anything: none reaches the pids
+/// controller. The same bomb in a sandbox without the namespace (the admin tenant's opt-out,
+/// `"userns": false`) is refused by `pids.max` only, after the copy, thousands of times a
+/// second.
 #[test]
 fn userns_sandboxes_refuse_forks_before_the_copy() {
     let d = Daemon::fresh("uns");
-    let make = |userns: bool| -> String {
-        let (s, v) = d.req(
-            "POST",
-            "/v1/sandboxes",
-            Some(json!({"userns": userns, "limits": {"pids_max": 32}})),
-            None,
-        );
+    let make = |userns: Option<bool>| -> String {
+        let mut spec = json!({"limits": {"pids_max": 32}});
+        if let Some(u) = userns {
+            spec["userns"] = u.into();
+        }
+        let (s, v) = d.req("POST", "/v1/sandboxes", Some(spec), None);
         assert_eq!(s, 201, "create: {v}");
-        assert_eq!(v["userns"], userns, "{v}");
+        assert_eq!(v["userns"], userns.unwrap_or(true), "{v}");
         v["id"].as_str().expect("id").to_owned()
     };
-    let (with, without) = (make(true), make(false));
+    let (with, without) = (make(None), make(Some(false)));
     let probe =
         "awk '/Max processes/ {print $3}' /proc/self/limits; awk '{print $2}' /proc/self/uid_map";
     let out = d.exec_ok(&with, probe);
@@ -1083,10 +1083,16 @@ fn userns_sandboxes_refuse_forks_before_the_copy() {
         "forks refused by pids.max in the userns sandbox"
     );
     assert!(refused(&without) > 100, "{}", refused(&without));
-    // Reset relaunches a userns sandbox (no in-place swap): still in its namespace after.
+    // A reset swaps the root in place: same init, same namespace, same range, a fresh layer.
+    let init =
+        |id: &str| d.req("GET", &format!("/v1/sandboxes/{id}"), None, None).1["init_pid"].clone();
+    let before = init(&with);
+    d.exec_ok(&with, "echo x > /tmp/episode");
     let (s, v) = d.req("POST", &format!("/v1/sandboxes/{with}/reset"), None, None);
     assert_eq!(s, 200, "reset: {v}");
     assert_eq!(d.exec_ok(&with, probe), out, "a reset keeps the range");
+    assert_eq!(init(&with), before, "the reset was in place");
+    assert_eq!(d.exec_ok(&with, "ls /tmp"), "", "a fresh writable layer");
     // A VM guest has its own kernel: the option is refused there.
     let (s, v) = d.req(
         "POST",

@@ -39,7 +39,7 @@ impl Default for SandboxSpec {
             limits: Admitted::default(),
             env: BTreeMap::new(),
             writable_root: false,
-            userns: false,
+            userns: true,
             substrate: Substrate::Container,
         }
     }

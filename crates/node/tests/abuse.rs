@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    cgroup_u64, cmdline, create, live_procs_in_pid_ns, ns_inode, procs_in_pid_ns, rt, small_limits,
-    stderr, stdout, wait_until, SbGuard,
+    cgroup_u64, cmdline, create, create_spec, live_procs_in_pid_ns, ns_inode, procs_in_pid_ns, rt,
+    small_limits, small_spec, stderr, stdout, wait_until, SbGuard,
 };
 use dsec_api::exec::{ExecRequest, ExecStatus, MAX_ARGS, MAX_COMMAND_BYTES};
 use dsec_api::ErrorCode;
@@ -39,12 +39,23 @@ fn our_rss_kb() -> u64 {
 // ---------------------------------------------------------------------------------------------
 //
 
+/// Without the user namespace (the admin's opt-out) a fork bomb is stopped by `pids.max`.
 #[test]
 fn r01_fork_bomb_hits_pids_limit() {
+    fork_bomb_is_contained(false);
+}
+
+/// In the default user namespace `RLIMIT_NPROC` stops it first, before any fork is copied.
+#[test]
+fn r01b_fork_bomb_is_refused_by_rlimit_nproc_in_the_default_namespace() {
+    fork_bomb_is_contained(true);
+}
+
+fn fork_bomb_is_contained(userns: bool) {
     let limits = small_limits();
     let pids_max = limits.pids_max;
     let mut neighbour = create(limits.clone());
-    let mut sb = create(limits);
+    let mut sb = create_spec(&small_spec(userns));
     let id = sb.id().to_owned();
     let events_before = cgroup_pids_events_max(&id);
 
@@ -100,12 +111,22 @@ fn r01_fork_bomb_hits_pids_limit() {
             "pids.peak {kernel_peak} > {pids_max}"
         );
     }
-    // The limit was actually hit (fork failures counted by the kernel).
     let events_after = cgroup_pids_events_max(&id);
-    assert!(
-        events_after > events_before,
-        "pids.events max did not increase ({events_before} -> {events_after}): the bomb never hit the limit?"
-    );
+    if userns {
+        // RLIMIT_NPROC (pids_max less 4) refused every fork beyond it: none reached pids.max.
+        // (That the limit is there and refuses is `server.rs::userns_sandboxes_refuse_forks_
+        // before_the_copy`.)
+        assert_eq!(
+            events_after, events_before,
+            "forks reached pids.max in a sandbox with a user namespace"
+        );
+    } else {
+        // The limit was actually hit (fork failures counted by the kernel).
+        assert!(
+            events_after > events_before,
+            "pids.events max did not increase ({events_before} -> {events_after}): the bomb never hit the limit?"
+        );
+    }
     assert!(
         neighbour_latency < Duration::from_secs(2),
         "neighbour `true` took {neighbour_latency:?} during the bomb"

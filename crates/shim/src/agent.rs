@@ -13,6 +13,7 @@ pub(crate) fn configure_request(cfg: &LaunchConfig) -> Request {
         env: cfg.env.clone(),
         nofile: Some(cfg.limits.open_files_max),
         fsize: Some(cfg.limits.file_size_max),
+        nproc: cfg.ids.map(|_| cfg.limits.nproc()),
     }
 }
 

@@ -45,7 +45,7 @@ pub(crate) fn container_spec<'a>(
     let l = &cfg.limits;
     ContainerSpec {
         ns: NamespaceSpec {
-            user: cfg.userns.map(|(uid, gid, count)| IdMap {
+            user: cfg.ids.map(|(uid, gid, count)| IdMap {
                 host_uid: uid,
                 host_gid: gid,
                 count,
@@ -81,7 +81,7 @@ pub(crate) fn container_spec<'a>(
         .into_iter()
         // In a user namespace the kernel applies RLIMIT_NPROC, before a fork copies anything;
         // the agent and every command inherit it (uid 0 of the initial namespace is exempt).
-        .chain(cfg.userns.map(|_| Rlimit {
+        .chain(cfg.ids.map(|_| Rlimit {
             resource: libc_rlimit::NPROC,
             value: l.nproc(),
         }))
@@ -117,8 +117,68 @@ fn open_pidfd(pid: i32) -> Result<PidFd, LaunchFailure> {
     })
 }
 
+/// Starts a fresh sandbox init for `cfg` in `cgroup`: cloned directly onto its root or, with a
+/// user namespace, onto a placeholder root and then pivoted onto its root, built with the
+/// template's layers idmapped into the namespace (which only a process outside it can do).
+/// Returns the init and, in the second case, the placeholder root to release.
+pub(crate) fn fresh_init(
+    ctx: &SpawnerCtx,
+    cfg: &LaunchConfig,
+    cgroup: &Cgroup,
+    state: &mut launch::ResetState,
+) -> Result<(Init, Option<OwnedFd>), LaunchFailure> {
+    let Some((uid, gid, count)) = cfg.ids else {
+        return launch_init(ctx, cfg, cgroup).map(|i| (i, None));
+    };
+    let map = IdMap {
+        host_uid: uid,
+        host_gid: gid,
+        count,
+    };
+    let init = crate::shell::placeholder_init(ctx, &cfg.stage, Some(map), cgroup, state)?;
+    match pivot_onto_root(ctx, cfg, &init, None, state) {
+        Ok(old) => Ok((init, Some(old))),
+        Err(f) => {
+            let _ = init.pidfd.signal(9);
+            let _ = ipc::wait_pid(init.pidfd.pid());
+            Err(f)
+        }
+    }
+}
+
+/// Pivots `init`, running on a placeholder or an old root, onto `cfg`'s root (`tree` if it was
+/// built for it, else one built now) and gives it the sandbox's hostname. Returns the old root.
+pub(crate) fn pivot_onto_root(
+    ctx: &SpawnerCtx,
+    cfg: &LaunchConfig,
+    init: &Init,
+    tree: Option<launch::RootTree>,
+    state: &mut launch::ResetState,
+) -> Result<OwnedFd, LaunchFailure> {
+    let spec = container_spec(ctx, cfg, &init.agent_host);
+    let pivoted = match tree.filter(|t| t.matches(&spec.rootfs, state)) {
+        Some(tree) => launch::enter_root_tree(tree, &init.pidfd, state),
+        None => launch::reset_in_place(&spec, &init.pidfd, state),
+    };
+    let old = pivoted.map_err(|e| pivot_failure(&e))?;
+    launch::set_hostname_of(init.pidfd.pid(), &spec.ns.hostname).map_err(|e| launch_failure(&e))?;
+    Ok(old)
+}
+
+/// A failed pivot of an init: at the step it names, or the pivot itself.
+fn pivot_failure(e: &launch::LaunchError) -> LaunchFailure {
+    let f = launch_failure(e);
+    match e {
+        launch::LaunchError::ChildSetup { .. } | launch::LaunchError::Create { .. } => f,
+        _ => LaunchFailure {
+            step: LaunchStep::Pivot,
+            ..f
+        },
+    }
+}
+
 /// Clones a sandbox init for `cfg` into `cgroup`, running the agent.
-pub(crate) fn launch_init(
+fn launch_init(
     ctx: &SpawnerCtx,
     cfg: &LaunchConfig,
     cgroup: &Cgroup,
@@ -164,6 +224,8 @@ pub(crate) struct Prebuilt {
     pub(crate) reset_state: launch::ResetState,
     /// The likely root, already built.
     pub(crate) tree: Option<launch::RootTree>,
+    /// The host id range its user namespace maps onto, held for the sandbox's life.
+    pub(crate) ids: Option<dsec_sys::idrange::IdRangeLease>,
 }
 
 /// Paths looked up once in a pre-built root, so that a sandbox's first commands find them cached

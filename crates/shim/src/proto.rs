@@ -32,11 +32,13 @@ pub struct LaunchConfig {
     pub scratch: Vec<String>,
     /// Environment of the agent (the base environment of every exec).
     pub env: Vec<(String, String)>,
-    /// A user namespace: root inside mapped to the unprivileged host (uid, gid, count) range.
-    /// The node sends `Some` with any ids to ask for one; the supervisor replaces them with a
-    /// range of its own that it leases for its life (`dsec_sys::idrange`), so that no two live
+    /// A user namespace: root inside mapped to an unprivileged host id range that the
+    /// sandbox's supervisor leases for its life (`dsec_sys::idrange`), so that no two live
     /// sandboxes of the host share host ids.
-    pub userns: Option<(u32, u32, u32)>,
+    pub userns: bool,
+    /// The leased range (first uid, first gid, count), filled in by the supervisor; never sent.
+    #[serde(skip)]
+    pub ids: Option<(u32, u32, u32)>,
 }
 
 /// Node → spawner.

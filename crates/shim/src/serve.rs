@@ -14,7 +14,7 @@ use dsec_sys::launch;
 
 use crate::agent::{configure_request, send_agent_request, CONFIGURE_ID};
 use crate::ctx::{send, SpawnerCtx};
-use crate::init::{clear_ipc, container_spec, kill_all_but_init, launch_init, Init, WARM_PATHS};
+use crate::init::{clear_ipc, container_spec, fresh_init, kill_all_but_init, Init, WARM_PATHS};
 use crate::proto::{ControlMsg, LaunchConfig, SupervisorMsg, MAX_MSG};
 
 /// How long after a reset or an activation the old root is released.
@@ -184,8 +184,7 @@ impl Loop<'_> {
             // root is swapped underneath the agent. A tree that will not die falls back to a
             // relaunch.
             Ok(ControlMsg::Reset)
-                if self.sb.cfg.userns.is_none()
-                    && kill_all_but_init(&self.sb.cgroup, self.sb.init.pidfd.pid())
+                if kill_all_but_init(&self.sb.cgroup, self.sb.init.pidfd.pid())
                     && clear_ipc(&mut self.sb.init, &mut self.sb.reset_state) =>
             {
                 self.reset_in_place();
@@ -228,7 +227,7 @@ impl Loop<'_> {
         }
         let spec = container_spec(self.sb.ctx, self.sb.cfg, &self.sb.init.agent_host);
         let state = &mut self.sb.reset_state;
-        let pivoted = match self.spare.take().filter(|t| t.matches(&spec.rootfs)) {
+        let pivoted = match self.spare.take().filter(|t| t.matches(&spec.rootfs, state)) {
             Some(tree) => launch::enter_root_tree(tree, &self.sb.init.pidfd, state),
             None => launch::reset_in_place(&spec, &self.sb.init.pidfd, state),
         };
@@ -256,10 +255,16 @@ impl Loop<'_> {
     /// Kills the init and launches a fresh one in fresh namespaces.
     fn relaunch(&mut self) -> Flow {
         let _ = self.sb.init.pidfd.signal(9);
-        match launch_init(self.sb.ctx, self.sb.cfg, &self.sb.cgroup) {
-            Ok(new) => {
+        let state = &mut self.sb.reset_state;
+        match fresh_init(self.sb.ctx, self.sb.cfg, &self.sb.cgroup, state) {
+            Ok((new, placeholder)) => {
                 let old = std::mem::replace(&mut self.sb.init, new);
                 self.dying.push(old.pidfd);
+                if let Some(root) = placeholder {
+                    self.old_roots.push(root);
+                    self.release_at
+                        .get_or_insert(Instant::now() + RELEASE_DELAY);
+                }
                 // A new agent: configure it like the first one.
                 self.agent_req_id += 1;
                 let msg = if send_agent_request(

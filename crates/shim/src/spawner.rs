@@ -104,7 +104,7 @@ pub(crate) fn run_spawner() -> io::Result<()> {
             Ok(NodeMsg::Spawn(r)) => {
                 // A create found no idle shell: demand is outrunning the shells, so waiting
                 // for a quiet moment would only send more creates down the slow path.
-                if idle < target && r.config.userns.is_none() {
+                if idle < target && r.config.userns {
                     refill_at = Some(Instant::now());
                 }
                 *r

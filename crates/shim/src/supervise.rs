@@ -3,21 +3,22 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use dsec_sys::cgroup::Cgroup;
-use dsec_sys::idrange::{self, IdRangeLease};
+use dsec_sys::idrange::IdRangeLease;
 use dsec_sys::ipc;
 use dsec_sys::launch;
 
 use crate::agent::{configure_request, send_agent_request, CONFIGURE_ID};
 use crate::ctx::{send, SpawnerCtx};
-use crate::failure::{cgroup_failure, launch_failure};
-use crate::init::{cleanup, container_spec, launch_init, Init, Prebuilt};
+use crate::failure::cgroup_failure;
+use crate::init::{cleanup, fresh_init, pivot_onto_root, Init, Prebuilt};
 use crate::limits::cgroup_limits;
 use crate::proto::{LaunchConfig, LaunchFailure, LaunchStep, SpawnRequest, SupervisorMsg};
 use crate::serve::{serve, Supervised};
+use crate::shell::{discard, id_map, lease_ids};
 
 /// Launches the sandbox `req` asks for (on the pre-built shell `pre` if there is one), answers
 /// on `reply`, then serves the sandbox until it is destroyed. Returns the process exit code.
@@ -43,16 +44,27 @@ pub(crate) fn supervise(
         1
     };
     let run_dir = PathBuf::from(&cfg.run_dir);
+    // A pre-built shell has a user namespace: it serves only a sandbox with one.
+    let mut pre = match pre {
+        Some(p) if !cfg.userns => {
+            discard(p);
+            None
+        }
+        p => p,
+    };
     // Held while this supervisor lives: its relaunches (resets) keep the same ids.
-    let _ids = match lease_ids(&mut cfg) {
+    let held = pre.as_mut().and_then(|p| p.ids.take());
+    let _ids = match lease_for(&mut cfg, held) {
         Ok(lease) => lease,
         Err(f) => return fail(f),
     };
-    if let Err(f) = prepare_run_dir(&mut cfg, &run_dir) {
-        return fail(f);
+    if let Err(f) = std::fs::create_dir_all(&run_dir) {
+        return fail(LaunchFailure {
+            message: format!("create {}: {f}", run_dir.display()),
+            ..LaunchFailure::io(LaunchStep::RunDir, &f)
+        });
     }
     let t0 = Instant::now();
-    let pre = pre.filter(|_| cfg.userns.is_none());
     let mut got = match sandbox_cgroup(ctx, &cfg, pre) {
         Ok(g) => g,
         Err(f) => {
@@ -96,45 +108,22 @@ pub(crate) fn supervise(
     serve(sandbox, old_placeholder)
 }
 
-/// For a sandbox with a user namespace, leases a host id range of its own and writes it into
-/// `cfg` (see [`LaunchConfig::userns`]).
-fn lease_ids(cfg: &mut LaunchConfig) -> Result<Option<IdRangeLease>, LaunchFailure> {
-    if cfg.userns.is_none() {
+/// For a sandbox with a user namespace, the host id range it maps onto: `held` (a pre-built
+/// shell's) or a new lease; written into `cfg` (see [`LaunchConfig::ids`]).
+fn lease_for(
+    cfg: &mut LaunchConfig,
+    held: Option<IdRangeLease>,
+) -> Result<Option<IdRangeLease>, LaunchFailure> {
+    if !cfg.userns {
         return Ok(None);
     }
-    let lease = IdRangeLease::acquire().map_err(|e| LaunchFailure {
-        message: format!("lease a user-namespace id range: {e}"),
-        ..LaunchFailure::io(LaunchStep::IdMap, &e)
-    })?;
-    let first = lease.first_id();
-    cfg.userns = Some((first, first, idrange::SPAN));
+    let lease = match held {
+        Some(l) => l,
+        None => lease_ids()?,
+    };
+    let map = id_map(&lease);
+    cfg.ids = Some((map.host_uid, map.host_gid, map.count));
     Ok(Some(lease))
-}
-
-/// Creates the sandbox's runtime directory; for a sandbox with a user namespace over the host
-/// root, binds that root privately and points the lower directories at it.
-fn prepare_run_dir(cfg: &mut LaunchConfig, run_dir: &Path) -> Result<(), LaunchFailure> {
-    if let Err(e) = std::fs::create_dir_all(run_dir) {
-        return Err(LaunchFailure {
-            message: format!("create {}: {e}", run_dir.display()),
-            ..LaunchFailure::io(LaunchStep::RunDir, &e)
-        });
-    }
-    if cfg.userns.is_some() && cfg.lowerdirs.iter().any(|l| l == "/") {
-        let hostroot = Path::new(&cfg.stage).with_file_name("hostroot");
-        if let Err(e) = launch::private_root_bind(&hostroot) {
-            let _ = std::fs::remove_dir_all(run_dir);
-            return Err(LaunchFailure {
-                message: format!("bind host root for a user namespace: {e}"),
-                ..LaunchFailure::io(LaunchStep::HostRoot, &e)
-            });
-        }
-        let h = hostroot.display().to_string();
-        for l in cfg.lowerdirs.iter_mut().filter(|l| *l == "/") {
-            l.clone_from(&h);
-        }
-    }
-    Ok(())
 }
 
 /// The sandbox's cgroup, and the pre-built shell and its prepared reset state if there is one.
@@ -157,6 +146,7 @@ fn sandbox_cgroup(
         init,
         reset_state,
         tree,
+        ids: _,
     }) = pre
     else {
         let cgroup = ctx
@@ -198,35 +188,17 @@ fn sandbox_cgroup(
 }
 
 /// Starts the sandbox's init: pivots the pre-built shell onto the sandbox's root and gives it
-/// its identity, or clones a fresh one. Returns it with the shell's old placeholder root.
+/// its identity, or starts a fresh one. Returns it with the old placeholder root, if any.
 fn start_init(
     ctx: &SpawnerCtx,
     cfg: &LaunchConfig,
     got: &mut Acquired,
 ) -> Result<(Init, Option<OwnedFd>), LaunchFailure> {
     let Some(init) = got.shell.take() else {
-        return launch_init(ctx, cfg, &got.cgroup).map(|i| (i, None));
+        return fresh_init(ctx, cfg, &got.cgroup, &mut got.reset_state);
     };
-    let spec = container_spec(ctx, cfg, &init.agent_host);
-    let pivoted = match got.tree.take().filter(|t| t.matches(&spec.rootfs)) {
-        Some(tree) => launch::enter_root_tree(tree, &init.pidfd, &mut got.reset_state),
-        None => launch::reset_in_place(&spec, &init.pidfd, &mut got.reset_state),
-    };
-    let old = pivoted.map_err(|e| pivot_failure(&e))?;
-    launch::set_hostname_of(init.pidfd.pid(), &spec.ns.hostname).map_err(|e| launch_failure(&e))?;
+    let old = pivot_onto_root(ctx, cfg, &init, got.tree.take(), &mut got.reset_state)?;
     Ok((init, Some(old)))
-}
-
-/// A failed pivot of a pre-built shell: at the step it names, or the pivot itself.
-fn pivot_failure(e: &launch::LaunchError) -> LaunchFailure {
-    let f = launch_failure(e);
-    match e {
-        launch::LaunchError::ChildSetup { .. } | launch::LaunchError::Create { .. } => f,
-        _ => LaunchFailure {
-            step: LaunchStep::Pivot,
-            ..f
-        },
-    }
 }
 
 /// Configures the agent and tells the node the sandbox is launched, handing it the agent socket

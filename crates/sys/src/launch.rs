@@ -20,6 +20,7 @@ use crate::seccomp::Filter;
 
 mod child;
 mod host;
+mod idmap;
 mod ipc_ns;
 mod prepare;
 mod rootfs;
@@ -27,7 +28,8 @@ mod shell;
 mod steps;
 mod tree;
 
-pub use host::{mount_tmpfs, private_root_bind, sealed_exe_memfd};
+pub use host::{mount_tmpfs, sealed_exe_memfd};
+pub use idmap::SandboxUser;
 pub use ipc_ns::IpcNamespace;
 pub use shell::{clone_shell, spawn_container, Shell, ShellResources};
 pub use tree::{

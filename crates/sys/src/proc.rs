@@ -22,6 +22,15 @@ pub enum ProcError {
     /// `prctl(PR_SET_DUMPABLE)` failed.
     #[error("mark the process not dumpable")]
     SetNotDumpable(#[source] io::Error),
+    /// `setrlimit` failed.
+    #[error("set resource limit {resource}")]
+    SetRlimit {
+        /// The resource.
+        resource: libc::__rlimit_resource_t,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
     /// Changing the signal mask failed.
     #[error("block SIGCHLD")]
     BlockSigchld(#[source] io::Error),
@@ -381,6 +390,23 @@ pub fn set_not_dumpable() -> Result<(), ProcError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong) } != 0 {
         return Err(ProcError::SetNotDumpable(io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Sets the calling process's soft and hard limit of `resource` to `value` (lowering needs no
+/// privilege); children inherit it.
+pub fn set_own_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> Result<(), ProcError> {
+    let lim = libc::rlimit {
+        rlim_cur: value as libc::rlim_t,
+        rlim_max: value as libc::rlim_t,
+    };
+    // SAFETY: a valid rlimit struct.
+    if unsafe { libc::setrlimit(resource, &lim) } != 0 {
+        return Err(ProcError::SetRlimit {
+            resource,
+            source: io::Error::last_os_error(),
+        });
     }
     Ok(())
 }

@@ -47,7 +47,8 @@ def test_writable_root(client: dsec.Client) -> None:
 
 
 def test_userns_bounds_forks_by_rlimit(client: dsec.Client) -> None:
-    with dsec.Sandbox.create(client, userns=True, limits={"pids_max": 32}) as sb:
+    # The user namespace is the default.
+    with dsec.Sandbox.create(client, limits={"pids_max": 32}) as sb:
         assert sb.userns
         r = sb.exec("awk '/Max processes/ {print $3}' /proc/self/limits; awk '{print $2}' /proc/self/uid_map")
         nproc, first = r.text.split()
@@ -68,8 +69,19 @@ def test_userns_bounds_forks_by_rlimit(client: dsec.Client) -> None:
         )
         assert r.ok and 16 <= int(r.text) < 28, r
         assert sb.exec("echo ok").text == "ok\n"
-    with dsec.Sandbox.create(client) as sb:
+    # The admin tenant may opt out: root inside is then host root (no capabilities).
+    with dsec.Sandbox.create(client, userns=False) as sb:
         assert not sb.userns
+        assert sb.exec("awk '{print $2}' /proc/self/uid_map").text == "0\n"
+
+
+def test_only_the_admin_may_opt_out_of_the_user_namespace(server) -> None:
+    tenant = server.new_tenant()
+    with pytest.raises(dsec.Forbidden) as ei:
+        dsec.Sandbox.create(tenant, userns=False)
+    assert ei.value.code == "forbidden" and "admin" in str(ei.value)
+    with dsec.Sandbox.create(tenant, userns=True) as sb:
+        assert sb.userns
 
 
 def test_path_escape(sandbox: dsec.Sandbox) -> None:

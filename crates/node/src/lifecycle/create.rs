@@ -13,7 +13,7 @@ use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
 
 /// What a create asks for.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct CreateRequest {
     /// Template name.
     pub template: String,
@@ -36,8 +36,27 @@ pub struct CreateRequest {
     pub idem: Option<String>,
     /// Names of `env` entries whose values are secret.
     pub secret_env: Vec<String>,
-    /// Run in a user namespace (root inside mapped to an unprivileged host id).
+    /// Run in a user namespace (root inside mapped to an unprivileged host id range of the
+    /// sandbox's own). On by default; only an admin tenant may turn it off.
     pub userns: bool,
+}
+
+impl Default for CreateRequest {
+    fn default() -> Self {
+        Self {
+            template: String::new(),
+            substrate: Substrate::default(),
+            limits: Admitted::default(),
+            env: BTreeMap::new(),
+            labels: BTreeMap::new(),
+            ttl_ms: None,
+            lease_ms: None,
+            writable_root: false,
+            idem: None,
+            secret_env: Vec::new(),
+            userns: true,
+        }
+    }
 }
 
 impl CreateRequest {

@@ -43,7 +43,7 @@ impl PoolState {
 }
 
 pub(super) fn pool_key(req: &CreateRequest) -> Option<String> {
-    (*req.limits == Limits::default() && !req.writable_root && !req.userns)
+    (*req.limits == Limits::default() && !req.writable_root && req.userns)
         .then(|| pool_name(&req.template, req.substrate))
 }
 

@@ -5,8 +5,6 @@ use std::ffi::CString;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use super::steps::NONE;
-
 /// Creates an executable memfd holding `bytes`, sealed against any modification, so that
 /// `/proc/<pid>/exe` of a sandbox init can never be used to overwrite a host binary.
 pub fn sealed_exe_memfd(name: &str, bytes: &[u8]) -> io::Result<OwnedFd> {
@@ -44,47 +42,6 @@ pub fn mount_tmpfs(target: &std::path::Path, options: &str) -> io::Result<()> {
             c"tmpfs".as_ptr(),
             libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             o.as_ptr().cast(),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Moves the caller into a private mount namespace and binds the host root (without its
-/// submounts) on `target`. A sandbox in a user namespace cannot use `/` itself as an overlay
-/// layer (its submounts are locked there); this plain bind has no submounts, so it can.
-pub fn private_root_bind(target: &std::path::Path) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let t = CString::new(target.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: integer-argument syscall; the caller is single-threaded or accepts that only the
-    // calling thread moves.
-    if unsafe { libc::unshare(libc::CLONE_NEWNS) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: valid NUL-terminated strings; null fstype/data are allowed for these flags.
-    let rc = unsafe {
-        libc::mount(
-            NONE.as_ptr(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    let rc = unsafe {
-        libc::mount(
-            c"/".as_ptr(),
-            t.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
         )
     };
     if rc < 0 {

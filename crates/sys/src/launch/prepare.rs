@@ -28,7 +28,6 @@ pub(super) struct Prepared {
     pub(super) shm_src: CString,
     pub(super) dev_links: Vec<(CString, CString)>,
     pub(super) scratch: Vec<CString>,
-    pub(super) scratch_src: Vec<CString>,
     pub(super) hostname: CString,
     pub(super) _argv: Vec<CString>,
     pub(super) _envp: Vec<CString>,
@@ -72,6 +71,13 @@ pub(super) fn prepare_parts(
     env: &[(String, String)],
     userns: bool,
 ) -> Result<Prepared, LaunchError> {
+    // In a user namespace the init starts on a placeholder root: only its supervisor, outside
+    // the namespace, can mount the template's layers for it (idmapped, see `build_root_tree`).
+    if userns && !r.lowerdirs.is_empty() {
+        return Err(LaunchError::InvalidArgument {
+            what: "lowerdirs in a user namespace",
+        });
+    }
     for l in &r.lowerdirs {
         if l.contains(':') || l.contains(',') {
             return Err(LaunchError::InvalidArgument { what: "lowerdir" });
@@ -134,11 +140,7 @@ pub(super) fn prepare_parts(
             cstr(format!("{root}/{rel}"), "scratch")
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let scratch_src = (0..scratch.len())
-        .map(|i| cstr(format!("{stage}/scratch{i}"), "scratch"))
-        .collect::<Result<Vec<_>, _>>()?;
     Ok(Prepared {
-        scratch_src,
         tmpfs_opts: cstr(
             format!(
                 "size={},nr_inodes={},mode=0755",
@@ -151,10 +153,8 @@ pub(super) fn prepare_parts(
         work: cstr(format!("{stage}/work"), "stage")?,
         overlay_opts: cstr(
             format!(
-                "lowerdir={},upperdir={stage}/upper,workdir={stage}/work{}",
+                "lowerdir={},upperdir={stage}/upper,workdir={stage}/work",
                 r.lowerdirs.join(":"),
-                // Inside a user namespace overlayfs cannot use trusted.* xattrs.
-                if userns { ",userxattr" } else { "" }
             ),
             "overlay",
         )?,

@@ -181,24 +181,7 @@ pub(super) fn populate_and_pivot(p: &Prepared) -> Result<(), StepError> {
     }
 
     if !p.writable_root {
-        for (s, src) in p.scratch.iter().zip(&p.scratch_src) {
-            if p.userns {
-                // Inside a user namespace the template's directories belong to unmapped host
-                // ids and cannot be written even through the overlay: each scratch directory is
-                // a fresh directory of the sandbox's own tmpfs (same disk quota) bound on top.
-                if path_kind(s).is_none() && mkdir(s, 0o755) < 0 {
-                    continue;
-                }
-                ck(mkdir(src, 0o755), "mkdir_scratch_src")?;
-                let sticky = s.to_bytes().ends_with(b"tmp");
-                ck(
-                    // SAFETY: valid path.
-                    unsafe { libc::chmod(src.as_ptr(), if sticky { 0o1777 } else { 0o755 }) },
-                    "chmod_scratch",
-                )?;
-                try_mount("scratch_bind", src, s, None, libc::MS_BIND, None)?;
-                continue;
-            }
+        for s in &p.scratch {
             ck(mkdir_parents(s, 0o755), "mkdir_scratch")?;
             try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
             try_mount(

@@ -8,6 +8,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use crate::ipc::PidFd;
 
+use super::idmap::SandboxUser;
 use super::prepare::{cstr, prepare_parts};
 use super::rootfs::{
     build_dev, make_root_read_only, make_stage_dirs, mount_overlay, mount_stage_tmpfs,
@@ -30,6 +31,8 @@ pub struct ResetState {
     own_ns: Option<OwnedFd>,
     /// The caller's own IPC namespace, likewise.
     own_ipc: Option<OwnedFd>,
+    /// The sandbox's user namespace, if it has one: roots are built for it.
+    user: Option<SandboxUser>,
 }
 
 impl ResetState {
@@ -40,6 +43,17 @@ impl ResetState {
             self.prepared = true;
         }
         Ok(())
+    }
+
+    /// Builds the roots of a sandbox with a user namespace from now on (its template's layers
+    /// idmapped into `user`); set again when a relaunch makes a new namespace.
+    pub fn set_user(&mut self, user: SandboxUser) {
+        self.user = Some(user);
+    }
+
+    /// The inode of the user namespace roots are built for.
+    fn user_ino(&self) -> Option<u64> {
+        self.user.as_ref().map(SandboxUser::ino)
     }
 
     /// The caller's mount namespace, opened once.
@@ -74,6 +88,14 @@ fn open_path(path: &CStr, flags: libc::c_int) -> Result<OwnedFd, StepError> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `s` as a C string, its failure a step error.
+fn cstr_step(s: &str) -> Result<CString, StepError> {
+    CString::new(s).map_err(|_| StepError {
+        step: "path",
+        errno: libc::EINVAL,
+    })
+}
+
 fn setns_mnt(fd: BorrowedFd<'_>, step: &'static str) -> Result<(), StepError> {
     // SAFETY: fd is a mount namespace fd or a pidfd (whose mount namespace is entered); the
     // caller is single-threaded (checked by the caller).
@@ -90,13 +112,17 @@ fn setns_mnt(fd: BorrowedFd<'_>, step: &'static str) -> Result<(), StepError> {
 pub struct RootTree {
     fd: OwnedFd,
     rootfs: RootfsSpec,
+    /// The user namespace it was built for (see [`ResetState::set_user`]).
+    user_ino: Option<u64>,
 }
 
 impl RootTree {
-    /// Whether this tree was built for `rootfs` (same layers, quota, layout).
-    pub fn matches(&self, rootfs: &RootfsSpec) -> bool {
+    /// Whether this tree was built for `rootfs` (same layers, quota, layout) and for the user
+    /// namespace `state` builds for now.
+    pub fn matches(&self, rootfs: &RootfsSpec, state: &ResetState) -> bool {
         let a = &self.rootfs;
-        a.stage == rootfs.stage
+        self.user_ino == state.user_ino()
+            && a.stage == rootfs.stage
             && a.lowerdirs == rootfs.lowerdirs
             && a.disk_bytes == rootfs.disk_bytes
             && a.disk_inodes == rootfs.disk_inodes
@@ -133,23 +159,65 @@ pub fn build_root_tree(
             });
         }
     }
+    let user = state.user.as_ref();
+    // With a user namespace the overlay's lower layers are idmapped clones of the template's,
+    // mounted on directories of the stage tmpfs (beside the upper layer, not reachable through
+    // the overlay).
+    let lowerdirs = match user {
+        Some(_) => (0..rootfs.lowerdirs.len())
+            .map(|i| format!("{own_stage}/l{i}"))
+            .collect(),
+        None => rootfs.lowerdirs.clone(),
+    };
     let staged = RootfsSpec {
         stage: own_stage,
+        lowerdirs,
         ..rootfs.clone()
     };
     let p = prepare_parts(&staged, "", &[], &[], false)?;
     mount_stage_tmpfs(&p)?;
     let built = (|| -> Result<OwnedFd, StepError> {
         make_stage_dirs(&p)?;
+        if let Some(user) = user {
+            for (src, dst) in rootfs.lowerdirs.iter().zip(&staged.lowerdirs) {
+                user.mount_idmapped(&cstr_step(src)?, &cstr_step(dst)?)?;
+            }
+            // The root directory of the merged tree is the upper layer's.
+            user.chown(&p.upper)?;
+        }
         mount_overlay(&p)?;
         // The sandbox's /dev but for its devpts instance, and the mount point for its /proc;
-        // both move in later.
-        ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+        // both move in later. Made by (and so owned by) the sandbox's root.
+        let in_root = || -> Result<(), StepError> {
+            ck(mkdir(&p.dev, 0o755), "mkdir_dev")?;
+            ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
+            if !p.writable_root {
+                for s in &p.scratch {
+                    ck(mkdir_parents(s, 0o755), "mkdir_scratch")?;
+                }
+            }
+            Ok(())
+        };
+        match user {
+            Some(user) => user.as_root(in_root)?,
+            None => in_root()?,
+        }
         build_dev(&p)?;
-        ck(mkdir(&p.proc_, 0o555), "mkdir_proc")?;
+        if let Some(user) = user {
+            // The sandbox's /dev, like its root, belongs to its root.
+            let nodes = p.dev_nodes.iter().map(|n| &n.src);
+            let links = p.dev_links.iter().map(|(l, _)| l);
+            for path in [&p.dev_src, &p.shm_src]
+                .into_iter()
+                .chain(&p.dev_src_dirs)
+                .chain(nodes)
+                .chain(links)
+            {
+                user.chown(path)?;
+            }
+        }
         if !p.writable_root {
             for s in &p.scratch {
-                ck(mkdir_parents(s, 0o755), "mkdir_scratch")?;
                 // A bind mount inherits nosuid/nodev from the overlay mount.
                 try_mount("scratch_bind", s, s, None, libc::MS_BIND, None)?;
             }
@@ -186,6 +254,7 @@ pub fn build_root_tree(
     Ok(RootTree {
         fd: built?,
         rootfs: rootfs.clone(),
+        user_ino: state.user_ino(),
     })
 }
 
@@ -205,14 +274,24 @@ pub fn enter_root_tree(
     state: &mut ResetState,
 ) -> Result<OwnedFd, LaunchError> {
     ensure_single_threaded()?;
-    let own_ns = state.own_ns()?;
+    state.own_ns()?;
+    let (Some(own_ns), user) = (state.own_ns.as_ref(), state.user.as_ref()) else {
+        return Err(StepError::last("own_ns").into());
+    };
+    let mountpoint = || ck(mkdir(NEW_ROOT, 0o700), "mkdir_mountpoint");
+    // Made by the sandbox's root where it has a user namespace (a file system mounted in the
+    // namespace, as a placeholder root is, takes only ids mapped in it).
+    let mountpoint = || match user {
+        Some(u) => u.as_root(mountpoint),
+        None => mountpoint(),
+    };
     // A pidfd names the init itself: no /proc path to open, no pid to be reused.
     setns_mnt(init.as_fd(), "setns_sandbox")?;
     let inside = (|| -> Result<OwnedFd, StepError> {
         // The new root is mounted inside the old one, on /tmp (a writable scratch directory of
         // a read-only root, or creatable in a writable one); not beneath /dev/pts, which moves
         // into it. The tree has its /proc and /dev/pts directories (`build_root_tree`).
-        ck(mkdir(NEW_ROOT, 0o700), "mkdir_mountpoint")?;
+        mountpoint()?;
         // SAFETY: `tree.fd` is a detached mount; the target path is valid.
         let rc = unsafe {
             libc::syscall(
@@ -239,7 +318,7 @@ pub fn enter_root_tree(
         Ok(old_root)
     })();
     // Back to our own namespace whatever happened.
-    let back = setns_mnt(own_ns, "setns_back");
+    let back = setns_mnt(own_ns.as_fd(), "setns_back");
     // SAFETY: valid path.
     unsafe { libc::chdir(c"/".as_ptr()) };
     back?;
@@ -255,9 +334,9 @@ pub fn reset_in_place(
     init: &PidFd,
     state: &mut ResetState,
 ) -> Result<OwnedFd, LaunchError> {
-    if spec.ns.user.is_some() {
+    if spec.ns.user.is_some() != state.user.is_some() {
         return Err(LaunchError::InvalidArgument {
-            what: "in-place reset in a user namespace",
+            what: "in-place reset without the sandbox's user namespace",
         });
     }
     let tree = build_root_tree(&spec.rootfs, state, &[])?;

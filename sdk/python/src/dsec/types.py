@@ -81,9 +81,10 @@ class CreateOptions(TypedDict, total=False):
         ttl_ms: lifetime after which the node destroys the sandbox.
         lease_ms: owner lease; the sandbox is destroyed unless ``heartbeat`` renews it.
         writable_root: make the whole root writable instead of only the scratch dirs.
-        userns: run in a user namespace: root inside is an unprivileged host uid, and
-            ``RLIMIT_NPROC`` refuses a fork bomb's forks before they cost the node anything
-            (created cold: never from a warm pool).
+        userns: the user namespace, on unless ``False``: root inside is an unprivileged
+            host id range of the sandbox's own, and ``RLIMIT_NPROC`` refuses a fork bomb's
+            forks before they cost the node anything. ``False`` (the sandbox's root is host
+            root with every capability dropped) is for the admin tenant only.
     """
 
     template: str | None

@@ -55,8 +55,13 @@ pub fn rfc3339(ms: u64) -> String {
     )
 }
 
-/// The create a spec asks for, its limits admitted by this node (the one place they are checked).
-pub(super) fn create_request(b: CreateSpec, capacity: &NodeCapacity) -> ApiResult<CreateRequest> {
+/// The create a spec asks for by `tenant`, its limits admitted by this node (the one place they
+/// are checked).
+pub(super) fn create_request(
+    b: CreateSpec,
+    tenant: &Tenant,
+    capacity: &NodeCapacity,
+) -> ApiResult<CreateRequest> {
     let substrate = match b.substrate.as_deref() {
         None => Substrate::Container,
         Some("function") => {
@@ -91,9 +96,17 @@ pub(super) fn create_request(b: CreateSpec, capacity: &NodeCapacity) -> ApiResul
     let limits = capacity
         .admit(limits)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
-    if b.userns && substrate.is_vm() {
+    if b.userns.is_some() && substrate.is_vm() {
         return Err(ApiError::invalid(
             "userns applies to the container substrate (a VM guest has its own kernel)",
+        ));
+    }
+    // Without a user namespace the sandbox's root is host root (every capability dropped): an
+    // operator's choice, not a tenant's.
+    if b.userns == Some(false) && !tenant.admin {
+        return Err(ApiError::new(
+            ErrorCode::Forbidden,
+            "\"userns\": false (the sandbox's root is host root) is for the admin tenant only",
         ));
     }
     let secret_env: Vec<String> = b.secret_env.keys().cloned().collect();
@@ -131,7 +144,7 @@ pub(super) fn create_request(b: CreateSpec, capacity: &NodeCapacity) -> ApiResul
         writable_root: b.writable_root,
         idem: None,
         secret_env,
-        userns: b.userns,
+        userns: b.userns.unwrap_or(!substrate.is_vm()),
     })
 }
 
@@ -140,7 +153,7 @@ pub(super) async fn create_sandbox(
     idem: Option<Extension<IdemKey>>,
     body: Bytes,
 ) -> ApiResult<Response> {
-    let mut req = create_request(json_body(&body)?, app.node.rt.capacity())?;
+    let mut req = create_request(json_body(&body)?, &t, app.node.rt.capacity())?;
     req.idem = idem.map(|Extension(IdemKey(k))| k);
     let rec = app.node.create(&t, req).await?;
     app.node.failpoint("create:before_answer");
@@ -337,7 +350,7 @@ pub(super) async fn batch_create(
         }
         None => CreateSpec::default(),
     };
-    let req = create_request(spec, app.node.rt.capacity())?;
+    let req = create_request(spec, &t, app.node.rt.capacity())?;
     let tasks = (0..b.count).map(|i| {
         let (app, t, mut req) = (app.clone(), t.clone(), req.clone());
         // Each item has its own key, so that a retried batch finds what it already made.

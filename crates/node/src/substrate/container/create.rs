@@ -156,13 +156,15 @@ impl Runtime {
             scratch: SCRATCH_DIRS.iter().map(|s| (*s).to_string()).collect(),
             env,
             // The supervisor leases the ids (a range of its own, host-wide).
-            userns: spec.userns.then_some((0, 0, 0)),
+            userns: spec.userns,
+            ids: None,
         };
         let req = self.new_req();
         let request = SpawnRequest { req, config };
         let bytes =
             serde_json::to_vec(&request).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-        let handed = if request.config.userns.is_none() {
+        // Pre-built shells have a user namespace: a sandbox without one is made by the spawner.
+        let handed = if request.config.userns {
             self.hand_to_shell(&bytes)
         } else {
             None

@@ -442,6 +442,7 @@ fn start_vm(
                 env: env.to_vec(),
                 nofile: Some(spec.limits.open_files_max),
                 fsize: Some(spec.limits.file_size_max),
+                nproc: None,
             },
             &[],
         )?;
