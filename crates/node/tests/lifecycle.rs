@@ -727,3 +727,38 @@ fn userns_sandboxes_get_host_id_ranges_of_their_own() {
         b.destroy().expect("destroy");
     });
 }
+
+/// G-1: a sandbox made with the default spec runs in a user namespace, from a pre-built shell:
+/// its processes are an unprivileged host uid, yet the template's files keep their owners inside
+/// (its layers are mounted idmapped), so root inside owns `/etc` and a writable root takes
+/// writes to it; an in-place reset keeps the namespace.
+#[test]
+fn g01_default_sandboxes_are_unprivileged_and_own_their_template() {
+    isolated(|| {
+        let mut sb = create_spec(&SandboxSpec::default());
+        let init = sb.init_pid();
+        let host_uid = std::fs::read_to_string(format!("/proc/{init}/status"))
+            .expect("status")
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok())
+            .expect("a Uid line");
+        assert_ne!(host_uid, 0, "the default sandbox's init is host root");
+        assert!(IdRangeLease::index_of(host_uid).is_some(), "{host_uid}");
+        let out = stdout(&sb.sh("id -u; stat -c '%u %g' / /etc /etc/passwd /tmp", 5_000));
+        assert_eq!(out, "0\n0 0\n0 0\n0 0\n0 0\n", "owners inside");
+        sb.mark_acquired().expect("acquired");
+        sb.reset().expect("reset");
+        assert_eq!(sb.init_pid(), init, "the reset was in place");
+        sb.destroy().expect("destroy");
+        let mut w = create_spec(&SandboxSpec {
+            writable_root: true,
+            ..SandboxSpec::default()
+        });
+        common::assert_ok_stdout(
+            &w.sh("echo x >> /etc/motd && stat -c '%u' /etc/motd", 5_000),
+            "0\n",
+        );
+        w.destroy().expect("destroy");
+    });
+}
