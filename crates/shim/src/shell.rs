@@ -158,10 +158,17 @@ pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: Own
     let Some(stage) = ctx.stage.as_deref() else {
         return 1;
     };
-    let Ok(pre) = prebuild(ctx, stage) else {
-        // Tell the node, so that the spawner builds a replacement.
-        let _ = send(ctx.node.as_fd(), &SupervisorMsg::ShellFailed, &[]);
-        return 1;
+    let pre = match prebuild(ctx, stage) {
+        Ok(pre) => pre,
+        Err(f) => {
+            // Tell the node, so that the spawner builds a replacement; not at once: whatever
+            // failed (a stage others cannot search, a host without idmapped mounts) is likely
+            // to fail again, and a tight loop of rebuilds would take the node's CPU.
+            eprintln!("dsec-shell: pre-building a shell: {f}");
+            std::thread::sleep(SHELL_RETRY_DELAY);
+            let _ = send(ctx.node.as_fd(), &SupervisorMsg::ShellFailed, &[]);
+            return 1;
+        }
     };
     // Ready: hand the node our request socket.
     if send(
@@ -202,6 +209,9 @@ pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: Own
         None => discard(pre),
     }
 }
+
+/// How long a shell whose build failed waits before asking for its replacement.
+const SHELL_RETRY_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Kills a pre-built shell nobody took and removes its cgroup.
 pub(crate) fn discard(pre: Prebuilt) -> i32 {

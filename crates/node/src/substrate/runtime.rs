@@ -71,6 +71,15 @@ pub fn find_binary(name: &'static str, env: &str) -> Result<PathBuf, RuntimeErro
     })
 }
 
+/// The first directory of `path` (or `path` itself) that others may not search, if any.
+fn unsearchable_ancestor(path: &Path) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    path.ancestors()
+        .filter(|a| !a.as_os_str().is_empty())
+        .find(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 == 0))
+        .map(Path::to_path_buf)
+}
+
 fn prep_dir(path: &Path) -> Result<(), RuntimeError> {
     std::fs::create_dir_all(path).map_err(|source| RuntimeError::Prepare {
         path: path.to_path_buf(),
@@ -87,7 +96,15 @@ impl Runtime {
         let stage = cfg.run_dir.join("stage");
         prep_dir(&stage)?;
         prep_dir(&cfg.run_dir.join("sandboxes"))?;
-        prep_dir(&cfg.run_dir.join("hostroot"))?;
+        if let Some(dir) = unsearchable_ancestor(&stage) {
+            // A sandbox's init, in its user namespace, mounts its placeholder root on the stage
+            // as an unprivileged host id: every directory on the way must let others search it.
+            tracing::warn!(
+                dir = %dir.display(),
+                "sandboxes with a user namespace (the default) cannot be made: this directory \
+                 above the run dir's stage is not searchable by others (chmod o+x it)"
+            );
+        }
         let cgroups = CgroupManager::detect(shim::CGROUP_BASE).map_err(RuntimeError::Cgroup)?;
         let favordynmods = cgroups.favor_dynmods().unwrap_or(false);
         let capacity = NodeCapacity::detect().map_err(RuntimeError::Capacity)?;
