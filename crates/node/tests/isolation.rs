@@ -36,9 +36,10 @@ const SECRET_ENV: &str = "DSEC_ISO_TEST_API_TOKEN";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    /// Host uid 0 with every capability dropped, no_new_privs, seccomp.
+    /// The admin tenant's opt-out (`"userns": false`): host uid 0 with every capability
+    /// dropped, no_new_privs, seccomp.
     Default,
-    /// Root inside a user namespace mapped to a host id range of its own.
+    /// The default: root inside a user namespace mapped to a host id range of its own.
     Userns,
 }
 
@@ -286,8 +287,7 @@ fn observe(mode: Mode) -> Obs {
     let (sb, _) = env.rt().create(&spec).expect("create sandbox");
     env.sb = Some(sb);
 
-    // Upload the probe. In the user-namespace mode the host-owned tree (and possibly /tmp) is not
-    // writable by the mapped root, hence the fallback to /dev/shm.
+    // Upload the probe (to /dev/shm should /tmp refuse it).
     let mut probe_path = None;
     let mut upload_errors = Vec::new();
     for p in ["/tmp/dsec-probe", "/dev/shm/dsec-probe"] {
