@@ -43,7 +43,7 @@ impl PoolState {
 }
 
 pub(super) fn pool_key(req: &CreateRequest) -> Option<String> {
-    (*req.limits == Limits::default() && !req.writable_root && req.userns)
+    (*req.limits == Limits::default() && !req.writable_root && req.userns != req.substrate.is_vm())
         .then(|| pool_name(&req.template, req.substrate))
 }
 
@@ -178,6 +178,8 @@ impl Node {
         let spec = SandboxSpec {
             template: template.to_owned(),
             substrate,
+            // A container has a user namespace; a VM guest has a kernel of its own.
+            userns: !substrate.is_vm(),
             ..SandboxSpec::default()
         };
         let rec = SandboxRecord {
