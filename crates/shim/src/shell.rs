@@ -49,10 +49,7 @@ fn placeholder_params(stage: &str, empty_dir: Option<String>) -> launch::LaunchP
 /// likely root ahead of time.
 fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
     let name = format!("shell-{}", std::process::id());
-    let cgroup = ctx
-        .cgroups
-        .create(&name, &CgroupLimits::default())
-        .map_err(|e| cgroup_failure(&e))?;
+    let cgroup = ctx.sandbox_cgroup(&name, &CgroupLimits::default())?;
     let built = (|| {
         let (agent_host, agent_child) = agent_socket()?;
         let shell = launch::clone_shell(&launch::ShellResources {
