@@ -160,6 +160,17 @@ pub enum CgroupError {
         #[source]
         source: io::Error,
     },
+    /// Loading or attaching a v2 device program failed.
+    #[error("{step} of the device program of {}", path.display())]
+    DeviceProgram {
+        /// The cgroup directory.
+        path: PathBuf,
+        /// `load`, `open` (the directory) or `attach`.
+        step: &'static str,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// Mounting (or remounting) a cgroup file system failed.
     #[error("mounting {fs_type} at {} with {options:?}", path.display())]
     Mount {

@@ -3,8 +3,8 @@
 //! - Real-kernel tests use the host layout from [`CgroupManager::detect`] (v1 on the dev VM, v2
 //!   on production-like hosts) and check limits, attach, enforcement, kill and removal.
 //! - v2 paths are also exercised on the host's cgroup2 mount even when it has no controllers
-//!   (directory creation, attach, `cgroup.procs`, `cgroup.kill`), and the v2 file-writing logic
-//!   on a fake root (a plain temporary directory with the expected files).
+//!   (directory creation, attach, `cgroup.procs`, `cgroup.kill`, the device program), and the
+//!   v2 file-writing logic on a fake root (a plain temporary directory with the expected files).
 //!
 //! Every test has a base cgroup of its own (`dsec-test-cg-<pid>-<test>`, so that tests running
 //! at once, here or in another checkout, never share one) and removes its cgroups and that
@@ -599,6 +599,26 @@ fn v2_real_create_attach_kill_remove() -> TestResult {
     assert!(mgr.list()?.iter().any(|n| n == name));
 
     kill_all_sigkills(&cg, &mut child)?; // cgroup.kill
+    remove_all_gone(cg)?;
+    Ok(())
+}
+
+/// v2: `limit_devices` loads and attaches a `BPF_CGROUP_DEVICE` program, which the kernel runs
+/// for the processes of the host's cgroup2 hierarchy (there even when it has no controllers:
+/// the program is the cgroup's, not a controller's); the program goes with the cgroup.
+#[test]
+fn v2_device_program_is_enforced() -> TestResult {
+    let (_mgr, cg) = with_cgroup(
+        v2_host("v2_device_program_is_enforced"),
+        "devices",
+        CgroupLimits::default(),
+    )?;
+    assert!(cg.devices_dir().is_none());
+    assert!(cg.limit_devices(&TEST_DEVICES)?);
+    assert_eq!(
+        open_devices_in(&cg)?,
+        "null-opened\nzero-opened\nkmsg-refused\n"
+    );
     remove_all_gone(cg)?;
     Ok(())
 }

@@ -88,10 +88,11 @@ impl Cgroup {
 
     /// Lets the cgroup's processes create (`mknod`) and open only the devices `allowed` names;
     /// any other device fails with `EPERM` (see [`devices`](super::devices)). v1 writes `a` into
-    /// `devices.deny`, then one line per rule into `devices.allow`. Returns `false`, having done
-    /// nothing, where there is no way to limit devices: a v1 host without the `devices`
-    /// hierarchy, or v2. Meant for a fresh cgroup, before any process joins it (a process keeps
-    /// the devices it already has open).
+    /// `devices.deny`, then one line per rule into `devices.allow`; v2 attaches a
+    /// `BPF_CGROUP_DEVICE` program ([`devices::attach_program`](super::devices::attach_program);
+    /// call it once per cgroup). Returns `false`, having done nothing, on a v1 host without the
+    /// `devices` hierarchy. Meant for a fresh cgroup, before any process joins it (a process
+    /// keeps the devices it already has open).
     pub fn limit_devices(&self, allowed: &[DeviceRule]) -> Result<bool, CgroupError> {
         match &self.dirs {
             CgroupLayout::V1 {
@@ -104,7 +105,11 @@ impl Cgroup {
                 }
                 Ok(true)
             }
-            CgroupLayout::V1 { devices: None, .. } | CgroupLayout::V2 { .. } => Ok(false),
+            CgroupLayout::V1 { devices: None, .. } => Ok(false),
+            CgroupLayout::V2 { root: dir } => {
+                super::devices::attach_program(dir, allowed)?;
+                Ok(true)
+            }
         }
     }
 
