@@ -52,8 +52,8 @@ fn try_open(path: &Path) -> (Value, bool) {
     (Value::Object(tries), opened)
 }
 
-/// Every device node under `/` (not following symbolic links; `/proc` and `/sys` skipped), by
-/// path: `(block, rdev)`. Also returns how many entries were looked at.
+/// Every device node under `/` (not following symbolic links, but into every mount; `/proc` and
+/// `/sys` skipped): `(path, block, rdev)`. Also returns how many entries were looked at.
 fn find_nodes() -> (Vec<(PathBuf, bool, u64)>, usize) {
     let mut nodes = Vec::new();
     let mut seen = 0usize;
@@ -73,10 +73,17 @@ fn find_nodes() -> (Vec<(PathBuf, bool, u64)>, usize) {
                 if path != Path::new("/proc") && path != Path::new("/sys") {
                     stack.push(path);
                 }
-            } else if ft.is_char_device() || ft.is_block_device() {
-                if let Ok(m) = fs::symlink_metadata(&path) {
-                    nodes.push((path, ft.is_block_device(), m.rdev()));
-                }
+                continue;
+            }
+            // The directory entry's type is that of the node underneath a mount: a device bound
+            // over a file (the user-namespace mode's `/dev`) shows as a file. `lstat` sees the
+            // mounted one.
+            let Ok(m) = fs::symlink_metadata(&path) else {
+                continue;
+            };
+            let ft = m.file_type();
+            if ft.is_char_device() || ft.is_block_device() {
+                nodes.push((path, ft.is_block_device(), m.rdev()));
             }
         }
     }
