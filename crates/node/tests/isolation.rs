@@ -1,7 +1,9 @@
-//! Isolation integration tests (TESTING.md S-01..S-10, C-01..C-06): the static `dsec-probe`
+//! Isolation integration tests (TESTING.md S-01..S-13, C-01..C-06): the static `dsec-probe`
 //! binary is uploaded into a real container sandbox and its `report` is checked field by field,
 //! once for the default mode and once for the user-namespace mode. A few cases (S-03 writes,
-//! C-02) are also exercised with a shell inside the sandbox and verified on the host.
+//! C-02) are also exercised with a shell inside the sandbox and verified on the host, and S-13
+//! reads the sandbox's device list from the host and plants a device node for the probe to
+//! find.
 //!
 //! Each mode has one fixture: its own runtime (run dir `/run/dsec-iso-<pid>-<mode>`), one
 //! sandbox, the probe run once, the extra execs, then the sandbox is destroyed, the runtime
@@ -12,6 +14,8 @@
 //! missing protection would change; `pass` of a probe check is asserted in addition, never
 //! instead.
 
+#[path = "common/devices.rs"]
+mod devices;
 #[path = "common/run_dirs.rs"]
 mod run_dirs;
 
@@ -20,9 +24,11 @@ use std::fs;
 use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::process::Output;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use devices::{plant_device, PLANTED, SANDBOX_DEVICE_LIST};
 use dsec_api::agent::Request;
 use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus};
 use dsec_node::sandbox::SandboxSpec;
@@ -100,6 +106,13 @@ struct Obs {
     c02: Shell,
     c02_hashes_before: BTreeMap<String, String>,
     c02_hashes_after: BTreeMap<String, String>,
+    /// S-13: the sandbox's v1 `devices.list`, read on the host while it ran (`None`: its cgroup
+    /// has no directory in a `devices` hierarchy).
+    device_list: Option<String>,
+    /// S-13: planting a device node in the sandbox ([`plant_device`]), and the probe's S-13
+    /// check (`pass`, `detail`) run after it.
+    plant: Output,
+    walk: (bool, Value),
     /// Whether destroying the sandbox succeeded, and whether its run dir is gone.
     destroy: Result<(), String>,
     sandbox_run_dir_left: bool,
@@ -357,26 +370,7 @@ fn observe(mode: Mode) -> Obs {
     drop(listener);
     let _ = fs::remove_file(&secret_file);
     let host_hostname_after = self::host_hostname();
-    let report: Value = serde_json::from_slice(&r.stdout.data).unwrap_or_else(|e| {
-        panic!(
-            "[{}] probe output is not JSON ({e}); status {:?} exit {:?} stderr {}",
-            mode.name(),
-            r.status,
-            r.exit_code,
-            String::from_utf8_lossy(&r.stderr.data)
-        )
-    });
-    let checks: BTreeMap<String, (bool, Value)> = report["checks"]
-        .as_array()
-        .expect("checks array")
-        .iter()
-        .map(|c| {
-            (
-                c["id"].as_str().expect("id").to_owned(),
-                (c["pass"].as_bool().expect("pass"), c["detail"].clone()),
-            )
-        })
-        .collect();
+    let (report, checks) = probe_report(mode, &r);
 
     // S-03: writes to the read-only root fail, scratch dirs are writable.
     let host_usr_x_before = Path::new("/usr/x").exists();
@@ -428,6 +422,8 @@ echo "wrote=[$wrote]"
 echo done"#);
     let c02_hashes_after = hashes();
 
+    let (device_list, plant, walk) = observe_devices(mode, &mut env, &probe_path);
+
     let (destroy, sandbox_run_dir_left) = env.destroy();
     drop(env);
 
@@ -450,9 +446,71 @@ echo done"#);
         c02,
         c02_hashes_before,
         c02_hashes_after,
+        device_list,
+        plant,
+        walk,
         destroy,
         sandbox_run_dir_left,
     }
+}
+
+/// The probe's report in `r` (its stdout), and its checks by id.
+fn probe_report(mode: Mode, r: &ExecResult) -> (Value, BTreeMap<String, (bool, Value)>) {
+    let report: Value = serde_json::from_slice(&r.stdout.data).unwrap_or_else(|e| {
+        panic!(
+            "[{}] probe output is not JSON ({e}); status {:?} exit {:?} stderr {}",
+            mode.name(),
+            r.status,
+            r.exit_code,
+            String::from_utf8_lossy(&r.stderr.data)
+        )
+    });
+    let checks: BTreeMap<String, (bool, Value)> = report["checks"]
+        .as_array()
+        .expect("checks array")
+        .iter()
+        .map(|c| {
+            (
+                c["id"].as_str().expect("id").to_owned(),
+                (c["pass"].as_bool().expect("pass"), c["detail"].clone()),
+            )
+        })
+        .collect();
+    (report, checks)
+}
+
+/// S-13, while the sandbox runs: its cgroup's device list (v1), read on the host; then a node
+/// planted ([`plant_device`]) and the probe's S-13 walk run again.
+fn observe_devices(
+    mode: Mode,
+    env: &mut Env,
+    probe_path: &str,
+) -> (Option<String>, Output, (bool, Value)) {
+    let id = env.sb().id().to_owned();
+    let cgroup = env.rt().cgroups().open(&id).expect("the sandbox's cgroup");
+    let device_list = cgroup.devices_dir().map(|d| {
+        fs::read_to_string(d.join("devices.list")).unwrap_or_else(|e| format!("unreadable: {e}"))
+    });
+    let pid = *cgroup
+        .pids()
+        .expect("the sandbox's pids")
+        .first()
+        .expect("a process in the sandbox");
+    let plant = plant_device(pid);
+    let mut req = ExecRequest::argv(vec![
+        probe_path.to_owned(),
+        "report".into(),
+        "--only".into(),
+        "S-13".into(),
+    ]);
+    req.timeout_ms = Some(600_000);
+    req.output_limit = Some(16 << 20);
+    let r = env.exec(&req);
+    let (_, mut checks) = probe_report(mode, &r);
+    let walk = checks
+        .remove("S-13")
+        .unwrap_or_else(|| panic!("[{}] no S-13 in the second report", mode.name()));
+    (device_list, plant, walk)
 }
 
 /// The observations of `mode`, gathered once per test process.
@@ -820,6 +878,86 @@ fn s11_socket_families_are_a_closed_list() {
     });
 }
 
+/// S-12: `mknod`/`mknodat` of a character or block device fail with `EPERM` from the seccomp
+/// filter: also under a missing directory (the kernel alone: `ENOENT`) and for a whiteout (0:0,
+/// which the kernel makes without `CAP_MKNOD`); FIFOs, sockets and regular files are made.
+#[test]
+fn s12_mknod_of_device_nodes_is_refused_by_the_filter() {
+    each_mode_passed("S-12", |_, d, ctx| {
+        let cases = d.as_array().expect("S-12 detail is a list");
+        for call in ["mknod", "mknodat"] {
+            for (node, dir, want) in [
+                ("char 1:1", "/tmp", "errno 1"),
+                ("block 7:0", "/tmp", "errno 1"),
+                ("char 1:1", "/tmp/.dsec-probe-missing", "errno 1"),
+                ("whiteout 0:0", "/dev/shm", "errno 1"),
+                ("fifo", "/tmp", "made"),
+                ("socket", "/tmp", "made"),
+                ("regular file", "/tmp", "made"),
+            ] {
+                let c = cases
+                    .iter()
+                    .find(|c| c["call"] == call && c["node"] == node && c["dir"] == dir)
+                    .unwrap_or_else(|| panic!("{call} {node} in {dir} not probed: {ctx}"));
+                assert_eq!(s(&c["observed"]), want, "{call} {node} in {dir}: {ctx}");
+            }
+        }
+    });
+}
+
+/// S-13: on the host, the running sandbox's v1 `devices` cgroup lists exactly the sandbox's
+/// devices (a cgroup without a list shows `a *:* rwm`). A v2 host has no list file: there the
+/// program's effect is what `s13_no_device_beyond_the_list_opens_anywhere` sees.
+#[test]
+fn s13_device_cgroup_lists_only_the_sandbox_devices() {
+    let cgroups = dsec_sys::cgroup::CgroupManager::detect("dsec").expect("cgroups");
+    if cgroups.version() == dsec_sys::cgroup::CgroupVersion::V2 {
+        return;
+    }
+    for mode in MODES {
+        let o = obs(mode);
+        let list = o
+            .device_list
+            .as_deref()
+            .unwrap_or_else(|| panic!("[{}] the sandbox has no devices cgroup", mode.name()));
+        let lines: Vec<&str> = list.lines().collect();
+        assert_eq!(lines, SANDBOX_DEVICE_LIST, "[{}]", mode.name());
+    }
+}
+
+/// S-13: a walk of the whole file system inside the sandbox (`/proc` and `/sys` aside) opens no
+/// character or block device outside the sandbox's list, and that holds for a node planted
+/// from the host where nothing but the cgroup's list refuses it (`/dev/net/tun`, mode 0666, on
+/// a mount that allows devices): its open fails with `EPERM`.
+#[test]
+fn s13_no_device_beyond_the_list_opens_anywhere() {
+    for mode in MODES {
+        let o = obs(mode);
+        let name = mode.name();
+        assert!(
+            o.plant.status.success(),
+            "[{name}] planting {PLANTED} failed: {:?}",
+            o.plant
+        );
+        let (pass, d) = &o.walk;
+        let ctx = format!("[{name}] S-13: {d:#}");
+        assert!(d["entries"].as_u64().unwrap_or(0) > 1000, "{ctx}");
+        // The walk sees /dev's nodes, also where they are the host's bound over files.
+        assert_eq!(d["nodes"]["/dev/null"], "c 1:3", "{ctx}");
+        let outside = d["outside_the_list"].as_array().expect("outside_the_list");
+        let planted = outside
+            .iter()
+            .find(|n| n["path"] == PLANTED)
+            .unwrap_or_else(|| panic!("the planted node was not found: {ctx}"));
+        assert_eq!(s(&planted["node"]), "c 10:200", "{ctx}");
+        assert_eq!(planted["open"]["read"]["errno"], libc::EPERM, "{ctx}");
+        assert_eq!(d["opened"], Value::Array(vec![]), "{ctx}");
+        assert!(pass, "{ctx}");
+        // The full report's walk, before the plant, passed as well.
+        o.passed("S-13");
+    }
+}
+
 #[test]
 fn s07_proc_masked_and_read_only() {
     each_mode_passed("S-07", |_, d, ctx| {
@@ -1010,8 +1148,8 @@ fn report_is_complete_and_sandboxes_destroyed() {
         let o = obs(mode);
         let ids: Vec<&str> = o.checks.keys().map(String::as_str).collect();
         for id in [
-            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "S-11", "C-01",
-            "C-03", "C-04", "C-05", "C-06",
+            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "S-11", "S-12",
+            "S-13", "C-01", "C-03", "C-04", "C-05", "C-06",
         ] {
             assert!(
                 ids.contains(&id),

@@ -1,5 +1,5 @@
 //! System-call observations: the S-04 sweep over every syscall number and ABI, the S-05 list of
-//! calls that must be denied, and C-06. Every call runs in a forked child so a seccomp kill only
+//! calls that must be denied, C-06, and the argument rules of S-11 and S-12. Every call runs in a forked child so a seccomp kill only
 //! ends the child.
 
 use std::time::Duration;
@@ -418,6 +418,78 @@ pub fn socket_families_check() -> Check {
     }
     Check {
         id: "S-11",
+        pass,
+        detail: Value::Array(results),
+    }
+}
+
+/// One `mknod`/`mknodat` of S-12: the call, what it makes and where, the verdict it must get.
+struct NodeCase {
+    at: bool,
+    node: &'static str,
+    mode: u32,
+    dev: u64,
+    /// Where: `/tmp`, `/dev/shm`, or a directory that does not exist.
+    dir: &'static str,
+    refused: bool,
+}
+
+/// S-12: `mknod` and `mknodat` make no character or block device: both fail with `EPERM` from the
+/// seccomp filter, also where the kernel alone would answer otherwise — under a directory that
+/// does not exist (the kernel: `ENOENT`) and for a whiteout, the 0:0 character device that needs
+/// no capability (the kernel makes it on `/dev/shm`). FIFOs, sockets and regular files are made.
+pub fn mknod_check() -> Check {
+    let (chr, blk) = (libc::S_IFCHR | 0o666, libc::S_IFBLK | 0o666);
+    let (mem, loop0) = (sys::makedev(1, 1), sys::makedev(7, 0));
+    let missing = "/tmp/.dsec-probe-missing";
+    let mut cases = Vec::new();
+    for at in [false, true] {
+        let c = |node, mode, dev, dir, refused| NodeCase {
+            at,
+            node,
+            mode,
+            dev,
+            dir,
+            refused,
+        };
+        cases.extend([
+            c("char 1:1", chr, mem, "/tmp", true),
+            c("block 7:0", blk, loop0, "/tmp", true),
+            c("char 1:1", chr, mem, missing, true),
+            c("block 7:0", blk, loop0, missing, true),
+            c("whiteout 0:0", libc::S_IFCHR, 0, "/dev/shm", true),
+            c("fifo", libc::S_IFIFO | 0o600, 0, "/tmp", false),
+            c("socket", libc::S_IFSOCK | 0o600, 0, "/tmp", false),
+            c("regular file", libc::S_IFREG | 0o600, 0, "/tmp", false),
+        ]);
+    }
+    let mut pass = true;
+    let results: Vec<Value> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let path = format!("{}/.dsec-probe-node-{}-{i}", c.dir, sys::getpid());
+            let r = sys::mknod_call(c.at, &path, c.mode, c.dev);
+            let made = std::fs::symlink_metadata(&path).is_ok();
+            let _ = std::fs::remove_file(&path);
+            let ok = if c.refused {
+                r == Err(libc::EPERM) && !made
+            } else {
+                r.is_ok() && made
+            };
+            pass &= ok;
+            json!({
+                "call": if c.at { "mknodat" } else { "mknod" },
+                "node": c.node,
+                "dir": c.dir,
+                "policy": if c.refused { "EPERM" } else { "allow" },
+                "observed": r.map_or_else(|e| format!("errno {e}"), |()| "made".to_owned()),
+                "pass": ok,
+            })
+        })
+        .collect();
+    Check {
+        id: "S-12",
         pass,
         detail: Value::Array(results),
     }

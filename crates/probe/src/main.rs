@@ -1,6 +1,6 @@
 //! `dsec-probe`: a static binary that asserts isolation from inside a sandbox and prints JSON.
 //!
-//! - `dsec-probe report [OPTIONS]` runs TESTING.md's S-01..S-08, S-10, C-01, C-03..C-06
+//! - `dsec-probe report [OPTIONS]` runs TESTING.md's S-01..S-08, S-10..S-13, C-01, C-03..C-06
 //!   observations and prints `{"checks":[{"id","pass","detail"}], "all_pass"}`. It does not
 //!   install seccomp itself: the sandbox already did.
 //! - `dsec-probe seccomp-selftest CHECK [ARGS]` installs dsec's filter on itself and runs one
@@ -13,6 +13,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod calls;
+mod devices;
 mod report;
 mod selftest;
 mod sys;

@@ -1,6 +1,6 @@
-//! `dsec-probe report`: every isolation observation of TESTING.md (S-01..S-08, S-10, C-01,
-//! C-03..C-06) made from inside the sandbox, printed as
-//! `{"checks":[{"id","pass","detail"}], "all_pass"}`.
+//! `dsec-probe report`: every isolation observation of TESTING.md (S-01..S-08, S-10..S-13,
+//! C-01, C-03..C-06) made from inside the sandbox, printed as
+//! `{"checks":[{"id","pass","detail"}], "all_pass"}` (`--only ID` runs the named checks alone).
 //!
 //! Nothing here changes the host when the probe is run outside a sandbox: no write into `/proc`
 //! files (writability is tested by opening only), no `sethostname` unless the UTS namespace is
@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::sys;
-use super::{calls, Check};
+use super::{calls, devices, Check};
 
 /// What the caller knows about the host, from the command line.
 #[derive(Debug, Default)]
@@ -38,12 +38,14 @@ pub struct Options {
     pub host_files: Vec<String>,
     /// Most pids the sandbox may show in `/proc`.
     pub max_pids: usize,
+    /// The ids of the checks to run; empty for all.
+    pub only: Vec<String>,
 }
 
 /// Usage text of `report`'s options.
 pub const USAGE: &str = "report [--host-ns NAME=INODE[,NAME=INODE...]] [--host-hostname NAME] \
 [--daemon-port PORT]... [--secret-env NAME]... [--secret-value VALUE]... [--host-file PATH]... \
-[--max-pids N]";
+[--max-pids N] [--only ID]...";
 
 impl Options {
     /// Parses `report`'s arguments.
@@ -71,6 +73,7 @@ impl Options {
                 "--secret-value" => o.secret_values.push(value()?),
                 "--host-file" => o.host_files.push(value()?),
                 "--max-pids" => o.max_pids = value()?.parse().map_err(|_| "bad --max-pids")?,
+                "--only" => o.only.push(value()?),
                 other => return Err(format!("unknown report option {other:?}")),
             }
         }
@@ -92,6 +95,8 @@ pub fn run(o: &Options) -> Value {
         ("S-08", Box::new(s08_devices)),
         ("S-10", Box::new(|| s10_secrets(o))),
         ("S-11", Box::new(calls::socket_families_check)),
+        ("S-12", Box::new(calls::mknod_check)),
+        ("S-13", Box::new(devices::walk_check)),
         ("C-01", Box::new(c01_fds)),
         ("C-03", Box::new(c03_masked_paths)),
         ("C-04", Box::new(c04_sys_and_release_agent)),
@@ -100,6 +105,7 @@ pub fn run(o: &Options) -> Value {
     ];
     let results: Vec<Check> = checks
         .into_iter()
+        .filter(|(id, _)| o.only.is_empty() || o.only.iter().any(|x| x == id))
         .map(|(id, f)| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
                 let msg = p
@@ -130,10 +136,6 @@ fn proc_status() -> BTreeMap<String, String> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
         .collect()
-}
-
-fn seccomp_active() -> bool {
-    proc_status().get("Seccomp").map(String::as_str) == Some("2")
 }
 
 fn s01_credentials() -> Check {
@@ -430,7 +432,7 @@ fn s03_filesystem() -> Check {
 }
 
 fn s04_syscalls() -> Check {
-    if !seccomp_active() {
+    if !sys::seccomp_active() {
         return Check {
             id: "S-04",
             pass: false,
@@ -974,7 +976,7 @@ fn c05_tiocsti() -> Check {
         );
     };
     // fd 0 may be the host terminal: only touch it when a filter stops the call before it runs.
-    if seccomp_active() {
+    if sys::seccomp_active() {
         let stdin = std::io::stdin();
         record(
             "0",

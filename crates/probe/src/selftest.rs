@@ -24,6 +24,7 @@ pub const CHECKS: &[&str] = &[
     "tiocsti",
     "personality",
     "open-by-handle",
+    "mknod DIR",
     "sweep",
     "must-deny",
 ];
@@ -33,6 +34,30 @@ fn errno_of(r: Result<i64, i32>) -> Value {
         Ok(v) => json!({ "ret": v }),
         Err(e) => json!({ "errno": e }),
     }
+}
+
+/// `mknod` and `mknodat` of a character device (1:1), a block device (7:0), a whiteout (0:0)
+/// and a FIFO in `dir`: `{"<call> <node>": "made" | {"errno": n}}`. Each node made is removed.
+fn mknod_in(dir: &str) -> Value {
+    let nodes = [
+        ("char", libc::S_IFCHR | 0o600, sys::makedev(1, 1)),
+        ("block", libc::S_IFBLK | 0o600, sys::makedev(7, 0)),
+        ("whiteout", libc::S_IFCHR, 0),
+        ("fifo", libc::S_IFIFO | 0o600, 0),
+    ];
+    let mut out = serde_json::Map::new();
+    for (call, at) in [("mknod", false), ("mknodat", true)] {
+        for (node, mode, dev) in nodes {
+            let path = format!("{dir}/{call}-{node}");
+            let v = match sys::mknod_call(at, &path, mode, dev) {
+                Ok(()) => json!("made"),
+                Err(e) => json!({ "errno": e }),
+            };
+            let _ = std::fs::remove_file(&path);
+            out.insert(format!("{call} {node}"), v);
+        }
+    }
+    Value::Object(out)
 }
 
 /// Runs `check` under the filter; returns the JSON to print, or an error message for bad usage.
@@ -129,6 +154,7 @@ pub fn run(check: &str, args: &[String]) -> Result<Value, String> {
             "set_linux32": errno_of(sc(libc::SYS_personality, [8, 0, 0, 0, 0, 0])),
         }),
         "open-by-handle" => errno_of(sc(libc::SYS_open_by_handle_at, [u64::MAX, 0, 0, 0, 0, 0])),
+        "mknod" => mknod_in(args.first().ok_or("mknod needs a directory")?),
         "sweep" => serde_json::to_value(calls::sweep()).map_err(|e| e.to_string())?,
         "must-deny" => serde_json::to_value(calls::must_deny_check()).map_err(|e| e.to_string())?,
         other => return Err(format!("unknown selftest check {other:?}")),

@@ -37,6 +37,18 @@ impl Outcome {
     }
 }
 
+/// Whether a seccomp filter is on this process (`Seccomp: 2` in `/proc/self/status`): the sign
+/// of running in a sandbox, which the checks that touch many system calls or devices wait for.
+pub fn seccomp_active() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            l.split_once(':')
+                .is_some_and(|(k, v)| k == "Seccomp" && v.trim() == "2")
+        })
+}
+
 /// The calling thread's errno after a failed call.
 pub fn errno() -> i32 {
     io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -273,6 +285,24 @@ pub fn fs_type_and_ro(path: &str) -> Result<(i64, bool), i32> {
 }
 
 /// `(major, minor)` of a device number (glibc encoding).
+/// The `mknod` system call itself (`at` false) or `mknodat(AT_FDCWD, …)` (glibc's `mknod` is
+/// `mknodat`, so each number is called by hand).
+pub fn mknod_call(at: bool, path: &str, mode: u32, dev: u64) -> Result<(), i32> {
+    let c = cpath(path)?;
+    // SAFETY: `c` is NUL-terminated and valid for the call; the other arguments are integers.
+    let rc = unsafe {
+        if at {
+            libc::syscall(libc::SYS_mknodat, libc::AT_FDCWD, c.as_ptr(), mode, dev)
+        } else {
+            libc::syscall(libc::SYS_mknod, c.as_ptr(), mode, dev)
+        }
+    };
+    if rc != 0 {
+        return Err(errno());
+    }
+    Ok(())
+}
+
 pub fn major_minor(dev: u64) -> (u64, u64) {
     (
         ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff),

@@ -1,4 +1,4 @@
-//! The seccomp policy enforced by the kernel (TESTING.md S-04, S-05, C-05, C-06): each test runs
+//! The seccomp policy enforced by the kernel (TESTING.md S-04, S-05, S-12, C-05, C-06): each test runs
 //! `dsec-probe seccomp-selftest CHECK`, which installs `Filter::build()` on itself and makes one
 //! call, and observes the probe's JSON or its death by SIGSYS.
 
@@ -104,6 +104,21 @@ fn s05_personality_only_query() {
     assert_eq!(r["set_linux32"]["errno"], libc::EPERM, "{r}");
 }
 
+/// S-12: under the filter, this test process (root with `CAP_MKNOD`, which makes any node
+/// without it) makes no character or block device, not even a whiteout; a FIFO it makes.
+#[test]
+fn s12_mknod_of_device_nodes_fails_with_eperm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let r = result_of(&["mknod", dir.path().to_str().expect("utf-8 path")]);
+    for call in ["mknod", "mknodat"] {
+        for node in ["char", "block", "whiteout"] {
+            let got = &r[format!("{call} {node}")];
+            assert_eq!(got["errno"], libc::EPERM, "{call} {node}: {r}");
+        }
+        assert_eq!(r[format!("{call} fifo")], "made", "{r}");
+    }
+}
+
 /// S-05 ptrace and unshare, S-04 the i386 `int 0x80` and x32 ABIs, C-06 open_by_handle_at:
 /// each is killed by SIGSYS.
 #[test]
@@ -163,8 +178,8 @@ fn report_prints_stable_json_outside_a_sandbox() {
     assert_eq!(
         ids,
         [
-            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "S-11", "C-01",
-            "C-03", "C-04", "C-05", "C-06"
+            "S-01", "S-02", "S-03", "S-04", "S-05", "S-06", "S-07", "S-08", "S-10", "S-11", "S-12",
+            "S-13", "C-01", "C-03", "C-04", "C-05", "C-06"
         ]
     );
     // The test process is no sandbox: at least the seccomp-dependent checks fail.

@@ -3,12 +3,13 @@
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
-use dsec_sys::cgroup::CgroupManager;
+use dsec_sys::cgroup::{Cgroup, CgroupLimits, CgroupManager};
 use dsec_sys::ipc;
-use dsec_sys::launch::RootfsSpec;
+use dsec_sys::launch::{RootfsSpec, SANDBOX_DEVICES};
 use dsec_sys::seccomp::Filter;
 
-use crate::proto::SupervisorMsg;
+use crate::failure::cgroup_failure;
+use crate::proto::{LaunchFailure, SupervisorMsg};
 
 /// State shared by the spawner and inherited by every supervisor it forks.
 pub(crate) struct SpawnerCtx {
@@ -24,6 +25,26 @@ pub(crate) struct SpawnerCtx {
     /// The root most creates ask for (the default template with default limits): idle shells
     /// build it ahead of time.
     pub(crate) likely_rootfs: Option<RootfsSpec>,
+}
+
+impl SpawnerCtx {
+    /// Creates the cgroup `name` of a sandbox (or of an idle shell, which becomes one): `limits`,
+    /// and the devices of [`SANDBOX_DEVICES`] only. Nothing is left behind on failure.
+    pub(crate) fn sandbox_cgroup(
+        &self,
+        name: &str,
+        limits: &CgroupLimits,
+    ) -> Result<Cgroup, LaunchFailure> {
+        let cgroup = self
+            .cgroups
+            .create(name, limits)
+            .map_err(|e| cgroup_failure(&e))?;
+        if let Err(e) = cgroup.limit_devices(&SANDBOX_DEVICES) {
+            let _ = cgroup.remove();
+            return Err(cgroup_failure(&e));
+        }
+        Ok(cgroup)
+    }
 }
 
 /// Sends `msg` (and `fds`) as one message on `sock`.

@@ -34,10 +34,12 @@ pub(crate) fn failure(step: LaunchStep, e: &(dyn Error + 'static)) -> LaunchFail
 }
 
 /// A failure of the cgroup step `e` belongs to: making or renaming the directory, or writing
-/// a limit.
+/// a limit (the device list among them).
 pub(crate) fn cgroup_failure(e: &CgroupError) -> LaunchFailure {
     let step = match e {
-        CgroupError::Write { .. } | CgroupError::InvalidLimit { .. } => LaunchStep::CgroupLimits,
+        CgroupError::Write { .. }
+        | CgroupError::InvalidLimit { .. }
+        | CgroupError::DeviceProgram { .. } => LaunchStep::CgroupLimits,
         CgroupError::Attach { .. } => LaunchStep::CgroupAttach,
         _ => LaunchStep::CgroupCreate,
     };
@@ -137,5 +139,12 @@ mod tests {
         let f = cgroup_failure(&write);
         assert_eq!((f.step, f.errno), (LaunchStep::CgroupLimits, Some(16)));
         assert!(f.message.contains("memory.max"), "{}", f.message);
+        let program = CgroupError::DeviceProgram {
+            path: PathBuf::from("/sys/fs/cgroup/dsec/sb-x"),
+            step: "attach",
+            source: io::Error::from_raw_os_error(1),
+        };
+        let f = cgroup_failure(&program);
+        assert_eq!((f.step, f.errno), (LaunchStep::CgroupLimits, Some(1)));
     }
 }

@@ -101,10 +101,7 @@ pub(crate) fn placeholder_init(
 fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
     let ids = lease_ids()?;
     let name = format!("shell-{}", std::process::id());
-    let cgroup = ctx
-        .cgroups
-        .create(&name, &CgroupLimits::default())
-        .map_err(|e| cgroup_failure(&e))?;
+    let cgroup = ctx.sandbox_cgroup(&name, &CgroupLimits::default())?;
     let mut reset_state = launch::ResetState::default();
     let map = id_map(&ids);
     match placeholder_init(ctx, stage, Some(map), &cgroup, &mut reset_state) {

@@ -134,8 +134,8 @@ struct Acquired {
     tree: Option<launch::RootTree>,
 }
 
-/// Creates the sandbox's cgroup, or gives a pre-built shell's cgroup the sandbox's name and
-/// limits.
+/// Creates the sandbox's cgroup, or gives a pre-built shell's cgroup (made with the same device
+/// list, [`SpawnerCtx::sandbox_cgroup`]) the sandbox's name and limits.
 fn sandbox_cgroup(
     ctx: &SpawnerCtx,
     cfg: &LaunchConfig,
@@ -149,10 +149,7 @@ fn sandbox_cgroup(
         ids: _,
     }) = pre
     else {
-        let cgroup = ctx
-            .cgroups
-            .create(&cfg.id, &cgroup_limits(&cfg.limits))
-            .map_err(|e| cgroup_failure(&e))?;
+        let cgroup = ctx.sandbox_cgroup(&cfg.id, &cgroup_limits(&cfg.limits))?;
         return Ok(Acquired {
             cgroup,
             shell: None,

@@ -6,9 +6,9 @@
 //! - **v2** (production): one directory `<root>/<base>/<name>` in the unified hierarchy. The
 //!   manager enables `cpu`, `memory` and `pids` in the `cgroup.subtree_control` of the root and of
 //!   the base cgroup (only controllers the root offers).
-//! - **v1**: one directory per hierarchy: `cpu`, `memory`, `pids`, plus `cpuacct` when it is
-//!   mounted (co-mounted `cpu,cpuacct` counts once). A pid is attached by writing it into every
-//!   hierarchy's `cgroup.procs` ([`Cgroup::procs_paths`]).
+//! - **v1**: one directory per hierarchy: `cpu`, `memory`, `pids`, plus `cpuacct` and `devices`
+//!   when they are mounted (co-mounted `cpu,cpuacct` counts once). A pid is attached by writing
+//!   it into every hierarchy's `cgroup.procs` ([`Cgroup::procs_paths`]).
 //!
 //! Limits ([`CgroupLimits`]) use v2 semantics and are translated for v1 (`cpu.weight` →
 //! `cpu.shares`, `memory.high` → `memory.soft_limit_in_bytes`, …). Swap is always capped at zero
@@ -16,16 +16,22 @@
 //! memory.limit_in_bytes` (v1); a kernel without swap accounting is reported as
 //! [`SwapLimit::NotAccounted`], not as an error.
 //!
+//! Device access is limited separately, by [`Cgroup::limit_devices`] with a list of
+//! [`DeviceRule`]s: `devices.deny`/`devices.allow` (v1) or a `BPF_CGROUP_DEVICE` program (v2,
+//! [`devices`]).
+//!
 //! Attaching a pid to a cgroup write-locks the kernel's global `cgroup_threadgroup_rwsem`, which
 //! costs an RCU grace period (≈10 ms) unless some hierarchy is mounted with `favordynmods`; see
 //! [`CgroupManager::favor_dynmods`].
 //!
 //! All file IO is plain `std::fs`; the only `unsafe` is the pidfd and mount system calls.
 
+pub mod devices;
 mod group;
 mod manager;
 mod parse;
 
+pub use devices::{DeviceKind, DeviceRule};
 pub use group::Cgroup;
 pub use manager::{remount_args, CgroupManager, FAVORDYNMODS_DIR};
 pub use parse::{
@@ -154,6 +160,17 @@ pub enum CgroupError {
         #[source]
         source: io::Error,
     },
+    /// Loading or attaching a v2 device program failed.
+    #[error("{step} of the device program of {}", path.display())]
+    DeviceProgram {
+        /// The cgroup directory.
+        path: PathBuf,
+        /// `load`, `open` (the directory) or `attach`.
+        step: &'static str,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// Mounting (or remounting) a cgroup file system failed.
     #[error("mounting {fs_type} at {} with {options:?}", path.display())]
     Mount {
@@ -198,6 +215,8 @@ pub enum CgroupLayout {
         memory: PathBuf,
         /// Hierarchy with the `pids` controller.
         pids: PathBuf,
+        /// Hierarchy with the `devices` controller, if mounted.
+        devices: Option<PathBuf>,
     },
     /// cgroup v2: the unified mount point.
     V2 {
@@ -252,6 +271,7 @@ impl CgroupLayout {
                 cpuacct: v1("cpuacct"),
                 memory,
                 pids,
+                devices: v1("devices"),
             }),
             (cpu, memory, pids) => {
                 let missing: Vec<&str> = [("cpu", cpu), ("memory", memory), ("pids", pids)]
@@ -384,12 +404,17 @@ impl CgroupLayout {
                 cpuacct,
                 memory,
                 pids,
+                devices,
             } => {
-                let mut out: Vec<PathBuf> = Vec::with_capacity(4);
-                for dir in [Some(memory), Some(pids), Some(cpu), cpuacct.as_ref()]
-                    .into_iter()
-                    .flatten()
-                {
+                let mut out: Vec<PathBuf> = Vec::with_capacity(5);
+                let dirs = [
+                    Some(memory),
+                    Some(pids),
+                    Some(cpu),
+                    cpuacct.as_ref(),
+                    devices.as_ref(),
+                ];
+                for dir in dirs.into_iter().flatten() {
                     if !out.contains(dir) {
                         out.push(dir.clone());
                     }
@@ -438,6 +463,7 @@ mod tests {
         let text = "\
 32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
 35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
 39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 ";
@@ -450,6 +476,7 @@ mod tests {
                 cpuacct: Some(cpu),
                 memory: "/sys/fs/cgroup/memory".into(),
                 pids: "/sys/fs/cgroup/pids".into(),
+                devices: Some("/sys/fs/cgroup/devices".into()),
             })
         );
     }
@@ -476,8 +503,9 @@ mod tests {
             cpuacct: Some(cpu.clone()),
             memory: "/c/memory/dsec/x".into(),
             pids: "/c/pids/dsec/x".into(),
+            devices: Some("/c/devices/dsec/x".into()),
         };
-        assert_eq!(dirs.all().len(), 3);
+        assert_eq!(dirs.all().len(), 4);
         assert!(dirs.all().contains(&cpu));
     }
 

@@ -16,6 +16,8 @@
 use std::io;
 use std::os::fd::OwnedFd;
 
+use crate::cgroup::devices::{ACCESS_MKNOD, ACCESS_READ, ACCESS_WRITE};
+use crate::cgroup::DeviceRule;
 use crate::seccomp::Filter;
 
 mod child;
@@ -172,6 +174,35 @@ pub struct Launched {
     pub pid: i32,
 }
 
+/// The device nodes of the sandbox's `/dev`: name, major, minor (`build_dev` makes them).
+const DEV_NODES: [(&str, u32, u32); 6] = [
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
+
+const RW: u8 = ACCESS_READ | ACCESS_WRITE;
+
+/// The devices a sandbox's cgroup allows ([`Cgroup::limit_devices`]), and nothing else: the
+/// nodes of its `/dev` ([`DEV_NODES`], made by `mknod` inside the cgroup in the default mode,
+/// hence `m`), its devpts instance's `ptmx` (5:2) and every pty (136:*). Any other device fails
+/// with `EPERM` on `open` and `mknod`, even where a node exists on a mount without `nodev`.
+///
+/// [`Cgroup::limit_devices`]: crate::cgroup::Cgroup::limit_devices
+pub const SANDBOX_DEVICES: [DeviceRule; 8] = [
+    DeviceRule::char(1, Some(3), RW | ACCESS_MKNOD),
+    DeviceRule::char(1, Some(5), RW | ACCESS_MKNOD),
+    DeviceRule::char(1, Some(7), RW | ACCESS_MKNOD),
+    DeviceRule::char(1, Some(8), RW | ACCESS_MKNOD),
+    DeviceRule::char(1, Some(9), RW | ACCESS_MKNOD),
+    DeviceRule::char(5, Some(0), RW | ACCESS_MKNOD),
+    DeviceRule::char(5, Some(2), RW),
+    DeviceRule::char(136, None, RW),
+];
+
 /// Masked `/proc` entries (OCI defaults): files get the host's `/dev/null` bound over them,
 /// directories an empty directory ([`RootfsSpec::empty_dir`]), both read-only.
 pub const MASKED_PROC: &[&str] = &[
@@ -285,5 +316,29 @@ impl From<StepError> for LaunchError {
             step: e.step.to_string(),
             errno: io::Error::from_raw_os_error(e.errno),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every node `build_dev` makes is on the cgroup's list, `mknod` included; so are the
+    /// devpts instance's `ptmx` and its ptys.
+    #[test]
+    fn sandbox_devices_cover_the_sandbox_dev() {
+        let allows = |major: u32, minor: u32, access: u8| {
+            SANDBOX_DEVICES.iter().any(|r| {
+                r.major == Some(major)
+                    && r.minor.is_none_or(|m| m == minor)
+                    && r.access & access == access
+            })
+        };
+        for (name, major, minor) in DEV_NODES {
+            assert!(allows(major, minor, RW | ACCESS_MKNOD), "{name}");
+        }
+        assert!(allows(5, 2, RW) && allows(136, 0, RW) && allows(136, 4095, RW));
+        assert!(!allows(5, 2, ACCESS_MKNOD) && !allows(1, 1, ACCESS_READ));
+        assert!(!allows(10, 200, ACCESS_READ) && !allows(5, 1, ACCESS_READ));
     }
 }

@@ -7,11 +7,12 @@
 //!    ABI, `int 0x80`);
 //! 2. kills the process if `nr >= 0x4000_0000` (the x32 ABI bit);
 //! 3. binary-searches the syscall number over the table, compressed into ranges of equal rules,
-//!    and returns the rule's action. Four rules inspect an argument: `clone` (killed when any
+//!    and returns the rule's action. Five rules inspect an argument: `clone` (killed when any
 //!    `CLONE_NEW*` flag is set), `ioctl` (`TIOCSTI` and `TIOCLINUX` fail with `EPERM`),
-//!    `personality` (only the query `0xffffffff` is allowed, anything else fails with `EPERM`)
-//!    and `socket`/`socketpair` (only the families of [`SOCKET_FAMILIES`] and `NETLINK_ROUTE`;
-//!    anything else fails with `EAFNOSUPPORT`).
+//!    `personality` (only the query `0xffffffff` is allowed, anything else fails with `EPERM`),
+//!    `socket`/`socketpair` (only the families of [`SOCKET_FAMILIES`] and `NETLINK_ROUTE`;
+//!    anything else fails with `EAFNOSUPPORT`) and `mknod`/`mknodat` (a character or block
+//!    device node fails with `EPERM`; FIFOs, sockets and regular files are made).
 //!
 //! Anything the table does not allow or kill fails with `ENOSYS`, so programs take their
 //! fallback paths (glibc retries `clone3` as `clone`). The [`Filter`] is built before fork (it
@@ -47,9 +48,17 @@ enum Rule {
     /// `socket`, `socketpair`: only the families in [`SOCKET_FAMILIES`], and `AF_NETLINK` only
     /// for `NETLINK_ROUTE`; any other family fails with `EAFNOSUPPORT`.
     Socket,
+    /// `mknod` (mode in argument 1), `mknodat` (argument 2): a mode whose file type
+    /// (`mode & S_IFMT`) is `S_IFCHR` or `S_IFBLK` fails with `EPERM`; any other is allowed.
+    Mknod {
+        /// Index of the mode argument.
+        mode_arg: u32,
+    },
 }
 
 const A: Rule = Rule::Plain(Action::Allow);
+const MKNOD: Rule = Rule::Mknod { mode_arg: 1 };
+const MKNODAT: Rule = Rule::Mknod { mode_arg: 2 };
 const K: Rule = Rule::Plain(Action::Kill);
 const EPERM: Rule = Rule::Plain(Action::Errno(libc::EPERM as u16));
 const NOSYS: Rule = Rule::Plain(Action::Errno(libc::ENOSYS as u16));
@@ -76,6 +85,11 @@ pub const SOCKET_FAMILIES: [u32; 3] = [
     libc::AF_INET as u32,
     libc::AF_INET6 as u32,
 ];
+
+/// The file-type bits of a mode, and the two types `mknod`/`mknodat` may not create.
+const S_IFMT: u32 = libc::S_IFMT;
+const S_IFCHR: u32 = libc::S_IFCHR;
+const S_IFBLK: u32 = libc::S_IFBLK;
 
 const AF_NETLINK: u32 = libc::AF_NETLINK as u32;
 const NETLINK_ROUTE: u32 = libc::NETLINK_ROUTE as u32;
@@ -126,7 +140,7 @@ const TABLE: &[(u32, &str, Rule)] = &[
     (121, "getpgid", A), (122, "setfsuid", A), (123, "setfsgid", A), (124, "getsid", A),
     (125, "capget", A), (126, "capset", A), (127, "rt_sigpending", A),
     (128, "rt_sigtimedwait", A), (129, "rt_sigqueueinfo", A), (130, "rt_sigsuspend", A),
-    (131, "sigaltstack", A), (132, "utime", A), (133, "mknod", A), (134, "uselib", K),
+    (131, "sigaltstack", A), (132, "utime", A), (133, "mknod", MKNOD), (134, "uselib", K),
     (135, "personality", Rule::Personality), (136, "ustat", NOSYS), (137, "statfs", A),
     (138, "fstatfs", A), (139, "sysfs", NOSYS), (140, "getpriority", A),
     (141, "setpriority", A), (142, "sched_setparam", A), (143, "sched_getparam", A),
@@ -164,7 +178,7 @@ const TABLE: &[(u32, &str, Rule)] = &[
     (245, "mq_getsetattr", A), (246, "kexec_load", K), (247, "waitid", A), (248, "add_key", K),
     (249, "request_key", K), (250, "keyctl", K), (251, "ioprio_set", A), (252, "ioprio_get", A),
     (253, "inotify_init", A), (254, "inotify_add_watch", A), (255, "inotify_rm_watch", A),
-    (256, "migrate_pages", EPERM), (257, "openat", A), (258, "mkdirat", A), (259, "mknodat", A),
+    (256, "migrate_pages", EPERM), (257, "openat", A), (258, "mkdirat", A), (259, "mknodat", MKNODAT),
     (260, "fchownat", A), (261, "futimesat", A), (262, "newfstatat", A), (263, "unlinkat", A),
     (264, "renameat", A), (265, "linkat", A), (266, "symlinkat", A), (267, "readlinkat", A),
     (268, "fchmodat", A), (269, "faccessat", A), (270, "pselect6", A), (271, "ppoll", A),
@@ -221,8 +235,9 @@ fn lookup(nr: u32) -> Option<(&'static str, Rule)> {
 
 /// The table's action for syscall `nr` (x86_64 numbering, without the x32 bit).
 ///
-/// Argument-filtered calls report what a call with all-zero arguments gets: `clone` and `ioctl`
-/// are [`Action::Allow`], `personality` is `Errno(EPERM)`. Numbers with the x32 bit set are
+/// Argument-filtered calls report what a call with all-zero arguments gets: `clone`, `ioctl`
+/// and `mknod`/`mknodat` (mode 0 is a regular file) are [`Action::Allow`], `personality` is
+/// `Errno(EPERM)`, `socket`/`socketpair` `Errno(EAFNOSUPPORT)`. Numbers with the x32 bit set are
 /// [`Action::Kill`]; numbers the table does not name are `Errno(ENOSYS)`.
 pub fn policy_action(nr: u32) -> Action {
     if nr >= X32_SYSCALL_BIT {
@@ -230,7 +245,7 @@ pub fn policy_action(nr: u32) -> Action {
     }
     match lookup(nr).map(|(_, r)| r) {
         Some(Rule::Plain(a)) => a,
-        Some(Rule::Clone | Rule::Ioctl) => Action::Allow,
+        Some(Rule::Clone | Rule::Ioctl | Rule::Mknod { .. }) => Action::Allow,
         Some(Rule::Personality) => Action::Errno(libc::EPERM as u16),
         // Family 0 is `AF_UNSPEC`, not on the list.
         Some(Rule::Socket) => Action::Errno(EAFNOSUPPORT),
@@ -239,8 +254,8 @@ pub fn policy_action(nr: u32) -> Action {
 }
 
 /// True for the calls whose outcome depends on their arguments (`clone`, `ioctl`,
-/// `personality`, `socket`, `socketpair`); [`policy_action`] describes them with all-zero
-/// arguments.
+/// `personality`, `socket`, `socketpair`, `mknod`, `mknodat`); [`policy_action`] describes them
+/// with all-zero arguments.
 pub fn is_arg_filtered(nr: u32) -> bool {
     matches!(lookup(nr), Some((_, rule)) if !matches!(rule, Rule::Plain(_)))
 }
@@ -279,6 +294,7 @@ pub fn render_table() -> String {
                 "allow AF_UNIX, AF_INET, AF_INET6, AF_NETLINK with NETLINK_ROUTE; EAFNOSUPPORT otherwise"
                     .to_owned()
             }
+            Rule::Mknod { .. } => "allow; EPERM for S_IFCHR and S_IFBLK modes".to_owned(),
         };
         out.push_str(&format!("| {nr} | {name} | {action} |\n"));
     }
@@ -312,6 +328,7 @@ const BPF_JEQ_K: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
 const BPF_JGE_K: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
 const BPF_JSET_K: u16 = (libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K) as u16;
 const BPF_RET_K: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
+const BPF_AND_K: u16 = (libc::BPF_ALU | libc::BPF_AND | libc::BPF_K) as u16;
 
 // struct seccomp_data { int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]; }
 const OFF_NR: u32 = 0;
@@ -386,6 +403,15 @@ fn leaf(rule: Rule) -> Vec<libc::sock_filter> {
             jump(BPF_JEQ_K, NETLINK_ROUTE, 0, 1),
             stmt(BPF_RET_K, RET_ALLOW),
             stmt(BPF_RET_K, ret_errno(EAFNOSUPPORT)),
+        ],
+        // The kernel reads the mode as `umode_t`: the file type is in the low 16 bits.
+        Rule::Mknod { mode_arg } => vec![
+            stmt(BPF_LD_W_ABS, off_arg_lo(mode_arg)),
+            stmt(BPF_AND_K, S_IFMT),
+            jump(BPF_JEQ_K, S_IFCHR, 2, 0),
+            jump(BPF_JEQ_K, S_IFBLK, 1, 0),
+            stmt(BPF_RET_K, RET_ALLOW),
+            stmt(BPF_RET_K, ret_errno(libc::EPERM as u16)),
         ],
     }
 }
@@ -522,6 +548,7 @@ mod tests {
                     acc = u32::from_le_bytes(data[o..o + 4].try_into().expect("4 bytes"));
                 }
                 BPF_RET_K => return ins.k,
+                BPF_AND_K => acc &= ins.k,
                 BPF_JEQ_K | BPF_JGE_K | BPF_JSET_K => {
                     let t = match ins.code {
                         BPF_JEQ_K => acc == ins.k,
@@ -646,6 +673,48 @@ mod tests {
         }
         assert!(is_arg_filtered(41) && is_arg_filtered(53));
         assert_eq!(policy_action(41), Action::Errno(EAFNOSUPPORT));
+    }
+
+    #[test]
+    fn mknod_of_device_nodes_is_refused() {
+        let f = Filter::build();
+        let p = f.instructions();
+        let x = AUDIT_ARCH_X86_64;
+        let eperm = ret_errno(libc::EPERM as u16);
+        let mem = libc::makedev(1, 1);
+        // mknod(path, mode, dev), mknodat(dirfd, path, mode, dev).
+        let mknod = |mode: u32| run(p, x, 133, [0, u64::from(mode), mem, 0, 0, 0]);
+        let at = |mode: u32| {
+            let dirfd = libc::AT_FDCWD as u64;
+            run(p, x, 259, [dirfd, 0, u64::from(mode), mem, 0, 0])
+        };
+        for call in [&mknod as &dyn Fn(u32) -> u32, &at] {
+            for kind in [libc::S_IFCHR, libc::S_IFBLK] {
+                assert_eq!(call(kind | 0o666), eperm, "{kind:o}");
+                // Whiteouts (0:0 character devices) too; bits above the 16-bit mode count not.
+                assert_eq!(call(kind), eperm, "{kind:o}");
+                assert_eq!(call((1 << 16) | kind | 0o600), eperm, "{kind:o}");
+            }
+            for kind in [libc::S_IFIFO, libc::S_IFSOCK, libc::S_IFREG, 0] {
+                assert_eq!(call(kind | 0o644), RET_ALLOW, "{kind:o}");
+            }
+            // S_IFCHR | S_IFDIR is S_IFBLK; S_IFCHR | S_IFIFO is no device (the kernel: EINVAL).
+            assert_eq!(call(libc::S_IFCHR | libc::S_IFDIR), eperm);
+            assert_eq!(call(libc::S_IFCHR | libc::S_IFIFO), RET_ALLOW);
+        }
+        // The mode argument of the other call is not looked at.
+        assert_eq!(
+            run(p, x, 133, [0, 0, u64::from(libc::S_IFCHR), 0, 0, 0]),
+            RET_ALLOW
+        );
+        assert_eq!(
+            run(p, x, 259, [0, u64::from(libc::S_IFCHR), 0, 0, 0, 0]),
+            RET_ALLOW
+        );
+        assert!(is_arg_filtered(133) && is_arg_filtered(259));
+        assert_eq!(policy_action(133), Action::Allow);
+        assert!(render_table()
+            .contains("| 259 | mknodat | allow; EPERM for S_IFCHR and S_IFBLK modes |"));
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! - Real-kernel tests use the host layout from [`CgroupManager::detect`] (v1 on the dev VM, v2
 //!   on production-like hosts) and check limits, attach, enforcement, kill and removal.
 //! - v2 paths are also exercised on the host's cgroup2 mount even when it has no controllers
-//!   (directory creation, attach, `cgroup.procs`, `cgroup.kill`), and the v2 file-writing logic
-//!   on a fake root (a plain temporary directory with the expected files).
+//!   (directory creation, attach, `cgroup.procs`, `cgroup.kill`, the device program), and the
+//!   v2 file-writing logic on a fake root (a plain temporary directory with the expected files).
 //!
 //! Every test has a base cgroup of its own (`dsec-test-cg-<pid>-<test>`, so that tests running
 //! at once, here or in another checkout, never share one) and removes its cgroups and that
@@ -18,9 +18,10 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use dsec_sys::cgroup::devices::{ACCESS_MKNOD, ACCESS_READ, ACCESS_WRITE};
 use dsec_sys::cgroup::{
     parse_mountinfo, Cgroup, CgroupError, CgroupLayout, CgroupLimits, CgroupManager, CgroupVersion,
-    MountInfo, SwapLimit,
+    DeviceRule, MountInfo, SwapLimit,
 };
 
 type TestResult = Result<(), Box<dyn Error>>;
@@ -292,6 +293,71 @@ fn attach_pids_kill_remove() -> TestResult {
     Ok(())
 }
 
+/// The device list of the device tests: `/dev/null` and `/dev/zero`, and every pty.
+const TEST_DEVICES: [DeviceRule; 3] = [
+    DeviceRule::char(1, Some(3), ACCESS_READ | ACCESS_WRITE | ACCESS_MKNOD),
+    DeviceRule::char(1, Some(5), ACCESS_READ | ACCESS_WRITE),
+    DeviceRule::char(136, None, ACCESS_READ | ACCESS_WRITE),
+];
+
+/// Runs `sh` in `cg`: it opens `/dev/null` and `/dev/zero` (on the list) and `/dev/kmsg` (not
+/// on it; this test process, root with every capability, may open it otherwise) and prints
+/// what happened, one word each.
+fn open_devices_in(cg: &Cgroup) -> Result<String, Box<dyn Error>> {
+    let join: String = cg
+        .procs_paths()
+        .iter()
+        .map(|p| format!("echo $$ > '{}' || exit 99; ", p.display()))
+        .collect();
+    let script = format!(
+        "{join}for d in null zero kmsg; do \
+           if (exec 3< /dev/$d) 2>/dev/null; then echo $d-opened; else echo $d-refused; fi; \
+         done"
+    );
+    let out = Command::new("sh").args(["-c", &script]).output()?;
+    assert!(out.status.success(), "{out:?}");
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// v1: `limit_devices` writes the list (read back from `devices.list`), the kernel enforces
+/// it, and the devices directory is renamed and removed with the others.
+#[test]
+fn v1_device_list_is_enforced_renamed_and_removed() -> TestResult {
+    let mgr = host("v1_device_list_is_enforced_renamed_and_removed");
+    let CgroupLayout::V1 {
+        devices: Some(_), ..
+    } = mgr.layout()
+    else {
+        // Not a v1 host with the devices hierarchy: the v2 program is tested below.
+        return Ok(());
+    };
+    let name = "devices";
+    let _guard = CgGuard::new(&mgr, name);
+    let cg = mgr.create(name, &CgroupLimits::default())?;
+    let dir = cg.devices_dir().expect("a devices directory").to_owned();
+    assert!(cg.dirs().contains(&dir));
+    assert!(cg.limit_devices(&TEST_DEVICES)?);
+    assert_eq!(
+        read(&dir.join("devices.list")),
+        "c 1:3 rwm\nc 1:5 rw\nc 136:* rw"
+    );
+    assert_eq!(
+        open_devices_in(&cg)?,
+        "null-opened\nzero-opened\nkmsg-refused\n"
+    );
+
+    let _renamed_guard = CgGuard::new(&mgr, "devices-renamed");
+    let cg = mgr.rename(cg, "devices-renamed")?;
+    let renamed = cg.devices_dir().expect("a devices directory").to_owned();
+    assert!(!dir.exists() && renamed.exists(), "{}", renamed.display());
+    assert_eq!(
+        read(&renamed.join("devices.list")),
+        "c 1:3 rwm\nc 1:5 rw\nc 136:* rw"
+    );
+    remove_all_gone(cg)?;
+    Ok(())
+}
+
 #[test]
 fn pids_max_is_enforced() -> TestResult {
     let (_mgr, cg) = with_cgroup(
@@ -537,6 +603,26 @@ fn v2_real_create_attach_kill_remove() -> TestResult {
     Ok(())
 }
 
+/// v2: `limit_devices` loads and attaches a `BPF_CGROUP_DEVICE` program, which the kernel runs
+/// for the processes of the host's cgroup2 hierarchy (there even when it has no controllers:
+/// the program is the cgroup's, not a controller's); the program goes with the cgroup.
+#[test]
+fn v2_device_program_is_enforced() -> TestResult {
+    let (_mgr, cg) = with_cgroup(
+        v2_host("v2_device_program_is_enforced"),
+        "devices",
+        CgroupLimits::default(),
+    )?;
+    assert!(cg.devices_dir().is_none());
+    assert!(cg.limit_devices(&TEST_DEVICES)?);
+    assert_eq!(
+        open_devices_in(&cg)?,
+        "null-opened\nzero-opened\nkmsg-refused\n"
+    );
+    remove_all_gone(cg)?;
+    Ok(())
+}
+
 #[test]
 fn favor_dynmods_v2_remount() -> TestResult {
     let original = cgroup2_mount();
@@ -758,6 +844,7 @@ fn v1_fake_root_maps_limits_and_tolerates_missing_memsw() -> TestResult {
         cpuacct: Some(r.join("cpu,cpuacct")),
         memory: r.join("memory"),
         pids: r.join("pids"),
+        devices: None,
     };
     for h in ["cpu,cpuacct", "memory", "pids"] {
         touch(&r.join(h), &[])?;

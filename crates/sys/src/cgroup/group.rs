@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::{
     parse_cpu_stat, parse_memory_events, parse_oom_control, parse_procs, parse_single_value,
     weight_to_shares, CgroupError, CgroupLayout, CgroupLimits, CgroupStats, CgroupVersion,
-    SwapLimit,
+    DeviceRule, SwapLimit,
 };
 
 /// How long [`Cgroup::remove`] retries `rmdir` on `EBUSY`.
@@ -83,6 +83,42 @@ impl Cgroup {
                 cpu, memory, pids, ..
             } => set_limits_v1(cpu, memory, pids, limits),
             CgroupLayout::V2 { root: dir } => set_limits_v2(dir, limits),
+        }
+    }
+
+    /// Lets the cgroup's processes create (`mknod`) and open only the devices `allowed` names;
+    /// any other device fails with `EPERM` (see [`devices`](super::devices)). v1 writes `a` into
+    /// `devices.deny`, then one line per rule into `devices.allow`; v2 attaches a
+    /// `BPF_CGROUP_DEVICE` program ([`devices::attach_program`](super::devices::attach_program);
+    /// call it once per cgroup). Returns `false`, having done nothing, on a v1 host without the
+    /// `devices` hierarchy. Meant for a fresh cgroup, before any process joins it (a process
+    /// keeps the devices it already has open).
+    pub fn limit_devices(&self, allowed: &[DeviceRule]) -> Result<bool, CgroupError> {
+        match &self.dirs {
+            CgroupLayout::V1 {
+                devices: Some(dir), ..
+            } => {
+                write_file(&dir.join("devices.deny"), "a")?;
+                let allow = dir.join("devices.allow");
+                for rule in allowed {
+                    write_file(&allow, &rule.v1_line())?;
+                }
+                Ok(true)
+            }
+            CgroupLayout::V1 { devices: None, .. } => Ok(false),
+            CgroupLayout::V2 { root: dir } => {
+                super::devices::attach_program(dir, allowed)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// The cgroup's directory in the v1 `devices` hierarchy, if that is mounted (its
+    /// `devices.list` shows what [`limit_devices`](Self::limit_devices) allowed).
+    pub fn devices_dir(&self) -> Option<&Path> {
+        match &self.dirs {
+            CgroupLayout::V1 { devices, .. } => devices.as_deref(),
+            CgroupLayout::V2 { .. } => None,
         }
     }
 

@@ -87,11 +87,13 @@ impl CgroupManager {
                 cpuacct,
                 memory,
                 pids,
+                devices,
             } => CgroupLayout::V1 {
                 cpu: dir(cpu),
                 cpuacct: cpuacct.as_deref().map(dir),
                 memory: dir(memory),
                 pids: dir(pids),
+                devices: devices.as_deref().map(dir),
             },
             CgroupLayout::V2 { root } => CgroupLayout::V2 { root: dir(root) },
         }

@@ -3,7 +3,7 @@
 
 use std::ffi::CString;
 
-use super::{ContainerSpec, LaunchError, RootfsSpec, MASKED_PROC, READONLY_PROC};
+use super::{ContainerSpec, LaunchError, RootfsSpec, DEV_NODES, MASKED_PROC, READONLY_PROC};
 
 pub(super) struct Prepared {
     pub(super) stage: CString,
@@ -88,25 +88,18 @@ pub(super) fn prepare_parts(
     let dev = format!("{root}/dev");
     let dev_src = format!("{stage}/dev");
     let proc_ = format!("{root}/proc");
-    let dev_nodes = [
-        ("null", 1, 3),
-        ("zero", 1, 5),
-        ("full", 1, 7),
-        ("random", 1, 8),
-        ("urandom", 1, 9),
-        ("tty", 5, 0),
-    ]
-    .iter()
-    .map(|(n, ma, mi)| {
-        Ok(DevNode {
-            src: cstr(format!("{dev_src}/{n}"), "dev")?,
-            dst: cstr(format!("{dev}/{n}"), "dev")?,
-            host: cstr(format!("/dev/{n}"), "dev")?,
-            major: *ma,
-            minor: *mi,
+    let dev_nodes = DEV_NODES
+        .iter()
+        .map(|(n, ma, mi)| {
+            Ok(DevNode {
+                src: cstr(format!("{dev_src}/{n}"), "dev")?,
+                dst: cstr(format!("{dev}/{n}"), "dev")?,
+                host: cstr(format!("/dev/{n}"), "dev")?,
+                major: *ma,
+                minor: *mi,
+            })
         })
-    })
-    .collect::<Result<Vec<_>, LaunchError>>()?;
+        .collect::<Result<Vec<_>, LaunchError>>()?;
     let dev_links = [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),
