@@ -298,8 +298,8 @@ fn cycle(
 ) -> anyhow::Result<()> {
     shared.stop.store(false, Ordering::Relaxed);
     let t0 = Instant::now();
-    let m = &soak.machine;
-    let soak_data = &soak.machine.data;
+    let g = soak.generation;
+    let (m, daemon) = (&soak.machine, soak.daemon.as_mut().context("no daemon")?);
     let mut events: Vec<(u64, &'static str)> = [
         plan.supervisor_at.map(|a| (a, "supervisor")),
         plan.agent_at.map(|a| (a, "agent")),
@@ -309,6 +309,7 @@ fn cycle(
     .flatten()
     .collect();
     events.sort_unstable();
+    let full = plan.free_at.is_some();
     std::thread::scope(|sc| {
         for w in workers.iter_mut() {
             sc.spawn(move || workload::work(shared, w));
@@ -317,7 +318,7 @@ fn cycle(
             let wait = Duration::from_millis(at).saturating_sub(t0.elapsed());
             std::thread::sleep(wait);
             if kind == "free" {
-                free(soak_data, shared, t);
+                free(&m.data, shared, t);
                 continue;
             }
             if kill_one(shared, m, rng, kind == "agent") {
@@ -325,13 +326,22 @@ fn cycle(
             }
         }
         std::thread::sleep(Duration::from_millis(plan.run_ms).saturating_sub(t0.elapsed()));
+        if !full {
+            // Under load: requests are in flight when it dies.
+            kill_daemon(daemon, g, t);
+        }
         shared.stop.store(true, Ordering::Relaxed);
     });
-    if plan.free_at.is_some() {
+    if full {
+        // The cycle of the full disk ends with the daemon serving again without a restart.
         after_full(shared, t);
+        kill_daemon(daemon, g, t);
     }
-    let g = soak.generation;
-    let d = soak.daemon()?;
+    Ok(())
+}
+
+/// SIGKILL to the daemon (generation `g`), noting it if it had exited by itself.
+fn kill_daemon(d: &mut testkit::Daemon, g: u32, t: &mut Tally) {
     if !d.running() {
         let st = d.child.try_wait().ok().flatten();
         t.unexpected_exits
@@ -339,7 +349,6 @@ fn cycle(
     }
     d.kill9();
     *t.kills.entry("daemon").or_default() += 1;
-    Ok(())
 }
 
 /// Restarts the daemon (clock `offset_ms` off) and adds its recovery report to the tally.

@@ -74,6 +74,9 @@ pub(super) struct Worker {
     traj: Option<Traj>,
     /// Sandbox, session, the value of its counter.
     session: Option<(String, u64, u64)>,
+    /// A keyed request that got no answer (the daemon died): sent again, with its key, once
+    /// the daemon answers.
+    unanswered: Option<(String, &'static str, String, Vec<u8>)>,
 }
 
 impl Worker {
@@ -85,6 +88,7 @@ impl Worker {
             sandboxes: Vec::new(),
             traj: None,
             session: None,
+            unanswered: None,
         }
     }
 }
@@ -165,6 +169,10 @@ impl Shared {
 pub(super) fn work(s: &Shared, w: &mut Worker) {
     while !s.stop.load(Ordering::Relaxed) {
         w.n += 1;
+        if w.unanswered.is_some() {
+            retry_keyed(s, w);
+            continue;
+        }
         match w.rng.below(12) {
             0 | 1 if w.sandboxes.len() < 3 => create(s, w),
             0 | 1 => delete(s, w),
@@ -195,11 +203,32 @@ fn drop_if_gone(w: &mut Worker, id: &str, r: &Reply) {
     }
 }
 
+/// Sends the unanswered keyed request again: the retry after a crash that idempotency keys
+/// exist for. Its answer is an outcome to keep like any other.
+fn retry_keyed(s: &Shared, w: &mut Worker) {
+    let Some((key, method, path, body)) = w.unanswered.take() else {
+        return;
+    };
+    s.count("keyed_retry");
+    let Some(r) = s.send(method, &path, Some(&body), Some(&key)) else {
+        w.unanswered = Some((key, method, path, body));
+        return;
+    };
+    s.keyed(Some(&key), method, &path, &body, &r);
+    if method == "POST" && r.status == 201 {
+        if let Some(id) = r.json()["id"].as_str() {
+            s.ledger().ids.insert(id.to_owned());
+            w.sandboxes.push(id.to_owned());
+        }
+    }
+}
+
 fn create(s: &Shared, w: &mut Worker) {
     s.count("create");
     let key = (w.rng.below(2) == 0).then(|| format!("{}-c{}-{}", s.tag, w.idx, w.n));
     let body = json!({"labels": {"chaos": s.tag}}).to_string().into_bytes();
     let Some(r) = s.send("POST", "/v1/sandboxes", Some(&body), key.as_deref()) else {
+        w.unanswered = key.map(|k| (k, "POST", "/v1/sandboxes".to_owned(), body));
         return;
     };
     s.keyed(key.as_deref(), "POST", "/v1/sandboxes", &body, &r);
@@ -219,8 +248,9 @@ fn delete(s: &Shared, w: &mut Worker) {
     }
     let key = (w.rng.below(2) == 0).then(|| format!("{}-d{}-{}", s.tag, w.idx, w.n));
     let path = format!("/v1/sandboxes/{id}");
-    if let Some(r) = s.send("DELETE", &path, None, key.as_deref()) {
-        s.keyed(key.as_deref(), "DELETE", &path, b"", &r);
+    match s.send("DELETE", &path, None, key.as_deref()) {
+        Some(r) => s.keyed(key.as_deref(), "DELETE", &path, b"", &r),
+        None => w.unanswered = key.map(|k| (k, "DELETE", path, Vec::new())),
     }
 }
 
