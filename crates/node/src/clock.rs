@@ -1,8 +1,46 @@
 //! The wall clock the node records times with.
+//!
+//! `DSEC_CLOCK_OFFSET_MS` (read once, at the first reading; negative moves it back) shifts this
+//! clock, and only this process's: the chaos soak (`dsec bench chaos`) steps a restarted node's
+//! clock with it instead of stepping the shared host's. Deadlines the node keeps while it runs
+//! are on the monotonic clock (F-09); the wall clock is what it records and compares across a
+//! restart (expiry times, idempotency ages, trajectory times).
+
+use std::sync::OnceLock;
+
+/// The offset `DSEC_CLOCK_OFFSET_MS` names, 0 without it.
+fn offset_ms() -> i64 {
+    static OFFSET: OnceLock<i64> = OnceLock::new();
+    *OFFSET.get_or_init(|| {
+        std::env::var("DSEC_CLOCK_OFFSET_MS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    })
+}
+
+/// `real` milliseconds shifted by `offset` (saturating at 0 and at the end of time).
+fn shifted(real: u64, offset: i64) -> u64 {
+    real.saturating_add_signed(offset)
+}
 
 /// Milliseconds since the epoch.
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
+    let real = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_millis() as u64);
+    shifted(real, offset_ms())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offset_steps_the_clock_both_ways_and_saturates() {
+        assert_eq!(shifted(10_000, 600_000), 610_000);
+        assert_eq!(shifted(610_000, -600_000), 10_000);
+        assert_eq!(shifted(5, -10), 0);
+        assert_eq!(shifted(u64::MAX - 1, 10), u64::MAX);
+    }
 }

@@ -11,6 +11,7 @@ use dsec_node::substrate::Runtime;
 use serde::Serialize;
 
 mod api;
+mod chaos;
 mod container;
 mod log;
 mod run;
@@ -29,6 +30,10 @@ pub enum BenchKind {
     Run,
     /// VM sandboxes: snapshot, restore, exec, memory per clone, density, plain-boot peer.
     Vm,
+    /// A soak: a mixed workload while the daemon is killed (-9) and restarted, with
+    /// supervisors and agents killed, the data dir filled once and the clock stepped once;
+    /// the invariants checked after every restart. Exits non-zero when one broke.
+    Chaos,
 }
 
 /// Arguments of `dsec bench`.
@@ -46,6 +51,15 @@ pub struct BenchArgs {
     /// (shell refill, namespace teardown) does not count against it.
     #[arg(long, default_value_t = 20)]
     pub settle_ms: u64,
+    /// Cycles (daemon kills and restarts) of `chaos`.
+    #[arg(long, default_value_t = 100)]
+    pub cycles: usize,
+    /// Client threads of `chaos`.
+    #[arg(long, default_value_t = 3)]
+    pub threads: usize,
+    /// Seed of `chaos`'s choices (default: from the time; the report names it).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
@@ -134,5 +148,6 @@ pub fn run(
         BenchKind::Log => log::run(args, data_dir),
         BenchKind::Run => run::run(args),
         BenchKind::Vm => vm::run(args),
+        BenchKind::Chaos => chaos::run(args),
     }
 }
