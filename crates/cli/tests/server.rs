@@ -366,6 +366,22 @@ fn f05_full_state_disk_is_resource_exhausted() {
     );
     // The node still serves, and nothing half-made is left running unrecorded.
     assert_eq!(d.exec_ok(&id, "echo alive"), "alive\n");
+    // A step that cannot be logged is refused, never run unlogged; the log then takes nothing
+    // more until the node restarts, and the node says so: not ready, and why.
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({"argv": ["/bin/true"], "trajectory": "f05", "step": 1})),
+        None,
+    );
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (503, Some("resource_exhausted")),
+        "{v}"
+    );
+    let (s, ready) = d.req("GET", "/readyz", None, None);
+    assert_eq!(s, 503, "{ready}");
+    assert!(ready["trajectory_log_failed"].is_string(), "{ready}");
     std::fs::remove_file(&filler).expect("free the disk");
     let v = d.create(None);
     assert_eq!(v["state"], "running");

@@ -232,7 +232,10 @@ fn json_body<T: for<'de> Deserialize<'de>>(bytes: &Bytes) -> ApiResult<T> {
 }
 
 async fn readyz(AxState(app): AxState<AppState>) -> Response {
-    let ready = app.node.ready.load(Ordering::Relaxed);
+    // A trajectory log that failed to write (a full disk) takes no step until the node restarts:
+    // the node is then not ready, and says why.
+    let log_failed = app.trajectories.log().stats().poisoned;
+    let ready = app.node.ready.load(Ordering::Relaxed) && log_failed.is_none();
     let draining = app.node.draining.load(Ordering::Relaxed);
     let recovery = app
         .node
@@ -255,6 +258,7 @@ async fn readyz(AxState(app): AxState<AppState>) -> Response {
         "idle_shells": app.node.rt.idle_shells(),
         "favordynmods": app.node.rt.favordynmods(),
         "recovery": recovery,
+        "trajectory_log_failed": log_failed,
     });
     let status = if ready && !draining {
         StatusCode::OK
