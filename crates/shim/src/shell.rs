@@ -3,98 +3,14 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 
-use dsec_sys::cgroup::{Cgroup, CgroupLimits};
-use dsec_sys::idrange::{self, IdRangeLease};
+use dsec_sys::cgroup::CgroupLimits;
 use dsec_sys::ipc;
-use dsec_sys::launch::{self, IdMap, Rlimit, RootfsSpec};
+use dsec_sys::launch;
 
 use crate::ctx::{send, SpawnerCtx};
-use crate::failure::{cgroup_failure, launch_failure};
-use crate::init::{agent_socket, libc_rlimit, Init, Prebuilt, AGENT_NOFILE, WARM_PATHS};
-use crate::proto::{LaunchFailure, LaunchStep, SpawnRequest, SupervisorMsg, MAX_MSG};
+use crate::init::{discard, id_map, lease_ids, placeholder_init, Prebuilt, WARM_PATHS};
+use crate::proto::{LaunchFailure, SpawnRequest, SupervisorMsg, MAX_MSG};
 use crate::supervise::supervise;
-
-/// What an idle shell's init runs on: an empty writable root, the agent, a generic hostname.
-fn placeholder_params(stage: &str, empty_dir: Option<String>) -> launch::LaunchParams {
-    launch::LaunchParams {
-        hostname: "dsec-shell".into(),
-        rootfs: RootfsSpec {
-            stage: stage.to_string(),
-            lowerdirs: Vec::new(),
-            disk_bytes: 1 << 20,
-            disk_inodes: 1024,
-            shm_bytes: 64 << 20,
-            writable_root: true,
-            scratch: Vec::new(),
-            empty_dir,
-        },
-        rlimits: vec![
-            Rlimit {
-                resource: libc_rlimit::CORE,
-                value: 0,
-            },
-            Rlimit {
-                resource: libc_rlimit::NOFILE,
-                value: AGENT_NOFILE,
-            },
-        ],
-        argv: vec!["dsec-agent".into()],
-        env: vec![(
-            "PATH".into(),
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-        )],
-    }
-}
-
-/// Clones a sandbox init into `cgroup` (in a user namespace mapped as `user`, if given) onto an
-/// empty placeholder root, running the agent: an idle shell's, or the first step of a fresh
-/// launch with a user namespace. `state` then builds roots for its namespace.
-pub(crate) fn placeholder_init(
-    ctx: &SpawnerCtx,
-    stage: &str,
-    user: Option<IdMap>,
-    cgroup: &Cgroup,
-    state: &mut launch::ResetState,
-) -> Result<Init, LaunchFailure> {
-    let (agent_host, agent_child) = agent_socket()?;
-    let shell = launch::clone_shell(&launch::ShellResources {
-        user,
-        agent_exe: &ctx.agent_exe,
-        agent_sock: &agent_child,
-        seccomp: &ctx.seccomp,
-    })
-    .map_err(|e| launch_failure(&e))?;
-    if let Err(e) = cgroup.attach(shell.pid()) {
-        shell.discard();
-        return Err(cgroup_failure(&e));
-    }
-    let launched = shell
-        .launch(&placeholder_params(stage, ctx.empty_dir.clone()))
-        .map_err(|e| launch_failure(&e))?;
-    let init = Init::started(launched.pid, agent_host)?;
-    // After the clone: the shell must not inherit what preparing does.
-    let ready = state
-        .prepare()
-        .map_err(|e| launch_failure(&e))
-        .and_then(|()| {
-            let Some(map) = user else { return Ok(()) };
-            let ns =
-                launch::SandboxUser::of(init.pidfd.pid(), &map).map_err(|e| LaunchFailure {
-                    message: format!("open the sandbox's user namespace: {e}"),
-                    ..LaunchFailure::io(LaunchStep::IdMap, &e)
-                })?;
-            state.set_user(ns);
-            Ok(())
-        });
-    match ready {
-        Ok(()) => Ok(init),
-        Err(e) => {
-            let _ = init.pidfd.signal(9);
-            let _ = ipc::wait_pid(init.pidfd.pid());
-            Err(e)
-        }
-    }
-}
 
 /// Leases a host id range, clones an idle shell's init into a fresh cgroup in a user namespace
 /// mapped onto that range, onto its placeholder root, and builds the likely root ahead of time.
@@ -123,23 +39,6 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
             let _ = cgroup.remove();
             Err(e)
         }
-    }
-}
-
-/// Leases a host id range of this process's own (see [`IdRangeLease`]).
-pub(crate) fn lease_ids() -> Result<IdRangeLease, LaunchFailure> {
-    IdRangeLease::acquire().map_err(|e| LaunchFailure {
-        message: format!("lease a user-namespace id range: {e}"),
-        ..LaunchFailure::io(LaunchStep::IdMap, &e)
-    })
-}
-
-/// The user-namespace mapping onto the range `ids`: ids 0.. inside are its ids.
-pub(crate) fn id_map(ids: &IdRangeLease) -> IdMap {
-    IdMap {
-        host_uid: ids.first_id(),
-        host_gid: ids.first_id(),
-        count: idrange::SPAN,
     }
 }
 
@@ -209,12 +108,3 @@ pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: Own
 
 /// How long a shell whose build failed waits before asking for its replacement.
 const SHELL_RETRY_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Kills a pre-built shell nobody took and removes its cgroup.
-pub(crate) fn discard(pre: Prebuilt) -> i32 {
-    let _ = pre.init.pidfd.signal(9);
-    let _ = ipc::wait_pid(pre.init.pidfd.pid());
-    let _ = pre.cgroup.kill_all();
-    let _ = pre.cgroup.remove();
-    0
-}

@@ -14,11 +14,12 @@ use dsec_sys::launch;
 use crate::agent::{configure_request, send_agent_request, CONFIGURE_ID};
 use crate::ctx::{send, SpawnerCtx};
 use crate::failure::cgroup_failure;
-use crate::init::{cleanup, fresh_init, pivot_onto_root, Init, Prebuilt};
+use crate::init::{
+    cleanup, discard, fresh_init, id_map, lease_ids, pivot_onto_root, Init, Prebuilt,
+};
 use crate::limits::cgroup_limits;
 use crate::proto::{LaunchConfig, LaunchFailure, LaunchStep, SpawnRequest, SupervisorMsg};
 use crate::serve::{serve, Supervised};
-use crate::shell::{discard, id_map, lease_ids};
 
 /// Launches the sandbox `req` asks for (on the pre-built shell `pre` if there is one), answers
 /// on `reply`, then serves the sandbox until it is destroyed. Returns the process exit code.
