@@ -466,7 +466,7 @@ mod tests {
     #[test]
     fn an_exec_outlasting_its_window_succeeds_while_the_agent_answers_pings() -> anyhow::Result<()>
     {
-        let (_unused, node, agent) = pair()?;
+        let (spare, node, agent) = pair()?;
         let fake = slow_agent(agent, 3);
         let mut c = AgentConn::new(node.into());
         c.slack = Duration::from_millis(20);
@@ -477,14 +477,15 @@ mod tests {
         // for the node, which waits while the agent is alive.
         let r = c.exec(&req, &[], |_, _| {})?;
         assert_eq!(r.exit_code, Some(0));
-        drop(c);
+        // Both node ends closed: the fake agent sees the end of the stream.
+        drop((c, spare));
         assert_eq!(fake.join().ok(), Some(3));
         Ok(())
     }
 
     #[test]
     fn a_silent_agent_times_out_after_an_unanswered_ping() -> anyhow::Result<()> {
-        let (_unused, node, mut agent) = pair()?;
+        let (spare, node, mut agent) = pair()?;
         let mut c = AgentConn::new(node.into());
         c.slack = Duration::from_millis(20);
         let mut req = ExecRequest::argv(["/bin/true"]);
@@ -493,7 +494,7 @@ mod tests {
             panic!("no timeout")
         };
         assert!(matches!(e, AgentError::Timeout(d) if d == Duration::from_millis(21)));
-        drop(c);
+        drop((c, spare));
         // The node sent the exec, then one ping.
         let kinds: Vec<bool> = (0..2)
             .map(|_| {

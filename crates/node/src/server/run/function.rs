@@ -685,12 +685,12 @@ mod tests {
         let Ok(held) = pool.permit().await else {
             panic!("no permit")
         };
-        pool.mark_long(held.id);
         let pool2 = Arc::clone(&pool);
         let first = tokio::spawn(async move { pool2.permit().await.map(|p| p.id) });
         while pool.waiting.load(Ordering::Acquire) == 0 {
             tokio::task::yield_now().await;
         }
+        pool.mark_long(held.id);
         // The burst permit the long call frees up goes to the call that waited, not to one
         // that arrives after it.
         let late = tokio::time::timeout(Duration::from_millis(1), pool.permit()).await;
