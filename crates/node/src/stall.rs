@@ -138,7 +138,7 @@ fn blocked_elsewhere(out: &mut String) {
         }
     }
     let mut v: Vec<_> = stacks.into_iter().collect();
-    v.sort_by(|a, b| b.1 .0.cmp(&a.1 .0));
+    v.sort_by_key(|e| std::cmp::Reverse(e.1 .0));
     let _ = writeln!(out, "host: {runnable} runnable tasks; tasks in D by stack:");
     for (stack, (n, comms)) in v.into_iter().take(8) {
         let _ = writeln!(out, "  {n} tasks ({comms})");
