@@ -76,6 +76,9 @@ pub struct AgentConn {
     decoder: FrameDecoder,
     next_id: u64,
     greeted: bool,
+    /// Added to a request's own timeout: the window of silence after which the agent's
+    /// liveness is probed (see [`AgentConn::call`]).
+    slack: Duration,
 }
 
 impl AgentConn {
@@ -86,6 +89,7 @@ impl AgentConn {
             decoder: FrameDecoder::new(),
             next_id: 1,
             greeted: false,
+            slack: DEADLINE_SLACK,
         }
     }
 
@@ -189,8 +193,26 @@ impl AgentConn {
         }
     }
 
+    fn send(&mut self, req: &Request, body: &[u8]) -> Result<u64, AgentError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let bytes = frame::encode_request(id, req, body).map_err(AgentError::Protocol)?;
+        self.stream
+            .write_all(&bytes)
+            .map_err(AgentError::Disconnected)?;
+        Ok(id)
+    }
+
     /// Sends a request and collects events until the terminal one. `on_event` sees every
     /// non-terminal event (output chunks, data chunks) with its body.
+    ///
+    /// The wait is bounded by the agent's liveness, not by wall time: a request's own timeout
+    /// (a command's, which the agent enforces from the command's start) plus a slack, or 60 s
+    /// without one, is a window of silence. When a window passes without a frame, the agent is
+    /// pinged (it answers pings on its reading thread while the request runs) and the wait goes
+    /// on while frames keep coming; only a whole window without any answer after the ping is a
+    /// timeout. So a request that waited for a CPU, or for its agent to be scheduled, before it
+    /// started does not fail while its own deadline has not passed.
     pub fn call(
         &mut self,
         req: &Request,
@@ -198,16 +220,27 @@ impl AgentConn {
         timeout: Option<Duration>,
         mut on_event: impl FnMut(&Event, &[u8]),
     ) -> Result<(Event, Vec<u8>), AgentError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        let bytes = frame::encode_request(id, req, body).map_err(AgentError::Protocol)?;
-        self.stream
-            .write_all(&bytes)
-            .map_err(AgentError::Disconnected)?;
-        let limit = timeout.map_or(DEFAULT_DEADLINE, |t| t + DEADLINE_SLACK);
-        let deadline = Instant::now() + limit;
+        let id = self.send(req, body)?;
+        let limit = timeout.map_or(DEFAULT_DEADLINE, |t| t + self.slack);
+        let mut deadline = Instant::now() + limit;
+        // The outstanding liveness ping, if any (never for a ping: that is the probe itself).
+        let mut probe: Option<u64> = None;
         loop {
-            let (rid, ev, body) = self.read_event(deadline).map_err(|e| e.waited(limit))?;
+            let (rid, ev, body) = match self.read_event(deadline) {
+                Ok(got) => got,
+                Err(AgentError::Timeout(_)) if probe.is_none() && !matches!(req, Request::Ping) => {
+                    probe = Some(self.send(&Request::Ping, &[])?);
+                    deadline = Instant::now() + limit;
+                    continue;
+                }
+                Err(e) => return Err(e.waited(limit)),
+            };
+            // Any frame shows the agent alive: a new window begins.
+            deadline = Instant::now() + limit;
+            if Some(rid) == probe {
+                probe = None;
+                continue;
+            }
             if rid != id {
                 if let Event::Hello { version, .. } = ev {
                     // A request may be pipelined behind the agent's greeting (see `create`).
@@ -379,6 +412,100 @@ mod tests {
         assert!(c.greeted());
         let (id, ev, _) = c.read_event(Instant::now() + Duration::from_secs(5))?;
         assert_eq!((id, ev), (u64::MAX, Event::Ok));
+        Ok(())
+    }
+
+    /// A fake agent on `agent`: answers every ping at once, and the request `first` (the one
+    /// read first) with `ExecDone` only after it answered `pings` pings: an agent that is
+    /// alive but whose command has not finished (waiting for a CPU or a lock).
+    fn slow_agent(mut agent: UnixStream, pings: usize) -> std::thread::JoinHandle<usize> {
+        std::thread::spawn(move || {
+            let mut first = None;
+            let mut answered = 0;
+            while let Ok(Some(raw)) = frame::read_frame(&mut agent) {
+                let Ok((env, _)) = raw.into_request() else {
+                    break;
+                };
+                let reply = match env.req {
+                    Request::Ping => {
+                        answered += 1;
+                        frame::encode_event(env.id, &Event::Pong, &[])
+                    }
+                    _ => {
+                        first = Some(env.id);
+                        continue;
+                    }
+                };
+                let Ok(bytes) = reply else { break };
+                if agent.write_all(&bytes).is_err() {
+                    break;
+                }
+                if let (Some(id), true) = (first, answered == pings) {
+                    let done = ExecResult {
+                        status: dsec_api::exec::ExecStatus::Ok,
+                        exit_code: Some(0),
+                        signal: None,
+                        wall_us: 1,
+                        cpu_us: 0,
+                        peak_rss_kb: 0,
+                        stdout: Default::default(),
+                        stderr: Default::default(),
+                    };
+                    let Ok(bytes) = frame::encode_event(id, &Event::ExecDone(done), &[]) else {
+                        break;
+                    };
+                    if agent.write_all(&bytes).is_err() {
+                        break;
+                    }
+                }
+            }
+            answered
+        })
+    }
+
+    #[test]
+    fn an_exec_outlasting_its_window_succeeds_while_the_agent_answers_pings() -> anyhow::Result<()>
+    {
+        let (spare, node, agent) = pair()?;
+        let fake = slow_agent(agent, 3);
+        let mut c = AgentConn::new(node.into());
+        c.slack = Duration::from_millis(20);
+        let mut req = ExecRequest::argv(["/bin/true"]);
+        req.timeout_ms = Some(1);
+        // The answer comes after three windows of silence, each ended by a ping the agent
+        // answered: the exec's deadline (the agent's, from the command's start) never passed
+        // for the node, which waits while the agent is alive.
+        let r = c.exec(&req, &[], |_, _| {})?;
+        assert_eq!(r.exit_code, Some(0));
+        // Both node ends closed: the fake agent sees the end of the stream.
+        drop((c, spare));
+        assert_eq!(fake.join().ok(), Some(3));
+        Ok(())
+    }
+
+    #[test]
+    fn a_silent_agent_times_out_after_an_unanswered_ping() -> anyhow::Result<()> {
+        let (spare, node, mut agent) = pair()?;
+        let mut c = AgentConn::new(node.into());
+        c.slack = Duration::from_millis(20);
+        let mut req = ExecRequest::argv(["/bin/true"]);
+        req.timeout_ms = Some(1);
+        let Err(e) = c.exec(&req, &[], |_, _| {}) else {
+            panic!("no timeout")
+        };
+        assert!(matches!(e, AgentError::Timeout(d) if d == Duration::from_millis(21)));
+        drop((c, spare));
+        // The node sent the exec, then one ping.
+        let kinds: Vec<bool> = (0..2)
+            .map(|_| {
+                frame::read_frame(&mut agent)
+                    .ok()
+                    .flatten()
+                    .and_then(|raw| raw.into_request().ok())
+                    .is_some_and(|(env, _)| matches!(env.req, Request::Ping))
+            })
+            .collect();
+        assert_eq!(kinds, [false, true]);
         Ok(())
     }
 

@@ -11,6 +11,7 @@ pub mod log;
 pub mod metrics;
 pub mod sandbox;
 pub mod server;
+pub mod stall;
 pub mod store;
 pub mod substrate;
 pub mod template;

@@ -552,6 +552,14 @@ fn batch_1000(
     Ok(())
 }
 
+/// Notes on stderr where the bench is (wall clock, to line up with the daemon's logs).
+fn phase(name: &str) {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    eprintln!("bench api: {name} at {:.3}", t.as_secs_f64());
+}
+
 /// Runs the API benchmark.
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let d = start_daemon("api", &[])?;
@@ -566,13 +574,20 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         c.exec_true(&id)?;
         c.ok("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
     }
+    phase("exec_vs_floor");
     let exec = exec_vs_floor(&c, n, &mut out)?;
+    phase("acquire_pool_hit");
     acquire_pool_hit(&c, n, &mut out)?;
+    phase("cycles");
     cycles_by_concurrency(&c, n, &mut out)?;
+    phase("exec_throughput");
     exec_throughput(&c, &mut out)?;
+    phase("beside_abusers");
     let (victim, calm) = beside_abusers(&c, n, &mut out)?;
+    phase("beside_fork_bombs");
     beside_fork_bombs(&c, n, &victim, &calm, &mut out)?;
     c.ok("DELETE", &format!("/v1/sandboxes/{victim}"), None)?;
+    phase("batch_1000");
     batch_1000(&c, d.child.id(), rss_start, &mut out)?;
 
     let ratios = json!({

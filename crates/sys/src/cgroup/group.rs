@@ -250,6 +250,19 @@ impl Cgroup {
         }
     }
 
+    /// CPU time used by the cgroup's tasks, in nanoseconds (v1 `cpuacct.usage`, v2 `usage_usec`
+    /// of `cpu.stat`); `None` when it is not accounted or cannot be read. One file read.
+    pub fn cpu_usage_ns(&self) -> Option<u64> {
+        match &self.dirs {
+            CgroupLayout::V1 { cpuacct, .. } => {
+                read_u64(&cpuacct.as_ref()?.join("cpuacct.usage")).ok()
+            }
+            CgroupLayout::V2 { root } => parse_cpu_stat(&read_file(&root.join("cpu.stat")).ok()?)
+                .usage_usec
+                .map(|us| us.saturating_mul(1000)),
+        }
+    }
+
     /// Reads usage counters.
     pub fn stats(&self) -> Result<CgroupStats, CgroupError> {
         match &self.dirs {

@@ -229,6 +229,14 @@ async fn exec_once(
     stdin: Vec<u8>,
 ) -> ApiResult<ExecResult> {
     let t0 = std::time::Instant::now();
+    let rt = Arc::clone(&app.node.rt);
+    let id = e.id.clone();
+    let _watch = crate::stall::StallWatch::start(&e.id, move || {
+        rt.cgroups()
+            .open(&id)
+            .and_then(|cg| cg.pids().ok())
+            .unwrap_or_default()
+    });
     let r = with_sandbox(app, e, move |rt, sb| {
         sb.exec(rt, &req, &stdin, |_, _| {}).map_err(ApiError::from)
     })

@@ -23,10 +23,14 @@ use super::{
 };
 
 pub(super) const ZYGOTE: &str = include_str!("zygote.py");
-/// A call that has held its zygote this long is a long one (a short call takes ~1–2 ms, a
-/// few more under load): it lets a waiting call start (or take) one more zygote, up to
-/// `zygotes_max`, and its zygote sandbox runs at [`LONG_CALL_CPU_WEIGHT`] until it ends. A
-/// call waiting behind long ones checks this often whether it may pass.
+/// A call whose zygote sandbox has used this much CPU time since the call began is a long one
+/// (a short call uses ~1–2 ms): it lets a waiting call start (or take) one more zygote, up to
+/// `zygotes_max`, and its zygote sandbox runs at [`LONG_CALL_CPU_WEIGHT`] until it ends. The
+/// CPU time is checked every `LONG_CALL` of wall time, and a call waiting behind long ones
+/// checks this often whether it may pass. CPU time, not wall time: with 32 calls in flight on
+/// 2 CPUs a short call spends 25–40 ms waiting for a CPU, and taking those for long ones
+/// demoted them to weight 1 (where they waited longer still) and let waiting calls pass the
+/// queue into new zygotes.
 pub(super) const LONG_CALL: Duration = Duration::from_millis(25);
 /// A warm zygote: a sandbox of the `run` tenant and its Python session with the dispatcher
 /// loaded.
@@ -54,9 +58,12 @@ pub(super) struct ZygotePool {
     burst: Arc<tokio::sync::Semaphore>,
     /// The burst permits there are.
     burst_max: usize,
-    /// When each call holding a permit got it, by call number.
-    running: Mutex<HashMap<u64, Instant>>,
+    /// Each call holding a permit, by call number: whether it is a long one (it has used
+    /// [`LONG_CALL`] of CPU time).
+    running: Mutex<HashMap<u64, bool>>,
     next_call: AtomicU64,
+    /// Calls waiting for a permit: a newcomer does not take a burst permit past them.
+    waiting: AtomicU64,
 }
 
 /// A call's hold on a zygote of the pool: a warm or burst permit, and its entry in `running`.
@@ -87,6 +94,7 @@ impl ZygotePool {
             burst_max: burst,
             running: Mutex::new(HashMap::new()),
             next_call: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
         }
     }
 
@@ -99,18 +107,25 @@ impl ZygotePool {
             .push_back(z);
     }
 
-    /// A permit to run one call: a warm slot, or, while calls that have run longer than
-    /// `LONG_CALL` outnumber the burst permits in use, a burst one (checked at once and
-    /// every `LONG_CALL` of waiting). Short calls never count as long, so they queue for the
-    /// warm zygotes; each long one lets one waiting call past it.
+    /// A permit to run one call: a warm slot (first come, first served), or, while long calls
+    /// (see [`LONG_CALL`]) outnumber the burst permits in use, a burst one (checked at once
+    /// when nobody waits, and every `LONG_CALL` of waiting). Short calls never count as long,
+    /// however long they wait for a CPU, so they queue for the warm zygotes; each long one
+    /// lets one waiting call past it.
     async fn permit(self: &Arc<Self>) -> ApiResult<CallPermit> {
         let now = Arc::clone(&self.slots)
             .try_acquire_owned()
             .ok()
-            .or_else(|| self.try_burst());
+            .or_else(|| {
+                (self.waiting.load(Ordering::Acquire) == 0)
+                    .then(|| self.try_burst())
+                    .flatten()
+            });
         let permit = match now {
             Some(p) => p,
             None => {
+                self.waiting.fetch_add(1, Ordering::AcqRel);
+                let _waiting = Waiting(&self.waiting);
                 let slot = Arc::clone(&self.slots).acquire_owned();
                 tokio::pin!(slot);
                 loop {
@@ -128,7 +143,7 @@ impl ZygotePool {
         self.running
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id, Instant::now());
+            .insert(id, false);
         Ok(CallPermit {
             pool: Arc::clone(self),
             id,
@@ -136,19 +151,27 @@ impl ZygotePool {
         })
     }
 
-    /// A burst permit, if calls running longer than `LONG_CALL` outnumber the burst
-    /// permits in use.
+    /// A burst permit, if long calls outnumber the burst permits in use.
     fn try_burst(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        let long = running
-            .values()
-            .filter(|t| t.elapsed() >= LONG_CALL)
-            .count();
+        let long = running.values().filter(|long| **long).count();
         let in_use = self.burst_max - self.burst.available_permits();
         if long <= in_use {
             return None;
         }
         Arc::clone(&self.burst).try_acquire_owned().ok()
+    }
+
+    /// Marks call `id` a long one.
+    fn mark_long(&self, id: u64) {
+        if let Some(long) = self
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&id)
+        {
+            *long = true;
+        }
     }
 
     /// Idle zygotes beyond the `keep` most recently used, unused for `after`.
@@ -174,10 +197,19 @@ impl ZygotePool {
     }
 }
 
-/// `cpu.weight` of a zygote sandbox while its call has run longer than `LONG_CALL`.
+/// Counts a waiting call out when it stops waiting (with a permit, or cancelled).
+struct Waiting<'a>(&'a AtomicU64);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// `cpu.weight` of a zygote sandbox while its call is a long one.
 pub(super) const LONG_CALL_CPU_WEIGHT: u64 = 1;
 
-/// Lowers the CPU weight of a zygote sandbox whose call runs longer than `LONG_CALL`
+/// Lowers the CPU weight of a zygote sandbox whose call has used `LONG_CALL` of CPU time
 /// to [`LONG_CALL_CPU_WEIGHT`], and puts it back when the call ends. Short calls (all but
 /// abusive or heavy ones) never pay the two cgroup writes; long ones — a snippet spinning to its
 /// time limit — yield the CPU to short calls in other zygotes, whose every hand-off would
@@ -198,11 +230,25 @@ pub(super) enum Watch {
 }
 
 impl LongCall {
-    fn watch(app: &Arc<Runner>, e: &Arc<Entry>) -> Self {
+    fn watch(app: &Arc<Runner>, e: &Arc<Entry>, permit: &CallPermit) -> Self {
         let state = Arc::new(Mutex::new(Watch::Running));
         let (app2, id, st) = (Arc::clone(app), e.id.clone(), Arc::clone(&state));
+        let (pool, call) = (Arc::clone(&permit.pool), permit.id);
         let timer = tokio::spawn(async move {
-            tokio::time::sleep(LONG_CALL).await;
+            let cpu = |id: &str| app2.node.rt.cgroups().open(id)?.cpu_usage_ns();
+            let base = cpu(&id);
+            loop {
+                tokio::time::sleep(LONG_CALL).await;
+                // Without CPU accounting, wall time decides (as before).
+                let used = match (base, cpu(&id)) {
+                    (Some(b), Some(now)) => Duration::from_nanos(now.saturating_sub(b)),
+                    _ => LONG_CALL,
+                };
+                if used >= LONG_CALL {
+                    break;
+                }
+            }
+            pool.mark_long(call);
             let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
             if *st == Watch::Running && set_cpu_weight(&app2, &id, LONG_CALL_CPU_WEIGHT) {
                 *st = Watch::Demoted;
@@ -466,7 +512,7 @@ pub(super) async fn run_function(app: &Arc<Runner>, spec: &RunSpec) -> ApiResult
                 z
             }
         };
-        let long = LongCall::watch(app, &z.entry);
+        let long = LongCall::watch(app, &z.entry, &permit);
         let ev = agent_call(
             app,
             &z.entry,
@@ -614,4 +660,44 @@ pub(super) fn runtime_killed_by_the_call(r: &ExecResult) -> Option<RunOutcome> {
         server_us: 0,
         clamped: BTreeMap::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_call_that_waited_for_a_cpu_is_not_a_long_one() {
+        let pool = Arc::new(ZygotePool::new(1, 1));
+        let Ok(held) = pool.permit().await else {
+            panic!("no permit")
+        };
+        // Past LONG_CALL by the clock, but no CPU time counted: not long, no burst permit.
+        std::thread::sleep(LONG_CALL * 2);
+        assert!(pool.try_burst().is_none());
+        pool.mark_long(held.id);
+        assert!(pool.try_burst().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_newcomer_does_not_pass_a_waiting_call() {
+        let pool = Arc::new(ZygotePool::new(1, 1));
+        let Ok(held) = pool.permit().await else {
+            panic!("no permit")
+        };
+        let pool2 = Arc::clone(&pool);
+        let first = tokio::spawn(async move { pool2.permit().await.map(|p| p.id) });
+        while pool.waiting.load(Ordering::Acquire) == 0 {
+            tokio::task::yield_now().await;
+        }
+        pool.mark_long(held.id);
+        // The burst permit the long call frees up goes to the call that waited, not to one
+        // that arrives after it.
+        let late = tokio::time::timeout(Duration::from_millis(1), pool.permit()).await;
+        assert!(late.is_err());
+        let Ok(Ok(id)) = first.await else {
+            panic!("the first caller got no permit")
+        };
+        assert_eq!(id, held.id + 1);
+    }
 }
