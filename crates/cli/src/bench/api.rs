@@ -427,13 +427,17 @@ const BOMB_PIDS_MAX: u64 = 64;
 const BOMB_MEMORY_MAX: u64 = 256 << 20;
 
 /// `n` execs of `true` in `id`, one every 20 ms, that count their failures rather than stop at
-/// the first: the victim's latency (each call's), how many failed and the first failure, and
-/// the forks `bombs` had refused after the copy per second meanwhile.
-fn paced(c: &Client, id: &str, n: usize, bombs: &[String]) -> Value {
+/// the first, and stop starting new ones after `deadline`: the victim's latency (each call's),
+/// how many failed and the first failure, and the forks `bombs` had refused after the copy per
+/// second meanwhile.
+fn paced(c: &Client, id: &str, n: usize, bombs: &[String], deadline: Duration) -> Value {
     let refused_before = forks_refused_after_copy(bombs);
     let t0 = Instant::now();
     let (mut l, mut errors, mut first_error) = (vec![], 0u32, None);
     for _ in 0..n {
+        if t0.elapsed() > deadline {
+            break;
+        }
         let t = Instant::now();
         if let Err(e) = c.exec_true(id) {
             errors += 1;
@@ -448,9 +452,12 @@ fn paced(c: &Client, id: &str, n: usize, bombs: &[String]) -> Value {
            "forks_refused_after_copy_per_s": refused_per_s})
 }
 
-/// G-23: the victim beside 20 fork bombs, in sandboxes without and with a user namespace
-/// (where RLIMIT_NPROC refuses a fork before its address space is copied): back to back, then
-/// paced (one exec every 20 ms).
+/// G-23: the victim beside 20 fork bombs, in sandboxes with a user namespace (the default, where
+/// RLIMIT_NPROC refuses a fork before its address space is copied): back to back, then paced
+/// (one exec every 20 ms); then beside 20 bombs in the admin's `"userns": false` sandboxes
+/// (forks refused by `pids.max` only, after the copy), paced only and for at most a minute:
+/// there a victim's exec can wait minutes behind the bombs' copies (the shared files' mapping
+/// lock, threat model G-23), which is recorded, not a reason to abort the run.
 fn beside_fork_bombs(
     c: &Client,
     n: usize,
@@ -459,8 +466,8 @@ fn beside_fork_bombs(
     out: &mut Map<String, Value>,
 ) -> anyhow::Result<()> {
     for (key, userns) in [
-        ("exec_true_beside_20_fork_bombs", false),
-        ("exec_true_beside_20_fork_bombs_userns", true),
+        ("exec_true_beside_20_fork_bombs", true),
+        ("exec_true_beside_20_fork_bombs_no_userns", false),
     ] {
         let v = c.ok(
             "POST",
@@ -485,27 +492,27 @@ fn beside_fork_bombs(
             }
         }
         std::thread::sleep(Duration::from_millis(500));
-        let refused_before = forks_refused_after_copy(&bombs);
-        let t = Instant::now();
-        let beside = dist(quiet(c, victim, n)?);
-        let refused_per_s =
-            (forks_refused_after_copy(&bombs) - refused_before) as f64 / t.elapsed().as_secs_f64();
-        let paced_20ms = paced(c, victim, n, &bombs);
+        let mut m = json!({"calm": calm, "bombs": bombs.len(),
+                   "bombs_that_failed_to_start": start_errors,
+                   "pids_max": BOMB_PIDS_MAX, "memory_max": BOMB_MEMORY_MAX});
+        if userns {
+            let refused_before = forks_refused_after_copy(&bombs);
+            let t = Instant::now();
+            let beside = dist(quiet(c, victim, n)?);
+            let refused_per_s = (forks_refused_after_copy(&bombs) - refused_before) as f64
+                / t.elapsed().as_secs_f64();
+            m["beside"] = json!(&beside);
+            m["forks_refused_after_copy_per_s"] = json!(refused_per_s);
+            m["ratio_p50"] = json!(beside.p50_us as f64 / calm.p50_us.max(1) as f64);
+            m["ratio_p99"] = json!(beside.p99_us as f64 / calm.p99_us.max(1) as f64);
+        }
+        m["paced_20ms"] = paced(c, victim, n, &bombs, Duration::from_secs(60));
         c.ok(
             "POST",
             "/v1/sandboxes/batch-delete",
             Some(&json!({"labels": {"bench": "bombs"}})),
         )?;
-        out.insert(
-            key.into(),
-            json!({"calm": calm, "beside": &beside, "bombs": bombs.len(),
-                   "bombs_that_failed_to_start": start_errors,
-                   "pids_max": BOMB_PIDS_MAX, "memory_max": BOMB_MEMORY_MAX,
-                   "forks_refused_after_copy_per_s": refused_per_s,
-                   "ratio_p50": beside.p50_us as f64 / calm.p50_us.max(1) as f64,
-                   "ratio_p99": beside.p99_us as f64 / calm.p99_us.max(1) as f64,
-                   "paced_20ms": paced_20ms}),
-        );
+        out.insert(key.into(), m);
     }
     Ok(())
 }
@@ -596,8 +603,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         "execs_per_s_at_64": out["exec_throughput_64_sandboxes"]["execs_per_s"],
         "beside_20_fork_bombs_p50_ms": ms(&out, "exec_true_beside_20_fork_bombs", "p50_us"),
         "beside_20_fork_bombs_p99_ms": ms(&out, "exec_true_beside_20_fork_bombs", "p99_us"),
-        "beside_20_fork_bombs_userns_p50_ms": ms(&out, "exec_true_beside_20_fork_bombs_userns", "p50_us"),
-        "beside_20_fork_bombs_userns_p99_ms": ms(&out, "exec_true_beside_20_fork_bombs_userns", "p99_us"),
+        "beside_20_fork_bombs_no_userns_paced_errors": out
+            .get("exec_true_beside_20_fork_bombs_no_userns")
+            .and_then(|v| v["paced_20ms"].get("errors").cloned()),
     });
     let doc = json!({
         "bench": "api",
