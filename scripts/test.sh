@@ -30,6 +30,8 @@ command -v setpriv >/dev/null || need+=(util-linux)
 [ -x /bin/kill ] || [ -x /usr/bin/kill ] || need+=(procps)
 # ipcmk (util-linux) makes the IPC objects an in-place reset must remove.
 command -v ipcmk >/dev/null || need+=(util-linux)
+# nsenter (util-linux) plants a device node in a running sandbox (S-13).
+command -v nsenter >/dev/null || need+=(util-linux)
 command -v mount >/dev/null || need+=(mount)
 command -v lz4 >/dev/null || need+=(lz4)
 # The guest kernel's modules are xz- (or zstd-) compressed; neither tool is in a minimal Debian.

@@ -79,15 +79,7 @@ pub(crate) fn container_spec<'a>(
                 resource: libc_rlimit::NOFILE,
                 value: l.open_files_max.max(AGENT_NOFILE),
             },
-        ]
-        .into_iter()
-        // In a user namespace the kernel applies RLIMIT_NPROC, before a fork copies anything;
-        // the agent and every command inherit it (uid 0 of the initial namespace is exempt).
-        .chain(cfg.ids.map(|_| Rlimit {
-            resource: libc_rlimit::NPROC,
-            value: l.nproc(),
-        }))
-        .collect(),
+        ],
         agent_exe: &ctx.agent_exe,
         agent_sock,
         argv: vec!["dsec-agent".into()],
@@ -214,7 +206,6 @@ pub(crate) mod libc_rlimit {
     pub const CORE: u32 = 4;
     pub const FSIZE: u32 = 1;
     pub const NOFILE: u32 = 7;
-    pub const NPROC: u32 = 6;
 }
 
 /// A sandbox init already cloned into its namespaces, attached to a cgroup and running the agent
