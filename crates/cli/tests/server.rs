@@ -1044,6 +1044,79 @@ fn f14_whole_host_crash_closes_stale_records() {
 /// controller. The same bomb in a sandbox without the namespace (the admin tenant's opt-out,
 /// `"userns": false`) is refused by `pids.max` only, after the copy, thousands of times a
 /// second.
+/// a sandbox whose threads never sleep moves to the batch CPU class (`cpu.idle`) while
+/// the node's CPUs are contended, a sandbox that serves calls beside it does not, and the
+/// spinner gets its own class back once it sleeps again.
+#[test]
+fn r13_a_sandbox_that_never_sleeps_goes_batch_and_comes_back() {
+    let d = Daemon::fresh("cpu");
+    let quiet = d.create_spec(json!({}));
+    let spinner = d.create_spec(json!({}));
+    let cg = |id: &str| {
+        dsec_sys::cgroup::CgroupManager::detect("dsec")
+            .expect("cgroups")
+            .open(id)
+            .expect("the sandbox's cgroup")
+    };
+    assert_eq!(
+        cg(&spinner).cpu_idle(),
+        Some(false),
+        "kernel without cpu.idle"
+    );
+    // One spinner more than the host has CPUs: they contend whatever the machine.
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{spinner}/processes"),
+        Some(
+            json!({"shell": format!("for i in $(seq {n}); do (while :; do :; done) & done; wait")}),
+        ),
+        None,
+    );
+    assert_eq!(s, 201, "spawn: {v}");
+    let handle = v["handle"].as_u64().expect("handle");
+    let batch = |d: &Daemon| {
+        d.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix("dsec_cpu_batch_sandboxes "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(-1.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cg(&spinner).cpu_idle() != Some(true) {
+        assert!(Instant::now() < deadline, "the spinner never went batch");
+        // The quiet one keeps serving calls all along.
+        assert_eq!(d.exec_ok(&quiet, "echo ok"), "ok\n");
+    }
+    for _ in 0..20 {
+        assert_eq!(d.exec_ok(&quiet, "echo ok"), "ok\n");
+    }
+    assert_eq!(
+        cg(&quiet).cpu_idle(),
+        Some(false),
+        "the quiet sandbox went batch"
+    );
+    assert_eq!(batch(&d), 1.0);
+    assert!(d.metrics().contains("dsec_cpu_demotions_total 1"));
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{spinner}/processes/{handle}/signal"),
+        Some(json!({"signal": 9})),
+        None,
+    );
+    assert_eq!(s, 204, "signal: {v}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cg(&spinner).cpu_idle() != Some(false) {
+        assert!(
+            Instant::now() < deadline,
+            "the spinner stayed batch once it slept"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(batch(&d), 0.0);
+    d.finish();
+}
+
 #[test]
 fn userns_sandboxes_refuse_forks_before_the_copy() {
     let d = Daemon::fresh("uns");

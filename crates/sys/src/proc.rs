@@ -411,9 +411,50 @@ pub fn set_own_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> Result
     Ok(())
 }
 
+/// How long thread `tid` has run plus waited to run on a CPU since it started, in
+/// nanoseconds (the first two fields of `/proc/<tid>/schedstat`); `None` once it is gone.
+pub fn sched_time_ns(tid: i32) -> Option<u64> {
+    parse_schedstat(&std::fs::read_to_string(format!("/proc/{tid}/schedstat")).ok()?)
+}
+
+/// Whether thread `tid` is running or waiting to run (state `R` in `/proc/<tid>/stat`); `None`
+/// once it is gone.
+pub fn runnable(tid: i32) -> Option<bool> {
+    parse_stat_state(&std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?).map(|s| s == 'R')
+}
+
+/// The state letter of a `/proc/<tid>/stat` line (the field after the parenthesised name, which
+/// may itself hold spaces and parentheses).
+fn parse_stat_state(text: &str) -> Option<char> {
+    text[text.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// Run plus wait time of a `schedstat` line (`<run ns> <wait ns> <timeslices>`).
+fn parse_schedstat(text: &str) -> Option<u64> {
+    let mut f = text.split_whitespace().map(str::parse::<u64>);
+    Some(f.next()?.ok()?.saturating_add(f.next()?.ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn schedstat_is_run_plus_wait() {
+        assert_eq!(parse_schedstat("1000 250 7\n"), Some(1250));
+        assert_eq!(parse_schedstat("1000\n"), None);
+        assert_eq!(parse_schedstat("x 1 2"), None);
+        assert!(sched_time_ns(getpid()).is_some());
+    }
+
+    #[test]
+    fn stat_state_follows_the_last_parenthesis() {
+        assert_eq!(parse_stat_state("12 (a) b) R 1 2"), Some('R'));
+        assert_eq!(parse_stat_state("12 (sh) S 1"), Some('S'));
+        assert_eq!(parse_stat_state("12 (sh"), None);
+        // SAFETY: gettid has no preconditions.
+        assert_eq!(runnable(unsafe { libc::gettid() }), Some(true));
+    }
 
     #[test]
     fn kill_all_refused_outside_init() {

@@ -1,6 +1,6 @@
 //! The node's metrics, resolved once (updates never touch the registry lock).
 
-use crate::metrics::{Counter, Histogram, Registry};
+use crate::metrics::{Counter, Gauge, Histogram, Registry};
 
 /// The node's metrics, resolved once (updates never touch the registry lock).
 #[derive(Debug)]
@@ -23,6 +23,10 @@ pub struct Metrics {
     pub seccomp_kills: Counter,
     /// Commands that ended `oom`.
     pub oom_kills: Counter,
+    /// Sandboxes moved to the batch CPU weight for using their whole share.
+    pub cpu_demotions: Counter,
+    /// Sandboxes in the batch CPU class now.
+    pub cpu_batch: Gauge,
     /// API create latency, pool hits.
     pub acquire_hit: Histogram,
     /// API create latency, created on demand.
@@ -103,6 +107,17 @@ impl Metrics {
                 "Commands killed by the seccomp filter",
             ),
             oom_kills: c("dsec_oom_kills_total", "Commands that ended out of memory"),
+            cpu_batch: registry
+                .gauge(
+                    "dsec_cpu_batch_sandboxes",
+                    "Sandboxes in the batch CPU class now (they never sleep, or hold a long run)",
+                    &[],
+                )
+                .unwrap_or_default(),
+            cpu_demotions: c(
+                "dsec_cpu_demotions_total",
+                "Sandboxes moved to the batch CPU weight for using their whole fair share",
+            ),
             acquire_hit: h(
                 "dsec_acquire_seconds",
                 "API create latency",

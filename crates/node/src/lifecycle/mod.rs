@@ -8,6 +8,7 @@
 //! leases), [`pools`], [`sweep`], [`recover`]; they fail with [`Error`], which the server maps
 //! to wire codes in one place.
 
+pub mod cpu_share;
 mod create;
 mod destroy;
 mod entry;
@@ -95,6 +96,8 @@ pub struct Node {
     max_sandboxes: usize,
     /// Sweeps run.
     sweeps: std::sync::atomic::AtomicU64,
+    /// Sandboxes that wait before sandboxes that spin.
+    pub cpu_shares: cpu_share::CpuShares,
 }
 
 /// Counts a request as in flight while it lives.
@@ -131,6 +134,7 @@ impl Node {
             create_slots: tokio::sync::Semaphore::new(4),
             max_sandboxes,
             sweeps: std::sync::atomic::AtomicU64::new(0),
+            cpu_shares: cpu_share::CpuShares::default(),
             metrics: Metrics::new(),
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),

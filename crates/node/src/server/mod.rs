@@ -196,21 +196,7 @@ async fn serve(
     let addr = listener
         .local_addr()
         .map_err(|e| ServerError::Other(e.to_string()))?;
-    let sweeper = {
-        let state = state.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            for n in 1u64.. {
-                tick.tick().await;
-                state.node.sweep().await;
-                // Every minute: the trajectory log's retention and compaction.
-                if n.is_multiple_of(60) {
-                    let s = state.clone();
-                    let _ = tokio::task::spawn_blocking(move || s.maintain_log()).await;
-                }
-            }
-        })
-    };
+    let periodic = spawn_periodic(&state);
     let drain = cfg.drain_timeout;
     // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in
     // flight finish (bounded by the drain deadline), then stop accepting and close.
@@ -249,7 +235,9 @@ async fn serve(
             Ok(())
         }
     };
-    sweeper.abort();
+    for task in periodic {
+        task.abort();
+    }
     run::stop(&state.runner).await;
     if cfg.shutdown_sandboxes {
         app.destroy_all(Duration::from_secs(60)).await;
@@ -452,4 +440,41 @@ async fn metrics_text(AxState(state): AxState<state::AppState>) -> Response {
         HeaderValue::from_static("text/plain; version=0.0.4"),
     );
     resp
+}
+
+/// The node's periodic tasks: the sweep (every second; the trajectory log's retention and
+/// compaction every minute) and the CPU-share governor (`lifecycle::cpu_share`, every tick).
+fn spawn_periodic(state: &state::AppState) -> [tokio::task::JoinHandle<()>; 2] {
+    let sweeper = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            for n in 1u64.. {
+                tick.tick().await;
+                state.node.sweep().await;
+                // Every minute: the trajectory log's retention and compaction.
+                if n.is_multiple_of(60) {
+                    let s = state.clone();
+                    let _ = tokio::task::spawn_blocking(move || s.maintain_log()).await;
+                }
+            }
+        })
+    };
+    let cpu_governor = {
+        let node = Arc::clone(&state.node);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(crate::lifecycle::cpu_share::TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // `DSEC_CPU_SHARES=off`: every sandbox keeps its own weight (benchmark peers).
+            if std::env::var("DSEC_CPU_SHARES").is_ok_and(|v| v == "off") {
+                return;
+            }
+            loop {
+                tick.tick().await;
+                let n = Arc::clone(&node);
+                let _ = tokio::task::spawn_blocking(move || n.cpu_shares.tick(&n)).await;
+            }
+        })
+    };
+    [sweeper, cpu_governor]
 }

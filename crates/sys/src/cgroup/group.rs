@@ -86,6 +86,27 @@ impl Cgroup {
         }
     }
 
+    /// Marks the cgroup's CPU scheduling entity idle (`cpu.idle`, Linux 5.15+, v1 and v2) or
+    /// not: an idle group runs at the lowest weight and is preempted as soon as a task of a
+    /// non-idle group wakes on its CPU. Its own `cpu.weight` comes back when it is not idle.
+    pub fn set_cpu_idle(&self, idle: bool) -> Result<(), CgroupError> {
+        let dir = match &self.dirs {
+            CgroupLayout::V1 { cpu, .. } => cpu,
+            CgroupLayout::V2 { root } => root,
+        };
+        write_file(&dir.join("cpu.idle"), if idle { "1" } else { "0" })
+    }
+
+    /// Whether the cgroup's CPU scheduling entity is idle (see
+    /// [`set_cpu_idle`](Self::set_cpu_idle)); `None` when the kernel has no `cpu.idle`.
+    pub fn cpu_idle(&self) -> Option<bool> {
+        let dir = match &self.dirs {
+            CgroupLayout::V1 { cpu, .. } => cpu,
+            CgroupLayout::V2 { root } => root,
+        };
+        read_u64(&dir.join("cpu.idle")).ok().map(|v| v == 1)
+    }
+
     /// Lets the cgroup's processes create (`mknod`) and open only the devices `allowed` names;
     /// any other device fails with `EPERM` (see [`devices`](super::devices)). v1 writes `a` into
     /// `devices.deny`, then one line per rule into `devices.allow`; v2 attaches a
@@ -261,6 +282,16 @@ impl Cgroup {
                 .usage_usec
                 .map(|us| us.saturating_mul(1000)),
         }
+    }
+
+    /// The ids of the threads in the cgroup's CPU hierarchy (v1 `tasks`, v2 `cgroup.threads`);
+    /// `None` when it cannot be read. One file read.
+    pub fn threads(&self) -> Option<Vec<i32>> {
+        let file = match &self.dirs {
+            CgroupLayout::V1 { cpu, .. } => cpu.join("tasks"),
+            CgroupLayout::V2 { root } => root.join("cgroup.threads"),
+        };
+        read_procs(&file).ok()
     }
 
     /// Reads usage counters.

@@ -171,6 +171,17 @@ impl CgroupManager {
         })
     }
 
+    /// CPU time used by every cgroup under the base together, in nanoseconds; `None` when it is
+    /// not accounted or the base does not exist yet. One file read.
+    pub fn base_cpu_usage_ns(&self) -> Option<u64> {
+        Cgroup {
+            name: String::new(),
+            dirs: self.dirs_for(None),
+            swap: None,
+        }
+        .cpu_usage_ns()
+    }
+
     /// The number of OOM kills a cgroup has recorded: one read of one file (v1
     /// `memory.oom_control`, v2 `memory.events`), where [`Cgroup::stats`] reads five. Called
     /// after every command, so it neither checks the other hierarchies nor keeps a file open

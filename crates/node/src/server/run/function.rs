@@ -25,7 +25,7 @@ use super::{
 pub(super) const ZYGOTE: &str = include_str!("zygote.py");
 /// A call whose zygote sandbox has used this much CPU time since the call began is a long one
 /// (a short call uses ~1–2 ms): it lets a waiting call start (or take) one more zygote, up to
-/// `zygotes_max`, and its zygote sandbox runs at [`LONG_CALL_CPU_WEIGHT`] until it ends. The
+/// `zygotes_max`, and its zygote sandbox runs at the batch CPU weight until it ends. The
 /// CPU time is checked every `LONG_CALL` of wall time, and a call waiting behind long ones
 /// checks this often whether it may pass. CPU time, not wall time: with 32 calls in flight on
 /// 2 CPUs a short call spends 25–40 ms waiting for a CPU, and taking those for long ones
@@ -206,11 +206,8 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// `cpu.weight` of a zygote sandbox while its call is a long one.
-pub(super) const LONG_CALL_CPU_WEIGHT: u64 = 1;
-
-/// Lowers the CPU weight of a zygote sandbox whose call has used `LONG_CALL` of CPU time
-/// to [`LONG_CALL_CPU_WEIGHT`], and puts it back when the call ends. Short calls (all but
+/// Holds a zygote sandbox whose call has used `LONG_CALL` of CPU time at the batch CPU weight
+/// (`lifecycle::cpu_share`), and releases it when the call ends. Short calls (all but
 /// abusive or heavy ones) never pay the two cgroup writes; long ones — a snippet spinning to its
 /// time limit — yield the CPU to short calls in other zygotes, whose every hand-off would
 /// otherwise wait for a spinner's time slice.
@@ -250,7 +247,7 @@ impl LongCall {
             }
             pool.mark_long(call);
             let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
-            if *st == Watch::Running && set_cpu_weight(&app2, &id, LONG_CALL_CPU_WEIGHT) {
+            if *st == Watch::Running && app2.node.cpu_shares.hold(&app2.node, &id) {
                 *st = Watch::Demoted;
             }
         });
@@ -268,23 +265,14 @@ impl LongCall {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let long = *st == Watch::Demoted;
         if long {
-            let weight = self.entry.record().spec.limits.cpu_weight;
-            set_cpu_weight(&self.app, &self.entry.id, weight);
+            self.app
+                .node
+                .cpu_shares
+                .release(&self.app.node, &self.entry.id);
         }
         *st = Watch::Ended;
         long
     }
-}
-
-/// Sets the `cpu.weight` of sandbox `id`'s cgroup; false when it is gone.
-pub(super) fn set_cpu_weight(app: &Runner, id: &str, weight: u64) -> bool {
-    app.node.rt.cgroups().open(id).is_some_and(|cg| {
-        cg.set_limits(&dsec_sys::cgroup::CgroupLimits {
-            cpu_weight: Some(weight),
-            ..Default::default()
-        })
-        .is_ok()
-    })
 }
 
 /// Opens the Python session in `e` and loads the dispatcher into it.
