@@ -1,0 +1,89 @@
+//! What lives in etcd, and under which keys (all under [`ROOT`]).
+//!
+//! | key | value | lease |
+//! |---|---|---|
+//! | `nodes/<name>` | [`NodeReport`] (JSON), rewritten every second | the node's |
+//! | `numbers/<n>` | the name of the node that holds number `n` | none |
+//! | `lost/<name>` | the node's lease id that expired (fencing: a node that finds its name here with its old lease destroys what the cluster declared lost) | none |
+//! | `drain/<name>` | set by `dsec cluster drain` | none |
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The prefix of every dsec key.
+pub const ROOT: &str = "/dsec/";
+
+/// The key of node `name`'s report.
+pub fn node_key(name: &str) -> String {
+    format!("{ROOT}nodes/{name}")
+}
+
+/// The prefix of every node report.
+pub fn nodes_prefix() -> String {
+    format!("{ROOT}nodes/")
+}
+
+/// The key of node number `n`.
+pub fn number_key(n: u16) -> String {
+    format!("{ROOT}numbers/{n}")
+}
+
+/// The prefix of every node number.
+pub fn numbers_prefix() -> String {
+    format!("{ROOT}numbers/")
+}
+
+/// The key that asks node `name` to drain.
+pub fn drain_key(name: &str) -> String {
+    format!("{ROOT}drain/{name}")
+}
+
+/// What a node publishes about itself.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeReport {
+    /// Its name (`--node-name`).
+    pub name: String,
+    /// Where its API answers (`--advertise`).
+    pub url: String,
+    /// The number its sandbox ids carry.
+    pub number: u16,
+    /// When it started, ms since the epoch.
+    pub started_ms: u64,
+    /// When it wrote this report, ms since the epoch.
+    pub updated_ms: u64,
+    /// It accepts no new sandboxes.
+    pub draining: bool,
+    /// Live sandboxes (pooled ones included).
+    pub sandboxes: u64,
+    /// The most it holds.
+    pub max_sandboxes: u64,
+    /// Online CPUs.
+    pub cpus: f64,
+    /// CPUs busy, averaged over the last minute (load average, capped at `cpus`).
+    pub cpu_used: f64,
+    /// Memory the host has for sandboxes, bytes.
+    pub memory_bytes: u64,
+    /// The sum of the live sandboxes' `memory_max`, bytes.
+    pub memory_allocated_bytes: u64,
+    /// Ready pooled sandboxes, by template.
+    pub pools: BTreeMap<String, u64>,
+    /// Templates whose layers it holds.
+    pub templates: Vec<String>,
+    /// Creates waiting for a create slot.
+    pub creates_waiting: u64,
+    /// Live sandboxes by tenant id.
+    pub tenants: BTreeMap<String, u64>,
+}
+
+impl NodeReport {
+    /// Free sandbox slots.
+    pub fn free_slots(&self) -> u64 {
+        self.max_sandboxes.saturating_sub(self.sandboxes)
+    }
+
+    /// Memory not yet promised to a sandbox, bytes.
+    pub fn free_memory(&self) -> u64 {
+        self.memory_bytes.saturating_sub(self.memory_allocated_bytes)
+    }
+}
