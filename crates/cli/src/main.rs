@@ -194,6 +194,16 @@ struct ServerArgs {
     /// least recently used entries no VM uses are removed (besides those unused for 24 h).
     #[arg(long, env = "DSEC_VM_CACHE_MAX_BYTES", value_parser = units::parse_bytes)]
     vm_cache_max_bytes: Option<u64>,
+    /// Join the cluster of these etcd endpoints (comma-separated URLs); needs --node-name and
+    /// --advertise. Without it the node stands alone.
+    #[arg(long, env = "DSEC_ETCD", requires_all = ["node_name", "advertise"])]
+    etcd: Option<String>,
+    /// This node's name in the cluster (unique).
+    #[arg(long, env = "DSEC_NODE_NAME")]
+    node_name: Option<String>,
+    /// The URL gateways reach this node's API at (e.g. http://10.0.0.5:7700).
+    #[arg(long, env = "DSEC_ADVERTISE")]
+    advertise: Option<String>,
 }
 
 /// Where a template comes from: its name and its image.
@@ -683,6 +693,14 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         },
         shutdown_sandboxes: args.shutdown_sandboxes,
         vm_cache_max_bytes: args.vm_cache_max_bytes,
+        cluster: args
+            .etcd
+            .clone()
+            .map(|etcd| dsec_node::member::ClusterConfig {
+                etcd,
+                name: args.node_name.clone().unwrap_or_default(),
+                advertise: args.advertise.clone().unwrap_or_default(),
+            }),
     };
     let key_file = cli.data_dir.join("admin.key");
     dsec_node::server::run(cfg, move |addr, key| {

@@ -6,6 +6,8 @@
 //! | `numbers/<n>` | the name of the node that holds number `n` | none |
 //! | `lost/<name>` | the node's lease id that expired (fencing: a node that finds its name here with its old lease destroys what the cluster declared lost) | none |
 //! | `drain/<name>` | set by `dsec cluster drain` | none |
+//! | `tenants/<name>` | a tenant's record (JSON), as the first node that had it wrote it | none |
+//! | `keys/<sha256>` | the name of the tenant an API key belongs to | none |
 
 use std::collections::BTreeMap;
 
@@ -37,6 +39,26 @@ pub fn numbers_prefix() -> String {
 /// The key that asks node `name` to drain.
 pub fn drain_key(name: &str) -> String {
     format!("{ROOT}drain/{name}")
+}
+
+/// The key of tenant `name`'s record.
+pub fn tenant_key(name: &str) -> String {
+    format!("{ROOT}tenants/{name}")
+}
+
+/// The prefix of every tenant record.
+pub fn tenants_prefix() -> String {
+    format!("{ROOT}tenants/")
+}
+
+/// The key of an API key's hash.
+pub fn api_key_key(hash: &str) -> String {
+    format!("{ROOT}keys/{hash}")
+}
+
+/// The prefix of every API key hash.
+pub fn api_keys_prefix() -> String {
+    format!("{ROOT}keys/")
 }
 
 /// What a node publishes about itself.

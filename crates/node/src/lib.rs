@@ -8,6 +8,7 @@ pub mod capacity;
 pub mod clock;
 pub mod lifecycle;
 pub mod log;
+pub mod member;
 pub mod metrics;
 pub mod sandbox;
 pub mod server;

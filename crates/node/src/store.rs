@@ -269,6 +269,15 @@ impl Store {
         Ok(())
     }
 
+    /// Every API key: its hash and its tenant's id.
+    pub fn api_keys(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.with(|c| {
+            let mut st = c.prepare_cached("SELECT hash, tenant FROM api_keys ORDER BY hash")?;
+            let rows = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
     /// The tenant an API key hash belongs to.
     pub fn tenant_for_key(&self, hash: &str) -> Result<Option<Tenant>, StoreError> {
         self.record(

@@ -173,6 +173,11 @@ impl Node {
         InFlight(Arc::clone(self))
     }
 
+    /// The most sandboxes (pools included) this node holds.
+    pub fn max_sandboxes(&self) -> usize {
+        self.max_sandboxes
+    }
+
     /// Requests being served.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)

@@ -65,6 +65,8 @@ pub struct ServerConfig {
     pub shutdown_sandboxes: bool,
     /// Bound on the VM cache's size on disk (least recently used unused entries go first).
     pub vm_cache_max_bytes: Option<u64>,
+    /// The cluster this node joins (`None`: a node on its own, the embedded default).
+    pub cluster: Option<crate::member::ClusterConfig>,
 }
 
 /// A failure to start or run the daemon.
@@ -146,6 +148,16 @@ async fn serve(
     } else {
         None
     };
+    // In a cluster the node's number is claimed before any sandbox id is made.
+    let member = match cfg.cluster.clone() {
+        Some(c) => Some(Arc::new(
+            tokio::task::spawn_blocking(move || crate::member::Member::join(c))
+                .await
+                .map_err(|e| ServerError::Other(e.to_string()))?
+                .map_err(|e| ServerError::Other(format!("join the cluster: {e}")))?,
+        )),
+        None => None,
+    };
     let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
     let state = state::AppState {
         node: Arc::clone(&app),
@@ -197,6 +209,7 @@ async fn serve(
         .local_addr()
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let periodic = spawn_periodic(&state);
+    let membership = member.map(|m| tokio::spawn(m.run(Arc::clone(&app))));
     let drain = cfg.drain_timeout;
     // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in
     // flight finish (bounded by the drain deadline), then stop accepting and close.
@@ -235,7 +248,7 @@ async fn serve(
             Ok(())
         }
     };
-    for task in periodic {
+    for task in periodic.into_iter().chain(membership) {
         task.abort();
     }
     run::stop(&state.runner).await;

@@ -37,7 +37,8 @@ pub struct Phases {
 
 static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// A fresh sandbox id: `sb-` + 16 hex digits, unique per node.
+/// A fresh sandbox id: `sb-` + 16 hex digits, unique per node (in a cluster, the first four
+/// are the node's number: `dsec_cluster::ids`).
 pub fn new_id() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -45,6 +46,11 @@ pub fn new_id() -> String {
         .unwrap_or(0);
     let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mix = (t ^ (u64::from(std::process::id()) << 40)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ n;
+    // In a cluster the first four digits are the node's number (gateways route by it).
+    let mix = match crate::member::number() {
+        0 => mix,
+        number => dsec_cluster::ids::with_number(number, mix),
+    };
     format!("sb-{mix:016x}")
 }
 

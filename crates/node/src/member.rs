@@ -1,0 +1,258 @@
+//! A node's membership in a cluster (`dsec server --etcd … --node-name … --advertise …`).
+//!
+//! At start, before it serves, the node claims its number (the one it held before, found under
+//! `numbers/`, or the lowest free one, by an etcd transaction) and every sandbox id it makes from
+//! then on carries it ([`dsec_cluster::ids`]). Then, every [`REPORT_EVERY`], it renews its lease
+//! ([`LEASE_TTL`]) and rewrites its [`NodeReport`] under it.
+//!
+//! Fencing: if the lease has expired when the node renews it (the node was cut off or stalled
+//! for longer than the TTL), the gateways have already answered its sandboxes `lost`; the node
+//! destroys them all (at most one owner ever acts for a sandbox after a partition heals), then
+//! registers again under a new lease.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dsec_cluster::etcd::{Etcd, EtcdError};
+use dsec_cluster::model::{self, NodeReport};
+
+use crate::lifecycle::Node;
+use crate::sandbox::State;
+
+/// The lease's time to live: a node that stops renewing is `lost` this long after.
+pub const LEASE_TTL: i64 = 5;
+
+/// How often the node renews its lease and rewrites its report.
+pub const REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// Highest node number.
+const MAX_NUMBER: u16 = u16::MAX;
+
+/// The number this node's sandbox ids carry (0 outside a cluster).
+static NUMBER: AtomicU16 = AtomicU16::new(0);
+
+/// This node's number (0 outside a cluster).
+pub fn number() -> u16 {
+    NUMBER.load(Ordering::Relaxed)
+}
+
+/// How the node joins a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// etcd endpoints, comma-separated.
+    pub etcd: String,
+    /// This node's name, unique in the cluster.
+    pub name: String,
+    /// The URL the gateways reach this node's API at.
+    pub advertise: String,
+}
+
+/// A node in a cluster.
+#[derive(Debug)]
+pub struct Member {
+    cfg: ClusterConfig,
+    etcd: Etcd,
+    number: u16,
+    started_ms: u64,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Member {
+    /// Claims this node's number (blocking); from then on new sandbox ids carry it.
+    pub fn join(cfg: ClusterConfig) -> Result<Self, EtcdError> {
+        let etcd = Etcd::new(&cfg.etcd);
+        let number = claim_number(&etcd, &cfg.name)?;
+        NUMBER.store(number, Ordering::Relaxed);
+        tracing::info!(node = %cfg.name, number = %number, "joined the cluster");
+        Ok(Self {
+            cfg,
+            etcd,
+            number,
+            started_ms: now_ms(),
+        })
+    }
+
+    /// Renews the lease and rewrites the report, forever.
+    pub async fn run(self: Arc<Self>, node: Arc<Node>) {
+        let mut lease = 0i64;
+        loop {
+            let (m, n) = (Arc::clone(&self), Arc::clone(&node));
+            match tokio::task::spawn_blocking(move || m.renew(&n, lease)).await {
+                Ok(Ok(Renewed::Live(l))) => lease = l,
+                Ok(Ok(Renewed::Expired)) => {
+                    tracing::warn!(node = %self.cfg.name, "cluster: lease expired; destroying the sandboxes the cluster declared lost");
+                    node.destroy_all(Duration::from_secs(60)).await;
+                    lease = 0;
+                    continue;
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "cluster: report failed"),
+                Err(_) => {}
+            }
+            tokio::time::sleep(REPORT_EVERY).await;
+        }
+    }
+
+    /// Renews `lease` (or grants one when 0) and rewrites the report under it.
+    fn renew(&self, node: &Node, lease: i64) -> Result<Renewed, EtcdError> {
+        if lease != 0 && self.etcd.keep_alive(lease)? <= 0 {
+            return Ok(Renewed::Expired);
+        }
+        let lease = match lease {
+            0 => self.etcd.grant(LEASE_TTL)?,
+            l => l,
+        };
+        self.share_keys(node)?;
+        let draining = self.etcd.get(&model::drain_key(&self.cfg.name))?.is_some();
+        let report = self.report(node, draining);
+        let body = serde_json::to_vec(&report).unwrap_or_default();
+        self.etcd.put(&model::node_key(&self.cfg.name), &body, lease)?;
+        Ok(Renewed::Live(lease))
+    }
+
+    /// Shares tenants and API keys with the cluster, by tenant name: publishes this node's
+    /// (the first node to publish a name sets its record) and adds the others' to the local
+    /// store, so a key works on every node within a report interval.
+    fn share_keys(&self, node: &Node) -> Result<(), EtcdError> {
+        let store = &node.store;
+        let local = store.tenants().unwrap_or_default();
+        let (remote_tenants, _) = self.etcd.prefix(&model::tenants_prefix())?;
+        let published: std::collections::BTreeSet<String> = remote_tenants
+            .iter()
+            .filter_map(|kv| kv.key.rsplit('/').next().map(str::to_owned))
+            .collect();
+        for t in &local {
+            if !published.contains(&t.name) {
+                let body = serde_json::to_vec(t).unwrap_or_default();
+                self.etcd.create(&model::tenant_key(&t.name), &body, 0)?;
+            }
+        }
+        let names: BTreeMap<String, String> =
+            local.iter().map(|t| (t.id.clone(), t.name.clone())).collect();
+        let (remote_keys, _) = self.etcd.prefix(&model::api_keys_prefix())?;
+        let known: BTreeMap<String, String> = remote_keys
+            .iter()
+            .filter_map(|kv| {
+                let hash = kv.key.rsplit('/').next()?.to_owned();
+                Some((hash, String::from_utf8(kv.value.clone()).ok()?))
+            })
+            .collect();
+        let mine = store.api_keys().unwrap_or_default();
+        for (hash, tenant) in &mine {
+            if let (false, Some(name)) = (known.contains_key(hash), names.get(tenant)) {
+                self.etcd
+                    .create(&model::api_key_key(hash), name.as_bytes(), 0)?;
+            }
+        }
+        let have: std::collections::BTreeSet<&String> = mine.iter().map(|(h, _)| h).collect();
+        for (hash, name) in &known {
+            if have.contains(hash) {
+                continue;
+            }
+            let tenant = match store.tenant_by_name(name).ok().flatten() {
+                Some(t) => t,
+                None => {
+                    let Some(rec) = remote_tenants
+                        .iter()
+                        .find(|kv| kv.key == model::tenant_key(name))
+                        .and_then(|kv| serde_json::from_slice::<crate::store::Tenant>(&kv.value).ok())
+                    else {
+                        continue;
+                    };
+                    if store.insert_tenant(&rec).is_err() {
+                        continue;
+                    }
+                    rec
+                }
+            };
+            let _ = store.insert_key(hash, &tenant.id, now_ms());
+        }
+        Ok(())
+    }
+
+    /// What this node holds now.
+    fn report(&self, node: &Node, draining: bool) -> NodeReport {
+        let mut r = NodeReport {
+            name: self.cfg.name.clone(),
+            url: self.cfg.advertise.clone(),
+            number: self.number,
+            started_ms: self.started_ms,
+            updated_ms: now_ms(),
+            draining: draining || node.draining.load(Ordering::Relaxed),
+            max_sandboxes: node.max_sandboxes() as u64,
+            cpus: f64::from(node.rt.capacity().cpus),
+            memory_bytes: node.rt.capacity().memory_bytes,
+            ..Default::default()
+        };
+        r.cpu_used = load_average().min(r.cpus);
+        let mut pools: BTreeMap<String, u64> = BTreeMap::new();
+        for e in node.entries() {
+            let rec = e.record();
+            if rec.state == State::Stopped {
+                continue;
+            }
+            r.sandboxes += 1;
+            r.memory_allocated_bytes += rec.spec.limits.memory_max;
+            if rec.pooled && rec.state == State::Ready && rec.tenant.is_none() {
+                *pools.entry(rec.spec.template.clone()).or_default() += 1;
+            }
+            if let Some(t) = &rec.tenant {
+                *r.tenants.entry(t.clone()).or_default() += 1;
+            }
+        }
+        r.pools = pools;
+        r.templates = node
+            .rt
+            .templates()
+            .list()
+            .map(|ts| ts.into_iter().map(|t| t.name).collect())
+            .unwrap_or_default();
+        r
+    }
+}
+
+/// What a renewal found.
+enum Renewed {
+    /// The lease (new or renewed) is live.
+    Live(i64),
+    /// The lease had expired.
+    Expired,
+}
+
+/// The node's number: the one `name` held before, else the lowest free one.
+fn claim_number(etcd: &Etcd, name: &str) -> Result<u16, EtcdError> {
+    let (held, _) = etcd.prefix(&model::numbers_prefix())?;
+    let mut taken = std::collections::BTreeSet::new();
+    for kv in &held {
+        let n: Option<u16> = kv.key.rsplit('/').next().and_then(|s| s.parse().ok());
+        if kv.value == name.as_bytes() {
+            if let Some(n) = n {
+                return Ok(n);
+            }
+        }
+        taken.extend(n);
+    }
+    for n in 1..=MAX_NUMBER {
+        if !taken.contains(&n) && etcd.create(&model::number_key(n), name.as_bytes(), 0)? {
+            return Ok(n);
+        }
+    }
+    Err(EtcdError::Parse {
+        path: model::numbers_prefix(),
+        body: "every node number is taken".into(),
+    })
+}
+
+/// The one-minute load average (`/proc/loadavg`).
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
+}
