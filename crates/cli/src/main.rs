@@ -3,6 +3,7 @@
 
 mod admin_cmd;
 mod bench;
+mod cluster_cmd;
 mod client;
 mod output;
 mod sandbox_cmd;
@@ -54,6 +55,13 @@ struct Cli {
 enum Command {
     /// Run the node daemon: the HTTP API (docs/api.md) over SQLite state in the data dir.
     Server(ServerArgs),
+    /// Run a cluster gateway: the same API, placed and routed over the nodes registered in etcd.
+    Gateway(cluster_cmd::GatewayArgs),
+    /// Operate a cluster: its nodes' status, draining a node.
+    Cluster {
+        #[command(subcommand)]
+        command: cluster_cmd::ClusterCmd,
+    },
     /// Create a sandbox, run one command in it, print its output, destroy it and exit with the
     /// command's exit code.
     Run(RunArgs),
@@ -747,6 +755,8 @@ fn main() -> ExitCode {
             return remote(&cli, |c| trajectory_cmd::run(c, command))
         }
         Command::Server(args) => server(&cli, args),
+        Command::Gateway(args) => cluster_cmd::gateway(args),
+        Command::Cluster { command } => cluster_cmd::run(command),
         Command::Run(args) => run(&cli, args),
         Command::Vm { command } => vm(&cli, command),
         Command::Template {

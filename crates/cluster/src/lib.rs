@@ -9,6 +9,7 @@
 //! - [`ids`]: the node number in a sandbox id.
 
 pub mod etcd;
+pub mod gateway;
 pub mod ids;
 pub mod model;
 pub mod place;

@@ -8,7 +8,8 @@
 //! Fencing: if the lease has expired when the node renews it (the node was cut off or stalled
 //! for longer than the TTL), the gateways have already answered its sandboxes `lost`; the node
 //! destroys them all (at most one owner ever acts for a sandbox after a partition heals), then
-//! registers again under a new lease.
+//! registers again under a new lease. A node that starts again after its lease expired (its
+//! report is gone) does the same with the sandboxes it adopted, before it registers.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -56,6 +57,9 @@ pub struct Member {
     etcd: Etcd,
     number: u16,
     started_ms: u64,
+    /// The node's report was gone when it joined: its last lease expired, and the cluster
+    /// declared the sandboxes it held then lost.
+    was_lost: bool,
 }
 
 fn now_ms() -> u64 {
@@ -69,6 +73,8 @@ impl Member {
     pub fn join(cfg: ClusterConfig) -> Result<Self, EtcdError> {
         let etcd = Etcd::new(&cfg.etcd);
         let number = claim_number(&etcd, &cfg.name)?;
+        // A restart within the lease's TTL finds its report still there and keeps its sandboxes.
+        let was_lost = etcd.get(&model::node_key(&cfg.name))?.is_none();
         NUMBER.store(number, Ordering::Relaxed);
         tracing::info!(node = %cfg.name, number = %number, "joined the cluster");
         Ok(Self {
@@ -76,11 +82,18 @@ impl Member {
             etcd,
             number,
             started_ms: now_ms(),
+            was_lost,
         })
     }
 
     /// Renews the lease and rewrites the report, forever.
     pub async fn run(self: Arc<Self>, node: Arc<Node>) {
+        if self.was_lost {
+            let n = node.destroy_all(Duration::from_secs(60)).await;
+            if n > 0 {
+                tracing::warn!(node = %self.cfg.name, destroyed = %n, "cluster: this node was lost while it was away; its sandboxes were destroyed");
+            }
+        }
         let mut lease = 0i64;
         loop {
             let (m, n) = (Arc::clone(&self), Arc::clone(&node));

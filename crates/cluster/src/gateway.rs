@@ -1,0 +1,504 @@
+//! `dsec gateway`: the cluster's one endpoint. Stateless: it reads the node table from etcd
+//! (every [`REFRESH`]; the last table it read keeps serving while etcd has no quorum), places
+//! creates ([`crate::place`]) and proxies every other call to the sandbox's node, found by the
+//! node number the sandbox id carries ([`crate::ids`]). Request and answer bodies stream both
+//! ways, so exec streams, file transfers and waits pass through unchanged.
+//!
+//! | call | where it goes |
+//! |---|---|
+//! | `POST /v1/sandboxes` | the best-scored node; the next one if that node refuses for capacity |
+//! | `POST /v1/sandboxes/batch` | placed in one pass, one sub-batch per node, sent at once, answers merged |
+//! | `GET /v1/sandboxes` | every live node, lists merged |
+//! | `POST /v1/sandboxes/batch-delete` | every live node |
+//! | `/v1/sandboxes/{id}/…`, `GET/DELETE /v1/sandboxes/{id}` | the node whose number `id` carries; `lost` (410, `node_lost`) when that node's lease expired |
+//! | `GET /v1/cluster` | the gateway itself: the node table and the autoscaling signals |
+//! | `/livez`, `/readyz`, `/metrics` | the gateway itself |
+//! | anything else (`/run_code`, `/v1/run`, tenants, templates, pools, trajectories) | the best-scored node |
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use axum::Router;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use serde_json::{json, Value};
+
+use crate::etcd::Etcd;
+use crate::model::{self, NodeReport};
+use crate::place::{self, Ask};
+
+/// How often the gateway rereads the node table.
+pub const REFRESH: Duration = Duration::from_millis(500);
+
+/// Largest JSON body the gateway reads itself (creates, batches, lists).
+const MAX_JSON: usize = 16 << 20;
+
+/// How the gateway runs.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// etcd endpoints, comma-separated.
+    pub etcd: String,
+    /// Where to listen.
+    pub listen: SocketAddr,
+}
+
+/// What the gateway knows of the cluster.
+#[derive(Debug, Default)]
+struct Table {
+    /// Live nodes (their lease holds), by name.
+    nodes: BTreeMap<String, NodeReport>,
+    /// Node number → name, for every number ever claimed.
+    numbers: BTreeMap<u16, String>,
+    /// When etcd last answered.
+    read_at: Option<Instant>,
+}
+
+struct Gw {
+    etcd: Etcd,
+    table: RwLock<Table>,
+    client: Client<HttpConnector, Body>,
+    placed: AtomicU64,
+    lost_calls: AtomicU64,
+    proxied: AtomicU64,
+}
+
+type App = Arc<Gw>;
+
+/// Serves the gateway until the process ends; calls `on_ready` with the bound address.
+pub async fn serve(
+    cfg: GatewayConfig,
+    on_ready: impl FnOnce(SocketAddr),
+) -> Result<(), std::io::Error> {
+    let gw = Arc::new(Gw {
+        etcd: Etcd::new(&cfg.etcd),
+        table: RwLock::default(),
+        client: Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_max_idle_per_host(256)
+            .build_http(),
+        placed: AtomicU64::new(0),
+        lost_calls: AtomicU64::new(0),
+        proxied: AtomicU64::new(0),
+    });
+    refresh(&gw).await;
+    let g = Arc::clone(&gw);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(REFRESH).await;
+            refresh(&g).await;
+        }
+    });
+    let app = Router::new()
+        .route("/livez", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/cluster", get(cluster))
+        .route("/v1/sandboxes", any(sandboxes))
+        .route("/v1/sandboxes/batch", any(batch))
+        .route("/v1/sandboxes/batch-delete", any(batch_delete))
+        .route("/v1/sandboxes/{id}", any(by_id))
+        .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
+        .fallback(anywhere)
+        .with_state(gw);
+    let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
+    on_ready(listener.local_addr()?);
+    axum::serve(listener, app).await
+}
+
+/// Rereads the node table; keeps the last one when etcd does not answer.
+async fn refresh(gw: &App) {
+    let g = Arc::clone(gw);
+    let read = tokio::task::spawn_blocking(move || {
+        let (nodes, _) = g.etcd.prefix(&model::nodes_prefix())?;
+        let (numbers, _) = g.etcd.prefix(&model::numbers_prefix())?;
+        Ok::<_, crate::etcd::EtcdError>((nodes, numbers))
+    })
+    .await;
+    let Ok(Ok((nodes, numbers))) = read else {
+        return;
+    };
+    let mut t = Table {
+        read_at: Some(Instant::now()),
+        ..Default::default()
+    };
+    for kv in nodes {
+        if let Ok(r) = serde_json::from_slice::<NodeReport>(&kv.value) {
+            t.nodes.insert(r.name.clone(), r);
+        }
+    }
+    for kv in numbers {
+        if let Some(n) = kv.key.rsplit('/').next().and_then(|s| s.parse().ok()) {
+            t.numbers
+                .insert(n, String::from_utf8_lossy(&kv.value).into_owned());
+        }
+    }
+    *gw.table.write().unwrap_or_else(|p| p.into_inner()) = t;
+}
+
+fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
+    let body = json!({"type": format!("https://dsec.dev/errors/{code}"), "title": code.replace('_', " "),
+                      "status": status.as_u16(), "code": code, "detail": detail});
+    let mut r = (status, axum::Json(body)).into_response();
+    r.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("application/problem+json"),
+    );
+    r
+}
+
+fn nodes(gw: &App) -> Vec<NodeReport> {
+    gw.table
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .nodes
+        .values()
+        .cloned()
+        .collect()
+}
+
+/// The caller's identity for spreading: its API key (never stored, only compared).
+fn caller(req_headers: &axum::http::HeaderMap) -> String {
+    req_headers
+        .get("x-api-key")
+        .or_else(|| req_headers.get("authorization"))
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// Forwards `req` to `node` (path and query kept, body streamed) and streams the answer back.
+async fn forward(gw: &App, node: &NodeReport, req: Request) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let Ok(uri) = format!("{}{pq}", node.url.trim_end_matches('/')).parse::<Uri>() else {
+        return problem(StatusCode::BAD_GATEWAY, "bad_gateway", "the node's URL is not valid");
+    };
+    parts.uri = uri;
+    parts.headers.remove("host");
+    gw.proxied.fetch_add(1, Ordering::Relaxed);
+    match gw.client.request(Request::from_parts(parts, body)).await {
+        Ok(r) => r.map(Body::new),
+        Err(e) => problem(
+            StatusCode::BAD_GATEWAY,
+            "node_unreachable",
+            &format!("node {}: {e}", node.name),
+        ),
+    }
+}
+
+/// Sends a JSON body to `node` and reads the JSON answer.
+async fn call_json(
+    gw: &App,
+    node: &NodeReport,
+    method: Method,
+    path: &str,
+    headers: &axum::http::HeaderMap,
+    body: Vec<u8>,
+) -> (StatusCode, Value) {
+    let mut req = Request::builder().method(method).uri(path);
+    for (k, v) in headers {
+        if k != "host" && k != "content-length" {
+            req = req.header(k, v);
+        }
+    }
+    let Ok(req) = req.body(Body::from(body)) else {
+        return (StatusCode::BAD_REQUEST, Value::Null);
+    };
+    let r = forward(gw, node, req).await;
+    let status = r.status();
+    let bytes = axum::body::to_bytes(r.into_body(), MAX_JSON)
+        .await
+        .unwrap_or_default();
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+async fn readyz(State(gw): State<App>) -> Response {
+    let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+    if t.nodes.is_empty() {
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "no live node");
+    }
+    "ok".into_response()
+}
+
+/// The autoscaling signals and the node table.
+fn cluster_view(gw: &App) -> Value {
+    let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+    let live: Vec<&NodeReport> = t.nodes.values().collect();
+    let cpus: f64 = live.iter().map(|n| n.cpus).sum();
+    let used: f64 = live.iter().map(|n| n.cpu_used).sum();
+    let mem: u64 = live.iter().map(|n| n.memory_bytes).sum();
+    let mem_used: u64 = live.iter().map(|n| n.memory_allocated_bytes).sum();
+    let queue: u64 = live.iter().map(|n| n.creates_waiting).sum();
+    let cpu_frac = if cpus > 0.0 { used / cpus } else { 0.0 };
+    let mem_frac = if mem > 0 {
+        mem_used as f64 / mem as f64
+    } else {
+        0.0
+    };
+    let lost: Vec<&String> = t
+        .numbers
+        .values()
+        .filter(|n| !t.nodes.contains_key(*n))
+        .collect();
+    json!({
+        "nodes": live.iter().map(|n| json!({
+            "name": n.name, "url": n.url, "number": n.number, "state": if n.draining {"draining"} else {"ready"},
+            "report_age_ms": now_ms().saturating_sub(n.updated_ms),
+            "sandboxes": n.sandboxes, "free_slots": n.free_slots(), "cpus": n.cpus, "cpu_used": n.cpu_used,
+            "memory_bytes": n.memory_bytes, "free_memory_bytes": n.free_memory(),
+            "templates": n.templates, "pools": n.pools, "draining": n.draining,
+        })).collect::<Vec<_>>(),
+        "lost": lost,
+        "queue_depth": queue,
+        "cpu_used_fraction": cpu_frac,
+        "memory_used_fraction": mem_frac,
+        "etcd_read_age_ms": t.read_at.map(|r| r.elapsed().as_millis() as u64),
+    })
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+async fn cluster(State(gw): State<App>) -> Response {
+    axum::Json(cluster_view(&gw)).into_response()
+}
+
+async fn metrics(State(gw): State<App>) -> Response {
+    let v = cluster_view(&gw);
+    let n = v["nodes"].as_array().map_or(0, Vec::len);
+    let lost = v["lost"].as_array().map_or(0, Vec::len);
+    let text = format!(
+        "# TYPE dsec_gateway_nodes gauge\ndsec_gateway_nodes {n}\n\
+         # TYPE dsec_gateway_nodes_lost gauge\ndsec_gateway_nodes_lost {lost}\n\
+         # TYPE dsec_gateway_queue_depth gauge\ndsec_gateway_queue_depth {}\n\
+         # TYPE dsec_gateway_cpu_used_fraction gauge\ndsec_gateway_cpu_used_fraction {}\n\
+         # TYPE dsec_gateway_placements_total counter\ndsec_gateway_placements_total {}\n\
+         # TYPE dsec_gateway_lost_calls_total counter\ndsec_gateway_lost_calls_total {}\n\
+         # TYPE dsec_gateway_proxied_total counter\ndsec_gateway_proxied_total {}\n",
+        v["queue_depth"],
+        v["cpu_used_fraction"],
+        gw.placed.load(Ordering::Relaxed),
+        gw.lost_calls.load(Ordering::Relaxed),
+        gw.proxied.load(Ordering::Relaxed),
+    );
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The ask of a create body.
+fn ask_of<'a>(spec: &'a Value, tenant: &'a str) -> Ask<'a> {
+    Ask {
+        template: spec["template"].as_str().unwrap_or("host"),
+        tenant,
+        memory: spec["limits"]["memory_max"].as_u64().unwrap_or(512 << 20),
+    }
+}
+
+/// Nodes in placement order for one sandbox of `ask`.
+fn ranked(gw: &App, ask: &Ask<'_>) -> Vec<NodeReport> {
+    let all = nodes(gw);
+    let mut scored: Vec<(f64, NodeReport)> = all
+        .into_iter()
+        .filter_map(|n| place::score(&n, ask, 1).map(|s| (s, n)))
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    scored.into_iter().map(|(_, n)| n).collect()
+}
+
+async fn sandboxes(State(gw): State<App>, req: Request) -> Response {
+    match *req.method() {
+        Method::POST => create(gw, req).await,
+        Method::GET => list(gw, req).await,
+        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "GET or POST"),
+    }
+}
+
+async fn create(gw: App, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
+        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "body too large");
+    };
+    let spec: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let who = caller(&parts.headers);
+    let order = ranked(&gw, &ask_of(&spec, &who));
+    if order.is_empty() {
+        return no_capacity();
+    }
+    let pq = parts.uri.path_and_query().map_or("/v1/sandboxes", |p| p.as_str()).to_owned();
+    let mut last = no_capacity();
+    for node in order.iter().take(3) {
+        let mut req = Request::builder().method(Method::POST).uri(&pq);
+        for (k, v) in &parts.headers {
+            req = req.header(k, v);
+        }
+        let Ok(req) = req.body(Body::from(bytes.clone())) else {
+            break;
+        };
+        let r = forward(&gw, node, req).await;
+        // A node that is full or draining now: the next one.
+        if matches!(r.status().as_u16(), 502 | 503 | 507) {
+            last = r;
+            continue;
+        }
+        gw.placed.fetch_add(1, Ordering::Relaxed);
+        return r;
+    }
+    last
+}
+
+fn no_capacity() -> Response {
+    let mut r = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "capacity_exhausted",
+        "no node of the cluster can take the sandbox now",
+    );
+    r.headers_mut()
+        .insert("retry-after", HeaderValue::from_static("1"));
+    r
+}
+
+async fn list(gw: App, req: Request) -> Response {
+    let (parts, _) = req.into_parts();
+    let pq = parts.uri.path_and_query().map_or("/v1/sandboxes", |p| p.as_str()).to_owned();
+    let calls = nodes(&gw).into_iter().map(|n| {
+        let (gw, h, pq) = (Arc::clone(&gw), parts.headers.clone(), pq.clone());
+        async move { call_json(&gw, &n, Method::GET, &pq, &h, Vec::new()).await }
+    });
+    let mut items = Vec::new();
+    for (status, v) in futures_util::future::join_all(calls).await {
+        if !status.is_success() {
+            return (status, axum::Json(v)).into_response();
+        }
+        if let Some(a) = v["items"].as_array() {
+            items.extend(a.iter().cloned());
+        }
+    }
+    axum::Json(json!({"items": items})).into_response()
+}
+
+async fn batch(State(gw): State<App>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
+        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "body too large");
+    };
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let count = v["count"].as_u64().unwrap_or(0) as usize;
+    let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
+    let who = caller(&parts.headers);
+    let (plan, unplaced) = place::place(&nodes(&gw), &ask_of(&spec, &who), count);
+    let table = gw.table.read().unwrap_or_else(|p| p.into_inner()).nodes.clone();
+    let calls = plan.into_iter().filter_map(|(name, n)| {
+        let node = table.get(&name)?.clone();
+        let mut sub = v.clone();
+        sub["count"] = n.into();
+        let (gw, h) = (Arc::clone(&gw), parts.headers.clone());
+        Some(async move {
+            let body = serde_json::to_vec(&sub).unwrap_or_default();
+            call_json(&gw, &node, Method::POST, "/v1/sandboxes/batch", &h, body).await
+        })
+    });
+    let mut items = Vec::new();
+    let mut first_error = None;
+    for (status, ans) in futures_util::future::join_all(calls).await {
+        match ans["items"].as_array() {
+            Some(a) => items.extend(a.iter().cloned()),
+            None => first_error = first_error.or(Some((status, ans))),
+        }
+    }
+    if items.is_empty() {
+        if let Some((status, ans)) = first_error {
+            return (status, axum::Json(ans)).into_response();
+        }
+    }
+    gw.placed.fetch_add(items.len() as u64, Ordering::Relaxed);
+    for _ in 0..unplaced {
+        items.push(json!({"ok": false, "error": {"code": "capacity_exhausted",
+            "detail": "no node of the cluster can take the sandbox now"}}));
+    }
+    (StatusCode::OK, axum::Json(json!({"items": items}))).into_response()
+}
+
+async fn batch_delete(State(gw): State<App>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
+        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "body too large");
+    };
+    let calls = nodes(&gw).into_iter().map(|n| {
+        let (gw, h, b) = (Arc::clone(&gw), parts.headers.clone(), bytes.to_vec());
+        async move { call_json(&gw, &n, Method::POST, "/v1/sandboxes/batch-delete", &h, b).await }
+    });
+    let mut deleted = 0u64;
+    let mut items = Vec::new();
+    for (status, v) in futures_util::future::join_all(calls).await {
+        if !status.is_success() {
+            return (status, axum::Json(v)).into_response();
+        }
+        deleted += v["deleted"].as_u64().unwrap_or(0);
+        if let Some(a) = v["items"].as_array() {
+            items.extend(a.iter().cloned());
+        }
+    }
+    axum::Json(json!({"deleted": deleted, "items": items})).into_response()
+}
+
+async fn by_id(State(gw): State<App>, req: Request) -> Response {
+    let id = req
+        .uri()
+        .path()
+        .trim_start_matches("/v1/sandboxes/")
+        .split('/')
+        .next()
+        .unwrap_or("")
+        .to_owned();
+    let Some(number) = crate::ids::node_number(&id) else {
+        return problem(StatusCode::NOT_FOUND, "sandbox_not_found", &format!("no sandbox {id}"));
+    };
+    let (node, name) = {
+        let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+        let name = t.numbers.get(&number).cloned();
+        (name.as_ref().and_then(|n| t.nodes.get(n).cloned()), name)
+    };
+    match (node, name) {
+        (Some(node), _) => forward(&gw, &node, req).await,
+        (None, Some(name)) => {
+            gw.lost_calls.fetch_add(1, Ordering::Relaxed);
+            if req.method() == Method::GET && req.uri().path() == format!("/v1/sandboxes/{id}") {
+                return axum::Json(json!({"id": id, "state": "lost", "node": name,
+                    "error": format!("node {name} was lost: its lease expired")}))
+                .into_response();
+            }
+            problem(
+                StatusCode::GONE,
+                "node_lost",
+                &format!("sandbox {id} was on node {name}, which was lost (its lease expired)"),
+            )
+        }
+        (None, None) => problem(StatusCode::NOT_FOUND, "sandbox_not_found", &format!("no sandbox {id}")),
+    }
+}
+
+async fn anywhere(State(gw): State<App>, req: Request) -> Response {
+    let who = caller(req.headers());
+    let ask = Ask {
+        template: "host",
+        tenant: &who,
+        memory: 0,
+    };
+    match ranked(&gw, &ask).first() {
+        Some(node) => forward(&gw, node, req).await,
+        None => no_capacity(),
+    }
+}
