@@ -14,6 +14,8 @@ command -v gcc >/dev/null || need+=(gcc)
 # The code runner's C++ tests compile with g++; the initramfs writer is checked against GNU cpio.
 command -v g++ >/dev/null || need+=(g++)
 command -v cpio >/dev/null || need+=(cpio)
+# The cluster tests start a real etcd member.
+command -v etcd >/dev/null || need+=(etcd-server)
 command -v tar >/dev/null || need+=(tar)
 [ -x /usr/bin/python3 ] || need+=(python3)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)

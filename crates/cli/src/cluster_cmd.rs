@@ -132,14 +132,22 @@ fn status(etcd: &Etcd, as_json: bool) -> anyhow::Result<ExitCode> {
             r["report_age_ms"]
                 .as_u64()
                 .map_or("-".into(), |a| format!("{a}ms")),
-            r["sandboxes"].as_u64().map_or("-".into(), |v| v.to_string()),
-            r["free_slots"].as_u64().map_or("-".into(), |v| v.to_string()),
+            r["sandboxes"]
+                .as_u64()
+                .map_or("-".into(), |v| v.to_string()),
+            r["free_slots"]
+                .as_u64()
+                .map_or("-".into(), |v| v.to_string()),
             r["free_memory_bytes"]
                 .as_u64()
                 .map_or("-".into(), |v| (v >> 20).to_string()),
             r["templates"]
                 .as_array()
-                .map(|a| a.iter().filter_map(|t| t.as_str()).collect::<Vec<_>>().join(","))
+                .map(|a| a
+                    .iter()
+                    .filter_map(|t| t.as_str())
+                    .collect::<Vec<_>>()
+                    .join(","))
                 .unwrap_or_default(),
         )?;
     }

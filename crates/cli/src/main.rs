@@ -3,8 +3,8 @@
 
 mod admin_cmd;
 mod bench;
-mod cluster_cmd;
 mod client;
+mod cluster_cmd;
 mod output;
 mod sandbox_cmd;
 mod trajectory_cmd;
@@ -202,14 +202,15 @@ struct ServerArgs {
     /// least recently used entries no VM uses are removed (besides those unused for 24 h).
     #[arg(long, env = "DSEC_VM_CACHE_MAX_BYTES", value_parser = units::parse_bytes)]
     vm_cache_max_bytes: Option<u64>,
-    /// Join the cluster of these etcd endpoints (comma-separated URLs); needs --node-name and
-    /// --advertise. Without it the node stands alone.
-    #[arg(long, env = "DSEC_ETCD", requires_all = ["node_name", "advertise"])]
+    /// Join the cluster of these etcd endpoints (comma-separated URLs); needs --node-name.
+    /// Without it the node stands alone.
+    #[arg(long, env = "DSEC_ETCD", requires = "node_name")]
     etcd: Option<String>,
     /// This node's name in the cluster (unique).
     #[arg(long, env = "DSEC_NODE_NAME")]
     node_name: Option<String>,
-    /// The URL gateways reach this node's API at (e.g. http://10.0.0.5:7700).
+    /// The URL gateways reach this node's API at (e.g. http://10.0.0.5:7700; default: http://
+    /// and the address it listens on).
     #[arg(long, env = "DSEC_ADVERTISE")]
     advertise: Option<String>,
 }

@@ -182,7 +182,11 @@ async fn forward(gw: &App, node: &NodeReport, req: Request) -> Response {
         .map_or("/", |p| p.as_str())
         .to_owned();
     let Ok(uri) = format!("{}{pq}", node.url.trim_end_matches('/')).parse::<Uri>() else {
-        return problem(StatusCode::BAD_GATEWAY, "bad_gateway", "the node's URL is not valid");
+        return problem(
+            StatusCode::BAD_GATEWAY,
+            "bad_gateway",
+            "the node's URL is not valid",
+        );
     };
     parts.uri = uri;
     parts.headers.remove("host");
@@ -220,13 +224,20 @@ async fn call_json(
     let bytes = axum::body::to_bytes(r.into_body(), MAX_JSON)
         .await
         .unwrap_or_default();
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 async fn readyz(State(gw): State<App>) -> Response {
     let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
     if t.nodes.is_empty() {
-        return problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "no live node");
+        return problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "no live node",
+        );
     }
     "ok".into_response()
 }
@@ -322,14 +333,22 @@ async fn sandboxes(State(gw): State<App>, req: Request) -> Response {
     match *req.method() {
         Method::POST => create(gw, req).await,
         Method::GET => list(gw, req).await,
-        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "GET or POST"),
+        _ => problem(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "GET or POST",
+        ),
     }
 }
 
 async fn create(gw: App, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
-        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "body too large");
+        return problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            "body too large",
+        );
     };
     let spec: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let who = caller(&parts.headers);
@@ -337,7 +356,11 @@ async fn create(gw: App, req: Request) -> Response {
     if order.is_empty() {
         return no_capacity();
     }
-    let pq = parts.uri.path_and_query().map_or("/v1/sandboxes", |p| p.as_str()).to_owned();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or("/v1/sandboxes", |p| p.as_str())
+        .to_owned();
     let mut last = no_capacity();
     for node in order.iter().take(3) {
         let mut req = Request::builder().method(Method::POST).uri(&pq);
@@ -372,7 +395,11 @@ fn no_capacity() -> Response {
 
 async fn list(gw: App, req: Request) -> Response {
     let (parts, _) = req.into_parts();
-    let pq = parts.uri.path_and_query().map_or("/v1/sandboxes", |p| p.as_str()).to_owned();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or("/v1/sandboxes", |p| p.as_str())
+        .to_owned();
     let calls = nodes(&gw).into_iter().map(|n| {
         let (gw, h, pq) = (Arc::clone(&gw), parts.headers.clone(), pq.clone());
         async move { call_json(&gw, &n, Method::GET, &pq, &h, Vec::new()).await }
@@ -392,14 +419,23 @@ async fn list(gw: App, req: Request) -> Response {
 async fn batch(State(gw): State<App>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
-        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "body too large");
+        return problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            "body too large",
+        );
     };
     let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let count = v["count"].as_u64().unwrap_or(0) as usize;
     let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
     let who = caller(&parts.headers);
     let (plan, unplaced) = place::place(&nodes(&gw), &ask_of(&spec, &who), count);
-    let table = gw.table.read().unwrap_or_else(|p| p.into_inner()).nodes.clone();
+    let table = gw
+        .table
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .nodes
+        .clone();
     let calls = plan.into_iter().filter_map(|(name, n)| {
         let node = table.get(&name)?.clone();
         let mut sub = v.clone();
@@ -434,24 +470,26 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
 async fn batch_delete(State(gw): State<App>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
-        return problem(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "body too large");
+        return problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            "body too large",
+        );
     };
     let calls = nodes(&gw).into_iter().map(|n| {
         let (gw, h, b) = (Arc::clone(&gw), parts.headers.clone(), bytes.to_vec());
         async move { call_json(&gw, &n, Method::POST, "/v1/sandboxes/batch-delete", &h, b).await }
     });
-    let mut deleted = 0u64;
     let mut items = Vec::new();
     for (status, v) in futures_util::future::join_all(calls).await {
         if !status.is_success() {
             return (status, axum::Json(v)).into_response();
         }
-        deleted += v["deleted"].as_u64().unwrap_or(0);
         if let Some(a) = v["items"].as_array() {
             items.extend(a.iter().cloned());
         }
     }
-    axum::Json(json!({"deleted": deleted, "items": items})).into_response()
+    axum::Json(json!({"items": items})).into_response()
 }
 
 async fn by_id(State(gw): State<App>, req: Request) -> Response {
@@ -464,7 +502,11 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
         .unwrap_or("")
         .to_owned();
     let Some(number) = crate::ids::node_number(&id) else {
-        return problem(StatusCode::NOT_FOUND, "sandbox_not_found", &format!("no sandbox {id}"));
+        return problem(
+            StatusCode::NOT_FOUND,
+            "sandbox_not_found",
+            &format!("no sandbox {id}"),
+        );
     };
     let (node, name) = {
         let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
@@ -486,7 +528,11 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
                 &format!("sandbox {id} was on node {name}, which was lost (its lease expired)"),
             )
         }
-        (None, None) => problem(StatusCode::NOT_FOUND, "sandbox_not_found", &format!("no sandbox {id}")),
+        (None, None) => problem(
+            StatusCode::NOT_FOUND,
+            "sandbox_not_found",
+            &format!("no sandbox {id}"),
+        ),
     }
 }
 

@@ -106,6 +106,7 @@ impl NodeReport {
 
     /// Memory not yet promised to a sandbox, bytes.
     pub fn free_memory(&self) -> u64 {
-        self.memory_bytes.saturating_sub(self.memory_allocated_bytes)
+        self.memory_bytes
+            .saturating_sub(self.memory_allocated_bytes)
     }
 }

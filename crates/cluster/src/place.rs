@@ -28,8 +28,7 @@ pub struct Ask<'a> {
 
 /// The score of placing `ask` on `n` (`None`: `n` cannot take it).
 pub fn score(n: &NodeReport, ask: &Ask<'_>, tenant_total: u64) -> Option<f64> {
-    if n.draining || n.free_slots() == 0 || (n.memory_bytes > 0 && n.free_memory() < ask.memory)
-    {
+    if n.draining || n.free_slots() == 0 || (n.memory_bytes > 0 && n.free_memory() < ask.memory) {
         return None;
     }
     let mut s = 0.0;

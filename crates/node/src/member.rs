@@ -46,7 +46,8 @@ pub struct ClusterConfig {
     pub etcd: String,
     /// This node's name, unique in the cluster.
     pub name: String,
-    /// The URL the gateways reach this node's API at.
+    /// The URL the gateways reach this node's API at (empty: `http://` and the address the
+    /// node listens on).
     pub advertise: String,
 }
 
@@ -84,6 +85,14 @@ impl Member {
             started_ms: now_ms(),
             was_lost,
         })
+    }
+
+    /// The member, advertising `http://{addr}` unless its config names a URL.
+    pub fn advertising(mut self, addr: std::net::SocketAddr) -> Self {
+        if self.cfg.advertise.is_empty() {
+            self.cfg.advertise = format!("http://{addr}");
+        }
+        self
     }
 
     /// Renews the lease and rewrites the report, forever.
@@ -125,7 +134,8 @@ impl Member {
         let draining = self.etcd.get(&model::drain_key(&self.cfg.name))?.is_some();
         let report = self.report(node, draining);
         let body = serde_json::to_vec(&report).unwrap_or_default();
-        self.etcd.put(&model::node_key(&self.cfg.name), &body, lease)?;
+        self.etcd
+            .put(&model::node_key(&self.cfg.name), &body, lease)?;
         Ok(Renewed::Live(lease))
     }
 
@@ -146,8 +156,10 @@ impl Member {
                 self.etcd.create(&model::tenant_key(&t.name), &body, 0)?;
             }
         }
-        let names: BTreeMap<String, String> =
-            local.iter().map(|t| (t.id.clone(), t.name.clone())).collect();
+        let names: BTreeMap<String, String> = local
+            .iter()
+            .map(|t| (t.id.clone(), t.name.clone()))
+            .collect();
         let (remote_keys, _) = self.etcd.prefix(&model::api_keys_prefix())?;
         let known: BTreeMap<String, String> = remote_keys
             .iter()
@@ -174,7 +186,9 @@ impl Member {
                     let Some(rec) = remote_tenants
                         .iter()
                         .find(|kv| kv.key == model::tenant_key(name))
-                        .and_then(|kv| serde_json::from_slice::<crate::store::Tenant>(&kv.value).ok())
+                        .and_then(|kv| {
+                            serde_json::from_slice::<crate::store::Tenant>(&kv.value).ok()
+                        })
                     else {
                         continue;
                     };

@@ -273,7 +273,8 @@ impl Store {
     pub fn api_keys(&self) -> Result<Vec<(String, String)>, StoreError> {
         self.with(|c| {
             let mut st = c.prepare_cached("SELECT hash, tenant FROM api_keys ORDER BY hash")?;
-            let rows = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+            let rows =
+                st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
             Ok(rows.collect::<Result<Vec<_>, _>>()?)
         })
     }

@@ -150,12 +150,12 @@ async fn serve(
     };
     // In a cluster the node's number is claimed before any sandbox id is made.
     let member = match cfg.cluster.clone() {
-        Some(c) => Some(Arc::new(
+        Some(c) => Some(
             tokio::task::spawn_blocking(move || crate::member::Member::join(c))
                 .await
                 .map_err(|e| ServerError::Other(e.to_string()))?
                 .map_err(|e| ServerError::Other(format!("join the cluster: {e}")))?,
-        )),
+        ),
         None => None,
     };
     let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
@@ -209,7 +209,10 @@ async fn serve(
         .local_addr()
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let periodic = spawn_periodic(&state);
-    let membership = member.map(|m| tokio::spawn(m.run(Arc::clone(&app))));
+    let membership = member.map(|m| {
+        let m = Arc::new(m.advertising(addr));
+        tokio::spawn(m.run(Arc::clone(&app)))
+    });
     let drain = cfg.drain_timeout;
     // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in
     // flight finish (bounded by the drain deadline), then stop accepting and close.

@@ -1,0 +1,244 @@
+//! The cluster, for real: an etcd member (the `etcd-server` package), two `dsec server` nodes
+//! joined to it and a `dsec gateway`, as separate processes on this machine. Needs root (the
+//! nodes make sandboxes) and `etcd` on the PATH; never skipped.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dsec_testkit as testkit;
+use serde_json::{json, Value};
+
+/// A child process killed (and waited for) on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A one-member etcd on free ports, its data in `dir`.
+fn etcd(dir: &Path) -> (Proc, String) {
+    let (client, peer) = (testkit::free_port(), testkit::free_port());
+    let url = format!("http://127.0.0.1:{client}");
+    let child = Command::new("etcd")
+        .args(["--data-dir", &dir.join("etcd").display().to_string()])
+        .args([
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+        ])
+        .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+        .args([
+            "--initial-advertise-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+        ])
+        .args([
+            "--initial-cluster",
+            &format!("default=http://127.0.0.1:{peer}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("etcd on the PATH (the etcd-server package)");
+    let h = testkit::Http::new(&url, None, Some(Duration::from_secs(2)));
+    assert!(
+        wait(Duration::from_secs(20), || h
+            .call("POST", "/v3/kv/range", Some(&json!({"key": "eA=="})))
+            .is_ok_and(|(s, _)| s == 200)),
+        "etcd did not start"
+    );
+    (Proc(child), url)
+}
+
+fn wait(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cond()
+}
+
+fn node(base: &Path, name: &str, etcd: &str) -> testkit::Daemon {
+    let (data, run) = (
+        base.join(format!("{name}-d")),
+        base.join(format!("{name}-r")),
+    );
+    testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run)
+        .args(&["--etcd", etcd, "--node-name", name, "--pool-max", "0"])
+        .start()
+        .expect("start a node")
+}
+
+fn gateway(etcd: &str) -> (Proc, testkit::Http, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
+        .args(["gateway", "--etcd", etcd, "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the gateway");
+    let out = child.stdout.take().expect("stdout");
+    let url = BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| {
+            l.strip_prefix("dsec gateway listening on ")
+                .map(str::to_owned)
+        })
+        .expect("the gateway's address");
+    let h = testkit::Http::new(&url, None, Some(Duration::from_secs(60)));
+    (Proc(child), h, url)
+}
+
+/// The ids of a batch answer, by the node number they carry.
+fn by_node(v: &Value) -> BTreeMap<u16, Vec<String>> {
+    let mut out: BTreeMap<u16, Vec<String>> = BTreeMap::new();
+    for i in v["items"].as_array().expect("items") {
+        let id = i["sandbox"]["id"].as_str().expect("an id").to_owned();
+        let n = dsec_cluster::ids::node_number(&id).expect("a node number");
+        out.entry(n).or_default().push(id);
+    }
+    out
+}
+
+fn status(etcd: &str) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_dsec"))
+        .args(["cluster", "status", "--json", "--etcd", etcd])
+        .output()
+        .expect("dsec cluster status");
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
+
+#[test]
+fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
+    let base = PathBuf::from(format!("/tmp/dsec-cluster-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("base dir");
+    let _cleanup = testkit::RemoveOnDrop(base.clone());
+    let (_etcd, etcd_url) = etcd(&base);
+    let n1 = node(&base, "n1", &etcd_url);
+    let mut n2 = node(&base, "n2", &etcd_url);
+    let (_gw, gw, _) = gateway(&etcd_url);
+    let gw = gw.with_key(Some(&n1.key));
+    // Both nodes registered, and n1's admin key reached n2 (keys are shared by tenant name).
+    assert!(
+        wait(Duration::from_secs(15), || {
+            let (_, v) = gw.req("GET", "/v1/cluster", None);
+            let (s, _) = n2
+                .http()
+                .with_key(Some(&n1.key))
+                .req("GET", "/v1/sandboxes", None);
+            v["nodes"].as_array().map_or(0, Vec::len) == 2 && s == 200
+        }),
+        "the nodes did not register"
+    );
+
+    // A batch is spread over the nodes; every sandbox answers through the gateway.
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(&json!({"count": 6, "spec": {"labels": {"t": "c"}}})),
+    );
+    assert_eq!(s, 200, "{v}");
+    let spread = by_node(&v);
+    assert_eq!(
+        spread.values().map(Vec::len).collect::<Vec<_>>(),
+        [3, 3],
+        "{spread:?}"
+    );
+    for id in spread.values().flatten() {
+        let (s, r) = gw.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(&json!({"argv": ["hostname"]})),
+        );
+        assert_eq!(
+            (s, r["stdout"]["data"].as_str()),
+            (200, Some(&*format!("{id}\n"))),
+            "{r}"
+        );
+    }
+    let (s, v) = gw.req("GET", "/v1/sandboxes", None);
+    assert_eq!(
+        (s, v["items"].as_array().map_or(0, Vec::len)),
+        (200, 6),
+        "{v}"
+    );
+    let (s, one) = gw.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"labels": {"t": "c"}})),
+    );
+    assert_eq!(s, 201, "{one}");
+    let st = status(&etcd_url);
+    assert_eq!(st["nodes"].as_array().map_or(0, Vec::len), 2, "{st}");
+
+    // n2 is killed: its sandboxes are `lost` within 10 s, calls to them `node_lost`.
+    let n2_number = *spread.keys().nth(1).expect("n2's number");
+    let victim = spread[&n2_number][0].clone();
+    n2.kill9();
+    let killed = Instant::now();
+    assert!(
+        wait(Duration::from_secs(10), || gw
+            .req("GET", &format!("/v1/sandboxes/{victim}"), None)
+            .1["state"]
+            == "lost"),
+        "not lost within 10 s"
+    );
+    eprintln!("node lost after {:?}", killed.elapsed());
+    let (s, v) = gw.req(
+        "POST",
+        &format!("/v1/sandboxes/{victim}/exec"),
+        Some(&json!({"argv": ["true"]})),
+    );
+    assert_eq!((s, v["code"].as_str()), (410, Some("node_lost")), "{v}");
+    assert!(status(&etcd_url)["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .any(|n| n["state"] == "lost"));
+    // New sandboxes go to the node that is left.
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(&json!({"count": 2, "spec": {"labels": {"t": "c"}}})),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(by_node(&v).keys().count(), 1, "{v}");
+
+    // n2 comes back after it was declared lost: what it held is destroyed, not resurrected.
+    let n2 = node(&base, "n2", &etcd_url);
+    assert!(
+        wait(Duration::from_secs(15), || {
+            let (s, v) = n2.req("GET", "/v1/sandboxes", None);
+            s == 200 && v["items"].as_array().is_some_and(Vec::is_empty)
+        }),
+        "n2 kept the sandboxes the cluster declared lost"
+    );
+    assert!(wait(Duration::from_secs(10), || gw
+        .req("GET", "/v1/cluster", None)
+        .1["nodes"]
+        .as_array()
+        .map_or(0, Vec::len)
+        == 2));
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"t": "c"}})),
+    );
+    // n1's six (three of the first batch, the single one, the two placed after the loss).
+    let items = v["items"].as_array().expect("items");
+    assert_eq!((s, items.len()), (200, 6), "{v}");
+    assert!(items.iter().all(|i| i["ok"] == true), "{v}");
+    drop(n2);
+    drop(n1);
+}
