@@ -38,6 +38,10 @@ use crate::place::{self, Ask};
 /// How often the gateway rereads the node table.
 pub const REFRESH: Duration = Duration::from_millis(500);
 
+/// A node table older than this (etcd has not answered since) places nothing: creates answer
+/// `503 unavailable` with `Retry-After` until etcd answers again.
+pub const STALE: Duration = Duration::from_secs(3);
+
 /// Largest JSON body the gateway reads itself (creates, batches, lists).
 const MAX_JSON: usize = 16 << 20;
 
@@ -151,6 +155,15 @@ fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
         HeaderValue::from_static("application/problem+json"),
     );
     r
+}
+
+/// `Some(503)` when the node table is too old to place on.
+fn stale(gw: &App) -> Option<Response> {
+    let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+    match t.read_at {
+        Some(at) if at.elapsed() < STALE => None,
+        _ => Some(unavailable("no answer from etcd")),
+    }
 }
 
 fn nodes(gw: &App) -> Vec<NodeReport> {
@@ -342,6 +355,9 @@ async fn sandboxes(State(gw): State<App>, req: Request) -> Response {
 }
 
 async fn create(gw: App, req: Request) -> Response {
+    if let Some(r) = stale(&gw) {
+        return r;
+    }
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
         return problem(
@@ -352,9 +368,35 @@ async fn create(gw: App, req: Request) -> Response {
     };
     let spec: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let who = caller(&parts.headers);
-    let order = ranked(&gw, &ask_of(&spec, &who));
+    let mut order = ranked(&gw, &ask_of(&spec, &who));
     if order.is_empty() {
         return no_capacity();
+    }
+    if let Some(idem) = parts
+        .headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+    {
+        // A retry, through this gateway or another, goes to the node the first try went to,
+        // whose own idempotency store answers it.
+        match pin_idempotent(&gw, &who, idem, &order[0].name).await {
+            Ok(name) => {
+                let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+                match t.nodes.get(&name) {
+                    Some(n) => order = vec![n.clone()],
+                    None => {
+                        return problem(
+                            StatusCode::GONE,
+                            "node_lost",
+                            &format!(
+                                "this Idempotency-Key's create went to node {name}, which was lost"
+                            ),
+                        )
+                    }
+                }
+            }
+            Err(resp) => return resp,
+        }
     }
     let pq = parts
         .uri
@@ -380,6 +422,49 @@ async fn create(gw: App, req: Request) -> Response {
         return r;
     }
     last
+}
+
+/// The node an idempotent create goes to: the one recorded for (`who`, `idem`), or `first`,
+/// recorded now. etcd unavailable: 503, so the client retries rather than risk two creates.
+async fn pin_idempotent(gw: &App, who: &str, idem: &str, first: &str) -> Result<String, Response> {
+    use sha2::Digest as _;
+    let digest = hex::encode(sha2::Sha256::digest(format!("{who}\n{idem}").as_bytes()));
+    let (g, first) = (Arc::clone(gw), first.to_owned());
+    let r = tokio::task::spawn_blocking(move || {
+        let key = model::idem_key(&digest);
+        if let Some(kv) = g.etcd.get(&key)? {
+            return Ok(String::from_utf8_lossy(&kv.value).into_owned());
+        }
+        let lease = g.etcd.grant(model::IDEM_TTL)?;
+        if g.etcd.create(&key, first.as_bytes(), lease)? {
+            return Ok(first);
+        }
+        let _ = g.etcd.revoke(lease);
+        Ok::<_, crate::etcd::EtcdError>(
+            g.etcd
+                .get(&key)?
+                .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+                .unwrap_or(first),
+        )
+    })
+    .await;
+    match r {
+        Ok(Ok(name)) => Ok(name),
+        Ok(Err(e)) => Err(unavailable(&e.to_string())),
+        Err(e) => Err(unavailable(&e.to_string())),
+    }
+}
+
+/// etcd has no quorum (or does not answer): creates wait, calls to existing sandboxes go on.
+fn unavailable(detail: &str) -> Response {
+    let mut r = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        &format!("the cluster's store does not answer; retry: {detail}"),
+    );
+    r.headers_mut()
+        .insert("retry-after", HeaderValue::from_static("1"));
+    r
 }
 
 fn no_capacity() -> Response {
@@ -417,6 +502,9 @@ async fn list(gw: App, req: Request) -> Response {
 }
 
 async fn batch(State(gw): State<App>, req: Request) -> Response {
+    if let Some(r) = stale(&gw) {
+        return r;
+    }
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
         return problem(

@@ -8,6 +8,7 @@
 //! | `drain/<name>` | set by `dsec cluster drain` | none |
 //! | `tenants/<name>` | a tenant's record (JSON), as the first node that had it wrote it | none |
 //! | `keys/<sha256>` | the name of the tenant an API key belongs to | none |
+//! | `idem/<sha256>` | the node a create with an `Idempotency-Key` went to (sha256 of the caller's key and the `Idempotency-Key`) | one of [`IDEM_TTL`] seconds |
 
 use std::collections::BTreeMap;
 
@@ -59,6 +60,15 @@ pub fn api_key_key(hash: &str) -> String {
 /// The prefix of every API key hash.
 pub fn api_keys_prefix() -> String {
     format!("{ROOT}keys/")
+}
+
+/// How long a gateway remembers where an idempotent create went (the nodes keep the outcome
+/// for 24 h; a retry comes within minutes).
+pub const IDEM_TTL: i64 = 24 * 3600;
+
+/// The key of an idempotent create's placement.
+pub fn idem_key(digest: &str) -> String {
+    format!("{ROOT}idem/{digest}")
 }
 
 /// What a node publishes about itself.
