@@ -21,39 +21,96 @@ impl Drop for Proc {
     }
 }
 
+/// How to start one etcd member of a cluster on this machine.
+#[derive(Clone)]
+struct Member {
+    name: String,
+    data: PathBuf,
+    client: String,
+    peer: String,
+    initial: String,
+}
+
+impl Member {
+    fn start(&self) -> Proc {
+        let child = Command::new("etcd")
+            .args([
+                "--name",
+                &self.name,
+                "--data-dir",
+                &self.data.display().to_string(),
+            ])
+            .args([
+                "--listen-client-urls",
+                &self.client,
+                "--advertise-client-urls",
+                &self.client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &self.peer,
+                "--initial-advertise-peer-urls",
+                &self.peer,
+            ])
+            .args(["--initial-cluster", &self.initial])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd on the PATH (the etcd-server package)");
+        Proc(child)
+    }
+}
+
+/// An etcd of `n` members on free ports, their data under `dir`: the members, their processes
+/// and the client URLs (comma-separated).
+fn etcd_cluster(dir: &Path, n: usize) -> (Vec<Member>, Vec<Proc>, String) {
+    let ports: Vec<(u16, u16)> = (0..n)
+        .map(|_| (testkit::free_port(), testkit::free_port()))
+        .collect();
+    let initial = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, p))| format!("e{i}=http://127.0.0.1:{p}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let members: Vec<Member> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (c, p))| Member {
+            name: format!("e{i}"),
+            data: dir.join(format!("etcd{i}")),
+            client: format!("http://127.0.0.1:{c}"),
+            peer: format!("http://127.0.0.1:{p}"),
+            initial: initial.clone(),
+        })
+        .collect();
+    let procs = members.iter().map(Member::start).collect();
+    let urls = members
+        .iter()
+        .map(|m| m.client.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    for m in &members {
+        let h = testkit::Http::new(&m.client, None, Some(Duration::from_secs(2)));
+        assert!(
+            wait(Duration::from_secs(30), || h
+                .call(
+                    "POST",
+                    "/v3/kv/put",
+                    Some(&json!({"key": "eA==", "value": "eQ=="}))
+                )
+                .is_ok_and(|(s, _)| s == 200)),
+            "etcd member {} did not start",
+            m.name
+        );
+    }
+    (members, procs, urls)
+}
+
 /// A one-member etcd on free ports, its data in `dir`.
-fn etcd(dir: &Path) -> (Proc, String) {
-    let (client, peer) = (testkit::free_port(), testkit::free_port());
-    let url = format!("http://127.0.0.1:{client}");
-    let child = Command::new("etcd")
-        .args(["--data-dir", &dir.join("etcd").display().to_string()])
-        .args([
-            "--listen-client-urls",
-            &url,
-            "--advertise-client-urls",
-            &url,
-        ])
-        .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-        .args([
-            "--initial-advertise-peer-urls",
-            &format!("http://127.0.0.1:{peer}"),
-        ])
-        .args([
-            "--initial-cluster",
-            &format!("default=http://127.0.0.1:{peer}"),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("etcd on the PATH (the etcd-server package)");
-    let h = testkit::Http::new(&url, None, Some(Duration::from_secs(2)));
-    assert!(
-        wait(Duration::from_secs(20), || h
-            .call("POST", "/v3/kv/range", Some(&json!({"key": "eA=="})))
-            .is_ok_and(|(s, _)| s == 200)),
-        "etcd did not start"
-    );
-    (Proc(child), url)
+fn etcd(dir: &Path) -> (Vec<Proc>, String) {
+    let (_, procs, url) = etcd_cluster(dir, 1);
+    (procs, url)
 }
 
 fn wait(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
@@ -370,5 +427,76 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
     assert!(s == 200 && (6..=7).contains(&items.len()), "{v}");
     assert!(items.iter().all(|i| i["ok"] == true), "{v}");
     drop(n2);
+    drop(n1);
+}
+
+/// etcd loses its quorum: calls to existing sandboxes go on through the gateway, creates answer
+/// `503 unavailable` with `Retry-After`; when the quorum is back, creates work again and
+/// nothing was lost.
+#[test]
+fn etcd_quorum_loss_keeps_calls_and_holds_creates() {
+    let base = PathBuf::from(format!("/tmp/dsec-cluster-quorum-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("base dir");
+    let _cleanup = testkit::RemoveOnDrop(base.clone());
+    let (members, mut procs, urls) = etcd_cluster(&base, 3);
+    let n1 = node(&base, "n1", &urls);
+    let (_gw, gw, _) = gateway(&urls);
+    let gw = gw.with_key(Some(&n1.key));
+    assert!(wait(Duration::from_secs(15), || gw
+        .req("GET", "/v1/cluster", None)
+        .1["nodes"]
+        .as_array()
+        .map_or(0, Vec::len)
+        == 1));
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"labels": {"t": "q"}})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    // Two of three members gone: no quorum.
+    drop(procs.drain(1..).collect::<Vec<_>>());
+    let create = |gw: &testkit::Http| {
+        gw.send(
+            "POST",
+            "/v1/sandboxes",
+            Some(br#"{"labels": {"t": "q"}}"#),
+            &[("content-type", "application/json")],
+        )
+        .expect("create")
+    };
+    assert!(
+        wait(Duration::from_secs(20), || {
+            let r = create(&gw);
+            r.status == 503
+                && r.json()["code"] == "unavailable"
+                && r.headers.contains_key("retry-after")
+        }),
+        "creates were not held"
+    );
+    for _ in 0..5 {
+        let (s, v) = gw.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(&json!({"argv": ["true"]})),
+        );
+        assert_eq!((s, v["status"].as_str()), (200, Some("ok")), "{v}");
+    }
+    // Quorum back: creates again, and the first sandbox is still there.
+    procs.extend(members[1..].iter().map(Member::start));
+    assert!(
+        wait(Duration::from_secs(30), || create(&gw).status == 201),
+        "creates did not come back with the quorum"
+    );
+    let (s, v) = gw.req("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!((s, v["state"].as_str()), (200, Some("running")), "{v}");
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"t": "q"}})),
+    );
+    assert_eq!(s, 200, "{v}");
     drop(n1);
 }
