@@ -3,126 +3,13 @@
 //! nodes make sandboxes) and `etcd` on the PATH; never skipped.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use dsec_testkit as testkit;
 use serde_json::{json, Value};
-
-/// A child process killed (and waited for) on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// How to start one etcd member of a cluster on this machine.
-#[derive(Clone)]
-struct Member {
-    name: String,
-    data: PathBuf,
-    client: String,
-    peer: String,
-    initial: String,
-}
-
-impl Member {
-    fn start(&self) -> Proc {
-        let child = Command::new("etcd")
-            .args([
-                "--name",
-                &self.name,
-                "--data-dir",
-                &self.data.display().to_string(),
-            ])
-            .args([
-                "--listen-client-urls",
-                &self.client,
-                "--advertise-client-urls",
-                &self.client,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &self.peer,
-                "--initial-advertise-peer-urls",
-                &self.peer,
-            ])
-            .args(["--initial-cluster", &self.initial])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("etcd on the PATH (the etcd-server package)");
-        Proc(child)
-    }
-}
-
-/// An etcd of `n` members on free ports, their data under `dir`: the members, their processes
-/// and the client URLs (comma-separated).
-fn etcd_cluster(dir: &Path, n: usize) -> (Vec<Member>, Vec<Proc>, String) {
-    let ports: Vec<(u16, u16)> = (0..n)
-        .map(|_| (testkit::free_port(), testkit::free_port()))
-        .collect();
-    let initial = ports
-        .iter()
-        .enumerate()
-        .map(|(i, (_, p))| format!("e{i}=http://127.0.0.1:{p}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let members: Vec<Member> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, (c, p))| Member {
-            name: format!("e{i}"),
-            data: dir.join(format!("etcd{i}")),
-            client: format!("http://127.0.0.1:{c}"),
-            peer: format!("http://127.0.0.1:{p}"),
-            initial: initial.clone(),
-        })
-        .collect();
-    let procs = members.iter().map(Member::start).collect();
-    let urls = members
-        .iter()
-        .map(|m| m.client.clone())
-        .collect::<Vec<_>>()
-        .join(",");
-    for m in &members {
-        let h = testkit::Http::new(&m.client, None, Some(Duration::from_secs(2)));
-        assert!(
-            wait(Duration::from_secs(30), || h
-                .call(
-                    "POST",
-                    "/v3/kv/put",
-                    Some(&json!({"key": "eA==", "value": "eQ=="}))
-                )
-                .is_ok_and(|(s, _)| s == 200)),
-            "etcd member {} did not start",
-            m.name
-        );
-    }
-    (members, procs, urls)
-}
-
-/// A one-member etcd on free ports, its data in `dir`.
-fn etcd(dir: &Path) -> (Vec<Proc>, String) {
-    let (_, procs, url) = etcd_cluster(dir, 1);
-    (procs, url)
-}
-
-fn wait(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    cond()
-}
+use testkit::cluster::{self, etcd, etcd_cluster, wait, EtcdMember as Member, Proc};
 
 fn node(base: &Path, name: &str, etcd: &str) -> testkit::Daemon {
     let (data, run) = (
@@ -136,23 +23,7 @@ fn node(base: &Path, name: &str, etcd: &str) -> testkit::Daemon {
 }
 
 fn gateway(etcd: &str) -> (Proc, testkit::Http, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dsec"))
-        .args(["gateway", "--etcd", etcd, "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the gateway");
-    let out = child.stdout.take().expect("stdout");
-    let url = BufReader::new(out)
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| {
-            l.strip_prefix("dsec gateway listening on ")
-                .map(str::to_owned)
-        })
-        .expect("the gateway's address");
-    let h = testkit::Http::new(&url, None, Some(Duration::from_secs(60)));
-    (Proc(child), h, url)
+    cluster::gateway(env!("CARGO_BIN_EXE_dsec"), etcd, None)
 }
 
 /// The ids of a batch answer, by the node number they carry.

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+pub mod cluster;
 mod http;
 
 pub use http::{Http, Reply};

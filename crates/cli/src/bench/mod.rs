@@ -12,6 +12,7 @@ use serde::Serialize;
 
 mod api;
 mod chaos;
+mod cluster;
 mod container;
 mod log;
 mod run;
@@ -34,6 +35,9 @@ pub enum BenchKind {
     /// supervisors and agents killed, the data dir filled once and the clock stepped once;
     /// the invariants checked after every restart. Exits non-zero when one broke.
     Chaos,
+    /// The cluster: a real etcd, 4 nodes and a gateway: gateway vs direct, a batch of 1,000,
+    /// placement decisions per second over 200 simulated nodes, node-loss detection.
+    Cluster,
 }
 
 /// Arguments of `dsec bench`.
@@ -149,5 +153,6 @@ pub fn run(
         BenchKind::Run => run::run(args),
         BenchKind::Vm => vm::run(args),
         BenchKind::Chaos => chaos::run(args),
+        BenchKind::Cluster => cluster::run(args),
     }
 }

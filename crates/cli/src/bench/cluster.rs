@@ -1,0 +1,225 @@
+//! `dsec bench cluster`: the cluster layer measured with a real etcd, real nodes and a gateway,
+//! each a process of its own on this machine.
+//!
+//! - `create_exec_delete`: create + exec `true` + delete through the gateway and, interleaved,
+//!   directly to the node (the peer): the gateway's overhead is the difference of the p50s;
+//! - `batch_1000`: a batch create of 1,000 through the gateway over 4 nodes (pools off): wall
+//!   time and spread; then the batch delete;
+//! - `placement`: placement decisions per second over 200 node reports (the gateway's scoring
+//!   and bulk placement, in process: [`dsec_cluster::place`]), one sandbox per decision and in
+//!   batches of 1,000;
+//! - `node_loss`: a node killed (`kill -9`) until the gateway answers its sandbox `lost`, over
+//!   `--cycles` kills (default 10 here), restarting the node between kills.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use dsec_cluster::model::NodeReport;
+use dsec_cluster::place::{self, Ask};
+use dsec_testkit as testkit;
+use serde_json::{json, Value};
+use testkit::cluster::{self, wait};
+
+use super::{dist, emit, us, BenchArgs};
+
+fn node(base: &Path, name: &str, etcd: &str) -> anyhow::Result<testkit::Daemon> {
+    let (data, run) = (
+        base.join(format!("{name}-d")),
+        base.join(format!("{name}-r")),
+    );
+    testkit::Server::new(std::env::current_exe()?, &data, &run)
+        .args(&["--etcd", etcd, "--node-name", name, "--pool-max", "0"])
+        .start()
+        .context("start a node")
+}
+
+fn nodes_live(gw: &testkit::Http) -> usize {
+    gw.req("GET", "/v1/cluster", None).1["nodes"]
+        .as_array()
+        .map_or(0, Vec::len)
+}
+
+fn id_of(v: &Value) -> anyhow::Result<String> {
+    Ok(v["id"].as_str().context("an id")?.to_owned())
+}
+
+/// One create + exec `true` + delete through `h`.
+fn cycle(h: &testkit::Http) -> anyhow::Result<u64> {
+    let t = Instant::now();
+    let (s, v) = h.req("POST", "/v1/sandboxes", Some(&json!({})));
+    anyhow::ensure!(s == 201, "create: {s} {v}");
+    let id = id_of(&v)?;
+    let (s, v) = h.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(&json!({"argv": ["/bin/true"]})),
+    );
+    anyhow::ensure!(s == 200 && v["status"] == "ok", "exec: {s} {v}");
+    let (s, v) = h.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    anyhow::ensure!(s == 204 || s == 200, "delete: {s} {v}");
+    Ok(us(t))
+}
+
+/// Placement decisions per second over 200 simulated node reports.
+fn placement() -> Value {
+    let nodes: Vec<NodeReport> = (0..200)
+        .map(|i| NodeReport {
+            name: format!("sim-{i:03}"),
+            number: i + 1,
+            max_sandboxes: 500,
+            sandboxes: u64::from(i) % 50,
+            memory_bytes: 256 << 30,
+            templates: if i % 4 == 0 {
+                vec!["py".into()]
+            } else {
+                vec![]
+            },
+            pools: if i % 10 == 0 {
+                BTreeMap::from([("py".to_string(), 2)])
+            } else {
+                BTreeMap::new()
+            },
+            ..Default::default()
+        })
+        .collect();
+    let ask = Ask {
+        template: "py",
+        tenant: "tn-bench",
+        memory: 512 << 20,
+    };
+    let n = 20_000;
+    let t = Instant::now();
+    let mut placed = 0usize;
+    for _ in 0..n {
+        placed += place::place(&nodes, &ask, 1).0.len();
+    }
+    let single = n as f64 / t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let rounds = 20;
+    for _ in 0..rounds {
+        placed += place::place(&nodes, &ask, 1000).0.values().sum::<u64>() as usize;
+    }
+    let batched = (rounds * 1000) as f64 / t.elapsed().as_secs_f64();
+    json!({"nodes": nodes.len(), "decisions_per_s_one_at_a_time": single.round(),
+           "decisions_per_s_in_batches_of_1000": batched.round(), "placed": placed,
+           "etcd_writes_per_placement": 0,
+           "note": "a placement reads the gateway's table (refreshed from etcd every 500 ms) and writes nothing to etcd; an Idempotency-Key adds one lease grant and one transaction"})
+}
+
+/// Runs the cluster benchmark.
+pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let base = PathBuf::from(format!("/tmp/dsec-bench-cluster-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base)?;
+    let _cleanup = testkit::RemoveOnDrop(base.clone());
+    let (_etcd, etcd) = cluster::etcd(&base);
+    let mut nodes = Vec::new();
+    for i in 1..=4 {
+        nodes.push(node(&base, &format!("n{i}"), &etcd)?);
+    }
+    let key = nodes[0].key.clone();
+    let (_gw, gw, _) = cluster::gateway(std::env::current_exe()?, &etcd, Some(&key));
+    anyhow::ensure!(
+        wait(Duration::from_secs(20), || nodes_live(&gw) == 4
+            && nodes[3]
+                .http()
+                .with_key(Some(&key))
+                .req("GET", "/v1/sandboxes", None)
+                .0
+                == 200),
+        "the nodes did not register"
+    );
+    let mut out = serde_json::Map::new();
+
+    // Gateway vs direct, interleaved. Direct goes to n1; the gateway places anywhere.
+    let direct = nodes[0].http().with_key(Some(&key));
+    for _ in 0..5 {
+        cycle(&gw)?;
+        cycle(&direct)?;
+    }
+    let (mut via, mut to_node) = (Vec::new(), Vec::new());
+    for _ in 0..args.iterations {
+        via.push(cycle(&gw)?);
+        to_node.push(cycle(&direct)?);
+    }
+    let (via, to_node) = (dist(via), dist(to_node));
+    out.insert(
+        "create_exec_delete".into(),
+        json!({"gateway": &via, "direct": &to_node,
+               "overhead_p50_ms": (via.p50_us as f64 - to_node.p50_us as f64) / 1000.0,
+               "ratio_p50": via.p50_us as f64 / to_node.p50_us.max(1) as f64}),
+    );
+
+    // A batch of 1,000 over 4 nodes.
+    let t = Instant::now();
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(&json!({"count": 1000, "spec": {"labels": {"bench": "batch"}, "limits": {"memory_max": 16777216}}})),
+    );
+    let wall = t.elapsed();
+    anyhow::ensure!(s == 200, "batch: {s}");
+    let mut spread: BTreeMap<String, u64> = BTreeMap::new();
+    let mut failed = 0;
+    for i in v["items"].as_array().context("items")? {
+        match i["sandbox"]["id"].as_str() {
+            Some(id) => {
+                let n = dsec_cluster::ids::node_number(id).unwrap_or(0);
+                *spread.entry(format!("node{n}")).or_default() += 1;
+            }
+            None => failed += 1,
+        }
+    }
+    let t = Instant::now();
+    let (s, _) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"bench": "batch"}})),
+    );
+    anyhow::ensure!(s == 200, "batch delete: {s}");
+    out.insert(
+        "batch_1000".into(),
+        json!({"create_wall_ms": wall.as_millis() as u64, "failed": failed, "spread": spread,
+               "delete_wall_ms": t.elapsed().as_millis() as u64}),
+    );
+
+    out.insert("placement".into(), placement());
+
+    // Node loss: n4 killed, until its sandbox answers `lost`; restarted between kills.
+    let kills = if args.cycles == 100 { 10 } else { args.cycles };
+    let mut detect = Vec::new();
+    for _ in 0..kills {
+        let (s, v) =
+            nodes[3]
+                .http()
+                .with_key(Some(&key))
+                .req("POST", "/v1/sandboxes", Some(&json!({})));
+        anyhow::ensure!(s == 201, "create on n4: {s} {v}");
+        let id = id_of(&v)?;
+        nodes[3].kill9();
+        let t = Instant::now();
+        anyhow::ensure!(
+            wait(Duration::from_secs(30), || gw
+                .req("GET", &format!("/v1/sandboxes/{id}"), None)
+                .1["state"]
+                == "lost"),
+            "n4 was not declared lost"
+        );
+        detect.push(us(t));
+        let old = nodes.pop().context("n4")?;
+        drop(old);
+        nodes.push(node(&base, "n4", &etcd)?);
+        anyhow::ensure!(
+            wait(Duration::from_secs(20), || nodes_live(&gw) == 4),
+            "n4 did not come back"
+        );
+    }
+    out.insert("node_loss_detection".into(), json!(dist(detect)));
+    let doc = json!({"bench": "cluster", "iterations": args.iterations, "nodes": 4,
+                     "results": Value::Object(out)});
+    drop(nodes);
+    emit(args, doc)
+}
