@@ -70,6 +70,8 @@ bash scripts/check-leaks.sh snapshot "$leakdir"
 # The Python tests' venv, made first: the Rust tests read Parquet exports back with its pyarrow.
 bash scripts/test-python.sh --setup-only
 export DSEC_TEST_PYTHON="$PWD/target/pyvenv/bin/python"
+# deploy/: the Kubernetes manifests and systemd units parse.
+"$DSEC_TEST_PYTHON" scripts/check-deploy.py
 rust=0
 cargo test --workspace --no-fail-fast || rust=$?
 # The Python SDK: ruff and mypy --strict over it, then its system tests against the real daemon.
