@@ -417,6 +417,22 @@ pub fn sched_time_ns(tid: i32) -> Option<u64> {
     parse_schedstat(&std::fs::read_to_string(format!("/proc/{tid}/schedstat")).ok()?)
 }
 
+/// How many times thread `tid` gave up its CPU to wait for something (its
+/// `voluntary_ctxt_switches`); `None` once it is gone.
+pub fn voluntary_switches(tid: i32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    parse_voluntary(&text)
+}
+
+/// The `voluntary_ctxt_switches` of a `/proc/<tid>/status` text.
+fn parse_voluntary(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Whether thread `tid` is running or waiting to run (state `R` in `/proc/<tid>/stat`); `None`
 /// once it is gone.
 pub fn runnable(tid: i32) -> Option<bool> {
@@ -445,6 +461,14 @@ mod tests {
         assert_eq!(parse_schedstat("1000\n"), None);
         assert_eq!(parse_schedstat("x 1 2"), None);
         assert!(sched_time_ns(getpid()).is_some());
+    }
+
+    #[test]
+    fn voluntary_switches_parse() {
+        let t = "Name:\tx\nvoluntary_ctxt_switches:\t17\nnonvoluntary_ctxt_switches:\t3\n";
+        assert_eq!(parse_voluntary(t), Some(17));
+        assert_eq!(parse_voluntary("Name:\tx\n"), None);
+        assert!(voluntary_switches(getpid()).is_some());
     }
 
     #[test]

@@ -8,9 +8,11 @@
 //! Every [`TICK`] the governor measures each active sandbox's *demand*: how long its threads
 //! ran plus waited to run (`/proc/<tid>/schedstat`), as a fraction of the tick. A thread that
 //! spins is runnable the whole tick (demand ≥ 1 whatever share it gets); one that serves
-//! requests sleeps between them. While tasks wait for a CPU (host PSI), a sandbox with one
-//! thread whose demand reached [`HUNGRY`], or whose threads' demands add up to [`SWARM`] (a
-//! fork bomb's short-lived children), moves to the *batch class*: `cpu.idle` (Linux 5.15+) and
+//! requests sleeps between them. Only threads that did not sleep in the tick count (no
+//! voluntary context switch: a thread that served a call and waited for the next did, however
+//! long it waited for a CPU on a loaded host). While tasks wait for a CPU (host PSI), a sandbox
+//! with one such thread whose demand reached [`HUNGRY`], or whose such threads' demands add up
+//! to [`SWARM`] (a fork bomb's children), moves to the *batch class*: `cpu.idle` (Linux 5.15+) and
 //! [`BATCH_CPU_WEIGHT`]. An idle group is preempted as soon as a task of a non-idle group wakes
 //! on its CPU, so a quiet sandbox's wake-ups no longer queue behind the spinners' slices; the
 //! weight alone (older kernels) only shortens that queue. Per thread, not per
@@ -147,8 +149,9 @@ struct Inner {
     pressure: Option<u64>,
     /// Each sandbox's CPU time at the last tick (empty after an idle tick).
     usage: HashMap<String, u64>,
-    /// Run-plus-wait time of each thread of the sandboxes sampled at the last tick.
-    threads: HashMap<String, HashMap<i32, u64>>,
+    /// Run-plus-wait time and voluntary switches of each thread of the sandboxes sampled at
+    /// the last tick.
+    threads: HashMap<String, HashMap<i32, (u64, u64)>>,
     /// At the batch weight because of their demand, with their calm ticks in a row.
     batch: HashMap<String, u32>,
     /// Pinned to the batch weight by [`CpuShares::hold`].
@@ -180,11 +183,13 @@ impl CpuShares {
         was || set_batch(node, id, true, BATCH_CPU_WEIGHT)
     }
 
-    /// Ends a [`hold`](Self::hold): the sandbox gets its own weight back unless its demand
-    /// keeps it batch.
+    /// Ends a [`hold`](Self::hold): the sandbox gets its own weight back at once (its owner
+    /// knows the work that spun is over; if something in it still spins, the next ticks find
+    /// it again).
     pub fn release(&self, node: &Node, id: &str) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if g.held.remove(id) && !g.batch.contains_key(id) {
+        if g.held.remove(id) {
+            g.batch.remove(id);
             restore(node, id);
         }
     }
@@ -259,7 +264,7 @@ fn sample(
     w: f64,
 ) -> (
     HashMap<String, u64>,
-    HashMap<String, HashMap<i32, u64>>,
+    HashMap<String, HashMap<i32, (u64, u64)>>,
     Sample,
 ) {
     let (mut usage, mut threads, mut out) = (HashMap::new(), HashMap::new(), Sample::default());
@@ -281,15 +286,22 @@ fn sample(
         let mut now = HashMap::new();
         let mut d = Demand::default();
         for tid in cg.threads().unwrap_or_default() {
-            let Some(t) = dsec_sys::proc::sched_time_ns(tid) else {
+            let (Some(t), Some(v)) = (
+                dsec_sys::proc::sched_time_ns(tid),
+                dsec_sys::proc::voluntary_switches(tid),
+            ) else {
                 continue;
             };
+            now.insert(tid, (t, v));
             // A thread new since the last sample was born in the tick: all its time counts.
-            let b = before.and_then(|m| m.get(&tid)).copied().unwrap_or(0);
+            let (b, bv) = before.and_then(|m| m.get(&tid)).copied().unwrap_or((0, 0));
+            if v > bv {
+                // It slept in the tick: it waits for work, whatever it waited for a CPU.
+                continue;
+            }
             let dt = t.saturating_sub(b);
             d.sum = d.sum.saturating_add(dt);
             d.peak = d.peak.max(dt);
-            now.insert(tid, t);
             if batch && dsec_sys::proc::runnable(tid) == Some(true) {
                 out.runnable.insert(e.id.clone());
             }
