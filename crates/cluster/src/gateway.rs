@@ -72,6 +72,28 @@ struct Gw {
     placed: AtomicU64,
     lost_calls: AtomicU64,
     proxied: AtomicU64,
+    /// The lease idempotent placements go under, and when it was granted.
+    idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
+}
+
+/// How long one lease takes idempotent placements before the next is granted.
+const IDEM_LEASE_REUSE: Duration = Duration::from_secs(60);
+
+impl Gw {
+    /// The lease for an idempotent placement made now (granted once a minute).
+    fn idem_lease(&self) -> Result<i64, crate::etcd::EtcdError> {
+        let mut l = self.idem_lease.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((id, at)) = *l {
+            if at.elapsed() < IDEM_LEASE_REUSE {
+                return Ok(id);
+            }
+        }
+        let id = self
+            .etcd
+            .grant(model::IDEM_TTL + IDEM_LEASE_REUSE.as_secs() as i64)?;
+        *l = Some((id, Instant::now()));
+        Ok(id)
+    }
 }
 
 type App = Arc<Gw>;
@@ -96,6 +118,7 @@ pub async fn serve(
         placed: AtomicU64::new(0),
         lost_calls: AtomicU64::new(0),
         proxied: AtomicU64::new(0),
+        idem_lease: std::sync::Mutex::new(None),
     });
     refresh(&gw).await;
     let g = Arc::clone(&gw);
@@ -445,11 +468,15 @@ async fn pin_idempotent(gw: &App, who: &str, idem: &str, first: &str) -> Result<
         if let Some(kv) = g.etcd.get(&key)? {
             return Ok(String::from_utf8_lossy(&kv.value).into_owned());
         }
-        let lease = g.etcd.grant(model::IDEM_TTL)?;
-        if g.etcd.create(&key, first.as_bytes(), lease)? {
-            return Ok(first);
+        match g.etcd.create(&key, first.as_bytes(), g.idem_lease()?) {
+            Ok(true) => return Ok(first),
+            Ok(false) => {}
+            Err(e) => {
+                // The lease may be gone (revoked, or etcd restored): the retry takes a new one.
+                *g.idem_lease.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                return Err(e);
+            }
         }
-        let _ = g.etcd.revoke(lease);
         Ok::<_, crate::etcd::EtcdError>(
             g.etcd
                 .get(&key)?

@@ -62,9 +62,11 @@ pub fn api_keys_prefix() -> String {
     format!("{ROOT}keys/")
 }
 
-/// How long a gateway remembers where an idempotent create went (the nodes keep the outcome
-/// for 24 h; a retry comes within minutes).
-pub const IDEM_TTL: i64 = 24 * 3600;
+/// How long a gateway remembers where an idempotent create went, at least (a retry comes
+/// within minutes; the node that took the create keeps its outcome for 24 h). A gateway puts
+/// every placement of a minute under one lease of this TTL plus that minute, so an idempotent
+/// create costs one etcd transaction and a lease grant a minute.
+pub const IDEM_TTL: i64 = 600;
 
 /// The key of an idempotent create's placement.
 pub fn idem_key(digest: &str) -> String {
