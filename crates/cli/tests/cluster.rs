@@ -179,6 +179,63 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
     let st = status(&etcd_url);
     assert_eq!(st["nodes"].as_array().map_or(0, Vec::len), 2, "{st}");
 
+    // A tenant's max_sandboxes holds across the cluster, not per node.
+    let (s, t) = gw.req(
+        "POST",
+        "/v1/tenants",
+        Some(&json!({"name": "three", "max_sandboxes": 3})),
+    );
+    assert_eq!(s, 201, "{t}");
+    let tkey = t["api_key"].as_str().expect("api_key").to_owned();
+    let tgw = gw.with_key(Some(&tkey));
+    assert!(
+        wait(Duration::from_secs(15), || [&n1, &n2].iter().all(|n| n
+            .http()
+            .with_key(Some(&tkey))
+            .req("GET", "/v1/tenant", None)
+            .0
+            == 200)),
+        "the tenant's key did not reach both nodes"
+    );
+    // The gateway learns the quota from etcd within a refresh.
+    assert!(
+        wait(Duration::from_secs(10), || gw
+            .req("GET", "/v1/cluster", None)
+            .1["keys_with_quota"]
+            == 1),
+        "{}",
+        gw.req("GET", "/v1/cluster", None).1
+    );
+    let (s, v) = tgw.req(
+        "POST",
+        "/v1/sandboxes/batch",
+        Some(&json!({"count": 2, "spec": {"labels": {"t": "q"}}})),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(by_node(&v).len(), 2, "spread over both nodes: {v}");
+    let (s, v) = tgw.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"labels": {"t": "q"}})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let (s, v) = tgw.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"labels": {"t": "q"}})),
+    );
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (429, Some("quota_exceeded")),
+        "{v}"
+    );
+    let (s, v) = tgw.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"t": "q"}})),
+    );
+    assert_eq!(s, 200, "{v}");
+
     // An idempotent create retried on another gateway gets the same sandbox.
     let (_gw2, gw2, _) = gateway(&etcd_url);
     let gw2 = gw2.with_key(Some(&n1.key));

@@ -63,6 +63,8 @@ struct Table {
     numbers: BTreeMap<u16, String>,
     /// When etcd last answered.
     read_at: Option<Instant>,
+    /// API key hash → (tenant id, its `max_sandboxes`), from `keys/` and `tenants/`.
+    quotas: BTreeMap<String, (String, Option<u64>)>,
 }
 
 struct Gw {
@@ -72,6 +74,9 @@ struct Gw {
     placed: AtomicU64,
     lost_calls: AtomicU64,
     proxied: AtomicU64,
+    /// Sandboxes this gateway placed that the node reports may not count yet: (tenant id,
+    /// count, when).
+    pending: std::sync::Mutex<Vec<(String, u64, Instant)>>,
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
 }
@@ -119,6 +124,7 @@ pub async fn serve(
         lost_calls: AtomicU64::new(0),
         proxied: AtomicU64::new(0),
         idem_lease: std::sync::Mutex::new(None),
+        pending: std::sync::Mutex::default(),
     });
     refresh(&gw).await;
     let g = Arc::clone(&gw);
@@ -155,10 +161,12 @@ async fn refresh(gw: &App) {
     let read = tokio::task::spawn_blocking(move || {
         let (nodes, _) = g.etcd.prefix(&model::nodes_prefix())?;
         let (numbers, _) = g.etcd.prefix(&model::numbers_prefix())?;
-        Ok::<_, crate::etcd::EtcdError>((nodes, numbers))
+        let (tenants, _) = g.etcd.prefix(&model::tenants_prefix())?;
+        let (keys, _) = g.etcd.prefix(&model::api_keys_prefix())?;
+        Ok::<_, crate::etcd::EtcdError>((nodes, numbers, tenants, keys))
     })
     .await;
-    let Ok(Ok((nodes, numbers))) = read else {
+    let Ok(Ok((nodes, numbers, tenants, keys))) = read else {
         return;
     };
     let mut t = Table {
@@ -176,7 +184,78 @@ async fn refresh(gw: &App) {
                 .insert(n, String::from_utf8_lossy(&kv.value).into_owned());
         }
     }
+    let records: BTreeMap<String, Value> = tenants
+        .iter()
+        .filter_map(|kv| {
+            let name = kv.key.rsplit('/').next()?.to_owned();
+            Some((name, serde_json::from_slice(&kv.value).ok()?))
+        })
+        .collect();
+    for kv in keys {
+        let (Some(hash), Ok(name)) = (kv.key.rsplit('/').next(), String::from_utf8(kv.value))
+        else {
+            continue;
+        };
+        if let Some(r) = records.get(&name) {
+            let id = r["id"].as_str().unwrap_or_default().to_owned();
+            t.quotas
+                .insert(hash.to_owned(), (id, r["max_sandboxes"].as_u64()));
+        }
+    }
     *gw.table.write().unwrap_or_else(|p| p.into_inner()) = t;
+}
+
+/// How long a placement counts as pending: by then the node's report (rewritten every
+/// second) counts it.
+const PENDING_FOR: Duration = Duration::from_secs(3);
+
+/// How many of `want` sandboxes the caller's tenant may still have, cluster-wide: its
+/// `max_sandboxes` less what the node reports count and this gateway placed since. Another
+/// gateway's placements of the last second are not seen: the bound holds to within what the
+/// gateways place in a second.
+fn quota_room(gw: &App, headers: &axum::http::HeaderMap, want: u64) -> (u64, Option<String>) {
+    use sha2::Digest as _;
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| {
+            headers
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+        })
+        .unwrap_or("");
+    let hash = hex::encode(sha2::Sha256::digest(key.as_bytes()));
+    let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+    let Some((tenant, Some(max))) = t.quotas.get(&hash).cloned() else {
+        return (want, None);
+    };
+    let live: u64 = t
+        .nodes
+        .values()
+        .map(|n| n.tenants.get(&tenant).copied().unwrap_or(0))
+        .sum();
+    drop(t);
+    let mut pending = gw.pending.lock().unwrap_or_else(|p| p.into_inner());
+    pending.retain(|(_, _, at)| at.elapsed() < PENDING_FOR);
+    let placed: u64 = pending
+        .iter()
+        .filter(|(id, ..)| *id == tenant)
+        .map(|(_, n, _)| n)
+        .sum();
+    let room = max.saturating_sub(live + placed).min(want);
+    if room > 0 {
+        pending.push((tenant.clone(), room, Instant::now()));
+    }
+    (room, Some(tenant))
+}
+
+fn quota_exceeded() -> Response {
+    problem(
+        StatusCode::TOO_MANY_REQUESTS,
+        "quota_exceeded",
+        "the tenant's max_sandboxes is reached across the cluster",
+    )
 }
 
 fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
@@ -321,6 +400,7 @@ fn cluster_view(gw: &App) -> Value {
         "cpu_used_fraction": cpu_frac,
         "memory_used_fraction": mem_frac,
         "etcd_read_age_ms": t.read_at.map(|r| r.elapsed().as_millis() as u64),
+        "keys_with_quota": t.quotas.values().filter(|(_, m)| m.is_some()).count(),
     })
 }
 
@@ -401,6 +481,11 @@ async fn create(gw: App, req: Request) -> Response {
     };
     let spec: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let who = caller(&parts.headers);
+    let idempotent = parts.headers.contains_key("idempotency-key");
+    // (A retry of an idempotent create is answered by its node, which counts it once.)
+    if !idempotent && quota_room(&gw, &parts.headers, 1).0 == 0 {
+        return quota_exceeded();
+    }
     let mut order = ranked(&gw, &ask_of(&spec, &who));
     if order.is_empty() {
         return no_capacity();
@@ -551,7 +636,13 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
         );
     };
     let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    let count = v["count"].as_u64().unwrap_or(0) as usize;
+    let asked = v["count"].as_u64().unwrap_or(0);
+    let (count, _) = quota_room(&gw, &parts.headers, asked);
+    if count == 0 && asked > 0 {
+        return quota_exceeded();
+    }
+    let over_quota = asked - count;
+    let count = count as usize;
     let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
     let who = caller(&parts.headers);
     let (plan, unplaced) = place::place(&nodes(&gw), &ask_of(&spec, &who), count);
@@ -588,6 +679,10 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
     for _ in 0..unplaced {
         items.push(json!({"ok": false, "error": {"code": "capacity_exhausted",
             "detail": "no node of the cluster can take the sandbox now"}}));
+    }
+    for _ in 0..over_quota {
+        items.push(json!({"ok": false, "error": {"code": "quota_exceeded",
+            "detail": "the tenant's max_sandboxes is reached across the cluster"}}));
     }
     (StatusCode::OK, axum::Json(json!({"items": items}))).into_response()
 }
