@@ -607,9 +607,26 @@ async fn list(gw: App, req: Request) -> Response {
         .path_and_query()
         .map_or("/v1/sandboxes", |p| p.as_str())
         .to_owned();
-    let calls = nodes(&gw).into_iter().map(|n| {
-        let (gw, h, pq) = (Arc::clone(&gw), parts.headers.clone(), pq.clone());
-        async move { call_json(&gw, &n, Method::GET, &pq, &h, Vec::new()).await }
+    fan_out(&gw, Method::GET, &pq, &parts.headers, Vec::new()).await
+}
+
+/// Sends the same call to every live node at once and merges their `items` (the first node
+/// that fails answers for all).
+async fn fan_out(
+    gw: &App,
+    method: Method,
+    path: &str,
+    headers: &axum::http::HeaderMap,
+    body: Vec<u8>,
+) -> Response {
+    let calls = nodes(gw).into_iter().map(|n| {
+        let (gw, m, h, b) = (
+            Arc::clone(gw),
+            method.clone(),
+            headers.clone(),
+            body.clone(),
+        );
+        async move { call_json(&gw, &n, m, path, &h, b).await }
     });
     let mut items = Vec::new();
     for (status, v) in futures_util::future::join_all(calls).await {
@@ -696,20 +713,14 @@ async fn batch_delete(State(gw): State<App>, req: Request) -> Response {
             "body too large",
         );
     };
-    let calls = nodes(&gw).into_iter().map(|n| {
-        let (gw, h, b) = (Arc::clone(&gw), parts.headers.clone(), bytes.to_vec());
-        async move { call_json(&gw, &n, Method::POST, "/v1/sandboxes/batch-delete", &h, b).await }
-    });
-    let mut items = Vec::new();
-    for (status, v) in futures_util::future::join_all(calls).await {
-        if !status.is_success() {
-            return (status, axum::Json(v)).into_response();
-        }
-        if let Some(a) = v["items"].as_array() {
-            items.extend(a.iter().cloned());
-        }
-    }
-    axum::Json(json!({"items": items})).into_response()
+    fan_out(
+        &gw,
+        Method::POST,
+        "/v1/sandboxes/batch-delete",
+        &parts.headers,
+        bytes.to_vec(),
+    )
+    .await
 }
 
 async fn by_id(State(gw): State<App>, req: Request) -> Response {
