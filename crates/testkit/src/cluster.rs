@@ -2,7 +2,6 @@
 //! `dsec gateway` processes, killed (and waited for) on drop. Shared by the cluster tests and
 //! `dsec bench cluster`.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -122,14 +121,8 @@ pub fn gateway(exe: impl AsRef<Path>, etcd: &str, key: Option<&str>) -> (Proc, H
         .spawn()
         .expect("start the gateway");
     let out = child.stdout.take().expect("stdout");
-    let url = BufReader::new(out)
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| {
-            l.strip_prefix("dsec gateway listening on ")
-                .map(str::to_owned)
-        })
-        .expect("the gateway's address");
+    let url =
+        crate::address_line(out, "dsec gateway listening on ").expect("the gateway's address");
     let h = Http::new(&url, key, Some(Duration::from_secs(120)));
     (Proc(child), h, url)
 }

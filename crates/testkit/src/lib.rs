@@ -219,13 +219,7 @@ impl Server {
             });
         let mut child = cmd.spawn()?;
         let out = child.stdout.take().ok_or_else(|| other("no stdout"))?;
-        let url = BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| {
-                l.strip_prefix("dsec server listening on ")
-                    .map(str::to_owned)
-            });
+        let url = address_line(out, "dsec server listening on ");
         let Some(url) = url else {
             let _ = child.kill();
             let _ = child.wait();
@@ -244,6 +238,15 @@ impl Server {
             owned: self.owned,
         })
     }
+}
+
+/// The rest of the first line of `out` (a child's stdout) that starts with `prefix`: the
+/// address a `dsec server` or `dsec gateway` prints once it listens.
+pub fn address_line(out: std::process::ChildStdout, prefix: &str) -> Option<String> {
+    BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix(prefix).map(str::to_owned))
 }
 
 fn other(what: &str) -> std::io::Error {

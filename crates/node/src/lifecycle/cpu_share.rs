@@ -194,14 +194,6 @@ impl CpuShares {
         }
     }
 
-    /// Sandboxes at the batch weight now (held or by demand).
-    pub fn batch_count(&self) -> usize {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .batch_len()
-    }
-
     /// One tick: samples, decides, writes the weights that change. Blocking (file reads).
     pub fn tick(&self, node: &Node) {
         let total = node.rt.cgroups().base_cpu_usage_ns();
