@@ -213,22 +213,12 @@ const PENDING_FOR: Duration = Duration::from_secs(3);
 /// `max_sandboxes` less what the node reports count and this gateway placed since. Another
 /// gateway's placements of the last second are not seen: the bound holds to within what the
 /// gateways place in a second.
-fn quota_room(gw: &App, headers: &axum::http::HeaderMap, want: u64) -> (u64, Option<String>) {
+fn quota_room(gw: &App, key: &str, want: u64) -> u64 {
     use sha2::Digest as _;
-    let key = headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .or_else(|| {
-            headers
-                .get("authorization")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-        })
-        .unwrap_or("");
     let hash = hex::encode(sha2::Sha256::digest(key.as_bytes()));
     let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
     let Some((tenant, Some(max))) = t.quotas.get(&hash).cloned() else {
-        return (want, None);
+        return want;
     };
     let live: u64 = t
         .nodes
@@ -245,9 +235,9 @@ fn quota_room(gw: &App, headers: &axum::http::HeaderMap, want: u64) -> (u64, Opt
         .sum();
     let room = max.saturating_sub(live + placed).min(want);
     if room > 0 {
-        pending.push((tenant.clone(), room, Instant::now()));
+        pending.push((tenant, room, Instant::now()));
     }
-    (room, Some(tenant))
+    room
 }
 
 fn quota_exceeded() -> Response {
@@ -288,12 +278,18 @@ fn nodes(gw: &App) -> Vec<NodeReport> {
         .collect()
 }
 
-/// The caller's identity for spreading: its API key (never stored, only compared).
-fn caller(req_headers: &axum::http::HeaderMap) -> String {
-    req_headers
+/// The caller's API key, as a node reads it (`X-API-Key`, or `Authorization: Bearer`); empty
+/// without one. Never stored: it identifies the caller for spreading, idempotency and quotas.
+fn caller(headers: &axum::http::HeaderMap) -> String {
+    headers
         .get("x-api-key")
-        .or_else(|| req_headers.get("authorization"))
         .and_then(|v| v.to_str().ok())
+        .or_else(|| {
+            headers
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+        })
         .unwrap_or("")
         .to_owned()
 }
@@ -467,23 +463,45 @@ async fn sandboxes(State(gw): State<App>, req: Request) -> Response {
     }
 }
 
+/// Reads a JSON body the gateway needs itself: `413 too_large` past [`MAX_JSON`], `400
+/// invalid_request` when it is not JSON (an empty body is `{}`).
+async fn read_json(
+    req: Request,
+) -> Result<(axum::http::request::Parts, axum::body::Bytes, Value), Response> {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
+        return Err(problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            "the request body is too large",
+        ));
+    };
+    let v = if bytes.iter().all(u8::is_ascii_whitespace) {
+        json!({})
+    } else {
+        serde_json::from_slice(&bytes).map_err(|e| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                &format!("the body is not JSON: {e}"),
+            )
+        })?
+    };
+    Ok((parts, bytes, v))
+}
+
 async fn create(gw: App, req: Request) -> Response {
     if let Some(r) = stale(&gw) {
         return r;
     }
-    let (parts, body) = req.into_parts();
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
-        return problem(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            "body too large",
-        );
+    let (parts, bytes, spec) = match read_json(req).await {
+        Ok(r) => r,
+        Err(r) => return r,
     };
-    let spec: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let who = caller(&parts.headers);
     let idempotent = parts.headers.contains_key("idempotency-key");
     // (A retry of an idempotent create is answered by its node, which counts it once.)
-    if !idempotent && quota_room(&gw, &parts.headers, 1).0 == 0 {
+    if !idempotent && quota_room(&gw, &who, 1) == 0 {
         return quota_exceeded();
     }
     let mut order = ranked(&gw, &ask_of(&spec, &who));
@@ -644,24 +662,19 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
     if let Some(r) = stale(&gw) {
         return r;
     }
-    let (parts, body) = req.into_parts();
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
-        return problem(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            "body too large",
-        );
+    let (parts, _, v) = match read_json(req).await {
+        Ok(r) => r,
+        Err(r) => return r,
     };
-    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let who = caller(&parts.headers);
     let asked = v["count"].as_u64().unwrap_or(0);
-    let (count, _) = quota_room(&gw, &parts.headers, asked);
+    let count = quota_room(&gw, &who, asked);
     if count == 0 && asked > 0 {
         return quota_exceeded();
     }
     let over_quota = asked - count;
     let count = count as usize;
     let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
-    let who = caller(&parts.headers);
     let (plan, unplaced) = place::place(&nodes(&gw), &ask_of(&spec, &who), count);
     let table = gw
         .table
@@ -705,13 +718,9 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
 }
 
 async fn batch_delete(State(gw): State<App>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_JSON).await else {
-        return problem(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            "body too large",
-        );
+    let (parts, bytes, _) = match read_json(req).await {
+        Ok(r) => r,
+        Err(r) => return r,
     };
     fan_out(
         &gw,
