@@ -61,6 +61,10 @@ pub enum ErrorCode {
     /// The path exists but does not take this HTTP method (the `Allow` header lists those it
     /// takes).
     MethodNotAllowed,
+    /// A store the call needs (a cluster's etcd, a template source) does not answer now.
+    Unavailable,
+    /// The sandbox's node was lost (its cluster lease expired): the sandbox is gone.
+    NodeLost,
 }
 
 impl ErrorCode {
@@ -94,6 +98,8 @@ impl ErrorCode {
             Self::TrajectoryDiverged => "trajectory_diverged",
             Self::TrajectoryNotFound => "trajectory_not_found",
             Self::MethodNotAllowed => "method_not_allowed",
+            Self::Unavailable => "unavailable",
+            Self::NodeLost => "node_lost",
         }
     }
 }

@@ -139,6 +139,19 @@ pub struct CreateSpec {
     pub userns: Option<bool>,
 }
 
+/// Layers a node fetched for a create.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fetched {
+    /// How many layers.
+    pub layers: u32,
+    /// Their bytes (uncompressed tar).
+    pub bytes: u64,
+    /// Where from: `node:<name>` (a peer), `origin` (the cluster's store).
+    pub from: Vec<String>,
+    /// How long it took, ms.
+    pub ms: u64,
+}
+
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxView {
@@ -176,8 +189,13 @@ pub struct SandboxView {
     pub pooled: bool,
     /// Why it failed, if it did.
     pub error: Option<String>,
-    /// The step a create is at (VMs: preparing their snapshot).
+    /// The step a create is at (`fetching` its template's layers from the cluster; VMs:
+    /// `preparing` their snapshot).
     pub phase: Option<String>,
+    /// What the node fetched before it could make the sandbox (in a cluster, a template it
+    /// did not hold yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetched: Option<Fetched>,
     /// Host pid of its supervisor (QEMU for VMs): shown to the admin tenant only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub supervisor_pid: Option<i32>,

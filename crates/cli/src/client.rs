@@ -94,7 +94,10 @@ pub fn exit_for_code(code: ErrorCode) -> Option<u8> {
             EXIT_NOT_FOUND
         }
         E::Unauthorized | E::Forbidden => EXIT_AUTH,
-        E::QuotaExceeded | E::ResourceExhausted | E::NoSpace | E::Draining => EXIT_RESOURCE,
+        E::QuotaExceeded | E::ResourceExhausted | E::NoSpace | E::Draining | E::Unavailable => {
+            EXIT_RESOURCE
+        }
+        E::NodeLost => EXIT_NOT_FOUND,
         E::InvalidTransition | E::IdempotencyConflict => EXIT_CONFLICT,
         E::Internal | E::AgentUnavailable => EXIT_INTERNAL,
         E::ExecTimeout => 124,

@@ -213,6 +213,10 @@ struct ServerArgs {
     /// and the address it listens on).
     #[arg(long, env = "DSEC_ADVERTISE")]
     advertise: Option<String>,
+    /// In a cluster: the origin store of template layers, a directory every node mounts (NFS,
+    /// a shared volume). Without it templates move only from the nodes that hold them.
+    #[arg(long, env = "DSEC_TEMPLATE_STORE", requires = "etcd")]
+    template_store: Option<PathBuf>,
 }
 
 /// Where a template comes from: its name and its image.
@@ -709,6 +713,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
                 etcd,
                 name: args.node_name.clone().unwrap_or_default(),
                 advertise: args.advertise.clone().unwrap_or_default(),
+                template_store: args.template_store.clone(),
             }),
     };
     let key_file = cli.data_dir.join("admin.key");

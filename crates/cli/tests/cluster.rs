@@ -12,14 +12,47 @@ use serde_json::{json, Value};
 use testkit::cluster::{self, etcd, etcd_cluster, wait, EtcdMember as Member, Proc};
 
 fn node(base: &Path, name: &str, etcd: &str) -> testkit::Daemon {
+    node_with(base, name, etcd, &[])
+}
+
+fn node_with(base: &Path, name: &str, etcd: &str, extra: &[&str]) -> testkit::Daemon {
     let (data, run) = (
         base.join(format!("{name}-d")),
         base.join(format!("{name}-r")),
     );
+    let mut args = vec!["--etcd", etcd, "--node-name", name, "--pool-max", "0"];
+    args.extend_from_slice(extra);
     testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run)
-        .args(&["--etcd", etcd, "--node-name", name, "--pool-max", "0"])
+        .args(&args)
         .start()
         .expect("start a node")
+}
+
+/// A test's scratch dir, removed at the end.
+fn scratch(tag: &str) -> (PathBuf, testkit::RemoveOnDrop) {
+    let base = PathBuf::from(format!("/tmp/dsec-cluster-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).expect("base dir");
+    (base.clone(), testkit::RemoveOnDrop(base))
+}
+
+/// Waits until the gateway sees `n` nodes and `key` works on every node of `nodes`.
+fn wait_registered(gw: &testkit::Http, nodes: &[&testkit::Daemon], key: &str) {
+    assert!(
+        wait(Duration::from_secs(20), || {
+            let (_, v) = gw.req("GET", "/v1/cluster", None);
+            v["nodes"].as_array().map_or(0, Vec::len) == nodes.len()
+                && nodes.iter().all(|n| {
+                    n.http()
+                        .with_key(Some(key))
+                        .req("GET", "/v1/sandboxes", None)
+                        .0
+                        == 200
+                })
+        }),
+        "the nodes did not register: {}",
+        gw.req("GET", "/v1/cluster", None).1
+    );
 }
 
 fn gateway(etcd: &str) -> (Proc, testkit::Http, String) {
@@ -100,6 +133,56 @@ fn families_pass_through(gw: &testkit::Http, id: &str) {
     assert_eq!(
         (s, v["stdout"]["data"].as_str()),
         (200, Some("42\n")),
+        "{v}"
+    );
+    // An exec stream passes through as it comes.
+    let streamed = gw
+        .send(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec?stream=true"),
+            Some(br#"{"shell": "echo one; echo two"}"#),
+            &[("content-type", "application/json")],
+        )
+        .expect("stream");
+    let text = String::from_utf8_lossy(&streamed.body);
+    assert_eq!(streamed.status, 200, "{text}");
+    assert!(
+        text.contains("event: stdout") && text.contains("event: exit"),
+        "{text}"
+    );
+    // A trajectory's steps run on the sandbox's node; the gateway finds it there.
+    let tid = format!("tj-{id}");
+    for step in 1..=2 {
+        let (s, v) = gw.req(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(&json!({"shell": format!("echo step{step}"), "trajectory": tid, "step": step})),
+        );
+        assert_eq!(s, 200, "{v}");
+    }
+    let (s, v) = gw.req("GET", &format!("/v1/trajectories/{tid}"), None);
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = gw.req("GET", &format!("/v1/trajectories/{tid}/records"), None);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["items"].as_array().map(Vec::len),
+        Some(4),
+        "two intents and two results: {v}"
+    );
+    let (s, v) = gw.req("GET", "/v1/trajectories", None);
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .any(|t| t.to_string().contains(&tid)),
+        "{v}"
+    );
+    let (s, v) = gw.req("GET", "/v1/trajectories/no-such-one", None);
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (404, Some("trajectory_not_found")),
         "{v}"
     );
     let (s, v) = gw.req(
@@ -428,4 +511,205 @@ fn etcd_quorum_loss_keeps_calls_and_holds_creates() {
     );
     assert_eq!(s, 200, "{v}");
     drop(n1);
+}
+
+/// A template imported through a gateway is stored once (the origin store, a shared directory)
+/// and its record reaches etcd; creates prefer the node that holds it; a node that does not hold
+/// it fetches it — from a peer that does, else from the origin — verified, and says so in the
+/// create's `fetched`.
+#[test]
+fn templates_are_stored_once_and_fetched_from_a_peer_or_the_origin() {
+    let (base, _cleanup) = scratch("tpl");
+    let origin = base.join("origin");
+    let origin_arg = origin.to_str().expect("utf-8").to_owned();
+    let (_etcd, etcd_url) = etcd(&base);
+    let extra = ["--template-store", origin_arg.as_str()];
+    let nodes: Vec<testkit::Daemon> = ["t1", "t2", "t3"]
+        .iter()
+        .map(|n| node_with(&base, n, &etcd_url, &extra))
+        .collect();
+    let (_gw, gw, _) = gateway(&etcd_url);
+    let key = nodes[0].key.clone();
+    let gw = gw.with_key(Some(&key));
+    wait_registered(&gw, &nodes.iter().collect::<Vec<_>>(), &key);
+
+    let tarball = testkit::rootfs_tarball(&base, "rootfs", "shared template\n");
+    let body = std::fs::read(&tarball).expect("tarball");
+    let r = gw
+        .send("POST", "/v1/templates?name=tiny", Some(&body), &[])
+        .expect("import");
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    let digest = r.json()["layers"][0]["digest"]
+        .as_str()
+        .expect("a stored layer")
+        .trim_start_matches("sha256:")
+        .to_owned();
+    // Stored once, in the origin, under its digest: the bytes hash to it.
+    let blob = std::fs::read(origin.join("blobs").join(&digest)).expect("the origin's blob");
+    assert_eq!(hex_sha256(&blob), digest);
+    // Every node lists it; one node holds it.
+    for n in &nodes {
+        let (s, v) = n
+            .http()
+            .with_key(Some(&key))
+            .req("GET", "/v1/templates/tiny", None);
+        assert_eq!(s, 200, "{v}");
+    }
+    let holders = || -> Vec<String> {
+        let (_, v) = gw.req("GET", "/v1/cluster", None);
+        v["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|n| {
+                n["templates"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t == "tiny"))
+            })
+            .filter_map(|n| n["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+    assert!(
+        wait(Duration::from_secs(10), || holders().len() == 1),
+        "{:?}",
+        holders()
+    );
+    let holder = holders()[0].clone();
+    let number_of = |name: &str| -> u16 {
+        let (_, v) = gw.req("GET", "/v1/cluster", None);
+        v["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["name"] == name)
+            .and_then(|n| n["number"].as_u64())
+            .expect("a number") as u16
+    };
+
+    // Affinity: through the gateway, the create goes where the template is; nothing fetched.
+    let (s, v) = gw.req("POST", "/v1/sandboxes", Some(&json!({"template": "tiny"})));
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id");
+    assert_eq!(
+        dsec_cluster::ids::node_number(id),
+        Some(number_of(&holder)),
+        "{v}"
+    );
+    assert!(v.get("fetched").is_none(), "{v}");
+
+    // A node without it fetches it from the peer that holds it.
+    let others: Vec<&testkit::Daemon> = ["t1", "t2", "t3"]
+        .iter()
+        .zip(&nodes)
+        .filter(|(n, _)| **n != holder)
+        .map(|(_, d)| d)
+        .collect();
+    let (s, v) = others[0].http().with_key(Some(&key)).req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"template": "tiny"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["fetched"]["layers"], 1, "{v}");
+    assert_eq!(
+        v["fetched"]["from"],
+        json!([format!("node:{holder}")]),
+        "{v}"
+    );
+    assert_eq!(
+        v["fetched"]["bytes"].as_u64(),
+        Some(blob.len() as u64),
+        "{v}"
+    );
+    let id = v["id"].as_str().expect("id").to_owned();
+    let motd = gw
+        .send(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path=/etc/motd"),
+            None,
+            &[],
+        )
+        .expect("read");
+    assert_eq!(motd.body, b"shared template\n");
+
+    // With no peer able to serve it (their blobs gone), the origin does.
+    for d in [&base.join(format!("{holder}-d")), &others[0].data] {
+        let _ = std::fs::remove_file(d.join("blobs").join(&digest));
+    }
+    let (s, v) = others[1].http().with_key(Some(&key)).req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"template": "tiny"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["fetched"]["from"], json!(["origin"]), "{v}");
+
+    // A template the cluster does not know is not found anywhere.
+    let (s, v) = gw.req("POST", "/v1/sandboxes", Some(&json!({"template": "nope"})));
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (404, Some("template_not_found")),
+        "{v}"
+    );
+    // A layer call without the cluster secret is refused.
+    let r = nodes[0]
+        .http()
+        .send("GET", &format!("/v1/cluster/layers/{digest}"), None, &[])
+        .expect("layer call");
+    assert_eq!(r.status, 401);
+}
+
+fn hex_sha256(b: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// Two gateways racing for a node's last slots never overcommit it: the node admits up to its
+/// maximum, and a gateway whose create it refuses tries the next node or answers
+/// `capacity_exhausted`.
+#[test]
+fn two_gateways_racing_for_the_last_slots_never_overcommit() {
+    let (base, _cleanup) = scratch("race");
+    let (_etcd, etcd_url) = etcd(&base);
+    let n = node_with(&base, "r1", &etcd_url, &["--max-sandboxes", "4"]);
+    let (_g1, g1, _) = gateway(&etcd_url);
+    let (_g2, g2, _) = gateway(&etcd_url);
+    let (g1, g2) = (g1.with_key(Some(&n.key)), g2.with_key(Some(&n.key)));
+    wait_registered(&g1, &[&n], &n.key);
+    wait_registered(&g2, &[&n], &n.key);
+    let results: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..10)
+            .map(|i| {
+                let g = if i % 2 == 0 { &g1 } else { &g2 };
+                s.spawn(move || {
+                    g.req(
+                        "POST",
+                        "/v1/sandboxes",
+                        Some(&json!({"labels": {"t": "race"}})),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let made = results.iter().filter(|(s, _)| *s == 201).count();
+    assert_eq!(made, 4, "{results:?}");
+    for (s, v) in results.iter().filter(|(s, _)| *s != 201) {
+        assert_eq!(*s, 503, "{v}");
+        assert!(
+            matches!(
+                v["code"].as_str(),
+                Some("resource_exhausted" | "capacity_exhausted")
+            ),
+            "{v}"
+        );
+    }
+    let (_, v) = n.req("GET", "/v1/sandboxes", None);
+    assert_eq!(v["items"].as_array().map(Vec::len), Some(4), "{v}");
+    let (s, v) = g1.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"t": "race"}})),
+    );
+    assert_eq!(s, 200, "{v}");
 }

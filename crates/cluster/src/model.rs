@@ -8,6 +8,8 @@
 //! | `drain/<name>` | set by `dsec cluster drain` | none |
 //! | `tenants/<name>` | a tenant's record (JSON), as the first node that had it wrote it | none |
 //! | `keys/<sha256>` | the name of the tenant an API key belongs to | none |
+//! | `templates/<name>` | a template's record (JSON: its layers' digests, env, workdir), as the node that imported it published it | none |
+//! | `secret` | the secret nodes authenticate each other's layer calls with | none |
 //! | `idem/<sha256>` | the node a create with an `Idempotency-Key` went to (sha256 of the caller's key and the `Idempotency-Key`) | one of [`IDEM_TTL`] seconds |
 
 use std::collections::BTreeMap;
@@ -60,6 +62,21 @@ pub fn api_key_key(hash: &str) -> String {
 /// The prefix of every API key hash.
 pub fn api_keys_prefix() -> String {
     format!("{ROOT}keys/")
+}
+
+/// The key of template `name`'s record.
+pub fn template_key(name: &str) -> String {
+    format!("{ROOT}templates/{name}")
+}
+
+/// The prefix of every template record.
+pub fn templates_prefix() -> String {
+    format!("{ROOT}templates/")
+}
+
+/// The key of the cluster secret.
+pub fn secret_key() -> String {
+    format!("{ROOT}secret")
 }
 
 /// How long a gateway remembers where an idempotent create went, at least (a retry comes

@@ -90,6 +90,9 @@ pub struct SandboxRecord {
     /// it is restored from (kernel, images, template boot: once per host and template).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
+    /// What the node fetched to make it (a cluster template it did not hold).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetched: Option<dsec_api::sandbox::Fetched>,
 }
 
 impl SandboxRecord {
@@ -114,6 +117,7 @@ impl SandboxRecord {
             idem: None,
             secret_env: Vec::new(),
             phase: None,
+            fetched: None,
         }
     }
 }

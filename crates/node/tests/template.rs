@@ -975,3 +975,43 @@ mod prop {
         }
     }
 }
+
+/// A cluster node keeps each layer's blob (the bytes its digest is of); a layer fetched from
+/// elsewhere must hash to its digest, and a template is adopted only once all its layers are
+/// here.
+#[test]
+fn kept_blobs_verify_fetches_and_adoption() -> Result<()> {
+    let (_d1, origin) = open_store()?;
+    origin.layers().keep_blobs()?;
+    let tar = tar_of(|b| file(b, "etc/motd", b"kept\n"));
+    let t = origin.import_rootfs_tar("kept", gzip(&tar).as_slice(), &limits())?;
+    let LayerRef::Stored { digest } = &t.layers[0] else {
+        anyhow::bail!("a stored layer: {t:?}");
+    };
+    let blob = origin.layers().blob(digest).context("the blob is kept")?;
+    // The blob is the uncompressed tar: it hashes to the layer's digest.
+    ensure!(
+        fs::read(&blob)? == tar,
+        "the blob is the uncompressed stream"
+    );
+    ensure!(format!("sha256:{}", sha_hex(&tar)) == digest.to_string());
+
+    let (_d2, node) = open_store()?;
+    // A template whose layers are not here is not adopted.
+    ensure!(node.adopt(&t).is_err(), "adopted without its layers");
+    // A copy that does not hash to the digest is refused, and leaves nothing.
+    let other = tar_of(|b| file(b, "etc/motd", b"tampered\n"));
+    let refused = node.fetch_layer(other.as_slice(), digest, &limits());
+    ensure!(
+        matches!(refused, Err(TemplateError::DigestMismatch { .. })),
+        "{refused:?}"
+    );
+    ensure!(!node.layers().contains(digest));
+    assert_clean(&node)?;
+    node.fetch_layer(fs::File::open(&blob)?, digest, &limits())?;
+    node.adopt(&t)?;
+    ensure!(node.get("kept")? == t);
+    // Without keep_blobs, no blob.
+    ensure!(node.layers().blob(digest).is_none());
+    Ok(())
+}

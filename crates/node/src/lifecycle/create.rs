@@ -70,6 +70,62 @@ impl CreateRequest {
 }
 
 impl Node {
+    /// Whether template `name` is here, or (in a cluster) can be fetched (blocking).
+    fn template_known(&self, name: &str) -> Result<()> {
+        match self.rt.templates().get(name) {
+            Err(crate::template::TemplateError::NotFound { .. }) => {
+                if let Some(m) = self.member.get() {
+                    if m.cluster_template(name)
+                        .map_err(|e| Error::Unavailable(format!("the cluster's store: {e}")))?
+                        .is_some()
+                    {
+                        return Ok(());
+                    }
+                }
+                Err(crate::template::TemplateError::NotFound {
+                    name: name.to_owned(),
+                }
+                .into())
+            }
+            r => r.map(|_| ()).map_err(Into::into),
+        }
+    }
+
+    /// In a cluster, fetches the sandbox's template when the node does not hold it: the
+    /// sandbox shows the `fetching` phase meanwhile, and what came from where after.
+    async fn fetch_template(self: &Arc<Self>, e: &Arc<Entry>, template: &str) -> Result<()> {
+        let Some(m) = self.member.get().cloned() else {
+            return Ok(());
+        };
+        let (rt, name) = (Arc::clone(&self.rt), template.to_owned());
+        let held = {
+            let (rt, name) = (Arc::clone(&rt), name.clone());
+            tokio::task::spawn_blocking(move || name == "host" || rt.templates().get(&name).is_ok())
+                .await
+                .unwrap_or(false)
+        };
+        if held {
+            return Ok(());
+        }
+        self.update(e, |r| {
+            r.phase = Some("fetching".into());
+            Ok(())
+        })?;
+        let got = tokio::task::spawn_blocking(move || m.fetch(rt.templates(), &name))
+            .await
+            .map_err(|err| Error::internal(err.to_string()))?;
+        let fetched = match got {
+            Ok(f) => f,
+            Err(err) => return Err(Error::Unavailable(format!("fetch the template: {err}"))),
+        };
+        self.update(e, |r| {
+            r.phase = None;
+            r.fetched = fetched;
+            Ok(())
+        })?;
+        Ok(())
+    }
+
     /// Creates (or takes from the pool) a sandbox for `tenant`.
     pub async fn create(
         self: &Arc<Self>,
@@ -78,9 +134,8 @@ impl Node {
     ) -> Result<SandboxRecord> {
         self.check_draining()?;
         if req.template != "host" {
-            let name = req.template.clone();
-            let rt = Arc::clone(&self.rt);
-            tokio::task::spawn_blocking(move || rt.templates().get(&name))
+            let (name, node) = (req.template.clone(), Arc::clone(self));
+            tokio::task::spawn_blocking(move || node.template_known(&name))
                 .await
                 .map_err(|e| Error::internal(e.to_string()))??;
         }
@@ -229,6 +284,7 @@ impl Node {
                 .await
                 .unwrap_or(false)
         };
+        self.fetch_template(e, &spec.template).await?;
         if preparing {
             self.update(e, |r| {
                 r.phase = Some("preparing".into());

@@ -29,6 +29,10 @@ pub enum Error {
     /// The node holds its maximum of sandboxes.
     #[error("the node holds its maximum of {0} sandboxes")]
     Full(usize),
+    /// Something the operation needs does not answer now (a cluster's etcd, every source of
+    /// a template's layers); a retry may succeed.
+    #[error("{0}")]
+    Unavailable(String),
     /// The runtime failed (its own code says how).
     #[error(transparent)]
     Runtime(#[from] RuntimeError),

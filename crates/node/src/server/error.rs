@@ -69,7 +69,8 @@ impl ApiError {
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
-            ResourceExhausted | Draining => StatusCode::SERVICE_UNAVAILABLE,
+            ResourceExhausted | Draining | Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            NodeLost => StatusCode::GONE,
             ExecTimeout => StatusCode::GATEWAY_TIMEOUT,
             AgentUnavailable => StatusCode::BAD_GATEWAY,
             NoSpace => StatusCode::INSUFFICIENT_STORAGE,
@@ -125,6 +126,12 @@ impl From<lifecycle::Error> for ApiError {
                 return Self {
                     retry_after: Some(5),
                     ..Self::new(ErrorCode::Draining, detail)
+                };
+            }
+            E::Unavailable(_) => {
+                return Self {
+                    retry_after: Some(1),
+                    ..Self::new(ErrorCode::Unavailable, detail)
                 };
             }
             E::Full(_) => {

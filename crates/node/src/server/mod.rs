@@ -159,6 +159,15 @@ async fn serve(
         None => None,
     };
     let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
+    if let Some(m) = member {
+        // From now on every layer's blob is kept, to serve the nodes that fetch it.
+        app.rt
+            .templates()
+            .layers()
+            .keep_blobs()
+            .map_err(|e| ServerError::Other(format!("the layer store: {e}")))?;
+        let _ = app.member.set(Arc::new(m));
+    }
     let state = state::AppState {
         node: Arc::clone(&app),
         runner: Arc::new(run::Runner::new(
@@ -209,9 +218,9 @@ async fn serve(
         .local_addr()
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let periodic = spawn_periodic(&state);
-    let membership = member.map(|m| {
-        let m = Arc::new(m.advertising(addr));
-        tokio::spawn(m.run(Arc::clone(&app)))
+    let membership = app.member.get().map(|m| {
+        m.listening_on(addr);
+        tokio::spawn(Arc::clone(m).run(Arc::clone(&app)))
     });
     let drain = cfg.drain_timeout;
     // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in

@@ -4,6 +4,8 @@
 //!
 //! ```text
 //! layers/<sha256-hex>/      immutable unpacked layer trees (overlayfs lowerdirs)
+//! blobs/<sha256-hex>        in a cluster: the uncompressed tar each layer was unpacked from
+//!                           (its digest is the layer's), served to the nodes that fetch it
 //! host-mask/<id>/           generated host mask layers (see host.rs)
 //! templates/<name>.json     template records, written atomically
 //! tmp/                      in-progress imports; emptied by TemplateStore::open
@@ -37,6 +39,9 @@ use super::{
 pub struct LayerStore {
     root: PathBuf,
     tmp: PathBuf,
+    blobs: PathBuf,
+    /// Keep each new layer's blob (see [`LayerStore::keep_blobs`]).
+    keep_blobs: std::sync::atomic::AtomicBool,
 }
 
 /// A layer unpacked into a temporary directory, not yet committed to the store.
@@ -45,6 +50,7 @@ pub(crate) struct StagedLayer<'a> {
     store: &'a LayerStore,
     tmp: TempDir,
     digest: Digest,
+    blob: Option<tempfile::NamedTempFile>,
 }
 
 impl StagedLayer<'_> {
@@ -55,6 +61,14 @@ impl StagedLayer<'_> {
 
     /// Moves the layer into the store; a no-op (the copy is discarded) if it is already there.
     pub(crate) fn commit(self) -> Result<Digest, TemplateError> {
+        if let Some(blob) = self.blob {
+            let path = self.store.blobs.join(self.digest.hex());
+            match blob.persist_noclobber(&path) {
+                Ok(_) => {}
+                Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(TemplateError::io("keep layer blob", &path, e.error)),
+            }
+        }
         let src = self.tmp.path().join("l");
         let dst = self.store.path(&self.digest);
         if !dst.exists() {
@@ -79,10 +93,27 @@ impl LayerStore {
         let store = LayerStore {
             root: data_dir.join("layers"),
             tmp: data_dir.join("tmp"),
+            blobs: data_dir.join("blobs"),
+            keep_blobs: std::sync::atomic::AtomicBool::new(false),
         };
         create_dir_all(&store.root)?;
         create_dir_all(&store.tmp)?;
         Ok(store)
+    }
+
+    /// From now on, keep the uncompressed tar of every layer added (a node of a cluster serves
+    /// them to the nodes that fetch its templates).
+    pub fn keep_blobs(&self) -> Result<(), TemplateError> {
+        create_dir_all(&self.blobs)?;
+        self.keep_blobs
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The kept blob of a layer, if there is one.
+    pub fn blob(&self, digest: &Digest) -> Option<PathBuf> {
+        let p = self.blobs.join(digest.hex());
+        p.is_file().then_some(p)
     }
 
     /// The directory of a layer (whether or not it is present).
@@ -138,16 +169,37 @@ impl LayerStore {
         fs::create_dir(&dest).map_err(|e| TemplateError::io("create dir", &dest, e))?;
         fs::set_permissions(&dest, fs::Permissions::from_mode(0o755))
             .map_err(|e| TemplateError::io("chmod", &dest, e))?;
-        let digest = unpack::unpack_stream(reader, &dest, budget, UnpackMode::Layer)?;
+        let blob = if self.keep_blobs.load(std::sync::atomic::Ordering::Relaxed) {
+            Some(
+                tempfile::Builder::new()
+                    .prefix("blob-")
+                    .tempfile_in(&self.tmp)
+                    .map_err(|e| TemplateError::io("create temp file", &self.tmp, e))?,
+            )
+        } else {
+            None
+        };
+        let tee = match &blob {
+            Some(b) => Some(
+                b.reopen()
+                    .map_err(|e| TemplateError::io("open temp file", b.path(), e))?,
+            ),
+            None => None,
+        };
+        let digest = unpack::unpack_stream_tee(reader, &dest, budget, UnpackMode::Layer, tee)?;
         Ok(StagedLayer {
             store: self,
             tmp,
             digest,
+            blob,
         })
     }
 
     /// Removes a layer. The caller guarantees no template references it.
     pub fn remove(&self, digest: &Digest) -> Result<(), TemplateError> {
+        if let Some(blob) = self.blob(digest) {
+            let _ = fs::remove_file(blob);
+        }
         let path = self.path(digest);
         // Rename first so a half-removed layer is never visible under its digest.
         let doomed = self.tmp.join(format!("rm-{}", digest.hex()));
@@ -487,6 +539,39 @@ impl TemplateStore {
         check_digest(blob.blob_digest.as_ref(), &raw.digest())?;
         check_digest(blob.diff_id.as_ref(), staged.digest())?;
         staged.commit()
+    }
+
+    /// Adds a layer fetched from elsewhere (another node, the cluster's origin store): it must
+    /// hash to `digest`. A no-op when the layer is here already.
+    pub fn fetch_layer(
+        &self,
+        reader: impl Read,
+        digest: &Digest,
+        limits: &ImportLimits,
+    ) -> Result<(), TemplateError> {
+        let _guard = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
+        if self.layers.contains(digest) {
+            return Ok(());
+        }
+        self.layers.import(reader, Some(digest), limits).map(|_| ())
+    }
+
+    /// Records a template imported elsewhere whose layers are all here now (fetched with
+    /// [`TemplateStore::fetch_layer`]). A record of the same name already here is kept.
+    pub fn adopt(&self, template: &Template) -> Result<(), TemplateError> {
+        validate_name(&template.name)?;
+        if template.name == HOST_TEMPLATE || self.record_path(&template.name).exists() {
+            return Ok(());
+        }
+        if let Some(missing) = stored_layers(template).find(|d| !self.layers.contains(d)) {
+            return Err(TemplateError::InvalidImage {
+                reason: format!("layer {missing} of template {} is missing", template.name),
+            });
+        }
+        match self.write_record(template) {
+            Err(TemplateError::AlreadyExists { .. }) => Ok(()),
+            r => r,
+        }
     }
 
     fn check_new_name(&self, name: &str) -> Result<(), TemplateError> {

@@ -92,6 +92,8 @@ pub(crate) struct MeteredReader<R> {
     read: u64,
     cap: u64,
     hit: bool,
+    /// Where every byte read is copied as well (a layer's blob, kept to serve other nodes).
+    tee: Option<std::fs::File>,
 }
 
 impl<R: Read> MeteredReader<R> {
@@ -102,6 +104,7 @@ impl<R: Read> MeteredReader<R> {
             read: 0,
             cap,
             hit: false,
+            tee: None,
         }
     }
 
@@ -141,6 +144,9 @@ impl<R: Read> Read for MeteredReader<R> {
             .unwrap_or(usize::MAX)
             .min(buf.len());
         let n = self.inner.read(&mut buf[..max])?;
+        if let Some(f) = &mut self.tee {
+            f.write_all(&buf[..n])?;
+        }
         self.hasher.update(&buf[..n]);
         self.read += n as u64;
         Ok(n)
@@ -164,10 +170,21 @@ pub fn unpack_layer(
 /// Unpacks a possibly compressed tar stream into `dest`; returns the digest of the
 /// uncompressed stream (including trailing padding).
 pub(crate) fn unpack_stream(
+    raw: impl Read,
+    dest: &Path,
+    budget: &mut Budget,
+    mode: UnpackMode,
+) -> Result<Digest, TemplateError> {
+    unpack_stream_tee(raw, dest, budget, mode, None)
+}
+
+/// [`unpack_stream`], copying the uncompressed stream (the bytes the digest is of) to `tee`.
+pub(crate) fn unpack_stream_tee(
     mut raw: impl Read,
     dest: &Path,
     budget: &mut Budget,
     mode: UnpackMode,
+    tee: Option<std::fs::File>,
 ) -> Result<Digest, TemplateError> {
     // The first four bytes (fewer only at the end of the stream) tell the compression.
     let mut head = Vec::with_capacity(4);
@@ -186,6 +203,7 @@ pub(crate) fn unpack_stream(
         Box::new(chained)
     };
     let mut metered = MeteredReader::new(decoded, budget.bytes_left());
+    metered.tee = tee;
     let res = {
         let mut archive = Archive::new(&mut metered);
         unpack_entries(&mut archive, dest, budget, mode)

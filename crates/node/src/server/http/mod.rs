@@ -140,6 +140,8 @@ pub fn router(app: AppState) -> Router {
         .route("/livez", get(|| async { Json(json!({"live": true})) }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(super::metrics_text))
+        // Authenticated by the cluster secret, not an API key.
+        .route("/v1/cluster/layers/{digest}", get(cluster_layer))
         .route(
             "/openapi.json",
             get(|| async { Json(super::openapi::document()) }),

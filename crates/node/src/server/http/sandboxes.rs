@@ -26,6 +26,7 @@ pub fn view(r: &SandboxRecord) -> SandboxView {
         pooled: r.pooled,
         error: r.error.clone(),
         phase: r.phase.clone(),
+        fetched: r.fetched.clone(),
         supervisor_pid: None,
         init_pid: None,
     }

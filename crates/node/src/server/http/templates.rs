@@ -3,8 +3,20 @@
 use super::*;
 
 pub(super) async fn list_templates(AxState(app): AxState<AppState>) -> ApiResult<Json<Value>> {
-    let rt = Arc::clone(&app.node.rt);
-    let list = blocking(move || rt.templates().list()).await?;
+    let (rt, member) = (Arc::clone(&app.node.rt), app.node.member.get().cloned());
+    let list = blocking(move || {
+        let mut list = rt.templates().list()?;
+        // In a cluster: every template of the cluster, held here or not.
+        if let Some(m) = member {
+            for t in m.cluster_templates().unwrap_or_default() {
+                if !list.iter().any(|l| l.name == t.name) {
+                    list.push(t);
+                }
+            }
+        }
+        Ok::<_, crate::template::TemplateError>(list)
+    })
+    .await?;
     Ok(Json(json!({"items": list})))
 }
 
@@ -12,8 +24,16 @@ pub(super) async fn get_template(
     AxState(app): AxState<AppState>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    let rt = Arc::clone(&app.node.rt);
-    let t = blocking(move || rt.templates().get(&name)).await?;
+    let (rt, member) = (Arc::clone(&app.node.rt), app.node.member.get().cloned());
+    let t = blocking(move || match (rt.templates().get(&name), member) {
+        (Err(crate::template::TemplateError::NotFound { .. }), Some(m)) => m
+            .cluster_template(&name)
+            .ok()
+            .flatten()
+            .ok_or(crate::template::TemplateError::NotFound { name }),
+        (r, _) => r,
+    })
+    .await?;
     Ok(Json(serde_json::to_value(t).unwrap_or_default()))
 }
 
@@ -52,6 +72,14 @@ pub(super) async fn import_template(
         }
     })
     .await?;
+    if let Some(m) = app.node.member.get().cloned() {
+        // The cluster learns of it now (a failure here is retried with the next report).
+        let (rt, t2) = (Arc::clone(&app.node.rt), t.clone());
+        let published = tokio::task::spawn_blocking(move || m.publish(rt.templates(), &t2)).await;
+        if let Ok(Err(e)) = published {
+            tracing::warn!(template = %t.name, error = %e, "cluster: publishing a template failed");
+        }
+    }
     forget_template(&app, &t.name);
     Ok((
         StatusCode::CREATED,
@@ -164,4 +192,74 @@ pub(super) async fn events(
             .then(|| ("lifecycle", serde_json::to_string(ev).unwrap_or_default()))
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// `GET /v1/cluster/layers/{sha256}`: a layer's blob (the uncompressed tar its digest is of),
+/// for another node of the cluster that fetches it; authenticated by the cluster secret, not
+/// an API key. Streamed in 1 MiB chunks.
+pub(super) async fn cluster_layer(
+    AxState(app): AxState<AppState>,
+    Path(digest): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult<Response> {
+    let Some(member) = app.node.member.get() else {
+        return Err(ApiError::new(
+            ErrorCode::NotFound,
+            "this node is not in a cluster",
+        ));
+    };
+    let given = headers
+        .get(crate::member::layers::SECRET_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !member.secret_matches(given) {
+        return Err(ApiError::new(
+            ErrorCode::Unauthorized,
+            "a layer call needs the cluster secret",
+        ));
+    }
+    let d = crate::template::Digest::from_hex(&digest)
+        .ok_or_else(|| ApiError::invalid("a layer digest is 64 hex digits"))?;
+    let Some(path) = app.node.rt.templates().layers().blob(&d) else {
+        return Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("no blob of layer {digest} here"),
+        ));
+    };
+    let file = std::fs::File::open(&path)
+        .map_err(|e| ApiError::new(ErrorCode::NotFound, format!("layer {digest}: {e}")))?;
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read as _;
+        let mut file = file;
+        loop {
+            let mut buf = vec![0u8; 1 << 20];
+            match file.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    buf.truncate(n);
+                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    break;
+                }
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let mut r = Body::from_stream(stream).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-tar"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&len.to_string()) {
+        r.headers_mut().insert(header::CONTENT_LENGTH, v);
+    }
+    Ok(r)
 }

@@ -22,6 +22,8 @@ use dsec_cluster::model::{self, NodeReport};
 use crate::lifecycle::Node;
 use crate::sandbox::State;
 
+pub mod layers;
+
 /// The lease's time to live: a node that stops renewing is `lost` this long after.
 pub const LEASE_TTL: i64 = 5;
 
@@ -49,6 +51,9 @@ pub struct ClusterConfig {
     /// The URL the gateways reach this node's API at (empty: `http://` and the address the
     /// node listens on).
     pub advertise: String,
+    /// The cluster's origin store of template layers: a directory every node mounts (`None`:
+    /// templates move between nodes only, from the nodes that hold them).
+    pub template_store: Option<std::path::PathBuf>,
 }
 
 /// A node in a cluster.
@@ -56,6 +61,13 @@ pub struct ClusterConfig {
 pub struct Member {
     cfg: ClusterConfig,
     etcd: Etcd,
+    /// Where the gateways reach this node (set once it listens).
+    url: std::sync::OnceLock<String>,
+    /// The secret nodes authenticate each other's layer calls with.
+    secret: String,
+    origin: Option<layers::Origin>,
+    http: ureq::Agent,
+    layers: layers::Layers,
     number: u16,
     started_ms: u64,
     /// The node's report was gone when it joined: its last lease expired, and the cluster
@@ -77,22 +89,37 @@ impl Member {
         // A restart within the lease's TTL finds its report still there and keeps its sandboxes.
         let was_lost = etcd.get(&model::node_key(&cfg.name))?.is_none();
         NUMBER.store(number, Ordering::Relaxed);
+        let secret = cluster_secret(&etcd)?;
+        let origin = match &cfg.template_store {
+            Some(dir) => Some(layers::Origin::open(dir).map_err(|e| EtcdError::Parse {
+                path: dir.display().to_string(),
+                body: format!("the template store: {e}"),
+            })?),
+            None => None,
+        };
         tracing::info!(node = %cfg.name, number = %number, "joined the cluster");
         Ok(Self {
             cfg,
             etcd,
+            url: std::sync::OnceLock::new(),
+            secret,
+            origin,
+            http: layers::agent(),
+            layers: layers::Layers::default(),
             number,
             started_ms: now_ms(),
             was_lost,
         })
     }
 
-    /// The member, advertising `http://{addr}` unless its config names a URL.
-    pub fn advertising(mut self, addr: std::net::SocketAddr) -> Self {
-        if self.cfg.advertise.is_empty() {
-            self.cfg.advertise = format!("http://{addr}");
-        }
-        self
+    /// Advertises `http://{addr}` unless the config names a URL.
+    pub fn listening_on(&self, addr: std::net::SocketAddr) {
+        let url = if self.cfg.advertise.is_empty() {
+            format!("http://{addr}")
+        } else {
+            self.cfg.advertise.clone()
+        };
+        let _ = self.url.set(url);
     }
 
     /// Renews the lease and rewrites the report, forever.
@@ -131,6 +158,7 @@ impl Member {
             l => l,
         };
         self.share_keys(node)?;
+        self.publish_missing(node)?;
         let draining = self.etcd.get(&model::drain_key(&self.cfg.name))?.is_some();
         let report = self.report(node, draining);
         let body = serde_json::to_vec(&report).unwrap_or_default();
@@ -203,11 +231,31 @@ impl Member {
         Ok(())
     }
 
+    /// Publishes the templates held here that the cluster has no record of (imported before
+    /// the node joined, or whose publication at import failed).
+    fn publish_missing(&self, node: &Node) -> Result<(), EtcdError> {
+        let (known, _) = self.etcd.prefix(&model::templates_prefix())?;
+        let store = node.rt.templates();
+        for t in store.list().unwrap_or_default() {
+            if t.name == "host"
+                || known
+                    .iter()
+                    .any(|kv| kv.key == model::template_key(&t.name))
+            {
+                continue;
+            }
+            if let Err(e) = self.publish(store, &t) {
+                tracing::warn!(template = %t.name, error = %e, "cluster: publishing a template failed");
+            }
+        }
+        Ok(())
+    }
+
     /// What this node holds now.
     fn report(&self, node: &Node, draining: bool) -> NodeReport {
         let mut r = NodeReport {
             name: self.cfg.name.clone(),
-            url: self.cfg.advertise.clone(),
+            url: self.url.get().cloned().unwrap_or_default(),
             number: self.number,
             started_ms: self.started_ms,
             updated_ms: now_ms(),
@@ -274,6 +322,23 @@ fn claim_number(etcd: &Etcd, name: &str) -> Result<u16, EtcdError> {
         path: model::numbers_prefix(),
         body: "every node number is taken".into(),
     })
+}
+
+/// The cluster's secret: the one in etcd, or a new one this node puts there first.
+fn cluster_secret(etcd: &Etcd) -> Result<String, EtcdError> {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).map_err(|e| EtcdError::Parse {
+        path: model::secret_key(),
+        body: format!("no randomness: {e}"),
+    })?;
+    etcd.create(&model::secret_key(), hex::encode(b).as_bytes(), 0)?;
+    let kv = etcd
+        .get(&model::secret_key())?
+        .ok_or_else(|| EtcdError::Parse {
+            path: model::secret_key(),
+            body: "the cluster secret vanished".into(),
+        })?;
+    Ok(String::from_utf8_lossy(&kv.value).into_owned())
 }
 
 /// The one-minute load average (`/proc/loadavg`).

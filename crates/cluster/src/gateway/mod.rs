@@ -11,9 +11,11 @@
 //! | `GET /v1/sandboxes` | every live node, lists merged |
 //! | `POST /v1/sandboxes/batch-delete` | every live node |
 //! | `/v1/sandboxes/{id}/…`, `GET/DELETE /v1/sandboxes/{id}` | the node whose number `id` carries; `lost` (410, `node_lost`) when that node's lease expired |
+//! | `GET /v1/trajectories` | every live node, lists merged |
+//! | `/v1/trajectories/{id}/…` | the node that holds it, found by asking them all once ([`trajectories`]) |
 //! | `GET /v1/cluster` | the gateway itself: the node table and the autoscaling signals |
 //! | `/livez`, `/readyz`, `/metrics` | the gateway itself |
-//! | anything else (`/run_code`, `/v1/run`, tenants, templates, pools, trajectories) | the best-scored node |
+//! | anything else (`/run_code`, `/v1/run`, tenants, templates, pools) | the best-scored node |
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -34,6 +36,8 @@ use serde_json::{json, Value};
 use crate::etcd::Etcd;
 use crate::model::{self, NodeReport};
 use crate::place::{self, Ask};
+
+mod trajectories;
 
 /// How often the gateway rereads the node table.
 pub const REFRESH: Duration = Duration::from_millis(500);
@@ -79,6 +83,8 @@ struct Gw {
     pending: std::sync::Mutex<Vec<(String, u64, Instant)>>,
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
+    /// Which node holds a trajectory, by (caller's key hash, trajectory id).
+    trajectories: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 /// How long one lease takes idempotent placements before the next is granted.
@@ -125,6 +131,7 @@ pub async fn serve(
         proxied: AtomicU64::new(0),
         idem_lease: std::sync::Mutex::new(None),
         pending: std::sync::Mutex::default(),
+        trajectories: std::sync::Mutex::default(),
     });
     refresh(&gw).await;
     let g = Arc::clone(&gw);
@@ -144,6 +151,9 @@ pub async fn serve(
         .route("/v1/sandboxes/batch-delete", any(batch_delete))
         .route("/v1/sandboxes/{id}", any(by_id))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
+        .route("/v1/trajectories", get(trajectories::list))
+        .route("/v1/trajectories/{id}", any(trajectories::by_id))
+        .route("/v1/trajectories/{id}/{*rest}", any(trajectories::by_id))
         .fallback(anywhere)
         .with_state(gw);
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
