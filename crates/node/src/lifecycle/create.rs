@@ -12,6 +12,19 @@ use crate::clock::now_ms;
 use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
 
+/// Where a node gets the templates it does not hold (a cluster's member).
+pub trait TemplateFetcher: Send + Sync + std::fmt::Debug {
+    /// Whether template `name` exists elsewhere (blocking).
+    fn knows(&self, name: &str) -> std::result::Result<bool, String>;
+    /// Makes template `name` local: `None` when it already was, else what was fetched
+    /// (blocking).
+    fn fetch(
+        &self,
+        store: &crate::template::TemplateStore,
+        name: &str,
+    ) -> std::result::Result<Option<dsec_api::sandbox::Fetched>, String>;
+}
+
 /// What a create asks for.
 #[derive(Debug, Clone)]
 pub struct CreateRequest {
@@ -74,10 +87,9 @@ impl Node {
     fn template_known(&self, name: &str) -> Result<()> {
         match self.rt.templates().get(name) {
             Err(crate::template::TemplateError::NotFound { .. }) => {
-                if let Some(m) = self.member.get() {
-                    if m.cluster_template(name)
+                if let Some(f) = self.fetcher.get() {
+                    if f.knows(name)
                         .map_err(|e| Error::Unavailable(format!("the cluster's store: {e}")))?
-                        .is_some()
                     {
                         return Ok(());
                     }
@@ -94,7 +106,7 @@ impl Node {
     /// In a cluster, fetches the sandbox's template when the node does not hold it: the
     /// sandbox shows the `fetching` phase meanwhile, and what came from where after.
     async fn fetch_template(self: &Arc<Self>, e: &Arc<Entry>, template: &str) -> Result<()> {
-        let Some(m) = self.member.get().cloned() else {
+        let Some(m) = self.fetcher.get().cloned() else {
             return Ok(());
         };
         let (rt, name) = (Arc::clone(&self.rt), template.to_owned());

@@ -19,7 +19,7 @@ mod recover;
 mod reset;
 mod sweep;
 
-pub use create::CreateRequest;
+pub use create::{CreateRequest, TemplateFetcher};
 pub use entry::Entry;
 pub use error::{chain, Error, Result};
 pub use metrics::Metrics;
@@ -98,8 +98,8 @@ pub struct Node {
     sweeps: std::sync::atomic::AtomicU64,
     /// Sandboxes that wait before sandboxes that spin.
     pub cpu_shares: cpu_share::CpuShares,
-    /// Its membership of a cluster, when it joined one.
-    pub member: std::sync::OnceLock<Arc<crate::member::Member>>,
+    /// Where templates it does not hold come from (in a cluster).
+    pub fetcher: std::sync::OnceLock<Arc<dyn create::TemplateFetcher>>,
 }
 
 /// Counts a request as in flight while it lives.
@@ -137,7 +137,7 @@ impl Node {
             max_sandboxes,
             sweeps: std::sync::atomic::AtomicU64::new(0),
             cpu_shares: cpu_share::CpuShares::default(),
-            member: std::sync::OnceLock::new(),
+            fetcher: std::sync::OnceLock::new(),
             metrics: Metrics::new(),
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),

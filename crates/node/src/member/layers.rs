@@ -143,7 +143,11 @@ impl Member {
     }
 
     /// Makes template `name` local: `None` when it was already, else what was fetched.
-    pub fn fetch(&self, store: &TemplateStore, name: &str) -> Result<Option<Fetched>, FetchError> {
+    pub fn fetch_template(
+        &self,
+        store: &TemplateStore,
+        name: &str,
+    ) -> Result<Option<Fetched>, FetchError> {
         let lock = {
             let mut m = self
                 .layers
@@ -250,6 +254,18 @@ impl Member {
     pub fn secret_matches(&self, given: &str) -> bool {
         let (a, b) = (self.secret.as_bytes(), given.as_bytes());
         a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl crate::lifecycle::TemplateFetcher for Member {
+    fn knows(&self, name: &str) -> Result<bool, String> {
+        self.cluster_template(name)
+            .map(|t| t.is_some())
+            .map_err(|e| e.to_string())
+    }
+
+    fn fetch(&self, store: &TemplateStore, name: &str) -> Result<Option<Fetched>, String> {
+        self.fetch_template(store, name).map_err(|e| e.to_string())
     }
 }
 

@@ -148,26 +148,8 @@ async fn serve(
     } else {
         None
     };
-    // In a cluster the node's number is claimed before any sandbox id is made.
-    let member = match cfg.cluster.clone() {
-        Some(c) => Some(
-            tokio::task::spawn_blocking(move || crate::member::Member::join(c))
-                .await
-                .map_err(|e| ServerError::Other(e.to_string()))?
-                .map_err(|e| ServerError::Other(format!("join the cluster: {e}")))?,
-        ),
-        None => None,
-    };
     let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
-    if let Some(m) = member {
-        // From now on every layer's blob is kept, to serve the nodes that fetch it.
-        app.rt
-            .templates()
-            .layers()
-            .keep_blobs()
-            .map_err(|e| ServerError::Other(format!("the layer store: {e}")))?;
-        let _ = app.member.set(Arc::new(m));
-    }
+    let member = join(&cfg, &app).await?;
     let state = state::AppState {
         node: Arc::clone(&app),
         runner: Arc::new(run::Runner::new(
@@ -179,6 +161,7 @@ async fn serve(
         trajectories: Arc::new(trajectories),
         compact_after: cfg.compact_finished_after,
         idem: Arc::default(),
+        member: member.clone(),
     };
     // Pools first (recovery hands their adopted sandboxes back), from the store; the host
     // pool from the flags unless it was configured through the API before.
@@ -218,9 +201,9 @@ async fn serve(
         .local_addr()
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let periodic = spawn_periodic(&state);
-    let membership = app.member.get().map(|m| {
+    let membership = member.map(|m| {
         m.listening_on(addr);
-        tokio::spawn(Arc::clone(m).run(Arc::clone(&app)))
+        tokio::spawn(m.run(Arc::clone(&app)))
     });
     let drain = cfg.drain_timeout;
     // On SIGTERM: refuse new work (`draining`) while still answering, let the requests in
@@ -273,6 +256,32 @@ async fn serve(
 }
 
 /// Opens the trajectory log (recovering it); a corrupt log is served from its valid prefix.
+/// In a cluster: joins it (the node's number is claimed before any sandbox id is made), keeps
+/// every new layer's blob from now on (to serve the nodes that fetch it) and fetches the
+/// templates the node does not hold through the member.
+async fn join(
+    cfg: &ServerConfig,
+    app: &Arc<Node>,
+) -> Result<Option<Arc<crate::member::Member>>, ServerError> {
+    let Some(c) = cfg.cluster.clone() else {
+        return Ok(None);
+    };
+    let m = tokio::task::spawn_blocking(move || crate::member::Member::join(c))
+        .await
+        .map_err(|e| ServerError::Other(e.to_string()))?
+        .map_err(|e| ServerError::Other(format!("join the cluster: {e}")))?;
+    app.rt
+        .templates()
+        .layers()
+        .keep_blobs()
+        .map_err(|e| ServerError::Other(format!("the layer store: {e}")))?;
+    let m = Arc::new(m);
+    let _ = app
+        .fetcher
+        .set(Arc::clone(&m) as Arc<dyn crate::lifecycle::TemplateFetcher>);
+    Ok(Some(m))
+}
+
 async fn open_trajectories(cfg: &ServerConfig) -> Result<trajectory::Trajectories, ServerError> {
     let traj_dir = cfg.runtime.data_dir.join("trajectories");
     let patterns = cfg.redact_patterns.clone();

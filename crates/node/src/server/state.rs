@@ -25,6 +25,8 @@ pub struct AppState {
     pub compact_after: Duration,
     /// Idempotency locks of the requests in flight.
     pub idem: Arc<IdemLocks>,
+    /// The node's membership of a cluster, when it joined one.
+    pub member: Option<Arc<crate::member::Member>>,
 }
 
 impl std::fmt::Debug for AppState {

@@ -3,7 +3,7 @@
 use super::*;
 
 pub(super) async fn list_templates(AxState(app): AxState<AppState>) -> ApiResult<Json<Value>> {
-    let (rt, member) = (Arc::clone(&app.node.rt), app.node.member.get().cloned());
+    let (rt, member) = (Arc::clone(&app.node.rt), app.member.clone());
     let list = blocking(move || {
         let mut list = rt.templates().list()?;
         // In a cluster: every template of the cluster, held here or not.
@@ -24,7 +24,7 @@ pub(super) async fn get_template(
     AxState(app): AxState<AppState>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    let (rt, member) = (Arc::clone(&app.node.rt), app.node.member.get().cloned());
+    let (rt, member) = (Arc::clone(&app.node.rt), app.member.clone());
     let t = blocking(move || match (rt.templates().get(&name), member) {
         (Err(crate::template::TemplateError::NotFound { .. }), Some(m)) => m
             .cluster_template(&name)
@@ -72,7 +72,7 @@ pub(super) async fn import_template(
         }
     })
     .await?;
-    if let Some(m) = app.node.member.get().cloned() {
+    if let Some(m) = app.member.clone() {
         // The cluster learns of it now (a failure here is retried with the next report).
         let (rt, t2) = (Arc::clone(&app.node.rt), t.clone());
         let published = tokio::task::spawn_blocking(move || m.publish(rt.templates(), &t2)).await;
@@ -202,7 +202,7 @@ pub(super) async fn cluster_layer(
     Path(digest): Path<String>,
     headers: axum::http::HeaderMap,
 ) -> ApiResult<Response> {
-    let Some(member) = app.node.member.get() else {
+    let Some(member) = app.member.as_ref() else {
         return Err(ApiError::new(
             ErrorCode::NotFound,
             "this node is not in a cluster",
