@@ -706,6 +706,22 @@ fn two_gateways_racing_for_the_last_slots_never_overcommit() {
     }
     let (_, v) = n.req("GET", "/v1/sandboxes", None);
     assert_eq!(v["items"].as_array().map(Vec::len), Some(4), "{v}");
+    // The autoscaling signals: creates refused for capacity wait, the one node is full, so
+    // the cluster wants more nodes, now.
+    assert!(
+        wait(Duration::from_secs(5), || {
+            let (_, v) = g1.req("GET", "/v1/cluster", None);
+            v["queue_depth"].as_u64() > Some(0) && v["desired_nodes"].as_u64() >= Some(2)
+        }),
+        "{}",
+        g1.req("GET", "/v1/cluster", None).1
+    );
+    let m = g1.send("GET", "/metrics", None, &[]).expect("metrics");
+    assert!(
+        String::from_utf8_lossy(&m.body).contains("dsec_gateway_desired_nodes "),
+        "{}",
+        String::from_utf8_lossy(&m.body)
+    );
     let (s, v) = g1.req(
         "POST",
         "/v1/sandboxes/batch-delete",

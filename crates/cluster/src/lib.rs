@@ -7,7 +7,9 @@
 //! - [`model`]: what a node publishes ([`model::NodeReport`]) and the keys it lives under.
 //! - [`place`]: the placement score (pool hit, layer affinity, free capacity, a tenant's spread).
 //! - [`ids`]: the node number in a sandbox id.
+//! - [`autoscale`]: the node count the cluster should have, for an external autoscaler.
 
+pub mod autoscale;
 pub mod etcd;
 pub mod gateway;
 pub mod ids;

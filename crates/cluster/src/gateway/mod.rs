@@ -83,6 +83,12 @@ struct Gw {
     pending: std::sync::Mutex<Vec<(String, u64, Instant)>>,
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
+    /// When this gateway last refused creates for capacity (bounded: the last
+    /// [`MAX_REFUSALS`]), the waiting part of the queue depth.
+    refused: std::sync::Mutex<std::collections::VecDeque<Instant>>,
+    /// The desired node count, updated at every refresh.
+    desired: std::sync::Mutex<crate::autoscale::Desired>,
+    desired_nodes: AtomicU64,
     /// Which node holds a trajectory, by (caller's key hash, trajectory id).
     trajectories: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
@@ -132,6 +138,9 @@ pub async fn serve(
         idem_lease: std::sync::Mutex::new(None),
         pending: std::sync::Mutex::default(),
         trajectories: std::sync::Mutex::default(),
+        refused: std::sync::Mutex::default(),
+        desired: std::sync::Mutex::default(),
+        desired_nodes: AtomicU64::new(1),
     });
     refresh(&gw).await;
     let g = Arc::clone(&gw);
@@ -213,6 +222,62 @@ async fn refresh(gw: &App) {
         }
     }
     *gw.table.write().unwrap_or_else(|p| p.into_inner()) = t;
+    let load = load(gw);
+    let n = gw
+        .desired
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .update(load, Instant::now());
+    gw.desired_nodes.store(n, Ordering::Relaxed);
+}
+
+/// Most capacity refusals a gateway remembers.
+const MAX_REFUSALS: usize = 100_000;
+
+/// Counts `n` creates refused for capacity now.
+fn refuse(gw: &App, n: usize) {
+    let mut r = gw.refused.lock().unwrap_or_else(|p| p.into_inner());
+    let now = Instant::now();
+    for _ in 0..n.min(MAX_REFUSALS) {
+        if r.len() == MAX_REFUSALS {
+            r.pop_front();
+        }
+        r.push_back(now);
+    }
+}
+
+/// Creates refused for capacity within the autoscaler's window.
+fn refused_recently(gw: &App) -> u64 {
+    let mut r = gw.refused.lock().unwrap_or_else(|p| p.into_inner());
+    while r
+        .front()
+        .is_some_and(|t| t.elapsed() > crate::autoscale::REFUSED_WINDOW)
+    {
+        r.pop_front();
+    }
+    r.len() as u64
+}
+
+/// The cluster's load as the autoscaler reads it.
+fn load(gw: &App) -> crate::autoscale::Load {
+    let refused = refused_recently(gw);
+    let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+    let live: Vec<&NodeReport> = t.nodes.values().filter(|n| !n.draining).collect();
+    let sum = |f: &dyn Fn(&NodeReport) -> f64| live.iter().map(|n| f(n)).sum::<f64>();
+    let frac = |used: f64, all: f64| if all > 0.0 { used / all } else { 0.0 };
+    let slots = sum(&|n| n.max_sandboxes as f64);
+    let used = frac(sum(&|n| n.cpu_used), sum(&|n| n.cpus))
+        .max(frac(
+            sum(&|n| n.memory_allocated_bytes as f64),
+            sum(&|n| n.memory_bytes as f64),
+        ))
+        .max(frac(sum(&|n| n.sandboxes as f64), slots));
+    crate::autoscale::Load {
+        nodes: live.len() as u64,
+        queue: live.iter().map(|n| n.creates_waiting).sum::<u64>() + refused,
+        used,
+        slots_per_node: frac(slots, live.len() as f64),
+    }
 }
 
 /// How long a placement counts as pending: by then the node's report (rewritten every
@@ -375,13 +440,14 @@ async fn readyz(State(gw): State<App>) -> Response {
 
 /// The autoscaling signals and the node table.
 fn cluster_view(gw: &App) -> Value {
+    let load = load(gw);
+    let refused = refused_recently(gw);
     let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
     let live: Vec<&NodeReport> = t.nodes.values().collect();
     let cpus: f64 = live.iter().map(|n| n.cpus).sum();
     let used: f64 = live.iter().map(|n| n.cpu_used).sum();
     let mem: u64 = live.iter().map(|n| n.memory_bytes).sum();
     let mem_used: u64 = live.iter().map(|n| n.memory_allocated_bytes).sum();
-    let queue: u64 = live.iter().map(|n| n.creates_waiting).sum();
     let cpu_frac = if cpus > 0.0 { used / cpus } else { 0.0 };
     let mem_frac = if mem > 0 {
         mem_used as f64 / mem as f64
@@ -402,7 +468,10 @@ fn cluster_view(gw: &App) -> Value {
             "templates": n.templates, "pools": n.pools, "draining": n.draining,
         })).collect::<Vec<_>>(),
         "lost": lost,
-        "queue_depth": queue,
+        "queue_depth": load.queue,
+        "refused_for_capacity": refused,
+        "used_fraction": load.used,
+        "desired_nodes": gw.desired_nodes.load(Ordering::Relaxed),
         "cpu_used_fraction": cpu_frac,
         "memory_used_fraction": mem_frac,
         "etcd_read_age_ms": t.read_at.map(|r| r.elapsed().as_millis() as u64),
@@ -429,11 +498,15 @@ async fn metrics(State(gw): State<App>) -> Response {
          # TYPE dsec_gateway_nodes_lost gauge\ndsec_gateway_nodes_lost {lost}\n\
          # TYPE dsec_gateway_queue_depth gauge\ndsec_gateway_queue_depth {}\n\
          # TYPE dsec_gateway_cpu_used_fraction gauge\ndsec_gateway_cpu_used_fraction {}\n\
+         # TYPE dsec_gateway_memory_used_fraction gauge\ndsec_gateway_memory_used_fraction {}\n\
+         # TYPE dsec_gateway_desired_nodes gauge\ndsec_gateway_desired_nodes {}\n\
          # TYPE dsec_gateway_placements_total counter\ndsec_gateway_placements_total {}\n\
          # TYPE dsec_gateway_lost_calls_total counter\ndsec_gateway_lost_calls_total {}\n\
          # TYPE dsec_gateway_proxied_total counter\ndsec_gateway_proxied_total {}\n",
         v["queue_depth"],
         v["cpu_used_fraction"],
+        v["memory_used_fraction"],
+        v["desired_nodes"],
         gw.placed.load(Ordering::Relaxed),
         gw.lost_calls.load(Ordering::Relaxed),
         gw.proxied.load(Ordering::Relaxed),
@@ -516,6 +589,7 @@ async fn create(gw: App, req: Request) -> Response {
     }
     let mut order = ranked(&gw, &ask_of(&spec, &who));
     if order.is_empty() {
+        refuse(&gw, 1);
         return no_capacity();
     }
     if let Some(idem) = parts
@@ -567,6 +641,7 @@ async fn create(gw: App, req: Request) -> Response {
         gw.placed.fetch_add(1, Ordering::Relaxed);
         return r;
     }
+    refuse(&gw, 1);
     last
 }
 
@@ -716,6 +791,7 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
         }
     }
     gw.placed.fetch_add(items.len() as u64, Ordering::Relaxed);
+    refuse(&gw, unplaced);
     for _ in 0..unplaced {
         items.push(json!({"ok": false, "error": {"code": "capacity_exhausted",
             "detail": "no node of the cluster can take the sandbox now"}}));
