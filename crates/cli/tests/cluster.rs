@@ -354,7 +354,22 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         }
         assert!(c.status().expect("dsec cluster drain").success());
     };
+    // n1 keeps a warm pool of 2; drained, it empties; undrained, it refills.
+    let n1h = n1.http().with_key(Some(&n1.key));
+    let (s, v) = n1h.req("PUT", "/v1/pools/host", Some(&json!({"min": 2, "max": 2})));
+    assert_eq!(s, 200, "{v}");
+    let ready = || n1h.req("GET", "/v1/pools/host", None).1["ready"].as_u64();
+    assert!(
+        wait(Duration::from_secs(20), || ready() == Some(2)),
+        "{:?}",
+        ready()
+    );
     drain(false);
+    assert!(
+        wait(Duration::from_secs(10), || ready() == Some(0)),
+        "{:?}",
+        ready()
+    );
     assert!(wait(Duration::from_secs(10), || gw
         .req("GET", "/v1/cluster", None)
         .1["nodes"]
@@ -379,6 +394,13 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         .1["nodes"]
         .as_array()
         .is_some_and(|a| a.iter().all(|n| n["draining"] == false))));
+    assert!(
+        wait(Duration::from_secs(20), || ready() == Some(2)),
+        "{:?}",
+        ready()
+    );
+    let (s, v) = n1h.req("PUT", "/v1/pools/host", Some(&json!({"min": 0, "max": 0})));
+    assert_eq!(s, 200, "{v}");
 
     // n2 is killed: its sandboxes are `lost` within 10 s, calls to them `node_lost`.
     let n2_number = *spread.keys().nth(1).expect("n2's number");

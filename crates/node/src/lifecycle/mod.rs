@@ -98,6 +98,8 @@ pub struct Node {
     sweeps: std::sync::atomic::AtomicU64,
     /// Sandboxes that wait before sandboxes that spin.
     pub cpu_shares: cpu_share::CpuShares,
+    /// Its warm pools hold no ready sandbox (the node is drained out of its cluster).
+    pools_drained: AtomicBool,
     /// Where templates it does not hold come from (in a cluster).
     pub fetcher: std::sync::OnceLock<Arc<dyn create::TemplateFetcher>>,
 }
@@ -138,6 +140,7 @@ impl Node {
             sweeps: std::sync::atomic::AtomicU64::new(0),
             cpu_shares: cpu_share::CpuShares::default(),
             fetcher: std::sync::OnceLock::new(),
+            pools_drained: AtomicBool::new(false),
             metrics: Metrics::new(),
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),

@@ -86,6 +86,15 @@ impl Node {
         Ok(())
     }
 
+    /// Empties the warm pools and keeps them empty (`true`: the node is drained out of its
+    /// cluster and takes no new placements), or lets them refill (`false`).
+    pub fn drain_pools(self: &Arc<Self>, drained: bool) {
+        if self.pools_drained.swap(drained, Ordering::Relaxed) != drained {
+            tracing::info!(drained = %drained, "pools");
+            self.kick_pools();
+        }
+    }
+
     /// Pool statistics.
     pub fn pool_stats(&self) -> Vec<serde_json::Value> {
         let now = Instant::now();
@@ -128,7 +137,12 @@ impl Node {
             .saturating_sub(self.entries.lock().unwrap_or_else(|p| p.into_inner()).len());
         {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            let drained = self.pools_drained.load(Ordering::Relaxed);
             for (t, p) in pools.iter_mut() {
+                if drained {
+                    surplus.extend(p.ready.drain(..));
+                    continue;
+                }
                 let plan = p.scaler.plan(now, p.ready.len(), p.creating);
                 // `min` is a floor on ready sandboxes, whatever the watermark says.
                 let floor = p

@@ -134,7 +134,10 @@ impl Member {
         loop {
             let (m, n) = (Arc::clone(&self), Arc::clone(&node));
             match tokio::task::spawn_blocking(move || m.renew(&n, lease)).await {
-                Ok(Ok(Renewed::Live(l))) => lease = l,
+                Ok(Ok(Renewed::Live(l, drained))) => {
+                    lease = l;
+                    node.drain_pools(drained);
+                }
                 Ok(Ok(Renewed::Expired)) => {
                     tracing::warn!(node = %self.cfg.name, "cluster: lease expired; destroying the sandboxes the cluster declared lost");
                     node.destroy_all(Duration::from_secs(60)).await;
@@ -164,7 +167,7 @@ impl Member {
         let body = serde_json::to_vec(&report).unwrap_or_default();
         self.etcd
             .put(&model::node_key(&self.cfg.name), &body, lease)?;
-        Ok(Renewed::Live(lease))
+        Ok(Renewed::Live(lease, draining))
     }
 
     /// Shares tenants and API keys with the cluster, by tenant name: publishes this node's
@@ -294,8 +297,8 @@ impl Member {
 
 /// What a renewal found.
 enum Renewed {
-    /// The lease (new or renewed) is live.
-    Live(i64),
+    /// The lease (new or renewed) is live; the node is drained (or not).
+    Live(i64, bool),
     /// The lease had expired.
     Expired,
 }
