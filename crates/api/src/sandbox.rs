@@ -68,6 +68,9 @@ pub enum State {
     Stopped,
     /// Something failed; must be destroyed.
     Failed,
+    /// Its node was lost (in a cluster, the node's lease expired): terminal. Only a gateway
+    /// answers it; a node never holds a sandbox in this state.
+    Lost,
 }
 
 /// A refused state change.
@@ -91,7 +94,9 @@ impl State {
             (Resetting, Ready | Running | Failed | Stopping) => true,
             (Stopping, Stopped | Failed) => true,
             (Failed, Stopping) => true,
-            (Creating | Ready | Running | Resetting | Stopping | Stopped | Failed, _) => false,
+            (Creating | Ready | Running | Resetting | Stopping | Stopped | Failed | Lost, _) => {
+                false
+            }
         };
         if ok {
             Ok(to)

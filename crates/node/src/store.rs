@@ -175,6 +175,7 @@ fn state_str(s: State) -> &'static str {
         State::Stopping => "stopping",
         State::Stopped => "stopped",
         State::Failed => "failed",
+        State::Lost => "lost",
     }
 }
 

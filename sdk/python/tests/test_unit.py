@@ -76,7 +76,7 @@ def test_every_documented_code_has_a_class() -> None:
         "handle_not_found invalid_transition idempotency_conflict too_large quota_exceeded "
         "resource_exhausted draining exec_timeout agent_unavailable path_escape permission_denied "
         "no_space wrong_file_type spawn_failed internal unknown_outcome trajectory_diverged "
-        "trajectory_not_found method_not_allowed"
+        "trajectory_not_found method_not_allowed unavailable node_lost"
     ).split()
     for code in codes:
         e = dsec.errors.error_from_problem({"code": code, "status": 400, "detail": "d", "request_id": "r"})

@@ -12,6 +12,8 @@ from typing import Any
 
 __all__ = [
     "DsecError",
+    "Unavailable",
+    "NodeLost",
     "DsecConnectionError",
     "DsecTimeoutError",
     "InvalidRequest",
@@ -268,6 +270,20 @@ class MethodNotAllowed(DsecError):
     default_code = "method_not_allowed"
 
 
+class Unavailable(DsecError):
+    """``unavailable`` (503): a store the call needs (a cluster's etcd, every source of a
+    template's layers) does not answer now; retry after ``Retry-After``."""
+
+    default_code = "unavailable"
+
+
+class NodeLost(DsecError):
+    """``node_lost`` (410): the sandbox's node was lost (its cluster lease expired); the
+    sandbox is gone (its state reads ``lost``)."""
+
+    default_code = "node_lost"
+
+
 #: stable error code -> exception class
 ERROR_CLASSES: dict[str, type[DsecError]] = {
     cls.default_code: cls
@@ -298,6 +314,8 @@ ERROR_CLASSES: dict[str, type[DsecError]] = {
         UnknownOutcome,
         TrajectoryDiverged,
         TrajectoryNotFound,
+        Unavailable,
+        NodeLost,
         MethodNotAllowed,
     )
 }

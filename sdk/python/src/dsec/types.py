@@ -51,10 +51,12 @@ __all__ = [
 Command = Union[str, Sequence[str]]
 
 #: the lifecycle state of a sandbox
-SandboxState = Literal["creating", "ready", "running", "resetting", "stopping", "stopped", "failed"]
+SandboxState = Literal[
+    "creating", "ready", "running", "resetting", "stopping", "stopped", "failed", "lost"
+]
 
 #: states a sandbox never leaves
-FINAL_STATES: frozenset[SandboxState] = frozenset({"stopped", "failed"})
+FINAL_STATES: frozenset[SandboxState] = frozenset({"stopped", "failed", "lost"})
 
 #: how a sandbox is isolated: namespaces and cgroups, a QEMU microVM, or a QEMU q35 VM
 Substrate = Literal["container", "microvm", "vm"]
