@@ -33,6 +33,22 @@ pub enum ClusterCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Simulated nodes, for scale tests only: they register in etcd like nodes and take
+    /// placements without starting sandboxes. Runs until killed.
+    Simulate {
+        /// etcd endpoints (comma-separated URLs).
+        #[arg(long, env = "DSEC_ETCD")]
+        etcd: String,
+        /// How many nodes.
+        #[arg(long, default_value_t = 200)]
+        nodes: usize,
+        /// Sandbox slots per node.
+        #[arg(long, default_value_t = 500)]
+        slots: u64,
+        /// Where they listen (one listener for all).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: std::net::SocketAddr,
+    },
     /// Stop placing new sandboxes on a node (`--undo` places on it again).
     Drain {
         /// The node's name.
@@ -44,6 +60,25 @@ pub enum ClusterCmd {
         #[arg(long)]
         undo: bool,
     },
+}
+
+/// Runs simulated nodes until killed.
+fn simulate(cfg: dsec_cluster::sim::SimConfig) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    let n = cfg.nodes;
+    rt.block_on(dsec_cluster::sim::serve(cfg, |addr| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "dsec cluster simulate listening on http://{addr} ({n} nodes)"
+        );
+        let _ = out.flush();
+    }))
+    .context("dsec cluster simulate")?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Runs the gateway until killed.
@@ -69,6 +104,17 @@ pub fn gateway(args: &GatewayArgs) -> anyhow::Result<ExitCode> {
 pub fn run(cmd: &ClusterCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         ClusterCmd::Status { etcd, json } => status(&Etcd::new(etcd), *json),
+        ClusterCmd::Simulate {
+            etcd,
+            nodes,
+            slots,
+            listen,
+        } => simulate(dsec_cluster::sim::SimConfig {
+            etcd: etcd.clone(),
+            nodes: *nodes,
+            slots: *slots,
+            listen: *listen,
+        }),
         ClusterCmd::Drain { node, etcd, undo } => {
             let etcd = Etcd::new(etcd);
             if *undo {

@@ -20,6 +20,30 @@ pub fn with_number(number: u16, bits: u64) -> u64 {
     (u64::from(number) << 48) | (bits & 0x0000_ffff_ffff_ffff)
 }
 
+/// The node's number: the one `name` held before, else the lowest free one.
+pub fn claim_number(etcd: &crate::etcd::Etcd, name: &str) -> Result<u16, crate::etcd::EtcdError> {
+    let (held, _) = etcd.prefix(&crate::model::numbers_prefix())?;
+    let mut taken = std::collections::BTreeSet::new();
+    for kv in &held {
+        let n: Option<u16> = kv.key.rsplit('/').next().and_then(|s| s.parse().ok());
+        if kv.value == name.as_bytes() {
+            if let Some(n) = n {
+                return Ok(n);
+            }
+        }
+        taken.extend(n);
+    }
+    for n in 1..=u16::MAX {
+        if !taken.contains(&n) && etcd.create(&crate::model::number_key(n), name.as_bytes(), 0)? {
+            return Ok(n);
+        }
+    }
+    Err(crate::etcd::EtcdError::Parse {
+        path: crate::model::numbers_prefix(),
+        body: "every node number is taken".into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

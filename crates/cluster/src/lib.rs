@@ -7,6 +7,8 @@
 //! - [`model`]: what a node publishes ([`model::NodeReport`]) and the keys it lives under.
 //! - [`place`]: the placement score (pool hit, layer affinity, free capacity, a tenant's spread).
 //! - [`ids`]: the node number in a sandbox id.
+//! - [`sim`]: simulated nodes that register and take placements without sandboxes (scale
+//!   tests).
 //! - [`autoscale`]: the node count the cluster should have, for an external autoscaler.
 
 pub mod autoscale;
@@ -15,3 +17,4 @@ pub mod gateway;
 pub mod ids;
 pub mod model;
 pub mod place;
+pub mod sim;

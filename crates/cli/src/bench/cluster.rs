@@ -5,9 +5,11 @@
 //!   directly to the node (the peer): the gateway's overhead is the difference of the p50s;
 //! - `batch_1000`: a batch create of 1,000 through the gateway over 4 nodes (pools off): wall
 //!   time and spread; then the batch delete;
-//! - `placement`: placement decisions per second over 200 node reports (the gateway's scoring
-//!   and bulk placement, in process: [`dsec_cluster::place`]), one sandbox per decision and in
-//!   batches of 1,000;
+//! - `placement`: placement decisions per second at one gateway over 200 simulated nodes
+//!   (`dsec cluster simulate`: registered in their own etcd like nodes, taking placements without
+//!   sandboxes): creates from 16 clients at once, and batches of 1,000; etcd writes per
+//!   placement (etcd's own counters, less the nodes' reports over the same time); the
+//!   gateway's memory; the same decisions in process, for the gateway's share;
 //! - `node_loss`: a node killed (`kill -9`) until the gateway answers its sandbox `lost`, over
 //!   `--cycles` kills (default 10 here), restarting the node between kills.
 
@@ -17,8 +19,6 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use dsec_cluster::model::NodeReport;
-use dsec_cluster::place::{self, Ask};
 use dsec_testkit as testkit;
 use serde_json::{json, Value};
 use testkit::cluster::{self, wait};
@@ -61,52 +61,6 @@ fn cycle(h: &testkit::Http) -> anyhow::Result<u64> {
     let (s, v) = h.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
     anyhow::ensure!(s == 204 || s == 200, "delete: {s} {v}");
     Ok(us(t))
-}
-
-/// Placement decisions per second over 200 simulated node reports.
-fn placement() -> Value {
-    let nodes: Vec<NodeReport> = (0..200)
-        .map(|i| NodeReport {
-            name: format!("sim-{i:03}"),
-            number: i + 1,
-            max_sandboxes: 500,
-            sandboxes: u64::from(i) % 50,
-            memory_bytes: 256 << 30,
-            templates: if i % 4 == 0 {
-                vec!["py".into()]
-            } else {
-                vec![]
-            },
-            pools: if i % 10 == 0 {
-                BTreeMap::from([("py".to_string(), 2)])
-            } else {
-                BTreeMap::new()
-            },
-            ..Default::default()
-        })
-        .collect();
-    let ask = Ask {
-        template: "py",
-        tenant: "tn-bench",
-        memory: 512 << 20,
-    };
-    let n = 20_000;
-    let t = Instant::now();
-    let mut placed = 0usize;
-    for _ in 0..n {
-        placed += place::place(&nodes, &ask, 1).0.len();
-    }
-    let single = n as f64 / t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let rounds = 20;
-    for _ in 0..rounds {
-        placed += place::place(&nodes, &ask, 1000).0.values().sum::<u64>() as usize;
-    }
-    let batched = (rounds * 1000) as f64 / t.elapsed().as_secs_f64();
-    json!({"nodes": nodes.len(), "decisions_per_s_one_at_a_time": single.round(),
-           "decisions_per_s_in_batches_of_1000": batched.round(), "placed": placed,
-           "etcd_writes_per_placement": 0,
-           "note": "a placement reads the gateway's table (refreshed from etcd every 500 ms) and writes nothing to etcd; an Idempotency-Key adds one lease grant and one transaction"})
 }
 
 /// Runs the cluster benchmark.
@@ -186,7 +140,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
                "delete_wall_ms": t.elapsed().as_millis() as u64}),
     );
 
-    out.insert("placement".into(), placement());
+    out.insert("placement".into(), super::cluster_sim::placement(&base)?);
 
     // Node loss: n4 killed, until its sandbox answers `lost`; restarted between kills.
     let kills = if args.cycles == 100 { 10 } else { args.cycles };

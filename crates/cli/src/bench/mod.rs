@@ -13,6 +13,7 @@ use serde::Serialize;
 mod api;
 mod chaos;
 mod cluster;
+mod cluster_sim;
 mod container;
 mod log;
 mod run;

@@ -37,6 +37,7 @@ use crate::etcd::Etcd;
 use crate::model::{self, NodeReport};
 use crate::place::{self, Ask};
 
+mod placed;
 mod trajectories;
 
 /// How often the gateway rereads the node table.
@@ -83,6 +84,8 @@ struct Gw {
     pending: std::sync::Mutex<Vec<(String, u64, Instant)>>,
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
+    /// This gateway's placements the node reports do not count yet.
+    placed_recently: placed::Placed,
     /// When this gateway last refused creates for capacity (bounded: the last
     /// [`MAX_REFUSALS`]), the waiting part of the queue depth.
     refused: std::sync::Mutex<std::collections::VecDeque<Instant>>,
@@ -139,6 +142,7 @@ pub async fn serve(
         pending: std::sync::Mutex::default(),
         trajectories: std::sync::Mutex::default(),
         refused: std::sync::Mutex::default(),
+        placed_recently: placed::Placed::default(),
         desired: std::sync::Mutex::default(),
         desired_nodes: AtomicU64::new(1),
     });
@@ -280,10 +284,6 @@ fn load(gw: &App) -> crate::autoscale::Load {
     }
 }
 
-/// How long a placement counts as pending: by then the node's report (rewritten every
-/// second) counts it.
-const PENDING_FOR: Duration = Duration::from_secs(3);
-
 /// How many of `want` sandboxes the caller's tenant may still have, cluster-wide: its
 /// `max_sandboxes` less what the node reports count and this gateway placed since. Another
 /// gateway's placements of the last second are not seen: the bound holds to within what the
@@ -302,7 +302,7 @@ fn quota_room(gw: &App, key: &str, want: u64) -> u64 {
         .sum();
     drop(t);
     let mut pending = gw.pending.lock().unwrap_or_else(|p| p.into_inner());
-    pending.retain(|(_, _, at)| at.elapsed() < PENDING_FOR);
+    pending.retain(|(_, _, at)| at.elapsed() < placed::PENDING_FOR);
     let placed: u64 = pending
         .iter()
         .filter(|(id, ..)| *id == tenant)
@@ -343,14 +343,18 @@ fn stale(gw: &App) -> Option<Response> {
     }
 }
 
+/// The live nodes, with this gateway's placements their reports do not count yet.
 fn nodes(gw: &App) -> Vec<NodeReport> {
-    gw.table
+    let mut all: Vec<NodeReport> = gw
+        .table
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .nodes
         .values()
         .cloned()
-        .collect()
+        .collect();
+    gw.placed_recently.adjust(&mut all, now_ms());
+    all
 }
 
 /// The caller's API key, as a node reads it (`X-API-Key`, or `Authorization: Bearer`); empty
@@ -639,6 +643,11 @@ async fn create(gw: App, req: Request) -> Response {
             continue;
         }
         gw.placed.fetch_add(1, Ordering::Relaxed);
+        if r.status().is_success() {
+            let memory = ask_of(&spec, &who).memory;
+            gw.placed_recently
+                .record(&node.name, 1, memory, now_ms());
+        }
         return r;
     }
     refuse(&gw, 1);
@@ -760,7 +769,11 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
     let over_quota = asked - count;
     let count = count as usize;
     let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
-    let (plan, unplaced) = place::place(&nodes(&gw), &ask_of(&spec, &who), count);
+    let ask = ask_of(&spec, &who);
+    let (plan, unplaced) = place::place(&nodes(&gw), &ask, count);
+    for (name, n) in &plan {
+        gw.placed_recently.record(name, *n, ask.memory, now_ms());
+    }
     let table = gw
         .table
         .read()

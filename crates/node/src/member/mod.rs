@@ -30,9 +30,6 @@ pub const LEASE_TTL: i64 = 5;
 /// How often the node renews its lease and rewrites its report.
 pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 
-/// Highest node number.
-const MAX_NUMBER: u16 = u16::MAX;
-
 /// The number this node's sandbox ids carry (0 outside a cluster).
 static NUMBER: AtomicU16 = AtomicU16::new(0);
 
@@ -85,7 +82,7 @@ impl Member {
     /// Claims this node's number (blocking); from then on new sandbox ids carry it.
     pub fn join(cfg: ClusterConfig) -> Result<Self, EtcdError> {
         let etcd = Etcd::new(&cfg.etcd);
-        let number = claim_number(&etcd, &cfg.name)?;
+        let number = dsec_cluster::ids::claim_number(&etcd, &cfg.name)?;
         // A restart within the lease's TTL finds its report still there and keeps its sandboxes.
         let was_lost = etcd.get(&model::node_key(&cfg.name))?.is_none();
         NUMBER.store(number, Ordering::Relaxed);
@@ -301,30 +298,6 @@ enum Renewed {
     Live(i64, bool),
     /// The lease had expired.
     Expired,
-}
-
-/// The node's number: the one `name` held before, else the lowest free one.
-fn claim_number(etcd: &Etcd, name: &str) -> Result<u16, EtcdError> {
-    let (held, _) = etcd.prefix(&model::numbers_prefix())?;
-    let mut taken = std::collections::BTreeSet::new();
-    for kv in &held {
-        let n: Option<u16> = kv.key.rsplit('/').next().and_then(|s| s.parse().ok());
-        if kv.value == name.as_bytes() {
-            if let Some(n) = n {
-                return Ok(n);
-            }
-        }
-        taken.extend(n);
-    }
-    for n in 1..=MAX_NUMBER {
-        if !taken.contains(&n) && etcd.create(&model::number_key(n), name.as_bytes(), 0)? {
-            return Ok(n);
-        }
-    }
-    Err(EtcdError::Parse {
-        path: model::numbers_prefix(),
-        body: "every node number is taken".into(),
-    })
 }
 
 /// The cluster's secret: the one in etcd, or a new one this node puts there first.

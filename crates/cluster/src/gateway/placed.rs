@@ -1,0 +1,104 @@
+//! This gateway's own recent placements, counted on top of the node reports until a report
+//! counts them. Without it, every create between two table refreshes sees the same reports and
+//! goes to the same best node: a burst piles onto one node until it refuses. A placement on
+//! node N counts while N's last report is older than the placement (plus [`SLACK_MS`] for the
+//! clocks of two machines) and at most [`PENDING_FOR`]. Other gateways' placements are seen
+//! once the node reports them (a second at most).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::model::NodeReport;
+
+/// The longest a placement counts: by then the node's report (rewritten every second) does.
+pub const PENDING_FOR: Duration = Duration::from_secs(3);
+
+/// How much later than a placement a report must be written to count it.
+const SLACK_MS: u64 = 250;
+
+/// Most placements remembered per node (the oldest go first).
+const MAX: usize = 100_000;
+
+/// One placement: sandboxes, memory each, when (ms since the epoch).
+#[derive(Debug)]
+struct One {
+    count: u64,
+    memory: u64,
+    at_ms: u64,
+}
+
+/// This gateway's recent placements, by node.
+#[derive(Debug, Default)]
+pub struct Placed {
+    recent: Mutex<HashMap<String, VecDeque<One>>>,
+}
+
+impl Placed {
+    /// Counts `count` sandboxes of `memory` bytes each placed on `node` at `now_ms`.
+    pub fn record(&self, node: &str, count: u64, memory: u64, now_ms: u64) {
+        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        let q = r.entry(node.to_owned()).or_default();
+        if q.len() == MAX {
+            q.pop_front();
+        }
+        q.push_back(One {
+            count,
+            memory,
+            at_ms: now_ms,
+        });
+    }
+
+    /// Adds to `nodes` what their reports do not count yet (and forgets what they do: reports
+    /// only get newer).
+    pub fn adjust(&self, nodes: &mut [NodeReport], now_ms: u64) {
+        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        let horizon = now_ms.saturating_sub(PENDING_FOR.as_millis() as u64);
+        r.retain(|_, q| {
+            while q.front().is_some_and(|o| o.at_ms < horizon) {
+                q.pop_front();
+            }
+            !q.is_empty()
+        });
+        for n in nodes.iter_mut() {
+            let Some(q) = r.get_mut(&n.name) else {
+                continue;
+            };
+            while q.front().is_some_and(|o| o.at_ms + SLACK_MS <= n.updated_ms) {
+                q.pop_front();
+            }
+            for o in q.iter() {
+                n.sandboxes += o.count;
+                n.memory_allocated_bytes += o.count * o.memory;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_placement_counts_until_a_later_report_or_the_horizon() {
+        let p = Placed::default();
+        let report = |updated_ms| NodeReport {
+            name: "a".into(),
+            max_sandboxes: 10,
+            updated_ms,
+            ..Default::default()
+        };
+        p.record("a", 3, 100, 10_000);
+        let mut n = [report(9_900)];
+        p.adjust(&mut n, 10_100);
+        assert_eq!((n[0].sandboxes, n[0].memory_allocated_bytes), (3, 300));
+        // A report written well after the placement counts it already.
+        let mut n = [report(10_400)];
+        p.adjust(&mut n, 10_500);
+        assert_eq!(n[0].sandboxes, 0);
+        // Past the horizon it is forgotten.
+        let mut n = [report(9_000)];
+        p.adjust(&mut n, 10_000 + 3_001);
+        assert_eq!(n[0].sandboxes, 0);
+    }
+}
