@@ -214,9 +214,11 @@ struct ServerArgs {
     #[arg(long, env = "DSEC_ADVERTISE")]
     advertise: Option<String>,
     /// In a cluster: the origin store of template layers, a directory every node mounts (NFS,
-    /// a shared volume). Without it templates move only from the nodes that hold them.
+    /// a shared volume) or an S3-compatible bucket, `s3://bucket/prefix` (AWS_ENDPOINT_URL,
+    /// AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY). Without it templates move only
+    /// from the nodes that hold them.
     #[arg(long, env = "DSEC_TEMPLATE_STORE", requires = "etcd")]
-    template_store: Option<PathBuf>,
+    template_store: Option<String>,
 }
 
 /// Where a template comes from: its name and its image.

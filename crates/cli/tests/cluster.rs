@@ -792,3 +792,133 @@ fn a_microvm_sandbox_works_through_the_gateway() {
     let (s, v) = gw.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
     assert!(s == 200 || s == 204, "{v}");
 }
+
+/// The tests' Python (its venv has moto and boto3).
+fn s3_python() -> String {
+    std::env::var("DSEC_TEST_PYTHON").unwrap_or_else(|_| {
+        format!(
+            "{}/../../target/pyvenv/bin/python",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    })
+}
+
+/// An S3 server installed from PyPI (`moto[server]`, in the tests' venv): its process and URL.
+fn s3_server(base: &Path) -> (Proc, String) {
+    let python = s3_python();
+    let moto = Path::new(&python).with_file_name("moto_server");
+    assert!(
+        moto.exists(),
+        "{} is missing: run through scripts/test.sh (its venv has moto[server]), or set \
+         DSEC_TEST_PYTHON to a venv's python with it",
+        moto.display()
+    );
+    let port = testkit::free_port();
+    let child = Command::new(&moto)
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .current_dir(base)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start moto_server");
+    let url = format!("http://127.0.0.1:{port}");
+    let h = testkit::Http::new(&url, None, Some(Duration::from_secs(5)));
+    assert!(
+        wait(Duration::from_secs(30), || h
+            .send("GET", "/", None, &[])
+            .is_ok()),
+        "moto_server did not start"
+    );
+    (Proc(child), url)
+}
+
+/// The origin store as an S3 bucket (a real S3 server): an import's blob is uploaded there
+/// (signed with AWS Signature Version 4), and a node no peer can serve fetches it from there.
+#[test]
+fn the_origin_store_can_be_an_s3_bucket() {
+    let (base, _cleanup) = scratch("s3");
+    let (_s3, s3_url) = s3_server(&base);
+    let s3 = testkit::Http::new(&s3_url, None, Some(Duration::from_secs(5)));
+    let made = s3
+        .send("PUT", "/dsec-layers", None, &[])
+        .expect("make the bucket");
+    assert_eq!(made.status, 200, "{}", String::from_utf8_lossy(&made.body));
+    let (_etcd, etcd_url) = etcd(&base);
+    let start = |name: &str| {
+        let (data, run) = (
+            base.join(format!("{name}-d")),
+            base.join(format!("{name}-r")),
+        );
+        testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), &data, &run)
+            .args(&["--etcd", &etcd_url, "--node-name", name, "--pool-max", "0"])
+            .args(&["--template-store", "s3://dsec-layers/cluster-a"])
+            .env("AWS_ENDPOINT_URL", &s3_url)
+            .env("AWS_ACCESS_KEY_ID", "testing")
+            .env("AWS_SECRET_ACCESS_KEY", "testing")
+            .start()
+            .expect("start a node")
+    };
+    let (a, b) = (start("s1"), start("s2"));
+    let key = a.key.clone();
+    let b_http = b.http().with_key(Some(&key));
+    assert!(
+        wait(Duration::from_secs(20), || b_http
+            .req("GET", "/v1/sandboxes", None)
+            .0
+            == 200),
+        "the admin key did not reach s2"
+    );
+    let tarball = testkit::rootfs_tarball(&base, "rootfs", "from the bucket\n");
+    let body = std::fs::read(&tarball).expect("tarball");
+    let r = a
+        .http()
+        .with_key(Some(&key))
+        .send("POST", "/v1/templates?name=bucketed", Some(&body), &[])
+        .expect("import");
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    let digest = r.json()["layers"][0]["digest"]
+        .as_str()
+        .expect("a stored layer")
+        .trim_start_matches("sha256:")
+        .to_owned();
+    // Another S3 client (boto3, which came with moto) finds the blob under its digest.
+    let python = Path::new(&s3_python()).to_owned();
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            "import boto3,hashlib,sys; c=boto3.client('s3',endpoint_url=sys.argv[1],region_name='us-east-1',aws_access_key_id='testing',aws_secret_access_key='testing'); print(hashlib.sha256(c.get_object(Bucket='dsec-layers',Key='cluster-a/blobs/'+sys.argv[2])['Body'].read()).hexdigest())",
+            &s3_url,
+            &digest,
+        ])
+        .output()
+        .expect("boto3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        digest,
+        "the bucket holds the blob"
+    );
+    // s1 cannot serve it (its blob gone): s2 fetches it from the bucket.
+    std::fs::remove_file(a.data.join("blobs").join(&digest)).expect("remove s1's blob");
+    let (s, v) = b_http.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"template": "bucketed"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["fetched"]["from"], json!(["origin"]), "{v}");
+    let id = v["id"].as_str().expect("id");
+    let motd = b_http
+        .send(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path=/etc/motd"),
+            None,
+            &[],
+        )
+        .expect("read");
+    assert_eq!(motd.body, b"from the bucket\n");
+}

@@ -150,7 +150,7 @@ fn report_loop(
                 cpus: 64.0,
                 memory_bytes: 256 << 30,
                 memory_allocated_bytes: s.sandboxes.load(Ordering::Relaxed) * (512 << 20),
-                templates: if s.number % 4 == 0 {
+                templates: if s.number.is_multiple_of(4) {
                     vec!["py".into()]
                 } else {
                     Vec::new()
@@ -194,11 +194,7 @@ async fn create(State(sims): State<Sims>, Path(n): Path<u16>) -> Response {
     }
 }
 
-async fn batch(
-    State(sims): State<Sims>,
-    Path(n): Path<u16>,
-    body: axum::body::Bytes,
-) -> Response {
+async fn batch(State(sims): State<Sims>, Path(n): Path<u16>, body: axum::body::Bytes) -> Response {
     let Some(s) = sim(&sims, n) else {
         return no_node();
     };

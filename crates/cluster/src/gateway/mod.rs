@@ -645,8 +645,7 @@ async fn create(gw: App, req: Request) -> Response {
         gw.placed.fetch_add(1, Ordering::Relaxed);
         if r.status().is_success() {
             let memory = ask_of(&spec, &who).memory;
-            gw.placed_recently
-                .record(&node.name, 1, memory, now_ms());
+            gw.placed_recently.record(&node.name, 1, memory, now_ms());
         }
         return r;
     }

@@ -64,7 +64,10 @@ impl Placed {
             let Some(q) = r.get_mut(&n.name) else {
                 continue;
             };
-            while q.front().is_some_and(|o| o.at_ms + SLACK_MS <= n.updated_ms) {
+            while q
+                .front()
+                .is_some_and(|o| o.at_ms + SLACK_MS <= n.updated_ms)
+            {
                 q.pop_front();
             }
             for o in q.iter() {

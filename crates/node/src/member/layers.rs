@@ -2,8 +2,8 @@
 //!
 //! A template imported on a node (through a gateway, on any node) is *published*: the
 //! uncompressed tar of each of its layers (kept since the node joined, see
-//! [`crate::template::LayerStore::keep_blobs`]) is copied to the cluster's origin store, a shared
-//! directory (`--template-store`), under `blobs/<sha256>`, and the template's record goes to etcd
+//! [`crate::template::LayerStore::keep_blobs`]) is copied to the cluster's origin store
+//! (`--template-store`: a shared directory, or an S3-compatible bucket), under `blobs/<sha256>`, and the template's record goes to etcd
 //! (`templates/<name>`). From then on every node knows the template.
 //!
 //! A node asked to create a sandbox of a template it does not hold *fetches* it first, each
@@ -37,37 +37,56 @@ pub const SECRET_HEADER: &str = "x-dsec-cluster-secret";
 /// How long a peer may take to start answering a layer call.
 const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The cluster's origin store of layer blobs: a directory every node mounts.
+/// The cluster's origin store of layer blobs: a directory every node mounts, or an
+/// S3-compatible bucket ([`super::s3`]).
 #[derive(Debug, Clone)]
-pub struct Origin {
-    root: PathBuf,
+pub enum Origin {
+    /// `<dir>/blobs/<sha256>`.
+    Dir(PathBuf),
+    /// `s3://bucket/prefix`: `<prefix>/blobs/<sha256>`.
+    S3(super::s3::S3),
 }
 
 impl Origin {
-    /// The store at `root` (created if needed).
-    pub fn open(root: &Path) -> std::io::Result<Self> {
-        std::fs::create_dir_all(root.join("blobs"))?;
-        Ok(Self {
-            root: root.to_owned(),
-        })
-    }
-
-    fn blob(&self, d: &Digest) -> PathBuf {
-        self.root.join("blobs").join(d.hex())
-    }
-
-    /// Copies a blob in (written aside and renamed: readers see it whole or not at all).
-    fn put(&self, d: &Digest, src: &Path) -> std::io::Result<()> {
-        let dst = self.blob(d);
-        if dst.exists() {
-            return Ok(());
+    /// The store `spec` names: `s3://bucket[/prefix]`, or a directory (created if needed).
+    pub fn open(spec: &str) -> Result<Self, String> {
+        if spec.starts_with("s3://") {
+            return super::s3::S3::from_url(spec).map(Origin::S3);
         }
-        let tmp = tempfile::Builder::new()
-            .prefix(".tmp-")
-            .tempfile_in(self.root.join("blobs"))?;
-        std::fs::copy(src, tmp.path())?;
-        tmp.persist(&dst).map_err(|e| e.error)?;
-        Ok(())
+        let root = PathBuf::from(spec);
+        std::fs::create_dir_all(root.join("blobs")).map_err(|e| format!("{spec}: {e}"))?;
+        Ok(Origin::Dir(root))
+    }
+
+    /// Copies a blob in: written aside and renamed in a directory (readers see it whole or
+    /// not at all); uploaded to a bucket unless there already.
+    fn put(&self, agent: &ureq::Agent, d: &Digest, src: &Path) -> Result<(), String> {
+        match self {
+            Origin::S3(s3) => s3.put(agent, d.hex(), src),
+            Origin::Dir(root) => {
+                let dst = root.join("blobs").join(d.hex());
+                if dst.exists() {
+                    return Ok(());
+                }
+                let tmp = tempfile::Builder::new()
+                    .prefix(".tmp-")
+                    .tempfile_in(root.join("blobs"))
+                    .map_err(|e| e.to_string())?;
+                std::fs::copy(src, tmp.path()).map_err(|e| e.to_string())?;
+                tmp.persist(&dst).map_err(|e| e.error.to_string())?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads a blob.
+    fn read(&self, agent: &ureq::Agent, d: &Digest) -> Result<Box<dyn Read + Send>, String> {
+        match self {
+            Origin::S3(s3) => s3.open(agent, d.hex()),
+            Origin::Dir(root) => std::fs::File::open(root.join("blobs").join(d.hex()))
+                .map(|f| Box::new(f) as Box<dyn Read + Send>)
+                .map_err(|e| e.to_string()),
+        }
     }
 }
 
@@ -113,7 +132,7 @@ impl Member {
             for d in stored(t) {
                 if let Some(blob) = store.layers().blob(d) {
                     origin
-                        .put(d, &blob)
+                        .put(&self.http, d, &blob)
                         .map_err(|e| format!("copy layer {d} to the origin store: {e}"))?;
                 }
             }
@@ -230,9 +249,9 @@ impl Member {
             }
         }
         if let Some(origin) = &self.origin {
-            match std::fs::File::open(origin.blob(d)) {
-                Ok(f) => {
-                    let mut counted = Counted::new(f);
+            match origin.read(&self.http, d) {
+                Ok(r) => {
+                    let mut counted = Counted::new(r);
                     match store.fetch_layer(&mut counted, d, &limits) {
                         Ok(()) => return Ok(("origin".into(), counted.n)),
                         Err(e) => tried.push(format!("origin: {e}")),

@@ -23,6 +23,7 @@ use crate::lifecycle::Node;
 use crate::sandbox::State;
 
 pub mod layers;
+pub mod s3;
 
 /// The lease's time to live: a node that stops renewing is `lost` this long after.
 pub const LEASE_TTL: i64 = 5;
@@ -48,9 +49,10 @@ pub struct ClusterConfig {
     /// The URL the gateways reach this node's API at (empty: `http://` and the address the
     /// node listens on).
     pub advertise: String,
-    /// The cluster's origin store of template layers: a directory every node mounts (`None`:
-    /// templates move between nodes only, from the nodes that hold them).
-    pub template_store: Option<std::path::PathBuf>,
+    /// The cluster's origin store of template layers: a directory every node mounts, or
+    /// `s3://bucket/prefix` (`None`: templates move between nodes only, from the nodes that
+    /// hold them).
+    pub template_store: Option<String>,
 }
 
 /// A node in a cluster.
@@ -88,8 +90,8 @@ impl Member {
         NUMBER.store(number, Ordering::Relaxed);
         let secret = cluster_secret(&etcd)?;
         let origin = match &cfg.template_store {
-            Some(dir) => Some(layers::Origin::open(dir).map_err(|e| EtcdError::Parse {
-                path: dir.display().to_string(),
+            Some(spec) => Some(layers::Origin::open(spec).map_err(|e| EtcdError::Parse {
+                path: spec.clone(),
                 body: format!("the template store: {e}"),
             })?),
             None => None,
