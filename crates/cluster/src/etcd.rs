@@ -201,6 +201,22 @@ impl Etcd {
         Ok((kvs, num(&v["header"]["revision"])))
     }
 
+    /// What changes whenever a key with `prefix` is added, changed or deleted: how many there
+    /// are and the newest one's mod revision. One small read, whatever the prefix holds: a
+    /// poller rereads the prefix only when this changed.
+    pub fn prefix_version(&self, prefix: &str) -> Result<(i64, i64), EtcdError> {
+        let v = self.post(
+            "/v3/kv/range",
+            &json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix)),
+                    "limit": 1, "sort_order": "DESCEND", "sort_target": "MOD", "keys_only": true}),
+        )?;
+        let newest = v["kvs"]
+            .as_array()
+            .and_then(|a| a.first())
+            .map_or(0, |kv| num(&kv["mod_revision"]));
+        Ok((num(&v["count"]), newest))
+    }
+
     /// Deletes `key`; answers whether it existed.
     pub fn delete(&self, key: &str) -> Result<bool, EtcdError> {
         let v = self.post("/v3/kv/deleterange", &json!({"key": b64(key.as_bytes())}))?;
