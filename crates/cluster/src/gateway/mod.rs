@@ -84,6 +84,8 @@ struct Gw {
     pending: std::sync::Mutex<Vec<(String, u64, Instant)>>,
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
+    /// The versions of `tenants/` and `keys/` the quota table was read at.
+    quotas_at: std::sync::Mutex<Option<((i64, i64), (i64, i64))>>,
     /// This gateway's placements the node reports do not count yet.
     placed_recently: placed::Placed,
     /// When this gateway last refused creates for capacity (bounded: the last
@@ -143,6 +145,7 @@ pub async fn serve(
         trajectories: std::sync::Mutex::default(),
         refused: std::sync::Mutex::default(),
         placed_recently: placed::Placed::default(),
+        quotas_at: std::sync::Mutex::default(),
         desired: std::sync::Mutex::default(),
         desired_nodes: AtomicU64::new(1),
     });
@@ -184,12 +187,23 @@ async fn refresh(gw: &App) {
     let read = tokio::task::spawn_blocking(move || {
         let (nodes, _) = g.etcd.prefix(&model::nodes_prefix())?;
         let (numbers, _) = g.etcd.prefix(&model::numbers_prefix())?;
-        let (tenants, _) = g.etcd.prefix(&model::tenants_prefix())?;
-        let (keys, _) = g.etcd.prefix(&model::api_keys_prefix())?;
-        Ok::<_, crate::etcd::EtcdError>((nodes, numbers, tenants, keys))
+        // Tenants and keys change rarely: reread only when either prefix moved.
+        let version = (
+            g.etcd.prefix_version(&model::tenants_prefix())?,
+            g.etcd.prefix_version(&model::api_keys_prefix())?,
+        );
+        let same = *g.quotas_at.lock().unwrap_or_else(|p| p.into_inner()) == Some(version);
+        let quotas = if same {
+            None
+        } else {
+            let (tenants, _) = g.etcd.prefix(&model::tenants_prefix())?;
+            let (keys, _) = g.etcd.prefix(&model::api_keys_prefix())?;
+            Some((quotas_of(&tenants, keys), version))
+        };
+        Ok::<_, crate::etcd::EtcdError>((nodes, numbers, quotas))
     })
     .await;
-    let Ok(Ok((nodes, numbers, tenants, keys))) = read else {
+    let Ok(Ok((nodes, numbers, quotas))) = read else {
         return;
     };
     let mut t = Table {
@@ -207,22 +221,18 @@ async fn refresh(gw: &App) {
                 .insert(n, String::from_utf8_lossy(&kv.value).into_owned());
         }
     }
-    let records: BTreeMap<String, Value> = tenants
-        .iter()
-        .filter_map(|kv| {
-            let name = kv.key.rsplit('/').next()?.to_owned();
-            Some((name, serde_json::from_slice(&kv.value).ok()?))
-        })
-        .collect();
-    for kv in keys {
-        let (Some(hash), Ok(name)) = (kv.key.rsplit('/').next(), String::from_utf8(kv.value))
-        else {
-            continue;
-        };
-        if let Some(r) = records.get(&name) {
-            let id = r["id"].as_str().unwrap_or_default().to_owned();
-            t.quotas
-                .insert(hash.to_owned(), (id, r["max_sandboxes"].as_u64()));
+    match quotas {
+        Some((q, version)) => {
+            t.quotas = q;
+            *gw.quotas_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(version);
+        }
+        None => {
+            t.quotas = gw
+                .table
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .quotas
+                .clone();
         }
     }
     *gw.table.write().unwrap_or_else(|p| p.into_inner()) = t;
@@ -233,6 +243,32 @@ async fn refresh(gw: &App) {
         .unwrap_or_else(|p| p.into_inner())
         .update(load, Instant::now());
     gw.desired_nodes.store(n, Ordering::Relaxed);
+}
+
+/// API key hash → (tenant id, its `max_sandboxes`), from the `tenants/` and `keys/` records.
+fn quotas_of(
+    tenants: &[crate::etcd::Kv],
+    keys: Vec<crate::etcd::Kv>,
+) -> BTreeMap<String, (String, Option<u64>)> {
+    let records: BTreeMap<String, Value> = tenants
+        .iter()
+        .filter_map(|kv| {
+            let name = kv.key.rsplit('/').next()?.to_owned();
+            Some((name, serde_json::from_slice(&kv.value).ok()?))
+        })
+        .collect();
+    let mut out = BTreeMap::new();
+    for kv in keys {
+        let (Some(hash), Ok(name)) = (kv.key.rsplit('/').next(), String::from_utf8(kv.value))
+        else {
+            continue;
+        };
+        if let Some(r) = records.get(&name) {
+            let id = r["id"].as_str().unwrap_or_default().to_owned();
+            out.insert(hash.to_owned(), (id, r["max_sandboxes"].as_u64()));
+        }
+    }
+    out
 }
 
 /// Most capacity refusals a gateway remembers.

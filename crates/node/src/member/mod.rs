@@ -190,7 +190,13 @@ impl Member {
             node.rt.templates().list().map_or(0, |t| t.len()),
         );
         let now = (seen, local);
-        if self.synced.lock().unwrap_or_else(|p| p.into_inner()).as_ref() == Some(&now) {
+        if self
+            .synced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            == Some(&now)
+        {
             return Ok(());
         }
         self.share_keys(node)?;
