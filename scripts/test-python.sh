@@ -20,7 +20,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # The code runner's languages that test_run.py runs (in the host template, the host's root).
 bash scripts/install-run-toolchains.sh
-# pyarrow: the independent Parquet reader the Rust tests cross-check exports with.
+# pyarrow: the independent Parquet reader the Rust tests cross-check exports with; moto[server]:
+# the S3 server the cluster tests keep an origin store in (boto3 with it reads it back).
 "$VENV/bin/pip" install -q --disable-pip-version-check "./sdk/python[lint]" pytest pytest-asyncio sandbox-fusion pyarrow pyyaml "moto[server]"
 # --setup-only: the venv alone (scripts/test.sh makes it before the Rust tests, which use it).
 if [ "${1:-}" = --setup-only ]; then

@@ -19,6 +19,10 @@ pub struct GatewayArgs {
     /// Address to listen on (`127.0.0.1:0` picks a free port).
     #[arg(long, env = "DSEC_GATEWAY_LISTEN", default_value = "127.0.0.1:7800")]
     listen: SocketAddr,
+    /// Worker threads (0: one per CPU). One thread saves a cross-thread wake-up per proxied
+    /// call; more serve more calls at once. Gateways scale out by replicas either way.
+    #[arg(long, env = "DSEC_GATEWAY_WORKERS", default_value_t = 0)]
+    workers: usize,
 }
 
 /// `dsec cluster …`.
@@ -83,10 +87,19 @@ fn simulate(cfg: dsec_cluster::sim::SimConfig) -> anyhow::Result<ExitCode> {
 
 /// Runs the gateway until killed.
 pub fn gateway(args: &GatewayArgs) -> anyhow::Result<ExitCode> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("tokio runtime")?;
+    let rt = match args.workers {
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        0 => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    }
+    .context("tokio runtime")?;
     let cfg = GatewayConfig {
         etcd: args.etcd.clone(),
         listen: args.listen,

@@ -750,6 +750,23 @@ fn two_gateways_racing_for_the_last_slots_never_overcommit() {
         Some(&json!({"labels": {"t": "race"}})),
     );
     assert_eq!(s, 200, "{v}");
+    // Creates and deletes back to back, each sandbox promised a quarter of the node's memory:
+    // the gateway's count of its own recent placements never makes the node look full.
+    let quarter = g1.req("GET", "/v1/cluster", None).1["nodes"][0]["memory_bytes"]
+        .as_u64()
+        .expect("memory")
+        / 4;
+    for i in 0..12 {
+        let (s, v) = g1.req(
+            "POST",
+            "/v1/sandboxes",
+            Some(&json!({"limits": {"memory_max": quarter}})),
+        );
+        assert_eq!(s, 201, "cycle {i}: {v}");
+        let id = v["id"].as_str().expect("id");
+        let (s, v) = g1.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+        assert!(s == 200 || s == 204, "{v}");
+    }
 }
 
 /// The VM substrates through the gateway: a `microvm` sandbox is placed, its exec and files

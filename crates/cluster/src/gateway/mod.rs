@@ -379,16 +379,22 @@ fn stale(gw: &App) -> Option<Response> {
     }
 }
 
-/// The live nodes, with this gateway's placements their reports do not count yet.
+/// The live nodes, as they last reported.
 fn nodes(gw: &App) -> Vec<NodeReport> {
-    let mut all: Vec<NodeReport> = gw
-        .table
+    gw.table
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .nodes
         .values()
         .cloned()
-        .collect();
+        .collect()
+}
+
+/// The live nodes, with this gateway's placements their reports do not count yet: what
+/// placement orders by. A node that only looks full this way is still tried (last): its
+/// report is the truth, and the node's own admission refuses when it really is full.
+fn adjusted(gw: &App, all: &[NodeReport]) -> Vec<NodeReport> {
+    let mut all = all.to_vec();
     gw.placed_recently.adjust(&mut all, now_ms());
     all
 }
@@ -566,9 +572,14 @@ fn ask_of<'a>(spec: &'a Value, tenant: &'a str) -> Ask<'a> {
 /// Nodes in placement order for one sandbox of `ask`.
 fn ranked(gw: &App, ask: &Ask<'_>) -> Vec<NodeReport> {
     let all = nodes(gw);
+    let with_mine = adjusted(gw, &all);
     let mut scored: Vec<(f64, NodeReport)> = all
         .into_iter()
-        .filter_map(|n| place::score(&n, ask, 1).map(|s| (s, n)))
+        .zip(with_mine)
+        .filter_map(|(n, mine)| {
+            let raw = place::score(&n, ask, 1)?;
+            Some((place::score(&mine, ask, 1).unwrap_or(raw - 10_000.0), n))
+        })
         .collect();
     scored.sort_by(|a, b| b.0.total_cmp(&a.0));
     scored.into_iter().map(|(_, n)| n).collect()
@@ -805,7 +816,22 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
     let count = count as usize;
     let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
     let ask = ask_of(&spec, &who);
-    let (plan, unplaced) = place::place(&nodes(&gw), &ask, count);
+    let all = nodes(&gw);
+    let (mut plan, mut unplaced) = place::place(&adjusted(&gw, &all), &ask, count);
+    if unplaced > 0 {
+        // What only looks full with this gateway's recent placements is tried too.
+        let mut raw = all;
+        for n in raw.iter_mut() {
+            let placed = plan.get(&n.name).copied().unwrap_or(0);
+            n.sandboxes += placed;
+            n.memory_allocated_bytes += placed * ask.memory;
+        }
+        let (more, left) = place::place(&raw, &ask, unplaced);
+        for (name, n) in more {
+            *plan.entry(name).or_default() += n;
+        }
+        unplaced = left;
+    }
     for (name, n) in &plan {
         gw.placed_recently.record(name, *n, ask.memory, now_ms());
     }
@@ -888,7 +914,15 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
         (name.as_ref().and_then(|n| t.nodes.get(n).cloned()), name)
     };
     match (node, name) {
-        (Some(node), _) => forward(&gw, &node, req).await,
+        (Some(node), _) => {
+            let delete = req.method() == Method::DELETE
+                && req.uri().path().trim_end_matches('/') == format!("/v1/sandboxes/{id}");
+            let r = forward(&gw, &node, req).await;
+            if delete && r.status().is_success() {
+                gw.placed_recently.forget_one(&node.name);
+            }
+            r
+        }
         (None, Some(name)) => {
             gw.lost_calls.fetch_add(1, Ordering::Relaxed);
             if req.method() == Method::GET && req.uri().path() == format!("/v1/sandboxes/{id}") {

@@ -49,6 +49,20 @@ impl Placed {
         });
     }
 
+    /// Uncounts one sandbox of `node` (deleted through this gateway): the newest placement
+    /// there that a report may not count yet.
+    pub fn forget_one(&self, node: &str) {
+        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(q) = r.get_mut(node) {
+            if let Some(last) = q.back_mut() {
+                last.count = last.count.saturating_sub(1);
+                if last.count == 0 {
+                    q.pop_back();
+                }
+            }
+        }
+    }
+
     /// Adds to `nodes` what their reports do not count yet (and forgets what they do: reports
     /// only get newer).
     pub fn adjust(&self, nodes: &mut [NodeReport], now_ms: u64) {
@@ -98,6 +112,12 @@ mod tests {
         // A report written well after the placement counts it already.
         let mut n = [report(10_400)];
         p.adjust(&mut n, 10_500);
+        assert_eq!(n[0].sandboxes, 0);
+        // A delete through the gateway uncounts the newest.
+        p.record("a", 1, 100, 10_600);
+        p.forget_one("a");
+        let mut n = [report(10_400)];
+        p.adjust(&mut n, 10_700);
         assert_eq!(n[0].sandboxes, 0);
         // Past the horizon it is forgotten.
         let mut n = [report(9_000)];
