@@ -2,7 +2,8 @@
 //! each a process of its own on this machine.
 //!
 //! - `create_exec_delete`: create + exec `true` + delete through the gateway and, interleaved,
-//!   directly to the node (the peer): the gateway's overhead is the difference of the p50s;
+//!   directly to the node (the peer), the other nodes drained meanwhile so that both go to the
+//!   same node: the gateway's overhead is the difference of the p50s;
 //! - `batch_1000`: a batch create of 1,000 through the gateway over 4 nodes (pools off): wall
 //!   time and spread; then the batch delete;
 //! - `placement`: placement decisions per second at one gateway over 200 simulated nodes
@@ -88,7 +89,29 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     );
     let mut out = serde_json::Map::new();
 
-    // Gateway vs direct, interleaved. Direct goes to n1; the gateway places anywhere.
+    // Gateway vs direct, interleaved, on the same node: n2–n4 are drained meanwhile, so the
+    // gateway places on n1 too and the difference is the gateway's hop alone.
+    let draining = |on: bool| -> anyhow::Result<()> {
+        let e = dsec_cluster::etcd::Etcd::new(&etcd);
+        for n in ["n2", "n3", "n4"] {
+            let k = dsec_cluster::model::drain_key(n);
+            if on {
+                e.put(&k, b"1", 0)?;
+            } else {
+                e.delete(&k)?;
+            }
+        }
+        let want = if on { 3 } else { 0 };
+        anyhow::ensure!(
+            wait(Duration::from_secs(10), || gw.req("GET", "/v1/cluster", None).1["nodes"]
+                .as_array()
+                .map_or(0, |a| a.iter().filter(|n| n["draining"] == true).count())
+                == want),
+            "the drains did not show"
+        );
+        Ok(())
+    };
+    draining(true)?;
     let direct = nodes[0].http().with_key(Some(&key));
     for _ in 0..5 {
         cycle(&gw)?;
@@ -99,6 +122,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         via.push(cycle(&gw)?);
         to_node.push(cycle(&direct)?);
     }
+    draining(false)?;
     let (via, to_node) = (dist(via), dist(to_node));
     out.insert(
         "create_exec_delete".into(),
