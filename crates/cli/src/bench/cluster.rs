@@ -103,9 +103,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         }
         let want = if on { 3 } else { 0 };
         anyhow::ensure!(
-            wait(Duration::from_secs(10), || gw.req("GET", "/v1/cluster", None).1["nodes"]
+            wait(Duration::from_secs(10), || gw
+                .req("GET", "/v1/cluster", None)
+                .1["nodes"]
                 .as_array()
-                .map_or(0, |a| a.iter().filter(|n| n["draining"] == true).count())
+                .map_or(0, |a| a
+                    .iter()
+                    .filter(|n| n["draining"] == true)
+                    .count())
                 == want),
             "the drains did not show"
         );
