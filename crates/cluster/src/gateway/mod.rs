@@ -85,7 +85,7 @@ struct Gw {
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
     /// The versions of `tenants/` and `keys/` the quota table was read at.
-    quotas_at: std::sync::Mutex<Option<((i64, i64), (i64, i64))>>,
+    quotas_at: std::sync::Mutex<Option<[(i64, i64); 2]>>,
     /// This gateway's placements the node reports do not count yet.
     placed_recently: placed::Placed,
     /// When this gateway last refused creates for capacity (bounded: the last
@@ -188,10 +188,10 @@ async fn refresh(gw: &App) {
         let (nodes, _) = g.etcd.prefix(&model::nodes_prefix())?;
         let (numbers, _) = g.etcd.prefix(&model::numbers_prefix())?;
         // Tenants and keys change rarely: reread only when either prefix moved.
-        let version = (
+        let version = [
             g.etcd.prefix_version(&model::tenants_prefix())?,
             g.etcd.prefix_version(&model::api_keys_prefix())?,
-        );
+        ];
         let same = *g.quotas_at.lock().unwrap_or_else(|p| p.into_inner()) == Some(version);
         let quotas = if same {
             None
