@@ -344,6 +344,62 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         "{}",
         String::from_utf8_lossy(&b.body)
     );
+    // A gateway killed while creates are in flight: each retried on another gateway with its
+    // Idempotency-Key ends with exactly one sandbox, whenever the kill landed (before the
+    // placement was pinned, before the node was asked, or after).
+    let (mut g3p, g3, _) = gateway(&etcd_url);
+    let g3 = g3.with_key(Some(&n1.key));
+    assert!(wait(Duration::from_secs(5), || g3
+        .req("GET", "/v1/cluster", None)
+        .1["nodes"]
+        .as_array()
+        .is_some_and(|a| a.len() == 2)));
+    let keys: Vec<String> = (0..6).map(|i| format!("cluster-kill-{i}")).collect();
+    std::thread::scope(|s| {
+        for (i, k) in keys.iter().enumerate() {
+            let g3 = &g3;
+            s.spawn(move || {
+                std::thread::sleep(Duration::from_millis(2 * i as u64));
+                let body = format!(r#"{{"labels": {{"t": "kill", "k": "{k}"}}}}"#);
+                let _ = g3.send(
+                    "POST",
+                    "/v1/sandboxes",
+                    Some(body.as_bytes()),
+                    &[("Idempotency-Key", k), ("content-type", "application/json")],
+                );
+            });
+        }
+        std::thread::sleep(Duration::from_millis(6));
+        let _ = g3p.0.kill();
+    });
+    for k in &keys {
+        let body = format!(r#"{{"labels": {{"t": "kill", "k": "{k}"}}}}"#);
+        let r = gw2
+            .send(
+                "POST",
+                "/v1/sandboxes",
+                Some(body.as_bytes()),
+                &[("Idempotency-Key", k), ("content-type", "application/json")],
+            )
+            .expect("retry");
+        assert!(
+            r.status == 201 || r.status == 200,
+            "{}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let (_, v) = gw2.req("GET", &format!("/v1/sandboxes?label=k={k}"), None);
+        assert_eq!(
+            v["items"].as_array().map(Vec::len),
+            Some(1),
+            "one sandbox for {k}: {v}"
+        );
+    }
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes/batch-delete",
+        Some(&json!({"labels": {"t": "kill"}})),
+    );
+    assert_eq!(s, 200, "{v}");
 
     // A drained node gets no new sandbox; undrained, it does again.
     let drain = |undo: bool| {
