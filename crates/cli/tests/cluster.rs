@@ -410,15 +410,23 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         }
         assert!(c.status().expect("dsec cluster drain").success());
     };
-    // n1 keeps a warm pool of 2; drained, it empties; undrained, it refills.
+    // A pool set on one node is kept by every node (published in etcd). n1 keeps 2 ready;
+    // drained, it empties; undrained, it refills.
     let n1h = n1.http().with_key(Some(&n1.key));
+    let n2h = n2.http().with_key(Some(&n1.key));
     let (s, v) = n1h.req("PUT", "/v1/pools/host", Some(&json!({"min": 2, "max": 2})));
     assert_eq!(s, 200, "{v}");
     let ready = || n1h.req("GET", "/v1/pools/host", None).1["ready"].as_u64();
+    let ready2 = || n2h.req("GET", "/v1/pools/host", None).1["ready"].as_u64();
     assert!(
         wait(Duration::from_secs(20), || ready() == Some(2)),
         "{:?}",
         ready()
+    );
+    assert!(
+        wait(Duration::from_secs(20), || ready2() == Some(2)),
+        "the pool did not reach n2: {:?}",
+        ready2()
     );
     drain(false);
     assert!(
@@ -455,8 +463,16 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         "{:?}",
         ready()
     );
-    let (s, v) = n1h.req("PUT", "/v1/pools/host", Some(&json!({"min": 0, "max": 0})));
+    // Set through the gateway, for the whole cluster.
+    let (s, v) = gw.req("PUT", "/v1/pools/host", Some(&json!({"min": 0, "max": 0})));
     assert_eq!(s, 200, "{v}");
+    assert!(
+        wait(Duration::from_secs(20), || ready() == Some(0)
+            && ready2() == Some(0)),
+        "{:?} {:?}",
+        ready(),
+        ready2()
+    );
 
     // n2 is killed: its sandboxes are `lost` within 10 s, calls to them `node_lost`.
     let n2_number = *spread.keys().nth(1).expect("n2's number");

@@ -9,6 +9,7 @@
 //! | `tenants/<name>` | a tenant's record (JSON), as the first node that had it wrote it | none |
 //! | `keys/<sha256>` | the name of the tenant an API key belongs to | none |
 //! | `templates/<name>` | a template's record (JSON: its layers' digests, env, workdir), as the node that imported it published it | none |
+//! | `pools/<pool>` | a warm pool's bounds (`{"min","max"}`) every node keeps, as last set through any node | none |
 //! | `secret` | the secret nodes authenticate each other's layer calls with | none |
 //! | `idem/<sha256>` | the node a create with an `Idempotency-Key` went to (sha256 of the caller's key and the `Idempotency-Key`) | one of [`IDEM_TTL`] seconds |
 
@@ -72,6 +73,16 @@ pub fn template_key(name: &str) -> String {
 /// The prefix of every template record.
 pub fn templates_prefix() -> String {
     format!("{ROOT}templates/")
+}
+
+/// The key of pool `name`'s bounds.
+pub fn pool_key(name: &str) -> String {
+    format!("{ROOT}pools/{name}")
+}
+
+/// The prefix of every pool's bounds.
+pub fn pools_prefix() -> String {
+    format!("{ROOT}pools/")
 }
 
 /// The key of the cluster secret.

@@ -154,7 +154,7 @@ impl Member {
     }
 
     /// Renews `lease` (or grants one when 0) and rewrites the report under it.
-    fn renew(&self, node: &Node, lease: i64) -> Result<Renewed, EtcdError> {
+    fn renew(&self, node: &Arc<Node>, lease: i64) -> Result<Renewed, EtcdError> {
         if lease != 0 && self.etcd.keep_alive(lease)? <= 0 {
             return Ok(Renewed::Expired);
         }
@@ -175,11 +175,12 @@ impl Member {
     /// [`Member::publish_missing`]) when something changed since the last time: in etcd (three
     /// one-key reads tell) or here. A quiet cluster costs each node three small reads a second,
     /// whatever the number of tenants and keys.
-    fn sync_shared(&self, node: &Node) -> Result<(), EtcdError> {
+    fn sync_shared(&self, node: &Arc<Node>) -> Result<(), EtcdError> {
         let seen = [
             model::tenants_prefix(),
             model::api_keys_prefix(),
             model::templates_prefix(),
+            model::pools_prefix(),
         ]
         .iter()
         .map(|p| self.etcd.prefix_version(p))
@@ -201,7 +202,49 @@ impl Member {
         }
         self.share_keys(node)?;
         self.publish_missing(node)?;
+        self.apply_pools(node)?;
         *self.synced.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
+        Ok(())
+    }
+
+    /// Publishes a pool's bounds (set through this node's API) for every node to keep.
+    pub fn publish_pool(&self, pool: &str, min: usize, max: usize) -> Result<(), EtcdError> {
+        let body = serde_json::json!({"min": min, "max": max}).to_string();
+        self.etcd
+            .put(&model::pool_key(pool), body.as_bytes(), 0)
+            .map(|_| ())
+    }
+
+    /// Takes the pools' bounds the cluster publishes whose bounds here differ.
+    fn apply_pools(&self, node: &Arc<Node>) -> Result<(), EtcdError> {
+        let (kvs, _) = self.etcd.prefix(&model::pools_prefix())?;
+        let here = node.pool_stats();
+        for kv in kvs {
+            let Some(pool) = kv.key.rsplit('/').next() else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&kv.value) else {
+                continue;
+            };
+            let (Some(min), Some(max)) = (v["min"].as_u64(), v["max"].as_u64()) else {
+                continue;
+            };
+            let same = here.iter().any(|p| {
+                p["template"] == pool
+                    && p["min"].as_u64() == Some(min)
+                    && p["max"].as_u64() == Some(max)
+            });
+            if same {
+                continue;
+            }
+            let size = crate::lifecycle::PoolSize {
+                min: min as usize,
+                max: max as usize,
+            };
+            if let Err(e) = node.set_pool(pool, size) {
+                tracing::warn!(pool = %pool, error = %e, "cluster: a published pool was refused");
+            }
+        }
         Ok(())
     }
 

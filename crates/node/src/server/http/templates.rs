@@ -141,11 +141,30 @@ pub(super) async fn set_pool(
     let (base, _) = crate::lifecycle::parse_pool_name(&template)
         .ok_or_else(|| ApiError::invalid("a pool is named <template> or <template>@microvm|vm"))?;
     if base != "host" {
-        let rt = Arc::clone(&app.node.rt);
+        let (rt, member) = (Arc::clone(&app.node.rt), app.member.clone());
         let name = base.to_owned();
-        blocking(move || rt.templates().get(&name)).await?;
+        blocking(move || match (rt.templates().get(&name), member) {
+            // In a cluster: a template the node will fetch.
+            (Err(crate::template::TemplateError::NotFound { .. }), Some(m))
+                if m.cluster_template(&name).ok().flatten().is_some() =>
+            {
+                Ok(())
+            }
+            (r, _) => r.map(|_| ()),
+        })
+        .await?;
     }
     app.node.set_pool(&template, size)?;
+    if let Some(m) = app.member.clone() {
+        // Every node of the cluster keeps it (within a report interval).
+        let (t, (min, max)) = (template.clone(), (size.min, size.max));
+        blocking(move || {
+            m.publish_pool(&t, min, max).map_err(|e| {
+                ApiError::new(ErrorCode::Unavailable, format!("the cluster's store: {e}"))
+            })
+        })
+        .await?;
+    }
     get_pool(AxState(app), Path(template)).await
 }
 
