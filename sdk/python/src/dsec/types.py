@@ -51,9 +51,7 @@ __all__ = [
 Command = Union[str, Sequence[str]]
 
 #: the lifecycle state of a sandbox
-SandboxState = Literal[
-    "creating", "ready", "running", "resetting", "stopping", "stopped", "failed", "lost"
-]
+SandboxState = Literal["creating", "ready", "running", "resetting", "stopping", "stopped", "failed", "lost"]
 
 #: states a sandbox never leaves
 FINAL_STATES: frozenset[SandboxState] = frozenset({"stopped", "failed", "lost"})
