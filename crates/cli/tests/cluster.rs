@@ -1011,3 +1011,74 @@ fn the_origin_store_can_be_an_s3_bucket() {
         .expect("read");
     assert_eq!(motd.body, b"from the bucket\n");
 }
+
+/// A tenant's `max_sandboxes` is exact across the cluster: creates racing through two gateways
+/// onto two nodes get exactly the quota; a delete frees a slot for the next create.
+#[test]
+fn a_tenant_quota_holds_exactly_across_gateways_and_nodes() {
+    let (base, _cleanup) = scratch("quota");
+    let (_etcd, etcd_url) = etcd(&base);
+    let (a, b) = (node(&base, "q1", &etcd_url), node(&base, "q2", &etcd_url));
+    let (_g1, g1, _) = gateway(&etcd_url);
+    let (_g2, g2, _) = gateway(&etcd_url);
+    let admin = g1.with_key(Some(&a.key));
+    wait_registered(&admin, &[&a, &b], &a.key);
+    let (s, t) = admin.req(
+        "POST",
+        "/v1/tenants",
+        Some(&json!({"name": "three-exact", "max_sandboxes": 3})),
+    );
+    assert_eq!(s, 201, "{t}");
+    let key = t["api_key"].as_str().expect("api_key").to_owned();
+    assert!(
+        wait(Duration::from_secs(15), || [&a, &b].iter().all(|n| n
+            .http()
+            .with_key(Some(&key))
+            .req("GET", "/v1/tenant", None)
+            .0
+            == 200)),
+        "the tenant's key did not reach both nodes"
+    );
+    let (g1, g2) = (g1.with_key(Some(&key)), g2.with_key(Some(&key)));
+    let results: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8)
+            .map(|i| {
+                let g = if i % 2 == 0 { &g1 } else { &g2 };
+                s.spawn(move || g.req("POST", "/v1/sandboxes", Some(&json!({}))))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let made: Vec<&Value> = results
+        .iter()
+        .filter(|(s, _)| *s == 201)
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(made.len(), 3, "{results:?}");
+    for (s, v) in results.iter().filter(|(s, _)| *s != 201) {
+        assert_eq!(
+            (*s, v["code"].as_str()),
+            (429, Some("quota_exceeded")),
+            "{v}"
+        );
+    }
+    // Direct to a node, past the gateways: still refused.
+    let (s, v) = b
+        .http()
+        .with_key(Some(&key))
+        .req("POST", "/v1/sandboxes", Some(&json!({})));
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (429, Some("quota_exceeded")),
+        "{v}"
+    );
+    // A delete frees one.
+    let id = made[0]["id"].as_str().expect("id");
+    let (s, v) = g2.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(s == 200 || s == 204, "{v}");
+    let (s, v) = a
+        .http()
+        .with_key(Some(&key))
+        .req("POST", "/v1/sandboxes", Some(&json!({})));
+    assert_eq!(s, 201, "{v}");
+}

@@ -10,6 +10,7 @@
 //! | `keys/<sha256>` | the name of the tenant an API key belongs to | none |
 //! | `templates/<name>` | a template's record (JSON: its layers' digests, env, workdir), as the node that imported it published it | none |
 //! | `pools/<pool>` | a warm pool's bounds (`{"min","max"}`) every node keeps, as last set through any node | none |
+//! | `usage/<tenant name>` | for a tenant with `max_sandboxes`: each node's count of its live sandboxes (JSON), swapped on every create and destroy | none |
 //! | `secret` | the secret nodes authenticate each other's layer calls with | none |
 //! | `idem/<sha256>` | the node a create with an `Idempotency-Key` went to (sha256 of the caller's key and the `Idempotency-Key`) | one of [`IDEM_TTL`] seconds |
 
@@ -83,6 +84,16 @@ pub fn pool_key(name: &str) -> String {
 /// The prefix of every pool's bounds.
 pub fn pools_prefix() -> String {
     format!("{ROOT}pools/")
+}
+
+/// The key of tenant `name`'s usage record.
+pub fn usage_key(name: &str) -> String {
+    format!("{ROOT}usage/{name}")
+}
+
+/// The prefix of every usage record.
+pub fn usage_prefix() -> String {
+    format!("{ROOT}usage/")
 }
 
 /// The key of the cluster secret.

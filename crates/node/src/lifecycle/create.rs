@@ -25,6 +25,16 @@ pub trait TemplateFetcher: Send + Sync + std::fmt::Debug {
     ) -> std::result::Result<Option<dsec_api::sandbox::Fetched>, String>;
 }
 
+/// A tenant's quota across a cluster (its member): reservations made before a node adds a
+/// sandbox of a tenant with `max_sandboxes`, released when it is gone.
+pub trait ClusterQuota: Send + Sync + std::fmt::Debug {
+    /// Reserves `n` sandboxes of tenant `name` whose quota is `max`: `false` when the cluster
+    /// holds `max` already (blocking).
+    fn reserve(&self, name: &str, max: u64, n: u64) -> std::result::Result<bool, String>;
+    /// Releases `n` (blocking; a failure is fixed by the next reconciliation).
+    fn release(&self, name: &str, n: u64);
+}
+
 /// What a create asks for.
 #[derive(Debug, Clone)]
 pub struct CreateRequest {
@@ -158,6 +168,49 @@ impl Node {
                 }
             }
         }
+        let reserved = self.reserve_in_cluster(tenant).await?;
+        let made = self.create_here(tenant, req).await;
+        if reserved && matches!(&made, Err(e) if !matches!(e, Error::Transition(_))) {
+            // (A sandbox destroyed while it was made is released by its destroy.)
+            self.release_in_cluster(&tenant.name).await;
+        }
+        made
+    }
+
+    /// In a cluster, reserves one sandbox of `tenant` against its `max_sandboxes` across the
+    /// cluster: answers whether it reserved (a tenant without a quota needs none).
+    async fn reserve_in_cluster(&self, tenant: &Tenant) -> Result<bool> {
+        let (Some(max), Some(q)) = (tenant.max_sandboxes, self.quota.get().cloned()) else {
+            return Ok(false);
+        };
+        let name = tenant.name.clone();
+        let ok = tokio::task::spawn_blocking(move || q.reserve(&name, max, 1))
+            .await
+            .map_err(|e| Error::internal(e.to_string()))?
+            .map_err(|e| Error::Unavailable(format!("the cluster's store: {e}")))?;
+        if !ok {
+            return Err(Error::Quota(format!(
+                "tenant {} may hold at most {max} sandboxes across the cluster",
+                tenant.name
+            )));
+        }
+        Ok(true)
+    }
+
+    /// Releases one sandbox of tenant `name` reserved with [`Node::reserve_in_cluster`].
+    pub(super) async fn release_in_cluster(&self, name: &str) {
+        if let Some(q) = self.quota.get().cloned() {
+            let name = name.to_owned();
+            let _ = tokio::task::spawn_blocking(move || q.release(&name, 1)).await;
+        }
+    }
+
+    /// The create itself, once the cluster (if any) granted it.
+    async fn create_here(
+        self: &Arc<Self>,
+        tenant: &Tenant,
+        req: CreateRequest,
+    ) -> Result<SandboxRecord> {
         let now = now_ms();
         let fill = |r: &mut SandboxRecord| {
             r.idem = req.idem.clone();
@@ -296,7 +349,21 @@ impl Node {
                 .await
                 .unwrap_or(false)
         };
-        self.fetch_template(e, &spec.template).await?;
+        if let Err(err) = self.fetch_template(e, &spec.template).await {
+            drop(guard);
+            let detail = err.detail();
+            let _ = self.update(e, |r| {
+                // Nothing of it exists: failed, then closed.
+                step(r, State::Failed)?;
+                step(r, State::Stopping)?;
+                step(r, State::Stopped)?;
+                r.phase = None;
+                r.error = Some(detail.clone());
+                Ok(())
+            });
+            self.remove(&e.id);
+            return Err(err);
+        }
         if preparing {
             self.update(e, |r| {
                 r.phase = Some("preparing".into());

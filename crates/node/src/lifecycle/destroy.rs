@@ -64,6 +64,13 @@ impl Node {
             Ok(())
         })?;
         self.remove(&e.id);
+        if let (Some(tenant), Some(_)) = (&rec.tenant, self.quota.get()) {
+            if let Ok(Some(t)) = self.store.tenant(tenant) {
+                if t.max_sandboxes.is_some() {
+                    self.release_in_cluster(&t.name).await;
+                }
+            }
+        }
         Ok(rec)
     }
 

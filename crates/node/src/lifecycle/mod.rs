@@ -19,7 +19,7 @@ mod recover;
 mod reset;
 mod sweep;
 
-pub use create::{CreateRequest, TemplateFetcher};
+pub use create::{ClusterQuota, CreateRequest, TemplateFetcher};
 pub use entry::Entry;
 pub use error::{chain, Error, Result};
 pub use metrics::Metrics;
@@ -100,6 +100,8 @@ pub struct Node {
     pub cpu_shares: cpu_share::CpuShares,
     /// Its warm pools hold no ready sandbox (the node is drained out of its cluster).
     pools_drained: AtomicBool,
+    /// Tenants' quotas across its cluster (in a cluster).
+    pub quota: std::sync::OnceLock<Arc<dyn create::ClusterQuota>>,
     /// Where templates it does not hold come from (in a cluster).
     pub fetcher: std::sync::OnceLock<Arc<dyn create::TemplateFetcher>>,
 }
@@ -140,6 +142,7 @@ impl Node {
             sweeps: std::sync::atomic::AtomicU64::new(0),
             cpu_shares: cpu_share::CpuShares::default(),
             fetcher: std::sync::OnceLock::new(),
+            quota: std::sync::OnceLock::new(),
             pools_drained: AtomicBool::new(false),
             metrics: Metrics::new(),
             started: Instant::now(),

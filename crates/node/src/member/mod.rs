@@ -23,6 +23,7 @@ use crate::lifecycle::Node;
 use crate::sandbox::State;
 
 pub mod layers;
+mod quota;
 pub mod s3;
 
 /// The lease's time to live: a node that stops renewing is `lost` this long after.
@@ -67,6 +68,8 @@ pub struct Member {
     origin: Option<layers::Origin>,
     http: ureq::Agent,
     layers: layers::Layers,
+    /// Reports written (every [`quota::RECONCILE_EVERY`]th reconciles the tenants' usage).
+    reports: std::sync::atomic::AtomicU64,
     /// What the shared prefixes and the local store looked like at the last sync.
     synced: std::sync::Mutex<Option<SyncedAt>>,
     number: u16,
@@ -108,6 +111,7 @@ impl Member {
             http: layers::agent(),
             layers: layers::Layers::default(),
             synced: std::sync::Mutex::new(None),
+            reports: std::sync::atomic::AtomicU64::new(0),
             number,
             started_ms: now_ms(),
             was_lost,
@@ -163,6 +167,13 @@ impl Member {
             l => l,
         };
         self.sync_shared(node)?;
+        if self
+            .reports
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(quota::RECONCILE_EVERY)
+        {
+            self.reconcile_usage(&quota_held(node))?;
+        }
         let draining = self.etcd.get(&model::drain_key(&self.cfg.name))?.is_some();
         let report = self.report(node, draining);
         let body = serde_json::to_vec(&report).unwrap_or_default();
@@ -383,6 +394,29 @@ enum Renewed {
     Live(i64, bool),
     /// The lease had expired.
     Expired,
+}
+
+/// This node's live sandboxes of each tenant with a quota, by tenant name.
+fn quota_held(node: &Node) -> BTreeMap<String, u64> {
+    let tenants: BTreeMap<String, String> = node
+        .store
+        .tenants()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| t.max_sandboxes.is_some())
+        .map(|t| (t.id, t.name))
+        .collect();
+    let mut held = BTreeMap::new();
+    for e in node.entries() {
+        let rec = e.record();
+        if rec.state == State::Stopped {
+            continue;
+        }
+        if let Some(name) = rec.tenant.as_ref().and_then(|t| tenants.get(t)) {
+            *held.entry(name.clone()).or_default() += 1;
+        }
+    }
+    held
 }
 
 /// The cluster's secret: the one in etcd, or a new one this node puts there first.

@@ -279,6 +279,9 @@ async fn join(
     let _ = app
         .fetcher
         .set(Arc::clone(&m) as Arc<dyn crate::lifecycle::TemplateFetcher>);
+    let _ = app
+        .quota
+        .set(Arc::clone(&m) as Arc<dyn crate::lifecycle::ClusterQuota>);
     Ok(Some(m))
 }
 
