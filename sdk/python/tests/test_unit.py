@@ -365,3 +365,12 @@ async def test_sync_and_async_classes_send_the_same_requests() -> None:
         sent["async"].clear()
     c.close()
     await ac.aclose()
+
+
+def test_a_sandbox_shows_what_its_node_fetched() -> None:
+    with dsec.Client("http://127.0.0.1:9", api_key="k") as c:
+        got = {"layers": 1, "bytes": 10240, "from": ["node:n1"], "ms": 3}
+        sb = dsec.Sandbox(c, {"id": "sb-1", "state": "running", "phase": None, "fetched": got})
+        assert sb.fetched == got and sb.phase is None
+        assert dsec.Sandbox(c, {"id": "sb-2", "state": "lost"}).fetched is None
+        assert "lost" in dsec.FINAL_STATES

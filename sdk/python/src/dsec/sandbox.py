@@ -147,7 +147,12 @@ class _SandboxData:
 
     phase = _Field[str](
         'What a ``creating`` sandbox waits for: ``"preparing"`` while the node makes the VM snapshot it is'
-        " restored from (the first VM of a template on a host), else ``None``."
+        ' restored from (the first VM of a template on a host), ``"fetching"`` while a node of a cluster'
+        " fetches a template it does not hold, else ``None``."
+    )
+    fetched = _Field[dict[str, Any]](
+        "In a cluster, what the node fetched to make the sandbox: ``{layers, bytes, from, ms}`` (``from``:"
+        ' ``"node:<name>"`` or ``"origin"``); ``None`` when it held the template.'
     )
 
     def __repr__(self) -> str:
