@@ -79,6 +79,17 @@ fn status(etcd: &str) -> Value {
     serde_json::from_slice(&out.stdout).expect("JSON")
 }
 
+/// POSTs `body` to sandbox `id`'s `call` (`exec`, `sessions/1/run`) and checks that it answers
+/// 200 with `stdout`.
+fn assert_stdout(h: &testkit::Http, id: &str, call: &str, body: Value, stdout: &str) {
+    let (s, v) = h.req("POST", &format!("/v1/sandboxes/{id}/{call}"), Some(&body));
+    assert_eq!(
+        (s, v["stdout"]["data"].as_str()),
+        (200, Some(stdout)),
+        "{call}: {v}"
+    );
+}
+
 /// Files, background processes with their wait, sessions and the code runner, through the
 /// gateway to sandbox `id`'s node.
 fn families_pass_through(gw: &testkit::Http, id: &str) {
@@ -125,15 +136,12 @@ fn families_pass_through(gw: &testkit::Http, id: &str) {
         &format!("/v1/sandboxes/{id}/sessions/{sid}/run"),
         Some(&json!({"input": "X=41"})),
     );
-    let (s, v) = gw.req(
-        "POST",
-        &format!("/v1/sandboxes/{id}/sessions/{sid}/run"),
-        Some(&json!({"input": "echo $((X+1))"})),
-    );
-    assert_eq!(
-        (s, v["stdout"]["data"].as_str()),
-        (200, Some("42\n")),
-        "{v}"
+    assert_stdout(
+        gw,
+        id,
+        &format!("sessions/{sid}/run"),
+        json!({"input": "echo $((X+1))"}),
+        "42\n",
     );
     // An exec stream passes through as it comes.
     let streamed = gw
@@ -235,15 +243,12 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         "{spread:?}"
     );
     for id in spread.values().flatten() {
-        let (s, r) = gw.req(
-            "POST",
-            &format!("/v1/sandboxes/{id}/exec"),
-            Some(&json!({"argv": ["hostname"]})),
-        );
-        assert_eq!(
-            (s, r["stdout"]["data"].as_str()),
-            (200, Some(&*format!("{id}\n"))),
-            "{r}"
+        assert_stdout(
+            &gw,
+            id,
+            "exec",
+            json!({"argv": ["hostname"]}),
+            &format!("{id}\n"),
         );
     }
     let (s, v) = gw.req("GET", "/v1/sandboxes", None);
@@ -859,15 +864,12 @@ fn a_microvm_sandbox_works_through_the_gateway() {
     assert_eq!(s, 201, "{v}");
     let id = v["id"].as_str().expect("id").to_owned();
     assert_eq!(v["substrate"], "microvm", "{v}");
-    let (s, v) = gw.req(
-        "POST",
-        &format!("/v1/sandboxes/{id}/exec"),
-        Some(&json!({"shell": "echo in-a-vm > /tmp/f; cat /tmp/f"})),
-    );
-    assert_eq!(
-        (s, v["stdout"]["data"].as_str()),
-        (200, Some("in-a-vm\n")),
-        "{v}"
+    assert_stdout(
+        &gw,
+        &id,
+        "exec",
+        json!({"shell": "echo in-a-vm > /tmp/f; cat /tmp/f"}),
+        "in-a-vm\n",
     );
     let f = gw
         .send(

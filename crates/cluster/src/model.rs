@@ -112,6 +112,13 @@ pub fn idem_key(digest: &str) -> String {
     format!("{ROOT}idem/{digest}")
 }
 
+/// Milliseconds since the epoch (reports' times).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// What a node publishes about itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeReport {

@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -17,7 +17,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use crate::etcd::{Etcd, EtcdError};
-use crate::model::{self, NodeReport};
+use crate::model::{self, now_ms, NodeReport};
 
 /// How the simulated nodes look.
 #[derive(Debug, Clone)]
@@ -43,12 +43,6 @@ struct Sim {
 }
 
 type Sims = Arc<Vec<Sim>>;
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
 
 /// Registers the nodes and serves them until the process ends; calls `on_ready` with the
 /// listener's address once every node is registered.

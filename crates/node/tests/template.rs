@@ -1008,7 +1008,13 @@ fn kept_blobs_verify_fetches_and_adoption() -> Result<()> {
     );
     ensure!(!node.layers().contains(digest));
     assert_clean(&node)?;
-    node.fetch_layer(fs::File::open(&blob)?, digest, &limits())?;
+    let bytes = node.fetch_layer(fs::File::open(&blob)?, digest, &limits())?;
+    ensure!(
+        bytes == tar.len() as u64,
+        "{bytes} bytes read of {}",
+        tar.len()
+    );
+    ensure!(node.fetch_layer(fs::File::open(&blob)?, digest, &limits())? == 0);
     node.adopt(&t)?;
     ensure!(node.get("kept")? == t);
     // Without keep_blobs, no blob.

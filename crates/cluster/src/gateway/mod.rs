@@ -34,7 +34,7 @@ use hyper_util::client::legacy::Client;
 use serde_json::{json, Value};
 
 use crate::etcd::Etcd;
-use crate::model::{self, NodeReport};
+use crate::model::{self, now_ms, NodeReport};
 use crate::place::{self, Ask};
 
 mod placed;
@@ -69,7 +69,8 @@ struct Table {
     /// When etcd last answered.
     read_at: Option<Instant>,
     /// API key hash → (tenant id, its `max_sandboxes`), from `keys/` and `tenants/`.
-    quotas: BTreeMap<String, (String, Option<u64>)>,
+    /// (Shared with the next table while `tenants/` and `keys/` do not move.)
+    quotas: Arc<BTreeMap<String, (String, Option<u64>)>>,
 }
 
 struct Gw {
@@ -79,9 +80,6 @@ struct Gw {
     placed: AtomicU64,
     lost_calls: AtomicU64,
     proxied: AtomicU64,
-    /// Sandboxes this gateway placed that the node reports may not count yet: (tenant id,
-    /// count, when).
-    pending: std::sync::Mutex<Vec<(String, u64, Instant)>>,
     /// The lease idempotent placements go under, and when it was granted.
     idem_lease: std::sync::Mutex<Option<(i64, Instant)>>,
     /// The versions of `tenants/` and `keys/` the quota table was read at.
@@ -90,7 +88,7 @@ struct Gw {
     placed_recently: placed::Placed,
     /// When this gateway last refused creates for capacity (bounded: the last
     /// [`MAX_REFUSALS`]), the waiting part of the queue depth.
-    refused: std::sync::Mutex<std::collections::VecDeque<Instant>>,
+    refused: std::sync::Mutex<std::collections::VecDeque<(Instant, u64)>>,
     /// The desired node count, updated at every refresh.
     desired: std::sync::Mutex<crate::autoscale::Desired>,
     desired_nodes: AtomicU64,
@@ -141,7 +139,6 @@ pub async fn serve(
         lost_calls: AtomicU64::new(0),
         proxied: AtomicU64::new(0),
         idem_lease: std::sync::Mutex::new(None),
-        pending: std::sync::Mutex::default(),
         trajectories: std::sync::Mutex::default(),
         refused: std::sync::Mutex::default(),
         placed_recently: placed::Placed::default(),
@@ -167,7 +164,10 @@ pub async fn serve(
         .route("/v1/sandboxes/batch-delete", any(batch_delete))
         .route("/v1/sandboxes/{id}", any(by_id))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
-        .route("/v1/trajectories", get(trajectories::list))
+        .route(
+            "/v1/trajectories",
+            get(|State(gw): State<App>, req: Request| list(gw, req)),
+        )
         .route("/v1/trajectories/{id}", any(trajectories::by_id))
         .route("/v1/trajectories/{id}/{*rest}", any(trajectories::by_id))
         .fallback(anywhere)
@@ -223,20 +223,15 @@ async fn refresh(gw: &App) {
     }
     match quotas {
         Some((q, version)) => {
-            t.quotas = q;
+            t.quotas = Arc::new(q);
             *gw.quotas_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(version);
         }
         None => {
-            t.quotas = gw
-                .table
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .quotas
-                .clone();
+            t.quotas = Arc::clone(&gw.table.read().unwrap_or_else(|p| p.into_inner()).quotas);
         }
     }
     *gw.table.write().unwrap_or_else(|p| p.into_inner()) = t;
-    let load = load(gw);
+    let load = load(gw, refused_recently(gw));
     let n = gw
         .desired
         .lock()
@@ -271,19 +266,19 @@ fn quotas_of(
     out
 }
 
-/// Most capacity refusals a gateway remembers.
-const MAX_REFUSALS: usize = 100_000;
+/// Most capacity refusals a gateway remembers (the oldest go first).
+const MAX_REFUSALS: usize = 10_000;
 
 /// Counts `n` creates refused for capacity now.
 fn refuse(gw: &App, n: usize) {
-    let mut r = gw.refused.lock().unwrap_or_else(|p| p.into_inner());
-    let now = Instant::now();
-    for _ in 0..n.min(MAX_REFUSALS) {
-        if r.len() == MAX_REFUSALS {
-            r.pop_front();
-        }
-        r.push_back(now);
+    if n == 0 {
+        return;
     }
+    let mut r = gw.refused.lock().unwrap_or_else(|p| p.into_inner());
+    if r.len() == MAX_REFUSALS {
+        r.pop_front();
+    }
+    r.push_back((Instant::now(), n as u64));
 }
 
 /// Creates refused for capacity within the autoscaler's window.
@@ -291,16 +286,16 @@ fn refused_recently(gw: &App) -> u64 {
     let mut r = gw.refused.lock().unwrap_or_else(|p| p.into_inner());
     while r
         .front()
-        .is_some_and(|t| t.elapsed() > crate::autoscale::REFUSED_WINDOW)
+        .is_some_and(|(t, _)| t.elapsed() > crate::autoscale::REFUSED_WINDOW)
     {
         r.pop_front();
     }
-    r.len() as u64
+    r.iter().map(|(_, n)| n).sum()
 }
 
-/// The cluster's load as the autoscaler reads it.
-fn load(gw: &App) -> crate::autoscale::Load {
-    let refused = refused_recently(gw);
+/// The cluster's load as the autoscaler reads it, with `refused` creates waiting besides the
+/// nodes' queues.
+fn load(gw: &App, refused: u64) -> crate::autoscale::Load {
     let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
     let live: Vec<&NodeReport> = t.nodes.values().filter(|n| !n.draining).collect();
     let sum = |f: &dyn Fn(&NodeReport) -> f64| live.iter().map(|n| f(n)).sum::<f64>();
@@ -320,35 +315,27 @@ fn load(gw: &App) -> crate::autoscale::Load {
     }
 }
 
-/// How many of `want` sandboxes the caller's tenant may still have, cluster-wide: its
-/// `max_sandboxes` less what the node reports count and this gateway placed since. Another
-/// gateway's placements of the last second are not seen: the bound holds to within what the
-/// gateways place in a second.
-fn quota_room(gw: &App, key: &str, want: u64) -> u64 {
+/// Who is calling: its tenant id and `max_sandboxes` from the key table (a key the table does
+/// not know yet: its hash, no quota). The key itself is never kept.
+fn tenant_of(gw: &App, headers: &axum::http::HeaderMap) -> (String, Option<u64>) {
     use sha2::Digest as _;
-    let hash = hex::encode(sha2::Sha256::digest(key.as_bytes()));
+    let hash = hex::encode(sha2::Sha256::digest(caller(headers).as_bytes()));
     let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
-    let Some((tenant, Some(max))) = t.quotas.get(&hash).cloned() else {
+    t.quotas.get(&hash).cloned().unwrap_or((hash, None))
+}
+
+/// How many of `want` sandboxes `tenant` (quota `max`) may still have, cluster-wide, as far as
+/// this gateway sees: the node reports plus its own placements they do not count yet. An early
+/// answer only: the nodes' reservations in etcd are exact (`member/quota.rs`).
+fn quota_room(gw: &App, tenant: &str, max: Option<u64>, want: u64) -> u64 {
+    let Some(max) = max else {
         return want;
     };
-    let live: u64 = t
-        .nodes
-        .values()
-        .map(|n| n.tenants.get(&tenant).copied().unwrap_or(0))
-        .sum();
-    drop(t);
-    let mut pending = gw.pending.lock().unwrap_or_else(|p| p.into_inner());
-    pending.retain(|(_, _, at)| at.elapsed() < placed::PENDING_FOR);
-    let placed: u64 = pending
+    let live: u64 = adjusted(gw, &nodes(gw))
         .iter()
-        .filter(|(id, ..)| *id == tenant)
-        .map(|(_, n, _)| n)
+        .map(|n| n.tenants.get(tenant).copied().unwrap_or(0))
         .sum();
-    let room = max.saturating_sub(live + placed).min(want);
-    if room > 0 {
-        pending.push((tenant, room, Instant::now()));
-    }
-    room
+    max.saturating_sub(live).min(want)
 }
 
 fn quota_exceeded() -> Response {
@@ -486,8 +473,8 @@ async fn readyz(State(gw): State<App>) -> Response {
 
 /// The autoscaling signals and the node table.
 fn cluster_view(gw: &App) -> Value {
-    let load = load(gw);
     let refused = refused_recently(gw);
+    let load = load(gw, refused);
     let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
     let live: Vec<&NodeReport> = t.nodes.values().collect();
     let cpus: f64 = live.iter().map(|n| n.cpus).sum();
@@ -523,12 +510,6 @@ fn cluster_view(gw: &App) -> Value {
         "etcd_read_age_ms": t.read_at.map(|r| r.elapsed().as_millis() as u64),
         "keys_with_quota": t.quotas.values().filter(|(_, m)| m.is_some()).count(),
     })
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 async fn cluster(State(gw): State<App>) -> Response {
@@ -632,13 +613,14 @@ async fn create(gw: App, req: Request) -> Response {
         Ok(r) => r,
         Err(r) => return r,
     };
-    let who = caller(&parts.headers);
+    let (tenant, max) = tenant_of(&gw, &parts.headers);
     let idempotent = parts.headers.contains_key("idempotency-key");
     // (A retry of an idempotent create is answered by its node, which counts it once.)
-    if !idempotent && quota_room(&gw, &who, 1) == 0 {
+    if !idempotent && quota_room(&gw, &tenant, max, 1) == 0 {
         return quota_exceeded();
     }
-    let mut order = ranked(&gw, &ask_of(&spec, &who));
+    let ask = ask_of(&spec, &tenant);
+    let mut order = ranked(&gw, &ask);
     if order.is_empty() {
         refuse(&gw, 1);
         return no_capacity();
@@ -650,7 +632,7 @@ async fn create(gw: App, req: Request) -> Response {
     {
         // A retry, through this gateway or another, goes to the node the first try went to,
         // whose own idempotency store answers it.
-        match pin_idempotent(&gw, &who, idem, &order[0].name).await {
+        match pin_idempotent(&gw, &caller(&parts.headers), idem, &order[0].name).await {
             Ok(name) => {
                 let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
                 match t.nodes.get(&name) {
@@ -689,10 +671,10 @@ async fn create(gw: App, req: Request) -> Response {
             last = r;
             continue;
         }
-        gw.placed.fetch_add(1, Ordering::Relaxed);
         if r.status().is_success() {
-            let memory = ask_of(&spec, &who).memory;
-            gw.placed_recently.record(&node.name, 1, memory, now_ms());
+            gw.placed.fetch_add(1, Ordering::Relaxed);
+            gw.placed_recently
+                .record(&node.name, &tenant, 1, ask.memory, now_ms());
         }
         return r;
     }
@@ -763,7 +745,7 @@ async fn list(gw: App, req: Request) -> Response {
     let pq = parts
         .uri
         .path_and_query()
-        .map_or("/v1/sandboxes", |p| p.as_str())
+        .map_or("/", |p| p.as_str())
         .to_owned();
     fan_out(&gw, Method::GET, &pq, &parts.headers, Vec::new()).await
 }
@@ -806,16 +788,16 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
         Ok(r) => r,
         Err(r) => return r,
     };
-    let who = caller(&parts.headers);
+    let (tenant, max) = tenant_of(&gw, &parts.headers);
     let asked = v["count"].as_u64().unwrap_or(0);
-    let count = quota_room(&gw, &who, asked);
+    let count = quota_room(&gw, &tenant, max, asked);
     if count == 0 && asked > 0 {
         return quota_exceeded();
     }
     let over_quota = asked - count;
     let count = count as usize;
     let spec = v.get("spec").cloned().unwrap_or_else(|| json!({}));
-    let ask = ask_of(&spec, &who);
+    let ask = ask_of(&spec, &tenant);
     let all = nodes(&gw);
     let (mut plan, mut unplaced) = place::place(&adjusted(&gw, &all), &ask, count);
     if unplaced > 0 {
@@ -833,7 +815,8 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
         unplaced = left;
     }
     for (name, n) in &plan {
-        gw.placed_recently.record(name, *n, ask.memory, now_ms());
+        gw.placed_recently
+            .record(name, &tenant, *n, ask.memory, now_ms());
     }
     let table = gw
         .table
@@ -864,7 +847,8 @@ async fn batch(State(gw): State<App>, req: Request) -> Response {
             return (status, axum::Json(ans)).into_response();
         }
     }
-    gw.placed.fetch_add(items.len() as u64, Ordering::Relaxed);
+    let made = items.iter().filter(|i| i["ok"] == true).count();
+    gw.placed.fetch_add(made as u64, Ordering::Relaxed);
     refuse(&gw, unplaced);
     for _ in 0..unplaced {
         items.push(json!({"ok": false, "error": {"code": "capacity_exhausted",
@@ -945,10 +929,10 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
 }
 
 async fn anywhere(State(gw): State<App>, req: Request) -> Response {
-    let who = caller(req.headers());
+    let (tenant, _) = tenant_of(&gw, req.headers());
     let ask = Ask {
         template: "host",
-        tenant: &who,
+        tenant: &tenant,
         memory: 0,
     };
     match ranked(&gw, &ask).first() {

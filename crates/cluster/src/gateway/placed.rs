@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::model::NodeReport;
 
 /// The longest a placement counts: by then the node's report (rewritten every second) does.
-pub const PENDING_FOR: Duration = Duration::from_secs(3);
+const PENDING_FOR: Duration = Duration::from_secs(3);
 
 /// How much later than a placement a report must be written to count it.
 const SLACK_MS: u64 = 250;
@@ -20,9 +20,10 @@ const SLACK_MS: u64 = 250;
 /// Most placements remembered per node (the oldest go first).
 const MAX: usize = 100_000;
 
-/// One placement: sandboxes, memory each, when (ms since the epoch).
+/// One placement: whose, how many sandboxes, memory each, when (ms since the epoch).
 #[derive(Debug)]
 struct One {
+    tenant: String,
     count: u64,
     memory: u64,
     at_ms: u64,
@@ -35,14 +36,15 @@ pub struct Placed {
 }
 
 impl Placed {
-    /// Counts `count` sandboxes of `memory` bytes each placed on `node` at `now_ms`.
-    pub fn record(&self, node: &str, count: u64, memory: u64, now_ms: u64) {
+    /// Counts `count` sandboxes of `tenant`, `memory` bytes each, placed on `node` at `now_ms`.
+    pub fn record(&self, node: &str, tenant: &str, count: u64, memory: u64, now_ms: u64) {
         let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
         let q = r.entry(node.to_owned()).or_default();
         if q.len() == MAX {
             q.pop_front();
         }
         q.push_back(One {
+            tenant: tenant.to_owned(),
             count,
             memory,
             at_ms: now_ms,
@@ -87,6 +89,7 @@ impl Placed {
             for o in q.iter() {
                 n.sandboxes += o.count;
                 n.memory_allocated_bytes += o.count * o.memory;
+                *n.tenants.entry(o.tenant.clone()).or_default() += o.count;
             }
         }
     }
@@ -105,16 +108,17 @@ mod tests {
             updated_ms,
             ..Default::default()
         };
-        p.record("a", 3, 100, 10_000);
+        p.record("a", "tn-1", 3, 100, 10_000);
         let mut n = [report(9_900)];
         p.adjust(&mut n, 10_100);
         assert_eq!((n[0].sandboxes, n[0].memory_allocated_bytes), (3, 300));
+        assert_eq!(n[0].tenants.get("tn-1"), Some(&3));
         // A report written well after the placement counts it already.
         let mut n = [report(10_400)];
         p.adjust(&mut n, 10_500);
         assert_eq!(n[0].sandboxes, 0);
         // A delete through the gateway uncounts the newest.
-        p.record("a", 1, 100, 10_600);
+        p.record("a", "tn-1", 1, 100, 10_600);
         p.forget_one("a");
         let mut n = [report(10_400)];
         p.adjust(&mut n, 10_700);

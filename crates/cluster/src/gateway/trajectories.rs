@@ -1,32 +1,20 @@
 //! Trajectories through the gateway. A trajectory's log lives on the node whose sandboxes ran
 //! its steps, and its id is the client's (not one that names a node), so the gateway finds its
 //! node by asking: every live node at once, the first that knows it answers, and the gateway
-//! remembers the answer (per caller: trajectory ids are per tenant) for the calls that follow.
-//! The list is every node's, merged.
+//! remembers the answer (per tenant: trajectory ids are) for the calls that follow. The list is
+//! every node's, merged (the gateway's one fan-out).
 
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::response::Response;
-use sha2::Digest as _;
 
-use super::{call_json, caller, fan_out, forward, nodes, problem, App};
+use super::{call_json, forward, nodes, problem, tenant_of, App};
 
 /// Most trajectory → node answers a gateway remembers (then it forgets them all and asks
 /// again: an answer costs one round of calls).
 const REMEMBERED: usize = 100_000;
-
-/// `GET /v1/trajectories`: every live node's list, merged.
-pub(super) async fn list(State(gw): State<App>, req: Request) -> Response {
-    let (parts, _) = req.into_parts();
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map_or("/v1/trajectories", |p| p.as_str())
-        .to_owned();
-    fan_out(&gw, Method::GET, &pq, &parts.headers, Vec::new()).await
-}
 
 /// `/v1/trajectories/{id}` and everything under it: forwarded to the node that holds it.
 pub(super) async fn by_id(State(gw): State<App>, req: Request) -> Response {
@@ -38,11 +26,8 @@ pub(super) async fn by_id(State(gw): State<App>, req: Request) -> Response {
         .next()
         .unwrap_or("")
         .to_owned();
-    let who = caller(req.headers());
-    let key = format!(
-        "{}/{tid}",
-        hex::encode(sha2::Sha256::digest(who.as_bytes()))
-    );
+    // Per tenant: trajectory ids are.
+    let key = format!("{}/{tid}", tenant_of(&gw, req.headers()).0);
     let known = {
         let m = gw.trajectories.lock().unwrap_or_else(|p| p.into_inner());
         m.get(&key).cloned()

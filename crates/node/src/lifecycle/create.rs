@@ -94,7 +94,7 @@ impl CreateRequest {
 
 impl Node {
     /// Whether template `name` is here, or (in a cluster) can be fetched (blocking).
-    fn template_known(&self, name: &str) -> Result<()> {
+    pub fn template_known(&self, name: &str) -> Result<()> {
         match self.rt.templates().get(name) {
             Err(crate::template::TemplateError::NotFound { .. }) => {
                 if let Some(f) = self.fetcher.get() {

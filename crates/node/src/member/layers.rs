@@ -238,25 +238,19 @@ impl Member {
                 .header(SECRET_HEADER, &self.secret)
                 .call();
             match answer {
-                Ok(r) => {
-                    let mut counted = Counted::new(r.into_body().into_reader());
-                    match store.fetch_layer(&mut counted, d, &limits) {
-                        Ok(()) => return Ok((format!("node:{}", p.name), counted.n)),
-                        Err(e) => tried.push(format!("node {}: {e}", p.name)),
-                    }
-                }
+                Ok(r) => match store.fetch_layer(r.into_body().into_reader(), d, &limits) {
+                    Ok(bytes) => return Ok((format!("node:{}", p.name), bytes)),
+                    Err(e) => tried.push(format!("node {}: {e}", p.name)),
+                },
                 Err(e) => tried.push(format!("node {}: {e}", p.name)),
             }
         }
         if let Some(origin) = &self.origin {
             match origin.read(&self.http, d) {
-                Ok(r) => {
-                    let mut counted = Counted::new(r);
-                    match store.fetch_layer(&mut counted, d, &limits) {
-                        Ok(()) => return Ok(("origin".into(), counted.n)),
-                        Err(e) => tried.push(format!("origin: {e}")),
-                    }
-                }
+                Ok(r) => match store.fetch_layer(r, d, &limits) {
+                    Ok(bytes) => return Ok(("origin".into(), bytes)),
+                    Err(e) => tried.push(format!("origin: {e}")),
+                },
                 Err(e) => tried.push(format!("origin: {e}")),
             }
         } else {
@@ -296,24 +290,4 @@ pub(super) fn agent() -> ureq::Agent {
         .http_status_as_error(true)
         .build()
         .new_agent()
-}
-
-/// A reader that counts what passes.
-struct Counted<R> {
-    inner: R,
-    n: u64,
-}
-
-impl<R> Counted<R> {
-    fn new(inner: R) -> Self {
-        Self { inner, n: 0 }
-    }
-}
-
-impl<R: Read> Read for Counted<R> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.n += n as u64;
-        Ok(n)
-    }
 }

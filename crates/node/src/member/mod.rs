@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use dsec_cluster::etcd::{Etcd, EtcdError};
 use dsec_cluster::model::{self, NodeReport};
@@ -79,12 +79,6 @@ pub struct Member {
     was_lost: bool,
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 impl Member {
     /// Claims this node's number (blocking); from then on new sandbox ids carry it.
     pub fn join(cfg: ClusterConfig) -> Result<Self, EtcdError> {
@@ -113,7 +107,7 @@ impl Member {
             synced: std::sync::Mutex::new(None),
             reports: std::sync::atomic::AtomicU64::new(0),
             number,
-            started_ms: now_ms(),
+            started_ms: model::now_ms(),
             was_lost,
         })
     }
@@ -166,7 +160,9 @@ impl Member {
             0 => self.etcd.grant(LEASE_TTL)?,
             l => l,
         };
-        self.sync_shared(node)?;
+        // Read once a report: what the cluster is told it holds, and what it may publish.
+        let templates = node.rt.templates().list().unwrap_or_default();
+        self.sync_shared(node, &templates)?;
         if self
             .reports
             .fetch_add(1, Ordering::Relaxed)
@@ -175,7 +171,7 @@ impl Member {
             self.reconcile_usage(&quota_held(node))?;
         }
         let draining = self.etcd.get(&model::drain_key(&self.cfg.name))?.is_some();
-        let report = self.report(node, draining);
+        let report = self.report(node, draining, &templates);
         let body = serde_json::to_vec(&report).unwrap_or_default();
         self.etcd
             .put(&model::node_key(&self.cfg.name), &body, lease)?;
@@ -186,7 +182,11 @@ impl Member {
     /// [`Member::publish_missing`]) when something changed since the last time: in etcd (three
     /// one-key reads tell) or here. A quiet cluster costs each node three small reads a second,
     /// whatever the number of tenants and keys.
-    fn sync_shared(&self, node: &Arc<Node>) -> Result<(), EtcdError> {
+    fn sync_shared(
+        &self,
+        node: &Arc<Node>,
+        templates: &[crate::template::Template],
+    ) -> Result<(), EtcdError> {
         let seen = [
             model::tenants_prefix(),
             model::api_keys_prefix(),
@@ -199,7 +199,7 @@ impl Member {
         let local = (
             node.store.tenants().map_or(0, |t| t.len()),
             node.store.api_keys().map_or(0, |k| k.len()),
-            node.rt.templates().list().map_or(0, |t| t.len()),
+            templates.len(),
         );
         let now = (seen, local);
         if self
@@ -212,7 +212,7 @@ impl Member {
             return Ok(());
         }
         self.share_keys(node)?;
-        self.publish_missing(node)?;
+        self.publish_missing(node, templates)?;
         self.apply_pools(node)?;
         *self.synced.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
         Ok(())
@@ -318,17 +318,21 @@ impl Member {
                     rec
                 }
             };
-            let _ = store.insert_key(hash, &tenant.id, now_ms());
+            let _ = store.insert_key(hash, &tenant.id, crate::clock::now_ms());
         }
         Ok(())
     }
 
     /// Publishes the templates held here that the cluster has no record of (imported before
     /// the node joined, or whose publication at import failed).
-    fn publish_missing(&self, node: &Node) -> Result<(), EtcdError> {
+    fn publish_missing(
+        &self,
+        node: &Node,
+        templates: &[crate::template::Template],
+    ) -> Result<(), EtcdError> {
         let (known, _) = self.etcd.prefix(&model::templates_prefix())?;
         let store = node.rt.templates();
-        for t in store.list().unwrap_or_default() {
+        for t in templates {
             if t.name == "host"
                 || known
                     .iter()
@@ -336,7 +340,7 @@ impl Member {
             {
                 continue;
             }
-            if let Err(e) = self.publish(store, &t) {
+            if let Err(e) = self.publish(store, t) {
                 tracing::warn!(template = %t.name, error = %e, "cluster: publishing a template failed");
             }
         }
@@ -344,13 +348,18 @@ impl Member {
     }
 
     /// What this node holds now.
-    fn report(&self, node: &Node, draining: bool) -> NodeReport {
+    fn report(
+        &self,
+        node: &Node,
+        draining: bool,
+        templates: &[crate::template::Template],
+    ) -> NodeReport {
         let mut r = NodeReport {
             name: self.cfg.name.clone(),
             url: self.url.get().cloned().unwrap_or_default(),
             number: self.number,
             started_ms: self.started_ms,
-            updated_ms: now_ms(),
+            updated_ms: model::now_ms(),
             draining: draining || node.draining.load(Ordering::Relaxed),
             max_sandboxes: node.max_sandboxes() as u64,
             cpus: f64::from(node.rt.capacity().cpus),
@@ -374,12 +383,7 @@ impl Member {
             }
         }
         r.pools = pools;
-        r.templates = node
-            .rt
-            .templates()
-            .list()
-            .map(|ts| ts.into_iter().map(|t| t.name).collect())
-            .unwrap_or_default();
+        r.templates = templates.iter().map(|t| t.name.clone()).collect();
         r
     }
 }

@@ -140,19 +140,19 @@ impl LayerStore {
         Ok(out)
     }
 
-    /// Unpacks a (plain or gzip'd) layer tar and adds it to the store, returning its digest.
-    /// Importing a layer that is already present leaves the store unchanged. If `expected`
-    /// is given, the uncompressed stream must hash to it.
+    /// Unpacks a (plain or gzip'd) layer tar and adds it to the store, returning its digest and
+    /// the bytes of its uncompressed stream. Importing a layer that is already present leaves
+    /// the store unchanged. If `expected` is given, the uncompressed stream must hash to it.
     pub fn import(
         &self,
         reader: impl Read,
         expected: Option<&Digest>,
         limits: &ImportLimits,
-    ) -> Result<Digest, TemplateError> {
+    ) -> Result<(Digest, u64), TemplateError> {
         let mut budget = Budget::new(limits);
         let staged = self.stage(reader, &mut budget)?;
         check_digest(expected, staged.digest())?;
-        staged.commit()
+        Ok((staged.commit()?, budget.bytes_used()))
     }
 
     /// Unpacks a layer into a temporary directory of the store.
@@ -542,18 +542,20 @@ impl TemplateStore {
     }
 
     /// Adds a layer fetched from elsewhere (another node, the cluster's origin store): it must
-    /// hash to `digest`. A no-op when the layer is here already.
+    /// hash to `digest`. Answers the bytes read (0 when the layer was here already).
     pub fn fetch_layer(
         &self,
         reader: impl Read,
         digest: &Digest,
         limits: &ImportLimits,
-    ) -> Result<(), TemplateError> {
+    ) -> Result<u64, TemplateError> {
         let _guard = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
         if self.layers.contains(digest) {
-            return Ok(());
+            return Ok(0);
         }
-        self.layers.import(reader, Some(digest), limits).map(|_| ())
+        self.layers
+            .import(reader, Some(digest), limits)
+            .map(|(_, bytes)| bytes)
     }
 
     /// Records a template imported elsewhere whose layers are all here now (fetched with

@@ -68,6 +68,11 @@ impl Budget {
         }
     }
 
+    /// Uncompressed bytes read so far.
+    pub(crate) fn bytes_used(&self) -> u64 {
+        self.bytes_used
+    }
+
     fn bytes_left(&self) -> u64 {
         self.limits.max_bytes.saturating_sub(self.bytes_used)
     }

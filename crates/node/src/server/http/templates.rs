@@ -141,18 +141,9 @@ pub(super) async fn set_pool(
     let (base, _) = crate::lifecycle::parse_pool_name(&template)
         .ok_or_else(|| ApiError::invalid("a pool is named <template> or <template>@microvm|vm"))?;
     if base != "host" {
-        let (rt, member) = (Arc::clone(&app.node.rt), app.member.clone());
-        let name = base.to_owned();
-        blocking(move || match (rt.templates().get(&name), member) {
-            // In a cluster: a template the node will fetch.
-            (Err(crate::template::TemplateError::NotFound { .. }), Some(m))
-                if m.cluster_template(&name).ok().flatten().is_some() =>
-            {
-                Ok(())
-            }
-            (r, _) => r.map(|_| ()),
-        })
-        .await?;
+        // Here, or (in a cluster) a template the node will fetch.
+        let (node, name) = (Arc::clone(&app.node), base.to_owned());
+        blocking(move || node.template_known(&name).map_err(ApiError::from)).await?;
     }
     app.node.set_pool(&template, size)?;
     if let Some(m) = app.member.clone() {
