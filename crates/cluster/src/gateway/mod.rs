@@ -387,7 +387,7 @@ fn adjusted(gw: &App, all: &[NodeReport]) -> Vec<NodeReport> {
 }
 
 /// The caller's API key, as a node reads it (`X-API-Key`, or `Authorization: Bearer`); empty
-/// without one. Never stored: it identifies the caller for spreading, idempotency and quotas.
+/// without one. Never stored: it finds the caller's tenant ([`tenant_of`]) and keys idempotency.
 fn caller(headers: &axum::http::HeaderMap) -> String {
     headers
         .get("x-api-key")
