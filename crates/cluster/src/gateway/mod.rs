@@ -12,7 +12,7 @@
 //! | `POST /v1/sandboxes/batch-delete` | every live node |
 //! | `/v1/sandboxes/{id}/…`, `GET/DELETE /v1/sandboxes/{id}` | the node whose number `id` carries; `lost` (410, `node_lost`) when that node's lease expired |
 //! | `GET /v1/trajectories` | every live node, lists merged |
-//! | `/v1/trajectories/{id}/…` | the node that holds it, found by asking them all once ([`trajectories`]) |
+//! | `/v1/trajectories/{id}/…` | the node that holds it, found by asking them all once (`gateway/trajectories.rs`) |
 //! | `GET /v1/cluster` | the gateway itself: the node table and the autoscaling signals |
 //! | `/livez`, `/readyz`, `/metrics` | the gateway itself |
 //! | anything else (`/run_code`, `/v1/run`, tenants, templates, pools) | the best-scored node |
