@@ -61,3 +61,12 @@ mod tests {
         assert_eq!(shifted(u64::MAX - 1, 10), u64::MAX);
     }
 }
+
+/// RFC 3339 UTC time of `ms` since the epoch.
+pub fn rfc3339(ms: u64) -> String {
+    let (y, m, d, hh, mm, ss) = civil(ms / 1000);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}.{:03}Z",
+        ms % 1000
+    )
+}

@@ -12,6 +12,7 @@ pub mod member;
 pub mod metrics;
 pub mod sandbox;
 pub mod server;
+pub mod snapshot;
 pub mod stall;
 pub mod store;
 pub mod substrate;

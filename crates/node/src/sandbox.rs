@@ -30,6 +30,13 @@ pub struct SandboxSpec {
     /// How the sandbox is isolated.
     #[serde(default)]
     pub substrate: Substrate,
+    /// The snapshot it was made from or last restored to (`sn-…`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// That snapshot's layer directories, topmost first, above the template's: resolved by
+    /// the node, never taken from a request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
 }
 
 impl Default for SandboxSpec {
@@ -41,6 +48,8 @@ impl Default for SandboxSpec {
             writable_root: false,
             userns: true,
             substrate: Substrate::Container,
+            snapshot: None,
+            layers: Vec::new(),
         }
     }
 }

@@ -157,6 +157,9 @@ CREATE TABLE IF NOT EXISTS finished_trajectories (
     key TEXT PRIMARY KEY, at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS pools (
     template TEXT PRIMARY KEY, min INTEGER NOT NULL, max INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, parent TEXT, record TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS snapshots_parent ON snapshots(parent);
 CREATE TABLE IF NOT EXISTS idempotency (
     tenant TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
     content_type TEXT NOT NULL, body BLOB NOT NULL, created_at INTEGER NOT NULL,
@@ -216,6 +219,47 @@ impl Store {
     /// Runs one statement.
     fn execute(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
         self.with(|c| Ok(c.execute(sql, params)?))
+    }
+
+    /// Stores (or replaces) a snapshot's record.
+    pub fn put_snapshot(&self, s: &crate::snapshot::SnapshotRecord) -> Result<(), StoreError> {
+        let json = serde_json::to_string(s).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.execute(
+            "INSERT OR REPLACE INTO snapshots (id, tenant, parent, record) VALUES (?1, ?2, ?3, ?4)",
+            params![s.id, s.tenant, s.parent, json],
+        )?;
+        Ok(())
+    }
+
+    /// Snapshot `id`.
+    pub fn snapshot(&self, id: &str) -> Result<Option<crate::snapshot::SnapshotRecord>, StoreError> {
+        self.record("SELECT record FROM snapshots WHERE id = ?1", params![id])
+    }
+
+    /// Every snapshot, or a tenant's.
+    pub fn snapshots(
+        &self,
+        tenant: Option<&str>,
+    ) -> Result<Vec<crate::snapshot::SnapshotRecord>, StoreError> {
+        match tenant {
+            Some(t) => self.records(
+                "SELECT record FROM snapshots WHERE tenant = ?1 ORDER BY id",
+                params![t],
+            ),
+            None => self.records("SELECT record FROM snapshots ORDER BY id", []),
+        }
+    }
+
+    /// Deletes snapshots `ids` in one transaction.
+    pub fn delete_snapshots(&self, ids: &[String]) -> Result<(), StoreError> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            for id in ids {
+                tx.execute("DELETE FROM snapshots WHERE id = ?1", params![id])?;
+            }
+            tx.commit()?;
+            Ok(())
+        })
     }
 
     /// The JSON record of a one-column query that finds at most one row, parsed.

@@ -107,6 +107,14 @@ pub enum SupervisorMsg {
     },
     /// Destroy finished; the supervisor exits after sending this.
     Destroyed,
+    /// The answer to [`ControlMsg::Upper`]. Fd: the upper layer (`O_PATH`, a directory).
+    Upper {
+        /// Host uid of the sandbox's root (its uids count up from there; 0 without a user
+        /// namespace).
+        uid: u32,
+        /// Host gid of the sandbox's root.
+        gid: u32,
+    },
     /// An operation failed.
     Error {
         /// What failed.
@@ -122,6 +130,15 @@ pub enum ControlMsg {
     Reset,
     /// Kill the sandbox tree, remove every trace (cgroup, run dir) and exit.
     Destroy,
+    /// Send the upper (writable) layer of the sandbox's root, as an `O_PATH` descriptor, for a
+    /// snapshot: answered by [`SupervisorMsg::Upper`].
+    Upper,
+    /// Like `Reset`, onto a root of these lower layers (topmost first) from now on: a rollback
+    /// to a snapshot. Later resets come back to them.
+    Restore {
+        /// Overlay lower directories, topmost first.
+        lowerdirs: Vec<String>,
+    },
 }
 
 /// The step of a launch that failed.

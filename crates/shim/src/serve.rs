@@ -27,7 +27,7 @@ const SPARE_DELAY: Duration = Duration::from_millis(30);
 /// What a supervisor holds for its launched sandbox.
 pub(crate) struct Supervised<'a> {
     pub(crate) ctx: &'a SpawnerCtx,
-    pub(crate) cfg: &'a LaunchConfig,
+    pub(crate) cfg: LaunchConfig,
     pub(crate) cgroup: Cgroup,
     pub(crate) init: Init,
     /// The node's control socket; `None` while no node is connected.
@@ -118,7 +118,7 @@ impl Loop<'_> {
         if self.spare_at.is_some_and(|t| Instant::now() >= t) {
             self.spare_at = None;
             if self.spare.is_none() {
-                let spec = container_spec(self.sb.ctx, self.sb.cfg, &self.sb.init.agent_host);
+                let spec = container_spec(self.sb.ctx, &self.sb.cfg, &self.sb.init.agent_host);
                 // A failure here only means the next reset builds its root itself.
                 self.spare =
                     launch::build_root_tree(&spec.rootfs, &mut self.sb.reset_state, WARM_PATHS)
@@ -191,6 +191,34 @@ impl Loop<'_> {
                 Flow::Next
             }
             Ok(ControlMsg::Reset) => self.relaunch(),
+            Ok(ControlMsg::Restore { lowerdirs }) => {
+                // The spare root was built for the old layers.
+                self.spare = None;
+                self.sb.cfg.lowerdirs = lowerdirs;
+                if kill_all_but_init(&self.sb.cgroup, self.sb.init.pidfd.pid())
+                    && clear_ipc(&mut self.sb.init, &mut self.sb.reset_state)
+                {
+                    self.reset_in_place();
+                    Flow::Next
+                } else {
+                    self.relaunch()
+                }
+            }
+            Ok(ControlMsg::Upper) => {
+                let (uid, gid) = self.sb.reset_state.root_ids();
+                match self.sb.reset_state.upper() {
+                    Some(fd) => self.reply(&SupervisorMsg::Upper { uid, gid }, &[fd]),
+                    None => self.reply(
+                        &SupervisorMsg::Error {
+                            message: "this sandbox's root was not built by its supervisor \
+                                      (no user namespace): it cannot be snapshotted"
+                                .into(),
+                        },
+                        &[],
+                    ),
+                }
+                Flow::Next
+            }
             Ok(ControlMsg::Destroy) => {
                 let _ = self.sb.init.pidfd.signal(9);
                 let _ = ipc::wait_pid(self.sb.init.pidfd.pid());
@@ -225,7 +253,7 @@ impl Loop<'_> {
         ) {
             let _ = self.sb.init.pidfd.signal(9);
         }
-        let spec = container_spec(self.sb.ctx, self.sb.cfg, &self.sb.init.agent_host);
+        let spec = container_spec(self.sb.ctx, &self.sb.cfg, &self.sb.init.agent_host);
         let state = &mut self.sb.reset_state;
         let pivoted = match self.spare.take().filter(|t| t.matches(&spec.rootfs, state)) {
             Some(tree) => launch::enter_root_tree(tree, &self.sb.init.pidfd, state),
@@ -256,7 +284,7 @@ impl Loop<'_> {
     fn relaunch(&mut self) -> Flow {
         let _ = self.sb.init.pidfd.signal(9);
         let state = &mut self.sb.reset_state;
-        match fresh_init(self.sb.ctx, self.sb.cfg, &self.sb.cgroup, state) {
+        match fresh_init(self.sb.ctx, &self.sb.cfg, &self.sb.cgroup, state) {
             Ok((new, placeholder)) => {
                 let old = std::mem::replace(&mut self.sb.init, new);
                 self.dying.push(old.pidfd);
@@ -270,7 +298,7 @@ impl Loop<'_> {
                 let msg = if send_agent_request(
                     &self.sb.init.agent_host,
                     self.agent_req_id,
-                    &configure_request(self.sb.cfg),
+                    &configure_request(&self.sb.cfg),
                 ) {
                     SupervisorMsg::ResetDone {
                         init_pid: self.sb.init.pidfd.pid(),

@@ -98,7 +98,7 @@ pub(crate) fn supervise(
     ipc::trim_heap();
     let sandbox = Supervised {
         ctx,
-        cfg: &cfg,
+        cfg,
         cgroup: got.cgroup,
         init,
         control: Some(control),

@@ -160,13 +160,42 @@ impl Sandbox {
         self.state = self.state.transition(State::Resetting)?;
         let result = match &self.backend {
             Backend::Vm(_) => self.reset_vm(),
-            Backend::Container { .. } => self.reset_container(),
+            Backend::Container { .. } => self.reset_container(None),
         };
         self.state = match result {
             Ok(()) => self.state.transition(State::Ready)?,
             Err(_) => self.state.transition(State::Failed)?,
         };
         result
+    }
+
+    /// Rolls a container back in place onto `lowerdirs` (a snapshot's layers above its
+    /// template's, topmost first) under a fresh writable layer: every process but the agent
+    /// is killed, as by [`Sandbox::reset`], whose later calls come back to these layers.
+    pub fn restore(&mut self, lowerdirs: Vec<String>) -> Result<(), RuntimeError> {
+        if !matches!(self.backend, Backend::Container { .. }) {
+            return Err(RuntimeError::Invalid(
+                "only container sandboxes are restored here".into(),
+            ));
+        }
+        self.state = self.state.transition(State::Resetting)?;
+        let result = self.reset_container(Some(lowerdirs));
+        self.state = match result {
+            Ok(()) => self.state.transition(State::Ready)?,
+            Err(_) => self.state.transition(State::Failed)?,
+        };
+        result
+    }
+
+    /// The upper (writable) layer of a container's root (`O_PATH`) and the host uid and gid
+    /// of its root: what a snapshot copies.
+    pub fn upper(&mut self) -> Result<(std::os::fd::OwnedFd, (u32, u32)), RuntimeError> {
+        match &self.backend {
+            Backend::Container { .. } => self.container_upper(),
+            Backend::Vm(_) => Err(RuntimeError::Invalid(
+                "a VM sandbox has no upper layer".into(),
+            )),
+        }
     }
 
     /// Destroys the sandbox: every process, its cgroup, mounts and runtime directory.

@@ -58,6 +58,11 @@ impl SandboxUser {
     }
 
     /// Gives `path` to the sandbox's root.
+    /// The host uid and gid of the namespace's root (its ids count up from there).
+    pub fn root_ids(&self) -> (u32, u32) {
+        (self.root_uid, self.root_gid)
+    }
+
     pub(super) fn chown(&self, path: &CStr) -> Result<(), StepError> {
         // SAFETY: valid NUL-terminated path.
         ck(

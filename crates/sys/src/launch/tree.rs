@@ -33,6 +33,9 @@ pub struct ResetState {
     own_ipc: Option<OwnedFd>,
     /// The sandbox's user namespace, if it has one: roots are built for it.
     user: Option<SandboxUser>,
+    /// The writable (upper) layer of the root the sandbox runs on now, once a root built
+    /// here was entered: what a snapshot copies.
+    upper: Option<OwnedFd>,
 }
 
 impl ResetState {
@@ -49,6 +52,18 @@ impl ResetState {
     /// idmapped into `user`); set again when a relaunch makes a new namespace.
     pub fn set_user(&mut self, user: SandboxUser) {
         self.user = Some(user);
+    }
+
+    /// An `O_PATH` descriptor of the upper layer of the sandbox's current root (`None` before
+    /// a root built by [`build_root_tree`] was entered: a sandbox without a user namespace
+    /// that was never reset). The sandbox's processes may change it while it is read.
+    pub fn upper(&self) -> Option<BorrowedFd<'_>> {
+        self.upper.as_ref().map(AsFd::as_fd)
+    }
+
+    /// The host ids the sandbox's root maps to (uid, gid; `(0, 0)` without a user namespace).
+    pub fn root_ids(&self) -> (u32, u32) {
+        self.user.as_ref().map_or((0, 0), SandboxUser::root_ids)
     }
 
     /// The inode of the user namespace roots are built for.
@@ -111,6 +126,8 @@ fn setns_mnt(fd: BorrowedFd<'_>, step: &'static str) -> Result<(), StepError> {
 #[derive(Debug)]
 pub struct RootTree {
     fd: OwnedFd,
+    /// Its upper layer (`O_PATH`).
+    upper: OwnedFd,
     rootfs: RootfsSpec,
     /// The user namespace it was built for (see [`ResetState::set_user`]).
     user_ino: Option<u64>,
@@ -163,27 +180,60 @@ pub fn build_root_tree(
     // With a user namespace the overlay's lower layers are idmapped clones of the template's,
     // mounted on directories of the stage tmpfs (beside the upper layer, not reachable through
     // the overlay).
-    let lowerdirs = match user {
+    let lowerdirs: Vec<String> = match user {
         Some(_) => (0..rootfs.lowerdirs.len())
             .map(|i| format!("{own_stage}/l{i}"))
             .collect(),
         None => rootfs.lowerdirs.clone(),
     };
+    // Layers above the host's root (a snapshot's, kept under the data dir) may sit on the
+    // root's own file system, and overlayfs refuses a layer inside another (ELOOP). The host
+    // template (its mask and `/`) then becomes one read-only overlay of its own, a layer of a
+    // different file system under the others.
+    let host = (lowerdirs.len() > 2 && rootfs.lowerdirs.last().is_some_and(|l| l == "/"))
+        .then(|| format!("{own_stage}/h"));
+    let outer = match &host {
+        Some(h) => {
+            let mut v = lowerdirs[..lowerdirs.len() - 2].to_vec();
+            v.push(h.clone());
+            v
+        }
+        None => lowerdirs.clone(),
+    };
     let staged = RootfsSpec {
         stage: own_stage,
-        lowerdirs,
+        lowerdirs: outer,
         ..rootfs.clone()
     };
     let p = prepare_parts(&staged, "", &[], &[], false)?;
     mount_stage_tmpfs(&p)?;
-    let built = (|| -> Result<OwnedFd, StepError> {
+    let built = (|| -> Result<(OwnedFd, OwnedFd), StepError> {
         make_stage_dirs(&p)?;
+        let upper = open_path(&p.upper, libc::O_PATH | libc::O_DIRECTORY)?;
         if let Some(user) = user {
-            for (src, dst) in rootfs.lowerdirs.iter().zip(&staged.lowerdirs) {
+            for (src, dst) in rootfs.lowerdirs.iter().zip(&lowerdirs) {
                 user.mount_idmapped(&cstr_step(src)?, &cstr_step(dst)?)?;
             }
             // The root directory of the merged tree is the upper layer's.
             user.chown(&p.upper)?;
+        }
+        if let Some(h) = &host {
+            let n = lowerdirs.len();
+            let h = cstr_step(h)?;
+            ck(mkdir(&h, 0o755), "mkdir_host_layer")?;
+            let opts = cstr_step(&format!(
+                "lowerdir={}:{}",
+                lowerdirs[n - 2],
+                lowerdirs[n - 1]
+            ))?;
+            try_mount(
+                "host_layer",
+                c"overlay",
+                &h,
+                Some(c"overlay"),
+                libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+                Some(&opts),
+            )?;
         }
         mount_overlay(&p)?;
         // The sandbox's /dev but for its devpts instance, and the mount point for its /proc;
@@ -241,7 +291,7 @@ pub fn build_root_tree(
         } as libc::c_int;
         ck(fd, "open_tree")?;
         // SAFETY: open_tree succeeded; the fd is fresh.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        Ok((unsafe { OwnedFd::from_raw_fd(fd) }, upper))
     })();
     // The staging mounts are not needed in our namespace any more; the detached clone keeps the
     // overlay (and through it the tmpfs upper) alive.
@@ -251,8 +301,10 @@ pub fn build_root_tree(
         libc::umount2(p.stage.as_ptr(), libc::MNT_DETACH);
     }
     let _ = std::fs::remove_dir(&staged.stage);
+    let (fd, upper) = built?;
     Ok(RootTree {
-        fd: built?,
+        fd,
+        upper,
         rootfs: rootfs.clone(),
         user_ino: state.user_ino(),
     })
@@ -287,16 +339,17 @@ pub fn enter_root_tree(
     };
     // A pidfd names the init itself: no /proc path to open, no pid to be reused.
     setns_mnt(init.as_fd(), "setns_sandbox")?;
+    let RootTree { fd: tree_fd, upper, .. } = tree;
     let inside = (|| -> Result<OwnedFd, StepError> {
         // The new root is mounted inside the old one, on /tmp (a writable scratch directory of
         // a read-only root, or creatable in a writable one); not beneath /dev/pts, which moves
         // into it. The tree has its /proc and /dev/pts directories (`build_root_tree`).
         mountpoint()?;
-        // SAFETY: `tree.fd` is a detached mount; the target path is valid.
+        // SAFETY: `tree_fd` is a detached mount; the target path is valid.
         let rc = unsafe {
             libc::syscall(
                 libc::SYS_move_mount,
-                tree.fd.as_raw_fd(),
+                tree_fd.as_raw_fd(),
                 c"".as_ptr(),
                 libc::AT_FDCWD,
                 NEW_ROOT.as_ptr(),
@@ -322,7 +375,9 @@ pub fn enter_root_tree(
     // SAFETY: valid path.
     unsafe { libc::chdir(c"/".as_ptr()) };
     back?;
-    Ok(inside?)
+    let old = inside?;
+    state.upper = Some(upper);
+    Ok(old)
 }
 
 /// Resets a running sandbox in place: builds a fresh root for its template

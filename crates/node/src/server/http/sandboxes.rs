@@ -32,14 +32,7 @@ pub fn view(r: &SandboxRecord) -> SandboxView {
     }
 }
 
-/// RFC 3339 UTC time of `ms` since the epoch.
-pub fn rfc3339(ms: u64) -> String {
-    let (y, m, d, hh, mm, ss) = crate::clock::civil(ms / 1000);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}.{:03}Z",
-        ms % 1000
-    )
-}
+pub use crate::clock::rfc3339;
 
 /// The create a spec asks for by `tenant`, its limits admitted by this node (the one place they
 /// are checked).

@@ -64,7 +64,7 @@ pub fn valid_id(id: &str) -> bool {
 }
 
 impl Runtime {
-    fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
+    pub(crate) fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
         if template == "host" {
             return Ok((
                 vec![self.host_mask.display().to_string(), "/".into()],
@@ -144,6 +144,7 @@ impl Runtime {
     ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
         let (lowerdirs, template_env) = self.lowerdirs(&spec.template)?;
+        let lowerdirs = spec.layers.iter().cloned().chain(lowerdirs).collect();
         let id = id.to_owned();
         let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
         let env = self.sandbox_env(&id, template_env, spec);

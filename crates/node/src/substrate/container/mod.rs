@@ -79,15 +79,36 @@ impl Sandbox {
         }
     }
 
-    /// Kills every process in the sandbox and starts a fresh init on a fresh writable layer;
-    /// returns when the new agent answered a ping.
-    pub(super) fn reset_container(&mut self) -> Result<(), RuntimeError> {
+    /// The upper (writable) layer of the container's root, as an `O_PATH` descriptor, and the
+    /// host uid and gid of its root (the layer's files carry host ids from there up).
+    pub(super) fn container_upper(&mut self) -> Result<(OwnedFd, (u32, u32)), RuntimeError> {
+        let (reply, mut fds) = self.control_call(&ControlMsg::Upper, Duration::from_secs(10))?;
+        match (reply, fds.pop()) {
+            (SupervisorMsg::Upper { uid, gid }, Some(fd)) => Ok((fd, (uid, gid))),
+            (other, _) => Err(RuntimeError::Supervisor {
+                id: self.id.clone(),
+                message: format!("unexpected {other:?}"),
+            }),
+        }
+    }
+
+    /// Kills every process in the sandbox and starts a fresh init on a fresh writable layer
+    /// (above `lowerdirs` from now on, when given); returns when the new agent answered a
+    /// ping.
+    pub(super) fn reset_container(
+        &mut self,
+        lowerdirs: Option<Vec<String>>,
+    ) -> Result<(), RuntimeError> {
         let id = self.id.clone();
         let agent_err = |source| RuntimeError::Agent {
             id: id.clone(),
             source,
         };
-        let (reply, mut fds) = self.control_call(&ControlMsg::Reset, Duration::from_secs(30))?;
+        let msg = match lowerdirs {
+            Some(lowerdirs) => ControlMsg::Restore { lowerdirs },
+            None => ControlMsg::Reset,
+        };
+        let (reply, mut fds) = self.control_call(&msg, Duration::from_secs(30))?;
         let SupervisorMsg::ResetDone { init_pid, await_id } = reply else {
             return Err(RuntimeError::Supervisor {
                 id: self.id.clone(),
