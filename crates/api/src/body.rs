@@ -19,6 +19,9 @@ pub struct NewTenant {
     pub max_sandboxes: Option<u64>,
     /// Most memory (sum of `memory_max` of live sandboxes), bytes.
     pub max_memory_bytes: Option<u64>,
+    /// Most bytes of snapshot layers (each snapshot counts its own layer).
+    #[serde(default)]
+    pub max_snapshot_bytes: Option<u64>,
 }
 
 /// `POST /v1/sandboxes:batch` (create `count` alike).

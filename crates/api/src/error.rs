@@ -65,6 +65,8 @@ pub enum ErrorCode {
     Unavailable,
     /// The sandbox's node was lost (its cluster lease expired): the sandbox is gone.
     NodeLost,
+    /// The snapshot does not exist (or is not the caller's).
+    SnapshotNotFound,
 }
 
 impl ErrorCode {
@@ -100,6 +102,7 @@ impl ErrorCode {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Unavailable => "unavailable",
             Self::NodeLost => "node_lost",
+            Self::SnapshotNotFound => "snapshot_not_found",
         }
     }
 }

@@ -142,6 +142,9 @@ pub struct CreateSpec {
     /// dropped) is for the admin tenant only.
     #[serde(default)]
     pub userns: Option<bool>,
+    /// Made from this snapshot (`sn-…`): its template and substrate, its files.
+    #[serde(default)]
+    pub snapshot: Option<String>,
 }
 
 /// Layers a node fetched for a create.
@@ -201,6 +204,9 @@ pub struct SandboxView {
     /// did not hold yet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fetched: Option<Fetched>,
+    /// The snapshot it was made from or last restored to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
     /// Host pid of its supervisor (QEMU for VMs): shown to the admin tenant only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub supervisor_pid: Option<i32>,

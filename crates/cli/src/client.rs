@@ -97,7 +97,7 @@ pub fn exit_for_code(code: ErrorCode) -> Option<u8> {
         E::QuotaExceeded | E::ResourceExhausted | E::NoSpace | E::Draining | E::Unavailable => {
             EXIT_RESOURCE
         }
-        E::NodeLost => EXIT_NOT_FOUND,
+        E::NodeLost | E::SnapshotNotFound => EXIT_NOT_FOUND,
         E::InvalidTransition | E::IdempotencyConflict => EXIT_CONFLICT,
         E::Internal | E::AgentUnavailable => EXIT_INTERNAL,
         E::ExecTimeout => 124,

@@ -458,6 +458,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         writable_root: args.writable_root,
         userns: args.userns,
         substrate: args.substrate,
+        ..SandboxSpec::default()
     };
     let rt = runtime(cli)?;
     if spec.substrate.is_vm() {

@@ -42,6 +42,9 @@ pub struct Tenant {
     pub max_sandboxes: Option<u64>,
     /// Most memory (sum of `memory_max` of live sandboxes), bytes.
     pub max_memory_bytes: Option<u64>,
+    /// Most bytes of snapshot layers (each snapshot counts its own layer).
+    #[serde(default)]
+    pub max_snapshot_bytes: Option<u64>,
     /// Creation time, ms since the epoch.
     pub created_at_ms: u64,
 }
@@ -545,6 +548,7 @@ mod tests {
                 admin: false,
                 max_sandboxes: Some(2),
                 max_memory_bytes: None,
+                max_snapshot_bytes: None,
                 created_at_ms: 5,
             };
             s.insert_tenant(&t)?;

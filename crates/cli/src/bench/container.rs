@@ -311,6 +311,7 @@ fn warm_acquire(rt: &Arc<Runtime>, n: usize, res: &mut Results) -> anyhow::Resul
         admin: false,
         max_sandboxes: None,
         max_memory_bytes: None,
+        max_snapshot_bytes: None,
         created_at_ms: dsec_node::clock::now_ms(),
     };
     store.insert_tenant(&tenant)?;

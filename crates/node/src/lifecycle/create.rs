@@ -62,6 +62,10 @@ pub struct CreateRequest {
     /// Run in a user namespace (root inside mapped to an unprivileged host id range of the
     /// sandbox's own). On by default; only an admin tenant may turn it off.
     pub userns: bool,
+    /// Made from this snapshot (its template and substrate replace the request's).
+    pub snapshot: Option<String>,
+    /// The snapshot's layer directories, topmost first: resolved by the node.
+    pub layers: Vec<String>,
 }
 
 impl Default for CreateRequest {
@@ -78,6 +82,8 @@ impl Default for CreateRequest {
             idem: None,
             secret_env: Vec::new(),
             userns: true,
+            snapshot: None,
+            layers: Vec::new(),
         }
     }
 }
@@ -152,9 +158,10 @@ impl Node {
     pub async fn create(
         self: &Arc<Self>,
         tenant: &Tenant,
-        req: CreateRequest,
+        mut req: CreateRequest,
     ) -> Result<SandboxRecord> {
         self.check_draining()?;
+        self.from_snapshot(tenant, &mut req)?;
         if req.template != "host" {
             let (name, node) = (req.template.clone(), Arc::clone(self));
             tokio::task::spawn_blocking(move || node.template_known(&name))
@@ -277,6 +284,8 @@ impl Node {
                         writable_root: req.writable_root,
                         substrate: req.substrate,
                         userns: req.userns,
+                        snapshot: req.snapshot.clone(),
+                        layers: req.layers.clone(),
                         ..SandboxSpec::default()
                     };
                     let mut rec = SandboxRecord::creating(id.clone(), spec, now);

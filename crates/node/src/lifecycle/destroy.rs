@@ -64,6 +64,12 @@ impl Node {
             Ok(())
         })?;
         self.remove(&e.id);
+        // The last sandbox on a deleted snapshot's layers lets them go.
+        if let Some(s) = &rec.spec.snapshot {
+            if matches!(self.store.snapshot(s), Ok(None)) {
+                let _ = self.gc_snapshot_layers().await;
+            }
+        }
         if let (Some(tenant), Some(_)) = (&rec.tenant, self.quota.get()) {
             if let Ok(Some(t)) = self.store.tenant(tenant) {
                 if t.max_sandboxes.is_some() {

@@ -14,6 +14,9 @@ pub enum Error {
     /// No such sandbox (or not the caller's).
     #[error("no sandbox {}", .0.chars().take(80).collect::<String>())]
     NotFound(String),
+    /// No such snapshot (or not the caller's).
+    #[error("no snapshot {}", .0.chars().take(80).collect::<String>())]
+    SnapshotNotFound(String),
     /// The request is invalid (limits beyond the node, a bad pool name, no lease …).
     #[error("{0}")]
     Invalid(String),

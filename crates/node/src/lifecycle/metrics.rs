@@ -43,6 +43,10 @@ pub struct Metrics {
     pub exec: Histogram,
     /// Reset latency.
     pub reset: Histogram,
+    /// Snapshot latency (the copy of the writable layer).
+    pub snapshot: Histogram,
+    /// Restore (rollback to a snapshot) latency.
+    pub restore: Histogram,
     /// Destroy latency.
     pub destroy: Histogram,
     /// VM sandboxes created (snapshot restores), microvm.
@@ -134,6 +138,8 @@ impl Metrics {
             phase_clone_exec: phase("clone_exec"),
             exec: h("dsec_exec_seconds", "Exec latency", &[]),
             reset: h("dsec_reset_seconds", "Reset latency", &[]),
+            snapshot: h("dsec_snapshot_seconds", "Snapshot latency (the writable layer's copy)", &[]),
+            restore: h("dsec_restore_seconds", "Restore (rollback to a snapshot) latency", &[]),
             destroy: h("dsec_destroy_seconds", "Destroy latency", &[]),
             registry,
         }

@@ -17,6 +17,7 @@ mod metrics;
 mod pools;
 mod recover;
 mod reset;
+pub mod snapshot;
 mod sweep;
 
 pub use create::{ClusterQuota, CreateRequest, TemplateFetcher};
@@ -104,6 +105,11 @@ pub struct Node {
     pub quota: std::sync::OnceLock<Arc<dyn create::ClusterQuota>>,
     /// Where templates it does not hold come from (in a cluster).
     pub fetcher: std::sync::OnceLock<Arc<dyn create::TemplateFetcher>>,
+    /// Snapshot layers on disk.
+    pub snapshots: crate::snapshot::LayerStore,
+    /// Held shared while a snapshot layer is written and recorded, exclusively while
+    /// unreferenced layers are collected.
+    snapshot_gc: tokio::sync::RwLock<()>,
 }
 
 /// Counts a request as in flight while it lives.
@@ -127,6 +133,8 @@ impl Node {
     pub fn new(rt: Arc<Runtime>, store: Store, max_sandboxes: usize) -> Arc<Self> {
         let (events, _) = broadcast::channel(1024);
         Arc::new(Self {
+            snapshots: crate::snapshot::LayerStore::open(&rt.config().data_dir),
+            snapshot_gc: tokio::sync::RwLock::new(()),
             failpoint: std::env::var("DSEC_FAILPOINT").ok(),
             rt,
             store,
@@ -260,7 +268,7 @@ impl Node {
             .collect()
     }
 
-    /// Nodelies `f` to the record, bumps its version, persists it, then publishes the change.
+    /// Applies `f` to the record, bumps its version, persists it, then publishes the change.
     pub fn update(
         &self,
         e: &Entry,

@@ -43,7 +43,10 @@ impl PoolState {
 }
 
 pub(super) fn pool_key(req: &CreateRequest) -> Option<String> {
-    (*req.limits == Limits::default() && !req.writable_root && req.userns != req.substrate.is_vm())
+    (*req.limits == Limits::default()
+        && !req.writable_root
+        && req.snapshot.is_none()
+        && req.userns != req.substrate.is_vm())
         .then(|| pool_name(&req.template, req.substrate))
 }
 
@@ -123,7 +126,7 @@ impl Node {
         out
     }
 
-    /// Nodelies each pool's plan: starts background creates below target, destroys surplus.
+    /// Applies each pool's plan: starts background creates below target, destroys surplus.
     pub fn kick_pools(self: &Arc<Self>) {
         // Not while recovery may still hand adopted sandboxes back to their pools.
         if self.draining.load(Ordering::Relaxed) || !self.ready.load(Ordering::Relaxed) {

@@ -104,6 +104,10 @@ impl Node {
         }
         // Sandbox cgroups no live sandbox has (a create or destroy cut short).
         report.orphan_cgroups = self.sweep_orphan_cgroups().await;
+        // Snapshot layers a crash left without a record (or whose last user is gone).
+        if let Err(err) = self.gc_snapshot_layers().await {
+            tracing::warn!(error = %err, "snapshot layer collection failed");
+        }
         report.took_ms = t0.elapsed().as_millis() as u64;
         *self.recovery.lock().unwrap_or_else(|p| p.into_inner()) = report.clone();
         self.ready.store(true, Ordering::Relaxed);

@@ -36,6 +36,7 @@ pub fn new_tenant(
     admin: bool,
     max_sandboxes: Option<u64>,
     max_memory_bytes: Option<u64>,
+    max_snapshot_bytes: Option<u64>,
 ) -> ApiResult<(Tenant, String)> {
     let t = Tenant {
         id: format!("tn-{}", random_hex(8)),
@@ -43,6 +44,7 @@ pub fn new_tenant(
         admin,
         max_sandboxes,
         max_memory_bytes,
+        max_snapshot_bytes,
         created_at_ms: now_ms(),
     };
     store.insert_tenant(&t)?;

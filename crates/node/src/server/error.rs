@@ -60,7 +60,8 @@ impl ApiError {
             | UnsupportedVersion => StatusCode::BAD_REQUEST,
             Unauthorized => StatusCode::UNAUTHORIZED,
             Forbidden | PermissionDenied => StatusCode::FORBIDDEN,
-            NotFound | SandboxNotFound | TemplateNotFound | HandleNotFound | TrajectoryNotFound => {
+            NotFound | SandboxNotFound | TemplateNotFound | HandleNotFound | TrajectoryNotFound
+            | SnapshotNotFound => {
                 StatusCode::NOT_FOUND
             }
             InvalidTransition | IdempotencyConflict | UnknownOutcome | TrajectoryDiverged => {
@@ -141,6 +142,7 @@ impl From<lifecycle::Error> for ApiError {
                 };
             }
             E::NotFound(_) => ErrorCode::SandboxNotFound,
+            E::SnapshotNotFound(_) => ErrorCode::SnapshotNotFound,
             E::Invalid(_) => ErrorCode::InvalidRequest,
             E::Transition(_) => ErrorCode::InvalidTransition,
             E::Quota(_) => ErrorCode::QuotaExceeded,

@@ -341,6 +341,7 @@ fn internal_tenant(
         admin: false,
         max_sandboxes,
         max_memory_bytes: None,
+        max_snapshot_bytes: None,
         created_at_ms: crate::clock::now_ms(),
     };
     store.insert_tenant(&t)?;
@@ -356,7 +357,7 @@ fn bootstrap_admin(
     if store.tenant_by_name("admin")?.is_some() {
         return Ok(None);
     }
-    let (_, key) = auth::new_tenant(store, "admin", true, None, None)
+    let (_, key) = auth::new_tenant(store, "admin", true, None, None, None)
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let path: PathBuf = data_dir.join("admin.key");
     use std::io::Write as _;

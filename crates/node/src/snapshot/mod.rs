@@ -16,7 +16,6 @@
 pub mod copy;
 
 use std::collections::{BTreeMap, HashSet};
-use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
@@ -111,14 +110,13 @@ pub struct LayerStore {
 }
 
 impl LayerStore {
-    /// Opens the store under `data_dir`, dropping what a crash left half-written.
-    pub fn open(data_dir: &Path) -> io::Result<Self> {
+    /// Opens the store under `data_dir`, dropping what a crash left half-written (its
+    /// directories are made when a layer is first written).
+    pub fn open(data_dir: &Path) -> Self {
         let root = data_dir.join("snapshots");
         let (layers, tmp) = (root.join("layers"), root.join("tmp"));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&layers)?;
-        std::fs::create_dir_all(&tmp)?;
-        Ok(Self { layers, tmp })
+        Self { layers, tmp }
     }
 
     /// Where layer `id` lives.
@@ -180,6 +178,9 @@ impl LayerStore {
             path: tmp.clone(),
             source,
         };
+        for d in [&self.layers, &self.tmp] {
+            std::fs::create_dir_all(d).map_err(|e| fail("mkdir", e))?;
+        }
         std::fs::create_dir(&tmp).map_err(|e| fail("mkdir", e))?;
         let done = fill(&tmp).and_then(|c| {
             std::fs::rename(&tmp, self.dir(&id)).map_err(|e| fail("rename", e))?;

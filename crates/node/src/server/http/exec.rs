@@ -87,7 +87,7 @@ pub(super) async fn exec(
             step,
             "exec",
             action,
-            move || async move {
+            move |_| async move {
                 let r = exec_once(&app2, &e2, req, stdin).await?;
                 Ok(serde_json::to_value(r).unwrap_or_default())
             },
@@ -166,7 +166,7 @@ pub(super) async fn logged_step<F, Fut>(
     run: F,
 ) -> ApiResult<Response>
 where
-    F: FnOnce() -> Fut,
+    F: FnOnce(u64) -> Fut,
     Fut: std::future::Future<Output = ApiResult<Value>>,
 {
     let rec = e.record();
@@ -185,7 +185,7 @@ where
         }
         crate::server::trajectory::Begin::Run(running) => {
             let step = running.step();
-            let (status, body, summary) = match run().await {
+            let (status, body, summary) = match run(step).await {
                 Ok(v) => {
                     let summary = json!({"status": v["status"], "exit_code": v["exit_code"], "wall_us": v["wall_us"]});
                     (200u16, serde_json::to_vec(&v).unwrap_or_default(), summary)
@@ -388,7 +388,7 @@ pub(super) async fn session_run(
     let (trajectory, step) = (b.trajectory.take(), b.step.take());
     let app2 = app.clone();
     let e2 = Arc::clone(&e);
-    let run = move || async move {
+    let run = move |_| async move {
         let ev = with_sandbox(&app2, &e2, move |_, sb| {
             agent_event(
                 sb,
@@ -413,7 +413,7 @@ pub(super) async fn session_run(
             action["session"] = session.into();
             logged_step(&app, &t, &e, &trajectory, step, "session_run", action, run).await
         }
-        None => Ok(Json(run().await?).into_response()),
+        None => Ok(Json(run(0).await?).into_response()),
     }
 }
 

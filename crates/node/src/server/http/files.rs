@@ -110,7 +110,7 @@ pub(super) async fn file_write(
     }
     let app2 = app.clone();
     let e2 = Arc::clone(&e);
-    let run = move || async move {
+    let run = move |_| async move {
         with_sandbox(&app2, &e2, move |_, sb| {
             sb.agent()
                 .call_ok(
@@ -131,7 +131,7 @@ pub(super) async fn file_write(
             logged_step(&app, &t, &e, &trajectory, step, "file_write", action, run).await
         }
         None => {
-            run().await?;
+            run(0).await?;
             Ok(StatusCode::NO_CONTENT.into_response())
         }
     }

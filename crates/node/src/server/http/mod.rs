@@ -39,6 +39,7 @@ mod files;
 mod middleware;
 mod run;
 mod sandboxes;
+mod snapshots;
 mod templates;
 mod tenants;
 mod trajectories;
@@ -48,6 +49,7 @@ use files::*;
 use middleware::*;
 use run::*;
 use sandboxes::*;
+use snapshots::*;
 use templates::*;
 use tenants::*;
 use trajectories::*;
@@ -73,6 +75,15 @@ pub fn router(app: AppState) -> Router {
         )
         .route("/v1/sandboxes/{id}/lease", post(lease))
         .route("/v1/sandboxes/{id}/reset", post(reset))
+        .route("/v1/sandboxes/{id}/snapshots", post(take_snapshot))
+        .route("/v1/sandboxes/{id}/fork", post(fork))
+        .route("/v1/sandboxes/{id}/restore", post(restore))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route(
+            "/v1/snapshots/{id}",
+            get(get_snapshot).delete(delete_snapshot),
+        )
+        .route("/v1/snapshots/{id}/tree", get(snapshot_tree))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/processes", post(spawn))
         .route("/v1/sandboxes/{id}/processes/{handle}", get(proc_status))

@@ -27,6 +27,7 @@ pub fn view(r: &SandboxRecord) -> SandboxView {
         error: r.error.clone(),
         phase: r.phase.clone(),
         fetched: r.fetched.clone(),
+        snapshot: r.spec.snapshot.clone(),
         supervisor_pid: None,
         init_pid: None,
     }
@@ -110,6 +111,19 @@ pub(super) fn create_request(
             return Err(ApiError::invalid(format!("{name} must be in 1..=30 days")));
         }
     }
+    if let Some(s) = &b.snapshot {
+        if !crate::snapshot::valid_id(s) {
+            return Err(ApiError::new(
+                ErrorCode::SnapshotNotFound,
+                format!("no snapshot {}", s.chars().take(80).collect::<String>()),
+            ));
+        }
+        if b.template.is_some() || substrate.is_vm() {
+            return Err(ApiError::invalid(
+                "a create from a snapshot takes the snapshot's template and substrate",
+            ));
+        }
+    }
     let template = b.template.unwrap_or_else(|| "host".into());
     crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(CreateRequest {
@@ -124,6 +138,8 @@ pub(super) fn create_request(
         idem: None,
         secret_env,
         userns: b.userns.unwrap_or(!substrate.is_vm()),
+        snapshot: b.snapshot,
+        layers: Vec::new(),
     })
 }
 
