@@ -235,7 +235,10 @@ impl Store {
     }
 
     /// Snapshot `id`.
-    pub fn snapshot(&self, id: &str) -> Result<Option<crate::snapshot::SnapshotRecord>, StoreError> {
+    pub fn snapshot(
+        &self,
+        id: &str,
+    ) -> Result<Option<crate::snapshot::SnapshotRecord>, StoreError> {
         self.record("SELECT record FROM snapshots WHERE id = ?1", params![id])
     }
 

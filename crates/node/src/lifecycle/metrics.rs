@@ -138,8 +138,16 @@ impl Metrics {
             phase_clone_exec: phase("clone_exec"),
             exec: h("dsec_exec_seconds", "Exec latency", &[]),
             reset: h("dsec_reset_seconds", "Reset latency", &[]),
-            snapshot: h("dsec_snapshot_seconds", "Snapshot latency (the writable layer's copy)", &[]),
-            restore: h("dsec_restore_seconds", "Restore (rollback to a snapshot) latency", &[]),
+            snapshot: h(
+                "dsec_snapshot_seconds",
+                "Snapshot latency (the writable layer's copy)",
+                &[],
+            ),
+            restore: h(
+                "dsec_restore_seconds",
+                "Restore (rollback to a snapshot) latency",
+                &[],
+            ),
             destroy: h("dsec_destroy_seconds", "Destroy latency", &[]),
             registry,
         }

@@ -47,7 +47,7 @@ pub(super) fn pool_key(req: &CreateRequest) -> Option<String> {
         && !req.writable_root
         && req.snapshot.is_none()
         && req.userns != req.substrate.is_vm())
-        .then(|| pool_name(&req.template, req.substrate))
+    .then(|| pool_name(&req.template, req.substrate))
 }
 
 /// A pool's name: the template for containers, `<template>@<substrate>` for VMs (`@` cannot

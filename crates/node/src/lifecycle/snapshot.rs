@@ -79,12 +79,15 @@ impl Node {
         let node = Arc::clone(self);
         let t0 = std::time::Instant::now();
         let (sb, taken) = tokio::task::spawn_blocking(move || {
-            let taken = sb.upper().map_err(Error::from).and_then(|(fd, (uid, gid))| {
-                use std::os::fd::AsFd as _;
-                node.snapshots
-                    .take(fd.as_fd(), IdShift { uid, gid })
-                    .map_err(|err| Error::internal(format!("copy the writable layer: {err}")))
-            });
+            let taken = sb
+                .upper()
+                .map_err(Error::from)
+                .and_then(|(fd, (uid, gid))| {
+                    use std::os::fd::AsFd as _;
+                    node.snapshots
+                        .take(fd.as_fd(), IdShift { uid, gid })
+                        .map_err(|err| Error::internal(format!("copy the writable layer: {err}")))
+                });
             (sb, taken)
         })
         .await
@@ -135,9 +138,13 @@ impl Node {
         let Ok(Some(s)) = self.store.snapshot(id) else {
             return;
         };
+        let Ok((template, _)) = self.rt.lowerdirs(&s.template) else {
+            return;
+        };
         let node = Arc::clone(self);
         let layers = s.layers.clone();
-        let merged = tokio::task::spawn_blocking(move || node.snapshots.flatten(&layers)).await;
+        let merged =
+            tokio::task::spawn_blocking(move || node.snapshots.flatten(&layers, &template)).await;
         match merged {
             Ok(Ok(flat)) => {
                 // Deleted meanwhile: the merged layer is garbage for the next collection.
@@ -205,10 +212,9 @@ impl Node {
             snapshot: Some(snap.id.clone()),
             ..CreateRequest::default()
         };
-        let made = futures_util::future::join_all(
-            (0..count).map(|_| self.create(tenant, req.clone())),
-        )
-        .await;
+        let made =
+            futures_util::future::join_all((0..count).map(|_| self.create(tenant, req.clone())))
+                .await;
         Ok((snap, made))
     }
 

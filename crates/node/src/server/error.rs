@@ -61,9 +61,7 @@ impl ApiError {
             Unauthorized => StatusCode::UNAUTHORIZED,
             Forbidden | PermissionDenied => StatusCode::FORBIDDEN,
             NotFound | SandboxNotFound | TemplateNotFound | HandleNotFound | TrajectoryNotFound
-            | SnapshotNotFound => {
-                StatusCode::NOT_FOUND
-            }
+            | SnapshotNotFound => StatusCode::NOT_FOUND,
             InvalidTransition | IdempotencyConflict | UnknownOutcome | TrajectoryDiverged => {
                 StatusCode::CONFLICT
             }

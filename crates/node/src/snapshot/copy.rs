@@ -88,10 +88,7 @@ fn err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> CopyEr
     }
 }
 
-fn rerr<'a>(
-    op: &'static str,
-    path: &'a Path,
-) -> impl FnOnce(rustix::io::Errno) -> CopyError + 'a {
+fn rerr<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(rustix::io::Errno) -> CopyError + 'a {
     move |e| CopyError {
         op,
         path: path.to_owned(),
@@ -103,11 +100,27 @@ fn rerr<'a>(
 /// with overlay semantics (see the module), its ids shifted by `ids`; setuid and setgid bits
 /// are dropped, as an import drops them. The root directory's owner and mode go to `dest`.
 pub fn apply(src: BorrowedFd<'_>, dest: &Path, ids: IdShift) -> Result<Copied, CopyError> {
+    apply_over(src, dest, ids, None)
+}
+
+/// [`apply`], keeping a whiteout only where `below` (given the path inside the layer) says
+/// the layers under the result hold something to hide. A flattened layer sits right above its
+/// template: a whiteout of what only the merged layers held would show as an entry of its
+/// directory wherever the template has no such directory (overlayfs filters whiteouts out of
+/// merged directories only).
+pub fn apply_over(
+    src: BorrowedFd<'_>,
+    dest: &Path,
+    ids: IdShift,
+    below: Option<&dyn Fn(&Path) -> bool>,
+) -> Result<Copied, CopyError> {
     let root = open_dir(src, c".").map_err(rerr("open", dest))?;
     let mut c = Copier {
         ids,
         links: HashMap::new(),
         done: Copied::default(),
+        root: dest.to_owned(),
+        below,
     };
     c.dir(root.as_fd(), dest, 0)?;
     let st = rustix::fs::fstat(&root).map_err(rerr("stat", dest))?;
@@ -115,8 +128,12 @@ pub fn apply(src: BorrowedFd<'_>, dest: &Path, ids: IdShift) -> Result<Copied, C
     Ok(c.done)
 }
 
-struct Copier {
+struct Copier<'a> {
     ids: IdShift,
+    /// The destination's root.
+    root: PathBuf,
+    /// Whether the layers below hold a path (see [`apply_over`]).
+    below: Option<&'a dyn Fn(&Path) -> bool>,
     /// Hard links already copied: (device, inode) → the first copy.
     links: HashMap<(u64, u64), PathBuf>,
     done: Copied,
@@ -160,7 +177,7 @@ fn mtime(st: &rustix::fs::Stat) -> Timestamps {
     }
 }
 
-impl Copier {
+impl Copier<'_> {
     fn dir(&mut self, src: BorrowedFd<'_>, dest: &Path, depth: usize) -> Result<(), CopyError> {
         if depth > MAX_DEPTH {
             return Err(err("copy", dest)(io::Error::other(format!(
@@ -225,6 +242,10 @@ impl Copier {
             }
             FileType::CharacterDevice if st.st_rdev == 0 => {
                 remove(to)?;
+                let rel = to.strip_prefix(&self.root).unwrap_or(to);
+                if self.below.is_some_and(|below| !below(rel)) {
+                    return Ok(());
+                }
                 dsec_sys::layer::make_whiteout(to)
                     .map_err(|e| err("whiteout", to)(io::Error::other(e)))
             }
@@ -304,13 +325,8 @@ impl Copier {
             )
             .map_err(rerr("chmod", to))?;
         }
-        rustix::fs::utimensat(
-            rustix::fs::CWD,
-            to,
-            &mtime(st),
-            AtFlags::SYMLINK_NOFOLLOW,
-        )
-        .map_err(rerr("utimes", to))
+        rustix::fs::utimensat(rustix::fs::CWD, to, &mtime(st), AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(rerr("utimes", to))
     }
 
     fn meta_fd(
@@ -338,7 +354,9 @@ mod tests {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn open(p: &Path) -> OwnedFd {
-        fs::File::open(p).map(OwnedFd::from).unwrap_or_else(|e| panic!("{e}"))
+        fs::File::open(p)
+            .map(OwnedFd::from)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     #[test]

@@ -142,8 +142,19 @@ impl LayerStore {
         self.write(|dest| copy::apply(upper, dest, ids))
     }
 
-    /// Merges `layers` (topmost first) into a new layer: its id.
-    pub fn flatten(&self, layers: &[String]) -> Result<String, copy::CopyError> {
+    /// Merges `layers` (topmost first) into a new layer that sits right above `template` (its
+    /// lower directories): its id.
+    pub fn flatten(
+        &self,
+        layers: &[String],
+        template: &[String],
+    ) -> Result<String, copy::CopyError> {
+        // Whether the template holds `rel` in any of its layers (hidden there or not).
+        let below = |rel: &Path| {
+            template
+                .iter()
+                .any(|l| Path::new(l).join(rel).symlink_metadata().is_ok())
+        };
         self.write(|dest| {
             let mut total = copy::Copied::default();
             for l in layers.iter().rev() {
@@ -155,7 +166,7 @@ impl LayerStore {
                         source: e,
                     })?
                     .into();
-                let c = copy::apply(fd.as_fd(), dest, copy::IdShift::default())?;
+                let c = copy::apply_over(fd.as_fd(), dest, copy::IdShift::default(), Some(&below))?;
                 total.bytes += c.bytes;
                 total.entries += c.entries;
             }

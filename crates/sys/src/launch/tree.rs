@@ -339,7 +339,9 @@ pub fn enter_root_tree(
     };
     // A pidfd names the init itself: no /proc path to open, no pid to be reused.
     setns_mnt(init.as_fd(), "setns_sandbox")?;
-    let RootTree { fd: tree_fd, upper, .. } = tree;
+    let RootTree {
+        fd: tree_fd, upper, ..
+    } = tree;
     let inside = (|| -> Result<OwnedFd, StepError> {
         // The new root is mounted inside the old one, on /tmp (a writable scratch directory of
         // a read-only root, or creatable in a writable one); not beneath /dev/pts, which moves

@@ -68,13 +68,26 @@ pub(super) async fn take_snapshot(
     let e = app.node.owned(&t, &id)?;
     let b: SnapshotBody = json_body(&body)?;
     if b.count.is_some() || b.snapshot.is_some() {
-        return Err(ApiError::invalid("a snapshot takes labels, trajectory and step"));
+        return Err(ApiError::invalid(
+            "a snapshot takes labels, trajectory and step",
+        ));
     }
     check_labels(&b.labels)?;
-    let (node, t2, e2, labels) = (Arc::clone(&app.node), t.clone(), Arc::clone(&e), b.labels.clone());
-    maybe_logged(&app, &t, &e, &body, &b, "snapshot", move |traj| async move {
-        Ok(node.snapshot(&t2, &e2, labels, traj).await?.view())
-    })
+    let (node, t2, e2, labels) = (
+        Arc::clone(&app.node),
+        t.clone(),
+        Arc::clone(&e),
+        b.labels.clone(),
+    );
+    maybe_logged(
+        &app,
+        &t,
+        &e,
+        &body,
+        &b,
+        "snapshot",
+        move |traj| async move { Ok(node.snapshot(&t2, &e2, labels, traj).await?.view()) },
+    )
     .await
 }
 
@@ -86,11 +99,18 @@ pub(super) async fn fork(
     let e = app.node.owned(&t, &id)?;
     let b: SnapshotBody = json_body(&body)?;
     if b.snapshot.is_some() {
-        return Err(ApiError::invalid("a fork takes count, labels, trajectory and step"));
+        return Err(ApiError::invalid(
+            "a fork takes count, labels, trajectory and step",
+        ));
     }
     check_labels(&b.labels)?;
     let count = b.count.unwrap_or(1);
-    let (node, t2, e2, labels) = (Arc::clone(&app.node), t.clone(), Arc::clone(&e), b.labels.clone());
+    let (node, t2, e2, labels) = (
+        Arc::clone(&app.node),
+        t.clone(),
+        Arc::clone(&e),
+        b.labels.clone(),
+    );
     maybe_logged(&app, &t, &e, &body, &b, "fork", move |traj| async move {
         let (snap, made) = node.fork(&t2, &e2, count, labels).await?;
         let snap = match traj {
