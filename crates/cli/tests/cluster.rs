@@ -90,6 +90,81 @@ fn assert_stdout(h: &testkit::Http, id: &str, call: &str, body: Value, stdout: &
     );
 }
 
+/// Snapshots through the gateway: taken, listed, walked, forked, restored, made from and
+/// deleted on sandbox `id`'s node; what this makes is gone after.
+fn snapshots_pass_through(gw: &testkit::Http, id: &str) {
+    let sh = |sb: &str, shell: &str| {
+        let (s, v) = gw.req(
+            "POST",
+            &format!("/v1/sandboxes/{sb}/exec"),
+            Some(&json!({"shell": shell})),
+        );
+        assert_eq!(s, 200, "{v}");
+        v["stdout"]["data"].as_str().unwrap_or_default().to_owned()
+    };
+    sh(id, "echo snap > /workspace/s");
+    let (s, snap) = gw.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        Some(&json!({})),
+    );
+    assert_eq!(s, 201, "{snap}");
+    let sn = snap["id"].as_str().expect("id").to_owned();
+    assert_eq!(
+        dsec_cluster::ids::node_number(&sn),
+        dsec_cluster::ids::node_number(id),
+        "a snapshot's id names its node"
+    );
+    let (s, v) = gw.req("GET", &format!("/v1/snapshots?sandbox={id}"), None);
+    assert_eq!(
+        (s, v["items"][0]["id"].as_str()),
+        (200, Some(sn.as_str())),
+        "{v}"
+    );
+    let (s, v) = gw.req("GET", &format!("/v1/snapshots/{sn}/tree"), None);
+    assert_eq!((s, v["id"].as_str()), (200, Some(sn.as_str())), "{v}");
+    let (s, made) = gw.req("POST", "/v1/sandboxes", Some(&json!({"snapshot": sn})));
+    assert_eq!(s, 201, "{made}");
+    let made = made["id"].as_str().expect("id").to_owned();
+    assert_eq!(sh(&made, "cat /workspace/s"), "snap\n");
+    let (s, fork) = gw.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/fork"),
+        Some(&json!({"count": 2})),
+    );
+    assert_eq!(s, 201, "{fork}");
+    sh(id, "rm /workspace/s");
+    let (s, v) = gw.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore"),
+        Some(&json!({"snapshot": sn})),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(sh(id, "cat /workspace/s"), "snap\n");
+    let forks = fork["sandboxes"].as_array().expect("sandboxes");
+    assert_eq!(forks.len(), 2, "{fork}");
+    for f in forks
+        .iter()
+        .map(|f| f["id"].as_str().expect("id"))
+        .chain([made.as_str()])
+    {
+        let (s, _) = gw.req("DELETE", &format!("/v1/sandboxes/{f}"), None);
+        assert!(s == 200 || s == 204);
+    }
+    let (s, v) = gw.req(
+        "DELETE",
+        &format!("/v1/snapshots/{sn}?recursive=true"),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = gw.req("GET", &format!("/v1/snapshots/{sn}"), None);
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (404, Some("snapshot_not_found")),
+        "{v}"
+    );
+}
+
 /// Files, background processes with their wait, sessions and the code runner, through the
 /// gateway to sandbox `id`'s node.
 fn families_pass_through(gw: &testkit::Http, id: &str) {
@@ -258,6 +333,7 @@ fn a_gateway_places_routes_and_declares_a_killed_node_lost() {
         "{v}"
     );
     families_pass_through(&gw, &spread[spread.keys().nth(1).expect("n2")][1]);
+    snapshots_pass_through(&gw, &spread[spread.keys().nth(1).expect("n2")][1]);
     let (s, one) = gw.req(
         "POST",
         "/v1/sandboxes",

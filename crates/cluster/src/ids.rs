@@ -3,9 +3,10 @@
 //! node first joins), so a gateway routes a call to the sandbox's node with no lookup. A node
 //! outside a cluster has number 0 and its ids are what they always were.
 
-/// The node number `id` carries (`None`: not a sandbox id, or 0: made outside a cluster).
+/// The node number `id` (a sandbox's `sb-…` or a snapshot's `sn-…`) carries (`None`: not
+/// such an id, or 0: made outside a cluster).
 pub fn node_number(id: &str) -> Option<u16> {
-    let hex = id.strip_prefix("sb-")?;
+    let hex = id.strip_prefix("sb-").or_else(|| id.strip_prefix("sn-"))?;
     if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }

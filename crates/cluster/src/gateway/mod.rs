@@ -165,6 +165,12 @@ pub async fn serve(
         .route("/v1/sandboxes/{id}", any(by_id))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
         .route(
+            "/v1/snapshots",
+            get(|State(gw): State<App>, req: Request| list(gw, req)),
+        )
+        .route("/v1/snapshots/{id}", any(by_id))
+        .route("/v1/snapshots/{id}/{*rest}", any(by_id))
+        .route(
             "/v1/trajectories",
             get(|State(gw): State<App>, req: Request| list(gw, req)),
         )
@@ -620,7 +626,26 @@ async fn create(gw: App, req: Request) -> Response {
         return quota_exceeded();
     }
     let ask = ask_of(&spec, &tenant);
-    let mut order = ranked(&gw, &ask);
+    let mut order = match spec["snapshot"].as_str() {
+        // A snapshot's layers are on its node: the sandbox is made there.
+        Some(s) => {
+            let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+            let node = crate::ids::node_number(s)
+                .and_then(|n| t.numbers.get(&n))
+                .and_then(|name| t.nodes.get(name));
+            match node {
+                Some(n) => vec![n.clone()],
+                None => {
+                    return problem(
+                        StatusCode::NOT_FOUND,
+                        "snapshot_not_found",
+                        &format!("no snapshot {s} on a live node"),
+                    )
+                }
+            }
+        }
+        None => ranked(&gw, &ask),
+    };
     if order.is_empty() {
         refuse(&gw, 1);
         return no_capacity();
@@ -876,21 +901,18 @@ async fn batch_delete(State(gw): State<App>, req: Request) -> Response {
     .await
 }
 
+/// A call to one sandbox (`/v1/sandboxes/{id}…`) or snapshot (`/v1/snapshots/{id}…`): to the
+/// node its id names.
 async fn by_id(State(gw): State<App>, req: Request) -> Response {
-    let id = req
-        .uri()
-        .path()
-        .trim_start_matches("/v1/sandboxes/")
-        .split('/')
-        .next()
-        .unwrap_or("")
-        .to_owned();
+    // "", "v1", "sandboxes" | "snapshots", id, …
+    let id = req.uri().path().split('/').nth(3).unwrap_or("").to_owned();
+    let missing = if id.starts_with("sn-") {
+        "snapshot_not_found"
+    } else {
+        "sandbox_not_found"
+    };
     let Some(number) = crate::ids::node_number(&id) else {
-        return problem(
-            StatusCode::NOT_FOUND,
-            "sandbox_not_found",
-            &format!("no sandbox {id}"),
-        );
+        return problem(StatusCode::NOT_FOUND, missing, &format!("no {id}"));
     };
     let (node, name) = {
         let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
@@ -920,11 +942,7 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
                 &format!("sandbox {id} was on node {name}, which was lost (its lease expired)"),
             )
         }
-        (None, None) => problem(
-            StatusCode::NOT_FOUND,
-            "sandbox_not_found",
-            &format!("no sandbox {id}"),
-        ),
+        (None, None) => problem(StatusCode::NOT_FOUND, missing, &format!("no {id}")),
     }
 }
 
