@@ -32,12 +32,14 @@ from .types import (
     ExecOptions,
     ExecResult,
     FileEntry,
+    ForkResult,
     HasId,
     PoolStats,
     ProcessStatus,
     SandboxQuery,
     SandboxState,
     SessionKind,
+    Snapshot,
     Template,
     Tenant,
     TenantQuota,
@@ -658,3 +660,72 @@ def metrics() -> Call[str]:
 
 def events() -> StreamCall[Record]:
     return StreamCall(Call("GET", "/v1/events", no_body), sse_json)
+
+
+# -- snapshots -------------------------------------------------------------------------------------
+
+
+def _snapshot(resp: httpx.Response) -> Snapshot:
+    return Snapshot.from_json(json_body(resp))
+
+
+def _step_fields(trajectory: str | None, step: int | None) -> dict[str, Any]:
+    return t.clean({"trajectory": trajectory, "step": step})
+
+
+def take_snapshot(
+    sandbox_id: str, labels: Mapping[str, str] | None, trajectory: str | None, step: int | None
+) -> Call[Snapshot]:
+    body = {"labels": dict(labels or {}), **_step_fields(trajectory, step)}
+    return Call("POST", sandbox_path(sandbox_id, "/snapshots"), _snapshot, json=body, min_timeout=120.0)
+
+
+def fork(
+    make: Callable[[Record], S],
+    sandbox_id: str,
+    count: int,
+    labels: Mapping[str, str] | None,
+    trajectory: str | None,
+    step: int | None,
+) -> Call[ForkResult[S]]:
+    def parse(resp: httpx.Response) -> ForkResult[S]:
+        body = json_body(resp)
+        return ForkResult(
+            Snapshot.from_json(body["snapshot"]),
+            [make(x) for x in body.get("sandboxes") or []],
+            [error_from_problem(e) for e in body.get("errors") or []],
+        )
+
+    body = {"count": int(count), "labels": dict(labels or {}), **_step_fields(trajectory, step)}
+    return Call("POST", sandbox_path(sandbox_id, "/fork"), parse, json=body, min_timeout=120.0 + count)
+
+
+def restore(sandbox_id: str, snapshot_id: str, trajectory: str | None, step: int | None) -> Call[Record]:
+    body = {"snapshot": snapshot_id, **_step_fields(trajectory, step)}
+    return Call("POST", sandbox_path(sandbox_id, "/restore"), json_body, json=body, min_timeout=60.0)
+
+
+def get_snapshot(snapshot_id: str) -> Call[Snapshot]:
+    return Call("GET", f"/v1/snapshots/{snapshot_id}", _snapshot)
+
+
+def list_snapshots(sandbox: str | None, root: str | None, labels: Mapping[str, str] | None) -> Call[list[Snapshot]]:
+    label = ",".join(f"{k}={v}" for k, v in (labels or {}).items()) or None
+    params = t.clean({"sandbox": sandbox, "root": root, "label": label})
+
+    def parse(resp: httpx.Response) -> list[Snapshot]:
+        return [Snapshot.from_json(x) for x in json_body(resp).get("items") or []]
+
+    return Call("GET", "/v1/snapshots", parse, params=params)
+
+
+def snapshot_tree(snapshot_id: str) -> Call[Record]:
+    return Call("GET", f"/v1/snapshots/{snapshot_id}/tree", json_body)
+
+
+def delete_snapshot(snapshot_id: str, recursive: bool) -> Call[list[str]]:
+    def parse(resp: httpx.Response) -> list[str]:
+        return [str(x) for x in json_body(resp).get("deleted") or []]
+
+    params = {"recursive": "true"} if recursive else {}
+    return Call("DELETE", f"/v1/snapshots/{snapshot_id}", parse, params=params)

@@ -33,6 +33,7 @@ from .types import (
     PoolStats,
     RequestOptions,
     SandboxQuery,
+    Snapshot,
     Template,
     Tenant,
     TenantQuota,
@@ -237,6 +238,27 @@ class Client(_ClientBase[httpx.BaseTransport]):
         """Destroy a sandbox; returns its final record (state ``stopped``)."""
         out: dict[str, Any] = self._send(api.delete_sandbox(sandbox_id, idempotency_key))
         return out
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        """The snapshot with this id (``SnapshotNotFound`` if this tenant has none)."""
+        return self._send(api.get_snapshot(snapshot_id))
+
+    def snapshots(
+        self, *, sandbox: str | None = None, root: str | None = None, labels: Mapping[str, str] | None = None
+    ) -> list[Snapshot]:
+        """This tenant's snapshots, oldest first: of one ``sandbox``, in the tree under
+        ``root``, carrying every one of ``labels``."""
+        return self._send(api.list_snapshots(sandbox, root, labels))
+
+    def snapshot_tree(self, snapshot_id: str) -> dict[str, Any]:
+        """The tree under a snapshot: its record with ``children``, recursively."""
+        out: dict[str, Any] = self._send(api.snapshot_tree(snapshot_id))
+        return out
+
+    def delete_snapshot(self, snapshot_id: str, *, recursive: bool = False) -> list[str]:
+        """Delete a snapshot (with the tree under it when ``recursive``); the ids deleted.
+        Refused (``InvalidTransition``) while snapshots or live sandboxes stand on it."""
+        return self._send(api.delete_snapshot(snapshot_id, recursive))
 
     def list_sandboxes(self, **query: Unpack[SandboxQuery]) -> Iterator[Sandbox]:
         """Iterate over this tenant's sandboxes, following ``next_cursor`` page by page.
@@ -482,6 +504,21 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
     async def delete_sandbox(self, sandbox_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = await self._send(api.delete_sandbox(sandbox_id, idempotency_key))
         return out
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return await self._send(api.get_snapshot(snapshot_id))
+
+    async def snapshots(
+        self, *, sandbox: str | None = None, root: str | None = None, labels: Mapping[str, str] | None = None
+    ) -> list[Snapshot]:
+        return await self._send(api.list_snapshots(sandbox, root, labels))
+
+    async def snapshot_tree(self, snapshot_id: str) -> dict[str, Any]:
+        out: dict[str, Any] = await self._send(api.snapshot_tree(snapshot_id))
+        return out
+
+    async def delete_snapshot(self, snapshot_id: str, *, recursive: bool = False) -> list[str]:
+        return await self._send(api.delete_snapshot(snapshot_id, recursive))
 
     def list_sandboxes(self, **query: Unpack[SandboxQuery]) -> AsyncIterator[AsyncSandbox]:
         return self._pages(api.list_sandboxes(self._sandbox, query))

@@ -42,6 +42,7 @@ __all__ = [
     "UnknownOutcome",
     "TrajectoryDiverged",
     "TrajectoryNotFound",
+    "SnapshotNotFound",
     "MethodNotAllowed",
     "ERROR_CLASSES",
     "error_from_problem",
@@ -257,6 +258,12 @@ class TrajectoryDiverged(DsecError):
     default_code = "trajectory_diverged"
 
 
+class SnapshotNotFound(NotFound):
+    """``snapshot_not_found`` (404): no such snapshot for this tenant."""
+
+    default_code = "snapshot_not_found"
+
+
 class TrajectoryNotFound(NotFound):
     """``trajectory_not_found`` (404): no such trajectory for this tenant."""
 
@@ -314,6 +321,7 @@ ERROR_CLASSES: dict[str, type[DsecError]] = {
         UnknownOutcome,
         TrajectoryDiverged,
         TrajectoryNotFound,
+        SnapshotNotFound,
         Unavailable,
         NodeLost,
         MethodNotAllowed,

@@ -281,6 +281,32 @@ class Sandbox(_SandboxData):
         """Kill every process and give the sandbox a fresh writable layer."""
         return self._set(self.client._send(api.reset(self.id)))
 
+    def snapshot(
+        self, *, labels: Mapping[str, str] | None = None, trajectory: str | None = None, step: int | None = None
+    ) -> ty.Snapshot:
+        """Snapshot the sandbox's files (a logged step of ``trajectory`` when given); it goes on
+        as it was."""
+        return self.client._send(api.take_snapshot(self.id, labels, trajectory, step))
+
+    def fork(
+        self,
+        count: int = 1,
+        *,
+        labels: Mapping[str, str] | None = None,
+        trajectory: str | None = None,
+        step: int | None = None,
+    ) -> ty.ForkResult[Sandbox]:
+        """Snapshot the sandbox and make ``count`` sandboxes from it, alike to this one."""
+        return self.client._send(api.fork(self.client._sandbox, self.id, count, labels, trajectory, step))
+
+    def restore(
+        self, snapshot: str | ty.Snapshot, *, trajectory: str | None = None, step: int | None = None
+    ) -> Sandbox:
+        """Roll the sandbox back to a snapshot: every process killed, its files the snapshot's;
+        a later ``reset`` comes back to it."""
+        sid = snapshot.id if isinstance(snapshot, ty.Snapshot) else snapshot
+        return self._set(self.client._send(api.restore(self.id, sid, trajectory, step)))
+
     def destroy(self) -> Sandbox:
         """Destroy the sandbox (state ``stopped``)."""
         return self._destroyed(self.client.delete_sandbox(self.id))
@@ -535,6 +561,27 @@ class AsyncSandbox(_SandboxData):
 
     async def heartbeat(self, lease_ms: int | None = None) -> AsyncSandbox:
         return self._set(await self.client._send(api.heartbeat(self.id, lease_ms)))
+
+    async def snapshot(
+        self, *, labels: Mapping[str, str] | None = None, trajectory: str | None = None, step: int | None = None
+    ) -> ty.Snapshot:
+        return await self.client._send(api.take_snapshot(self.id, labels, trajectory, step))
+
+    async def fork(
+        self,
+        count: int = 1,
+        *,
+        labels: Mapping[str, str] | None = None,
+        trajectory: str | None = None,
+        step: int | None = None,
+    ) -> ty.ForkResult[AsyncSandbox]:
+        return await self.client._send(api.fork(self.client._sandbox, self.id, count, labels, trajectory, step))
+
+    async def restore(
+        self, snapshot: str | ty.Snapshot, *, trajectory: str | None = None, step: int | None = None
+    ) -> AsyncSandbox:
+        sid = snapshot.id if isinstance(snapshot, ty.Snapshot) else snapshot
+        return self._set(await self.client._send(api.restore(self.id, sid, trajectory, step)))
 
     async def reset(self) -> AsyncSandbox:
         return self._set(await self.client._send(api.reset(self.id)))

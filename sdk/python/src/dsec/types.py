@@ -20,6 +20,8 @@ from typing_extensions import TypedDict, Unpack
 from .errors import DsecError
 
 __all__ = [
+    "Snapshot",
+    "ForkResult",
     "Command",
     "SandboxState",
     "Substrate",
@@ -85,8 +87,10 @@ class CreateOptions(TypedDict, total=False):
             host id range of the sandbox's own, and ``RLIMIT_NPROC`` refuses a fork bomb's
             forks before they cost the node anything. ``False`` (the sandbox's root is host
             root with every capability dropped) is for the admin tenant only.
+        snapshot: make it from this snapshot (``sn-…``): its template, substrate and files.
     """
 
+    snapshot: str | None
     template: str | None
     substrate: Substrate | None
     limits: Mapping[str, Any] | None
@@ -547,3 +551,57 @@ class BatchCreateResult(Generic[S]):
     @property
     def ids(self) -> list[str]:
         return [s.id for s in self.sandboxes]
+
+
+@dataclass
+class Snapshot:
+    """A snapshot of a sandbox (``Sandbox.snapshot``): its files at that moment, which new
+    sandboxes are made from (``Sandbox.create(snapshot=...)``, ``Sandbox.fork``) and a sandbox
+    is rolled back to (``Sandbox.restore``). A container's snapshot holds files, not process
+    memory (``memory`` is ``False``)."""
+
+    id: str
+    parent: str | None
+    sandbox: str
+    template: str
+    substrate: str
+    size_bytes: int
+    depth: int
+    memory: bool
+    created_at: str
+    labels: dict[str, str] = field(default_factory=dict)
+    trajectory: str | None = None
+    step: int | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Snapshot:
+        return cls(
+            id=str(d["id"]),
+            parent=d.get("parent"),
+            sandbox=str(d.get("sandbox")),
+            template=str(d.get("template")),
+            substrate=str(d.get("substrate")),
+            size_bytes=int(d.get("size_bytes") or 0),
+            depth=int(d.get("depth") or 0),
+            memory=bool(d.get("memory")),
+            created_at=str(d.get("created_at")),
+            labels=dict(d.get("labels") or {}),
+            trajectory=d.get("trajectory"),
+            step=d.get("step"),
+        )
+
+
+@dataclass
+class ForkResult(Generic[S]):
+    """What ``Sandbox.fork`` made: the snapshot and the sandboxes made from it (with the
+    errors of those that could not be made). Iterating it yields the sandboxes."""
+
+    snapshot: Snapshot
+    sandboxes: list[S] = field(default_factory=list)
+    errors: list[DsecError] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(self.sandboxes)
+
+    def __len__(self) -> int:
+        return len(self.sandboxes)
