@@ -49,6 +49,15 @@ pub fn civil(secs: u64) -> (i64, i64, i64, u64, u64, u64) {
     (y, m, d, rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
+/// RFC 3339 UTC time of `ms` since the epoch.
+pub fn rfc3339(ms: u64) -> String {
+    let (y, m, d, hh, mm, ss) = civil(ms / 1000);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}.{:03}Z",
+        ms % 1000
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,13 +69,4 @@ mod tests {
         assert_eq!(shifted(5, -10), 0);
         assert_eq!(shifted(u64::MAX - 1, 10), u64::MAX);
     }
-}
-
-/// RFC 3339 UTC time of `ms` since the epoch.
-pub fn rfc3339(ms: u64) -> String {
-    let (y, m, d, hh, mm, ss) = civil(ms / 1000);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}.{:03}Z",
-        ms % 1000
-    )
 }

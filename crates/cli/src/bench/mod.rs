@@ -17,6 +17,7 @@ mod cluster_sim;
 mod container;
 mod log;
 mod run;
+mod snapshot;
 mod vm;
 
 /// What `dsec bench` measures.
@@ -39,6 +40,9 @@ pub enum BenchKind {
     /// The cluster: a real etcd, 4 nodes and a gateway: gateway vs direct, a batch of 1,000,
     /// placement decisions per second over 200 simulated nodes, node-loss detection.
     Cluster,
+    /// Container snapshots (0 and 100 files, `cp -a` peer), fork 16, create from a snapshot
+    /// vs cold, restore vs reset, a 100-deep chain.
+    Snapshot,
 }
 
 /// Arguments of `dsec bench`.
@@ -155,5 +159,6 @@ pub fn run(
         BenchKind::Vm => vm::run(args),
         BenchKind::Chaos => chaos::run(args),
         BenchKind::Cluster => cluster::run(args),
+        BenchKind::Snapshot => snapshot::run(args),
     }
 }

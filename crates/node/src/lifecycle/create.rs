@@ -161,7 +161,7 @@ impl Node {
         mut req: CreateRequest,
     ) -> Result<SandboxRecord> {
         self.check_draining()?;
-        self.from_snapshot(tenant, &mut req)?;
+        self.resolve_snapshot(tenant, &mut req)?;
         if req.template != "host" {
             let (name, node) = (req.template.clone(), Arc::clone(self));
             tokio::task::spawn_blocking(move || node.template_known(&name))

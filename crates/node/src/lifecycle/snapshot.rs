@@ -9,7 +9,7 @@ use super::create::CreateRequest;
 use super::{step, Entry, Error, Node, Result};
 use crate::clock::now_ms;
 use crate::sandbox::State;
-use crate::snapshot::{copy::IdShift, SnapshotRecord, FLATTEN_DEPTH};
+use crate::snapshot::{copy::IdShift, SnapshotRecord, FLATTEN_DEPTH, MAX_DEPTH};
 use crate::store::{SandboxRecord, Tenant};
 
 /// Most sandboxes one fork makes.
@@ -109,6 +109,15 @@ impl Node {
         self.failpoint("snapshot:before_record");
         let mut layers = vec![layer.clone()];
         layers.extend(rec.spec.layers.iter().map(|d| layer_id(d)));
+        if layers.len() > MAX_DEPTH {
+            let (template, _) = self.rt.lowerdirs(&rec.spec.template)?;
+            let (node, all) = (Arc::clone(self), layers.clone());
+            let flat = tokio::task::spawn_blocking(move || node.snapshots.flatten(&all, &template))
+                .await
+                .map_err(|err| Error::internal(err.to_string()))?
+                .map_err(|err| Error::internal(format!("flatten the layers: {err}")))?;
+            layers = vec![flat];
+        }
         let snap = SnapshotRecord {
             id: crate::snapshot::new_id(crate::member::number()),
             parent: rec.spec.snapshot.clone(),
@@ -170,7 +179,7 @@ impl Node {
 
     /// What a create from snapshot `id` stands on: `req` with its template, substrate and
     /// layers.
-    pub(super) fn from_snapshot(&self, tenant: &Tenant, req: &mut CreateRequest) -> Result<()> {
+    pub(super) fn resolve_snapshot(&self, tenant: &Tenant, req: &mut CreateRequest) -> Result<()> {
         let Some(id) = req.snapshot.clone() else {
             return Ok(());
         };

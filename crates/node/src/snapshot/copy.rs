@@ -122,7 +122,11 @@ pub fn apply_over(
         root: dest.to_owned(),
         below,
     };
-    c.dir(root.as_fd(), dest, 0)?;
+    let fresh = fs::read_dir(dest)
+        .map_err(err("read", dest))?
+        .next()
+        .is_none();
+    c.dir(root.as_fd(), dest, 0, fresh)?;
     let st = rustix::fs::fstat(&root).map_err(rerr("stat", dest))?;
     c.meta(dest, &st, false)?;
     Ok(c.done)
@@ -178,7 +182,15 @@ fn mtime(st: &rustix::fs::Stat) -> Timestamps {
 }
 
 impl Copier<'_> {
-    fn dir(&mut self, src: BorrowedFd<'_>, dest: &Path, depth: usize) -> Result<(), CopyError> {
+    /// Copies the entries of `src` into `dest`; `fresh`: `dest` was empty (made by this copy),
+    /// so nothing there needs looking at or removing.
+    fn dir(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dest: &Path,
+        depth: usize,
+        fresh: bool,
+    ) -> Result<(), CopyError> {
         if depth > MAX_DEPTH {
             return Err(err("copy", dest)(io::Error::other(format!(
                 "directories nest deeper than {MAX_DEPTH}"
@@ -195,7 +207,7 @@ impl Copier<'_> {
             let Ok(st) = rustix::fs::statat(src, name, AtFlags::SYMLINK_NOFOLLOW) else {
                 continue; // gone meanwhile
             };
-            self.entry(src, name, &st, &to, depth)?;
+            self.entry(src, name, &st, &to, depth, fresh)?;
         }
         Ok(())
     }
@@ -207,15 +219,21 @@ impl Copier<'_> {
         st: &rustix::fs::Stat,
         to: &Path,
         depth: usize,
+        fresh: bool,
     ) -> Result<(), CopyError> {
         self.done.entries += 1;
+        let remove = |to: &Path| if fresh { Ok(()) } else { remove(to) };
         match FileType::from_raw_mode(st.st_mode) {
             FileType::Directory => {
                 let Ok(fd) = open_dir(src, name) else {
                     return Ok(()); // replaced meanwhile
                 };
                 let opaque = is_opaque(fd.as_fd());
-                let below = fs::symlink_metadata(to).ok();
+                let below = if fresh {
+                    None
+                } else {
+                    fs::symlink_metadata(to).ok()
+                };
                 let merge = !opaque && below.as_ref().is_some_and(fs::Metadata::is_dir);
                 if !merge {
                     remove(to)?;
@@ -226,11 +244,14 @@ impl Copier<'_> {
                             .map_err(|e| err("opaque", to)(io::Error::other(e)))?;
                     }
                 }
-                self.dir(fd.as_fd(), to, depth + 1)?;
+                self.dir(fd.as_fd(), to, depth + 1, fresh || !merge)?;
                 let st = rustix::fs::fstat(&fd).map_err(rerr("stat", to))?;
                 self.meta(to, &st, false)
             }
-            FileType::RegularFile => self.file(src, name, st, to),
+            FileType::RegularFile => {
+                remove(to)?;
+                self.file(src, name, st, to)
+            }
             FileType::Symlink => {
                 let Ok(target) = rustix::fs::readlinkat(src, name, Vec::new()) else {
                     return Ok(());
@@ -286,7 +307,6 @@ impl Copier<'_> {
         if FileType::from_raw_mode(st_now.st_mode) != FileType::RegularFile {
             return Ok(());
         }
-        remove(to)?;
         let key = (st_now.st_dev, st_now.st_ino);
         if st.st_nlink > 1 {
             if let Some(first) = self.links.get(&key) {
@@ -299,9 +319,19 @@ impl Copier<'_> {
             .create_new(true)
             .open(to)
             .map_err(err("create", to))?;
+        // Small files are most of a layer: read and write, without the probing of
+        // `io::copy` (whose `copy_file_range` fails across file systems, tmpfs → disk).
         let mut input = fs::File::from(fd);
-        let n = io::copy(&mut input, &mut out).map_err(err("copy", to))?;
-        self.done.bytes += n;
+        let mut buf = vec![0u8; (st_now.st_size.clamp(0, 128 << 10) as usize).max(1)];
+        loop {
+            use std::io::{Read, Write};
+            let n = input.read(&mut buf).map_err(err("copy", to))?;
+            if n == 0 {
+                break;
+            }
+            out.write_all(&buf[..n]).map_err(err("copy", to))?;
+            self.done.bytes += n as u64;
+        }
         self.meta_fd(out.as_fd(), to, &st_now)
     }
 
@@ -336,12 +366,15 @@ impl Copier<'_> {
         st: &rustix::fs::Stat,
     ) -> Result<(), CopyError> {
         let (uid, gid) = (self.ids.uid(st.st_uid), self.ids.gid(st.st_gid));
-        rustix::fs::fchown(
-            fd,
-            Some(rustix::fs::Uid::from_raw(uid)),
-            Some(rustix::fs::Gid::from_raw(gid)),
-        )
-        .map_err(rerr("chown", to))?;
+        // The node runs as root: a file it made is root's already.
+        if (uid, gid) != (0, 0) {
+            rustix::fs::fchown(
+                fd,
+                Some(rustix::fs::Uid::from_raw(uid)),
+                Some(rustix::fs::Gid::from_raw(gid)),
+            )
+            .map_err(rerr("chown", to))?;
+        }
         rustix::fs::fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o1777))
             .map_err(rerr("chmod", to))?;
         rustix::fs::futimens(fd, &mtime(st)).map_err(rerr("utimes", to))

@@ -28,6 +28,11 @@ use crate::sandbox::Substrate;
 /// every create from it (see docs/perf-notes.md, *Snapshots*).
 pub const FLATTEN_DEPTH: usize = 16;
 
+/// The deepest stack a snapshot is recorded with: a deeper one (snapshots taken faster than
+/// the background flattening keeps up) is flattened before the snapshot is answered. The
+/// overlay's options (every layer's path) must fit in one page.
+pub const MAX_DEPTH: usize = 2 * FLATTEN_DEPTH;
+
 /// A snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotRecord {

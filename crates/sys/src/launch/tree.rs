@@ -218,22 +218,7 @@ pub fn build_root_tree(
             user.chown(&p.upper)?;
         }
         if let Some(h) = &host {
-            let n = lowerdirs.len();
-            let h = cstr_step(h)?;
-            ck(mkdir(&h, 0o755), "mkdir_host_layer")?;
-            let opts = cstr_step(&format!(
-                "lowerdir={}:{}",
-                lowerdirs[n - 2],
-                lowerdirs[n - 1]
-            ))?;
-            try_mount(
-                "host_layer",
-                c"overlay",
-                &h,
-                Some(c"overlay"),
-                libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
-                Some(&opts),
-            )?;
+            mount_host_layer(h, &lowerdirs[lowerdirs.len() - 2..])?;
         }
         mount_overlay(&p)?;
         // The sandbox's /dev but for its devpts instance, and the mount point for its /proc;
@@ -308,6 +293,22 @@ pub fn build_root_tree(
         rootfs: rootfs.clone(),
         user_ino: state.user_ino(),
     })
+}
+
+/// Mounts the host template's two layers (`[mask, /]`, staged) as one read-only overlay on
+/// `at`, a directory it makes.
+fn mount_host_layer(at: &str, host: &[String]) -> Result<(), StepError> {
+    let at = cstr_step(at)?;
+    ck(mkdir(&at, 0o755), "mkdir_host_layer")?;
+    let opts = cstr_step(&format!("lowerdir={}", host.join(":")))?;
+    try_mount(
+        "host_layer",
+        c"overlay",
+        &at,
+        Some(c"overlay"),
+        libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+        Some(&opts),
+    )
 }
 
 /// Where [`enter_root_tree`] mounts the new root inside the old one.
