@@ -7,6 +7,7 @@ mod client;
 mod cluster_cmd;
 mod output;
 mod sandbox_cmd;
+mod snapshot_cmd;
 mod trajectory_cmd;
 mod units;
 
@@ -97,6 +98,13 @@ enum Command {
     Vm {
         #[command(subcommand)]
         command: VmCmd,
+    },
+    /// Snapshot, fork and restore sandboxes of a running daemon; list, walk and delete
+    /// snapshots.
+    #[command(after_long_help = client::EXIT_CODES)]
+    Snapshot {
+        #[command(subcommand)]
+        command: snapshot_cmd::SnapshotCmd,
     },
     /// List, show, annotate and export trajectories of a running daemon.
     #[command(after_long_help = client::EXIT_CODES)]
@@ -759,6 +767,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Sandbox { command } => return remote(&cli, |c| sandbox_cmd::run(c, command)),
         Command::Pool { command } => return remote(&cli, |c| admin_cmd::pool(c, command)),
+        Command::Snapshot { command } => return remote(&cli, |c| snapshot_cmd::run(c, command)),
         Command::Tenant { command } => return remote(&cli, |c| admin_cmd::tenant(c, command)),
         Command::Trajectory { command } => {
             return remote(&cli, |c| trajectory_cmd::run(c, command))

@@ -79,6 +79,9 @@ pub struct CreateArgs {
     /// Label (k=v), repeatable.
     #[arg(long = "label", short = 'l', value_parser = parse_label)]
     labels: Vec<(String, String)>,
+    /// Make it from this snapshot (`sn-…`: its template, substrate and files).
+    #[arg(long, conflicts_with_all = ["template", "substrate"])]
+    snapshot: Option<String>,
     /// Destroy the sandbox after this long (seconds, or 10m, 2h).
     #[arg(long, value_parser = units::parse_duration_ms)]
     ttl: Option<u64>,
@@ -313,6 +316,9 @@ fn create(c: &Client, a: &CreateArgs) -> Result<ExitCode, ClientError> {
     }
     if let Some(ttl) = a.ttl {
         spec.insert("ttl_ms".into(), ttl.into());
+    }
+    if let Some(s) = &a.snapshot {
+        spec.insert("snapshot".into(), s.clone().into());
     }
     if a.writable_root {
         spec.insert("writable_root".into(), true.into());

@@ -306,3 +306,42 @@ fn a_deep_chain_is_flattened() {
     d.delete(&k);
     d.delete(&id);
 }
+
+/// `dsec snapshot` and `dsec sandbox create --snapshot` against the daemon.
+#[test]
+fn the_cli_drives_snapshots() {
+    let d = Daemon::fresh("cli", &[]);
+    let dsec = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
+            .args(args)
+            .env("DSEC_URL", &d.url)
+            .env("DSEC_API_KEY", &d.key)
+            .output()
+            .expect("run dsec");
+        assert!(out.status.success(), "dsec {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let id = d.create(json!({}));
+    d.sh(&id, "echo c > /workspace/c");
+    let sn = dsec(&["snapshot", "create", &id, "-l", "k=v"])
+        .trim()
+        .to_owned();
+    assert!(sn.starts_with("sn-"), "{sn}");
+    let made = dsec(&["sandbox", "create", "--snapshot", &sn])
+        .trim()
+        .to_owned();
+    assert_eq!(d.sh(&made, "cat /workspace/c"), "c\n");
+    let forks = dsec(&["snapshot", "fork", &id, "-n", "2"]);
+    assert_eq!(forks.lines().count(), 2, "{forks}");
+    d.sh(&id, "rm /workspace/c");
+    dsec(&["snapshot", "restore", &id, &sn]);
+    assert_eq!(d.sh(&id, "cat /workspace/c"), "c\n");
+    assert!(dsec(&["snapshot", "list", "-l", "k=v"]).contains(&sn));
+    assert!(dsec(&["snapshot", "tree", &sn]).starts_with(&sn));
+    for k in forks.lines().chain([made.as_str()]) {
+        d.delete(k);
+    }
+    let gone = dsec(&["snapshot", "rm", "-r", &sn]);
+    assert!(gone.contains(&sn), "{gone}");
+    d.delete(&id);
+}
