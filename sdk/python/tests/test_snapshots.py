@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 import dsec
@@ -58,3 +61,15 @@ async def test_async_snapshot_and_restore(server) -> None:
             assert (await forks.sandboxes[0].exec("cat /workspace/x")).text == "x\n"
             await forks.sandboxes[0].destroy()
         assert sorted(await ac.delete_snapshot(snap.id, recursive=True)) == sorted([snap.id, forks.snapshot.id])
+
+
+def test_the_tree_search_example(client: dsec.Client) -> None:
+    path = Path(__file__).resolve().parents[3] / "examples" / "tree_search.py"
+    spec = importlib.util.spec_from_file_location("tree_search", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    found = mod.search(client)
+    assert found is not None and sum(found) == mod.GOAL, found
+    assert client.snapshots(labels={"example": "tree_search"}) == []
+    assert not [s for s in client.list_sandboxes(labels={"example": "tree_search"}) if s.state != "stopped"]
