@@ -345,3 +345,55 @@ fn the_cli_drives_snapshots() {
     assert!(gone.contains(&sn), "{gone}");
     d.delete(&id);
 }
+
+/// A snapshot committed as a template: its layers above the template's, stored and
+/// content-addressed like an import's; sandboxes of it (and pools) see the snapshot's files.
+#[test]
+fn a_snapshot_commits_as_a_template() {
+    let d = Daemon::fresh("commit", &[]);
+    let id = d.create(json!({"writable_root": true}));
+    d.sh(
+        &id,
+        "mkdir -p /workspace/app && echo hello > /workspace/app/x && rm -f /etc/motd",
+    );
+    let sn = d.snapshot(&id);
+    let body = serde_json::to_vec(
+        &json!({"name": "app", "snapshot": sn["id"], "workdir": "/workspace/app",
+        "env": {"PATH": "/usr/bin:/bin", "APP": "1"}}),
+    )
+    .expect("json");
+    let r = d
+        .http()
+        .send(
+            "POST",
+            "/v1/templates",
+            Some(&body),
+            &[("content-type", "application/json")],
+        )
+        .expect("commit");
+    let t = r.json();
+    assert_eq!(r.status, 201, "{t}");
+    assert_eq!(
+        (&t["source"]["kind"], &t["source"]["id"]),
+        (&json!("snapshot"), &sn["id"]),
+        "{t}"
+    );
+    let k = d.create(json!({"template": "app"}));
+    assert_eq!(
+        d.sh(&k, "cat /workspace/app/x; test -e /etc/motd || echo gone"),
+        "hello\ngone\n"
+    );
+    // The snapshot may go: the template holds its own copy of the layers.
+    d.delete(&k);
+    d.delete(&id);
+    d.ok(
+        "DELETE",
+        &format!("/v1/snapshots/{}", sid(&sn)),
+        json!(null),
+    );
+    let k = d.create(json!({"template": "app"}));
+    assert_eq!(d.sh(&k, "cat /workspace/app/x"), "hello\n");
+    d.delete(&k);
+    let (s, v) = d.req("DELETE", "/v1/templates/app", None);
+    assert_eq!(s, 204, "{v}");
+}

@@ -167,6 +167,48 @@ impl Node {
         }
     }
 
+    /// Commits snapshot `id` as template `name`: the snapshot's template's layers with the
+    /// snapshot's above them; `env`, `workdir`, `user` replace the base template's when given.
+    pub async fn commit_snapshot(
+        self: &Arc<Self>,
+        tenant: &Tenant,
+        name: &str,
+        id: &str,
+        (env, workdir, user): (
+            Option<Vec<(String, String)>>,
+            Option<String>,
+            Option<String>,
+        ),
+    ) -> Result<crate::template::Template> {
+        let s = self.snapshot_of(tenant, id)?;
+        let _gc = self.snapshot_gc.read().await;
+        let (node, name) = (Arc::clone(self), name.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let store = node.rt.templates();
+            let base = if s.template == crate::template::HOST_TEMPLATE {
+                store.host_template()
+            } else {
+                store.get(&s.template)?
+            };
+            // Bottom → top.
+            let dirs: Vec<std::path::PathBuf> = s
+                .layers
+                .iter()
+                .rev()
+                .map(|l| node.snapshots.dir(l))
+                .collect();
+            let defaults = (
+                env.unwrap_or_else(|| base.env.clone()),
+                workdir.unwrap_or_else(|| base.workdir.clone()),
+                user.or_else(|| base.user.clone()),
+            );
+            let source = crate::template::TemplateSource::Snapshot { id: s.id.clone() };
+            Ok(store.commit(&name, &base, &dirs, defaults, source)?)
+        })
+        .await
+        .map_err(|err| Error::internal(err.to_string()))?
+    }
+
     /// Bytes of `tenant`'s snapshots.
     pub fn snapshot_bytes(&self, tenant: &str) -> Result<u64> {
         Ok(self

@@ -15,6 +15,7 @@
 //! Code map: `store.rs` ([`LayerStore`], [`TemplateStore`]), `unpack.rs` (tar unpacking),
 //! `oci.rs` (OCI image layout and `docker save` parsing), `host.rs` (the host mask layer).
 
+mod commit;
 mod host;
 mod oci;
 mod store;
@@ -300,6 +301,11 @@ pub enum TemplateSource {
     },
     /// A `docker save` tarball.
     DockerSave,
+    /// Committed from a snapshot (`dsec template build` commits its last step's).
+    Snapshot {
+        /// The snapshot's id.
+        id: String,
+    },
 }
 
 /// A named template: ordered layers plus process defaults.

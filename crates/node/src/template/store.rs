@@ -450,7 +450,11 @@ impl TemplateStore {
             .map(|l| match l {
                 LayerRef::Stored { digest } => self.layers.path(digest),
                 LayerRef::HostRoot => PathBuf::from("/"),
-                LayerRef::HostMask { id } => self.data_dir.join("host-mask").join(id),
+                // This node's mask, whichever node recorded the template (ids differ with
+                // the hidden paths, the data dir among them).
+                LayerRef::HostMask { .. } => {
+                    self.data_dir.join("host-mask").join(&self.host_mask_id)
+                }
             })
             .collect()
     }
@@ -574,6 +578,19 @@ impl TemplateStore {
             Err(TemplateError::AlreadyExists { .. }) => Ok(()),
             r => r,
         }
+    }
+
+    /// Records the new template `t` (its name must be free).
+    pub(super) fn put_new(&self, t: &Template) -> Result<(), TemplateError> {
+        self.check_new_name(&t.name)?;
+        self.write_record(t)
+    }
+
+    /// Runs `f` (which imports layers and records a template naming them) while layer
+    /// collection waits.
+    pub(super) fn importing<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _guard = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
+        f()
     }
 
     fn check_new_name(&self, name: &str) -> Result<(), TemplateError> {

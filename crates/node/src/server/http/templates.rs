@@ -40,20 +40,74 @@ pub(super) async fn get_template(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ImportQuery {
+    #[serde(default)]
     name: String,
     #[serde(default)]
     format: Option<String>,
 }
 
+/// `POST /v1/templates` with a JSON body: a snapshot committed as a template.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CommitBody {
+    name: String,
+    snapshot: String,
+    #[serde(default)]
+    env: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    workdir: Option<String>,
+    #[serde(default)]
+    user: Option<String>,
+}
+
 pub(super) async fn import_template(
     Caller(app, caller): Caller,
     Query(q): Query<ImportQuery>,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> ApiResult<Response> {
     require_admin(&caller)?;
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    let t = if json {
+        let b: CommitBody = json_body(&body)?;
+        let env = b.env.map(|e| e.into_iter().collect());
+        app.node
+            .commit_snapshot(&caller, &b.name, &b.snapshot, (env, b.workdir, b.user))
+            .await?
+    } else {
+        if q.name.is_empty() {
+            return Err(ApiError::invalid("an import names its template: ?name="));
+        }
+        import_body(&app, q, body).await?
+    };
+    if let Some(m) = app.member.clone() {
+        // The cluster learns of it now (a failure here is retried with the next report).
+        let (rt, t2) = (Arc::clone(&app.node.rt), t.clone());
+        let published = tokio::task::spawn_blocking(move || m.publish(rt.templates(), &t2)).await;
+        if let Ok(Err(e)) = published {
+            tracing::warn!(template = %t.name, error = %e, "cluster: publishing a template failed");
+        }
+    }
+    forget_template(&app, &t.name);
+    Ok((
+        StatusCode::CREATED,
+        Json(serde_json::to_value(t).unwrap_or_default()),
+    )
+        .into_response())
+}
+
+/// A template imported from the request's body (a root filesystem tarball or an image).
+async fn import_body(
+    app: &AppState,
+    q: ImportQuery,
+    body: Bytes,
+) -> ApiResult<crate::template::Template> {
     let rt = Arc::clone(&app.node.rt);
     let limits = crate::template::ImportLimits::default();
-    let t = blocking(move || {
+    blocking(move || {
         let mut reader = std::io::Cursor::new(body);
         match q.format.as_deref().unwrap_or("rootfs") {
             "rootfs" => rt
@@ -71,21 +125,7 @@ pub(super) async fn import_template(
             _ => Err(ApiError::invalid("format must be rootfs, oci or docker")),
         }
     })
-    .await?;
-    if let Some(m) = app.member.clone() {
-        // The cluster learns of it now (a failure here is retried with the next report).
-        let (rt, t2) = (Arc::clone(&app.node.rt), t.clone());
-        let published = tokio::task::spawn_blocking(move || m.publish(rt.templates(), &t2)).await;
-        if let Ok(Err(e)) = published {
-            tracing::warn!(template = %t.name, error = %e, "cluster: publishing a template failed");
-        }
-    }
-    forget_template(&app, &t.name);
-    Ok((
-        StatusCode::CREATED,
-        Json(serde_json::to_value(t).unwrap_or_default()),
-    )
-        .into_response())
+    .await
 }
 
 pub(super) async fn delete_template(
