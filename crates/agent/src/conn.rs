@@ -615,7 +615,8 @@ impl Agent {
                 nofile,
                 fsize,
                 nproc,
-            } => self.configure(id, env, nofile, fsize, nproc),
+                workdir,
+            } => self.configure(id, env, (nofile, fsize, nproc), workdir),
             Request::Identify {
                 hostname,
                 unix_ns,
@@ -711,11 +712,10 @@ impl Agent {
         &self,
         id: u64,
         env: Vec<(String, String)>,
-        nofile: Option<u64>,
-        fsize: Option<u64>,
-        nproc: Option<u64>,
+        (nofile, fsize, nproc): (Option<u64>, Option<u64>, Option<u64>),
+        workdir: Option<String>,
     ) {
-        exec::configure(env, nofile, fsize);
+        exec::configure(env, nofile, fsize, workdir);
         if let Some(n) = nproc {
             if let Err(e) = dsec_sys::proc::set_own_rlimit(libc::RLIMIT_NPROC, n) {
                 self.out.error(id, ErrorCode::Internal, &e);

@@ -44,12 +44,24 @@ static COMMAND_FSIZE: AtomicU64 = AtomicU64::new(0);
 /// The base environment of commands once the node configured one (`None`: the agent's own).
 static BASE_ENV: RwLock<Option<Vec<(String, String)>>> = RwLock::new(None);
 
-/// Applies a `Configure` request: base environment and open-files limit of later commands.
-pub fn configure(env: Vec<(String, String)>, nofile: Option<u64>, fsize: Option<u64>) {
+/// The working directory of commands that name none (`None`: `/`).
+static BASE_CWD: RwLock<Option<String>> = RwLock::new(None);
+
+/// Applies a `Configure` request: base environment, working directory and limits of later
+/// commands.
+pub fn configure(
+    env: Vec<(String, String)>,
+    nofile: Option<u64>,
+    fsize: Option<u64>,
+    workdir: Option<String>,
+) {
     COMMAND_NOFILE.store(nofile.unwrap_or(0), Ordering::Relaxed);
     COMMAND_FSIZE.store(fsize.unwrap_or(0), Ordering::Relaxed);
     if let Ok(mut g) = BASE_ENV.write() {
         *g = Some(env);
+    }
+    if let Ok(mut g) = BASE_CWD.write() {
+        *g = workdir.filter(|w| w != "/");
     }
 }
 
@@ -264,7 +276,17 @@ pub fn prepare(
     cpu_limit_ms: Option<u64>,
     root: &Root,
 ) -> Result<(), ExecError> {
-    let dir = root.open_dir(cwd.unwrap_or("/")).map_err(ExecError::Cwd)?;
+    let dir = match cwd {
+        Some(c) => root.open_dir(c).map_err(ExecError::Cwd)?,
+        // The template's workdir, or `/` where the sandbox has none such.
+        None => match BASE_CWD.read().ok().and_then(|g| g.clone()) {
+            Some(w) => match root.open_dir(&w) {
+                Ok(d) => d,
+                Err(_) => root.open_dir("/").map_err(ExecError::Cwd)?,
+            },
+            None => root.open_dir("/").map_err(ExecError::Cwd)?,
+        },
+    };
     if let Some(base) = BASE_ENV.read().ok().and_then(|g| g.clone()) {
         cmd.env_clear().envs(base);
     }

@@ -201,6 +201,10 @@ pub enum Request {
         /// namespace: the kernel then refuses a fork before it copies anything).
         #[serde(default)]
         nproc: Option<u64>,
+        /// The working directory of commands that name none (the template's `workdir`;
+        /// `/` when absent or missing in the sandbox).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workdir: Option<String>,
     },
     /// VM guests only: gives a guest restored from its template's snapshot its own identity —
     /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —

@@ -393,6 +393,11 @@ fn a_snapshot_commits_as_a_template() {
     );
     let k = d.create(json!({"template": "app"}));
     assert_eq!(d.sh(&k, "cat /workspace/app/x"), "hello\n");
+    // The template's workdir and environment hold in its sandboxes.
+    assert_eq!(
+        d.sh(&k, "pwd; echo $APP; cat x"),
+        "/workspace/app\n1\nhello\n"
+    );
     d.delete(&k);
     let (s, v) = d.req("DELETE", "/v1/templates/app", None);
     assert_eq!(s, 204, "{v}");

@@ -14,6 +14,7 @@ pub(crate) fn configure_request(cfg: &LaunchConfig) -> Request {
         nofile: Some(cfg.limits.open_files_max),
         fsize: Some(cfg.limits.file_size_max),
         nproc: cfg.ids.map(|_| cfg.limits.nproc()),
+        workdir: cfg.workdir.clone(),
     }
 }
 

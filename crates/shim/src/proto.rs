@@ -36,6 +36,9 @@ pub struct LaunchConfig {
     /// sandbox's supervisor leases for its life (`dsec_sys::idrange`), so that no two live
     /// sandboxes of the host share host ids.
     pub userns: bool,
+    /// The working directory of commands that name none (the template's).
+    #[serde(default)]
+    pub workdir: Option<String>,
     /// The leased range (first uid, first gid, count), filled in by the supervisor; never sent.
     #[serde(skip)]
     pub ids: Option<(u32, u32, u32)>,

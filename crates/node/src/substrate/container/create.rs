@@ -65,10 +65,21 @@ pub fn valid_id(id: &str) -> bool {
 
 impl Runtime {
     pub(crate) fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
+        self.container_template(template)
+            .map(|(dirs, env, _)| (dirs, env))
+    }
+
+    /// A template's lower directories (topmost first), environment and working directory
+    /// (`None`: `/`).
+    fn container_template(
+        &self,
+        template: &str,
+    ) -> Result<(Vec<String>, Env, Option<String>), RuntimeError> {
         if template == "host" {
             return Ok((
                 vec![self.host_mask.display().to_string(), "/".into()],
                 Vec::new(),
+                None,
             ));
         }
         let t = self
@@ -91,7 +102,8 @@ impl Runtime {
                 }
             })
             .collect();
-        Ok((dirs, t.env.clone()))
+        let workdir = (t.workdir != "/" && !t.workdir.is_empty()).then(|| t.workdir.clone());
+        Ok((dirs, t.env.clone(), workdir))
     }
 
     /// The base environment of every command in sandbox `id`: defaults, then the template's,
@@ -153,7 +165,7 @@ impl Runtime {
         spec: &SandboxSpec,
     ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
-        let (lowerdirs, template_env) = self.lowerdirs(&spec.template)?;
+        let (lowerdirs, template_env, workdir) = self.container_template(&spec.template)?;
         let lowerdirs = spec.layers.iter().cloned().chain(lowerdirs).collect();
         let id = id.to_owned();
         let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
@@ -174,6 +186,7 @@ impl Runtime {
             env,
             // The supervisor leases the ids (a range of its own, host-wide).
             userns: spec.userns,
+            workdir,
             ids: None,
         };
         let req = self.new_req();

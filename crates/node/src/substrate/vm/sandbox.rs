@@ -439,6 +439,7 @@ fn start_vm(
         vm::identify(&mut agent, id, spec, SCRATCH_DIRS)?;
         agent.call_ok(
             &dsec_api::agent::Request::Configure {
+                workdir: None,
                 env: env.to_vec(),
                 nofile: Some(spec.limits.open_files_max),
                 fsize: Some(spec.limits.file_size_max),
