@@ -283,6 +283,11 @@ pub struct Client {
 }
 
 impl Client {
+    /// The daemon's base URL.
+    pub fn url(&self) -> &str {
+        &self.base
+    }
+
     /// A client of the daemon at `url` (`http://host:port`). Requests carry `key` when given.
     pub fn new(url: &str, key: Option<String>) -> Self {
         let agent = ureq::Agent::config_builder()

@@ -3,6 +3,7 @@
 
 mod admin_cmd;
 mod bench;
+mod build_cmd;
 mod client;
 mod cluster_cmd;
 mod output;
@@ -252,6 +253,10 @@ enum TemplateCmd {
     /// Import a template into the local store (--data-dir). The format is told from the
     /// archive's top-level names unless --rootfs or --oci says it.
     Import(TemplateSource),
+    /// Build a template on a running daemon (admin key) from a Dockerfile: FROM (a template of
+    /// the daemon), RUN, COPY/ADD (local files), ENV, WORKDIR, USER, ARG, LABEL; each step a
+    /// layer, cached by (the steps before, the instruction, the copied files' digests).
+    Build(build_cmd::BuildArgs),
     /// Upload a template to a running daemon (admin key), with a progress bar on stderr. The
     /// format is told from the tarball's top-level names unless --rootfs or --oci says it.
     Push(TemplateSource),
@@ -659,6 +664,7 @@ fn template(cli: &Cli, cmd: &TemplateCmd) -> anyhow::Result<ExitCode> {
             println!("removed {name} ({} unused layer(s) deleted)", removed.len());
         }
         TemplateCmd::Push(_) => anyhow::bail!("`template push` talks to the daemon"),
+        TemplateCmd::Build(_) => anyhow::bail!("`template build` talks to the daemon"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -792,6 +798,9 @@ fn main() -> ExitCode {
         Command::Template {
             command: TemplateCmd::Rm { name, local: false },
         } => return remote(&cli, |c| template_rm(c, name)),
+        Command::Template {
+            command: TemplateCmd::Build(args),
+        } => return remote(&cli, |c| build_cmd::run(c, args)),
         Command::Template { command } => template(&cli, command),
         Command::Bench(args) => bench::run(args, &cli.data_dir, || runtime(&cli)),
     };

@@ -402,3 +402,93 @@ fn a_snapshot_commits_as_a_template() {
     let (s, v) = d.req("DELETE", "/v1/templates/app", None);
     assert_eq!(s, 204, "{v}");
 }
+
+/// `dsec template build`: a Dockerfile's steps as layers, its WORKDIR/ENV in the template's
+/// sandboxes, a second build all from the cache, a failing RUN reported by its line.
+#[test]
+fn a_dockerfile_builds_a_template() {
+    let d = Daemon::fresh("build", &[]);
+    let ctx = d.data.parent().expect("base").join("ctx");
+    std::fs::create_dir_all(ctx.join("data")).expect("ctx");
+    std::fs::write(ctx.join("app.txt"), "app\n").expect("app.txt");
+    std::fs::write(ctx.join("data/d.txt"), "data\n").expect("d.txt");
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        "ARG GREETING=hello\nFROM host\n# the app\nENV APP_HOME=/srv/app\nWORKDIR $APP_HOME\n\
+         COPY app.txt ./\nCOPY data /srv/app/data\nRUN echo \"$GREETING from build\" \\\n  > built.txt\n\
+         USER 1000\nLABEL purpose=test\n",
+    )
+    .expect("Dockerfile");
+    let cache = d.data.parent().expect("base").join("cache");
+    let build = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_dsec"))
+            .args(["template", "build"])
+            .args(args)
+            .env("DSEC_URL", &d.url)
+            .env("DSEC_API_KEY", &d.key)
+            .env("XDG_CACHE_HOME", &cache)
+            .output()
+            .expect("run dsec")
+    };
+    let out = build(&[
+        "-t",
+        "built",
+        "--build-arg",
+        "GREETING=hi",
+        ctx.to_str().expect("utf-8"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.contains("Successfully built template built"), "{text}");
+    let k = d.create(json!({"template": "built"}));
+    assert_eq!(
+        d.sh(&k, "pwd; cat app.txt data/d.txt built.txt; echo $APP_HOME"),
+        "/srv/app\napp\ndata\nhi from build\n/srv/app\n"
+    );
+    d.delete(&k);
+    let (s, t) = d.req("GET", "/v1/templates/built", None);
+    assert_eq!((s, t["user"].as_str()), (200, Some("1000")), "{t}");
+    // host's two layers and one per WORKDIR, COPY, COPY, RUN.
+    assert_eq!(t["layers"].as_array().map(Vec::len), Some(6), "{t}");
+    let (s, _) = d.req("DELETE", "/v1/templates/built", None);
+    assert_eq!(s, 204);
+    // Again: every step from the cache.
+    let out = build(&[
+        "-t",
+        "built",
+        "--build-arg",
+        "GREETING=hi",
+        ctx.to_str().expect("utf-8"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(text.matches("Using cache").count(), 4, "{text}");
+    // A failing RUN names its line.
+    std::fs::write(
+        ctx.join("Dockerfile.bad"),
+        "FROM host\nRUN true\nRUN exit 3\n",
+    )
+    .expect("bad");
+    let bad = ctx.join("Dockerfile.bad");
+    let out = build(&[
+        "-t",
+        "bad",
+        "-f",
+        bad.to_str().expect("utf-8"),
+        ctx.to_str().expect("utf-8"),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Dockerfile:3: RUN exit 3: exit code 3"),
+        "{err}"
+    );
+    let (s, _) = d.req("GET", "/v1/templates/bad", None);
+    assert_eq!(s, 404);
+    let (_, v) = d.req("GET", "/v1/sandboxes", None);
+    assert_eq!(
+        v["items"].as_array().map(Vec::len),
+        Some(0),
+        "no build sandbox is left: {v}"
+    );
+}

@@ -12,6 +12,13 @@ use crate::sandbox::State;
 use crate::snapshot::{copy::IdShift, SnapshotRecord, FLATTEN_DEPTH, MAX_DEPTH};
 use crate::store::{SandboxRecord, Tenant};
 
+/// A committed template's `env`, `workdir` and `user` (`None`: its base template's).
+pub type TemplateDefaults = (
+    Option<Vec<(String, String)>>,
+    Option<String>,
+    Option<String>,
+);
+
 /// Most sandboxes one fork makes.
 pub const MAX_FORK: usize = 64;
 
@@ -174,11 +181,7 @@ impl Node {
         tenant: &Tenant,
         name: &str,
         id: &str,
-        (env, workdir, user): (
-            Option<Vec<(String, String)>>,
-            Option<String>,
-            Option<String>,
-        ),
+        (env, workdir, user): TemplateDefaults,
     ) -> Result<crate::template::Template> {
         let s = self.snapshot_of(tenant, id)?;
         let _gc = self.snapshot_gc.read().await;
