@@ -60,11 +60,7 @@ impl Node {
         trajectory: Option<(String, u64)>,
     ) -> Result<SnapshotRecord> {
         let rec = e.record();
-        if rec.spec.substrate.is_vm() {
-            return Err(Error::invalid(
-                "snapshots of microvm and vm sandboxes are not supported yet",
-            ));
-        }
+        let is_vm = rec.spec.substrate.is_vm();
         let used = self.snapshot_bytes(&tenant.id)?;
         if let Some(max) = tenant.max_snapshot_bytes.filter(|m| used >= *m) {
             return Err(Error::Quota(format!(
@@ -86,15 +82,18 @@ impl Node {
         let node = Arc::clone(self);
         let t0 = std::time::Instant::now();
         let (sb, taken) = tokio::task::spawn_blocking(move || {
-            let taken = sb
-                .upper()
-                .map_err(Error::from)
-                .and_then(|(fd, (uid, gid))| {
+            let taken = if is_vm {
+                node.snapshots
+                    .save(|dest| sb.vm_save(dest).map_err(|e| super::error::chain(&e)))
+                    .map_err(|err| Error::internal(format!("save the guest: {err}")))
+            } else {
+                sb.upper().map_err(Error::from).and_then(|(fd, (uid, gid))| {
                     use std::os::fd::AsFd as _;
                     node.snapshots
                         .take(fd.as_fd(), IdShift { uid, gid })
                         .map_err(|err| Error::internal(format!("copy the writable layer: {err}")))
-                });
+                })
+            };
             (sb, taken)
         })
         .await
@@ -116,7 +115,8 @@ impl Node {
         self.failpoint("snapshot:before_record");
         let mut layers = vec![layer.clone()];
         layers.extend(rec.spec.layers.iter().map(|d| layer_id(d)));
-        if layers.len() > MAX_DEPTH {
+        // (A VM's layers are a chain of disk overlays, each over the one below: never merged.)
+        if layers.len() > MAX_DEPTH && !is_vm {
             let (template, _) = self.rt.lowerdirs(&rec.spec.template)?;
             let (node, all) = (Arc::clone(self), layers.clone());
             let flat = tokio::task::spawn_blocking(move || node.snapshots.flatten(&all, &template))
@@ -138,9 +138,10 @@ impl Node {
             created_at_ms: now_ms(),
             labels,
             trajectory,
+            limits: is_vm.then(|| rec.spec.limits.clone()),
         };
         self.store.put_snapshot(&snap)?;
-        if snap.layers.len() > FLATTEN_DEPTH {
+        if snap.layers.len() > FLATTEN_DEPTH && !is_vm {
             let (node, id) = (Arc::clone(self), snap.id.clone());
             tokio::spawn(async move { node.flatten(&id).await });
         }
@@ -229,7 +230,12 @@ impl Node {
             return Ok(());
         };
         let s = self.snapshot_of(tenant, &id)?;
-        if !req.userns {
+        if s.substrate.is_vm() {
+            req.userns = false;
+            if let Some(l) = &s.limits {
+                req.limits = l.clone();
+            }
+        } else if !req.userns {
             return Err(Error::invalid(
                 "a sandbox made from a snapshot has a user namespace (its layers store the \
                  sandbox's own ids)",
@@ -281,14 +287,27 @@ impl Node {
         id: &str,
     ) -> Result<SandboxRecord> {
         let s = self.snapshot_of(tenant, id)?;
-        if e.record().spec.substrate.is_vm() || s.substrate.is_vm() {
-            return Err(Error::invalid(
-                "restores of microvm and vm sandboxes are not supported yet",
-            ));
+        let spec = e.record().spec;
+        let vm = spec.substrate.is_vm();
+        if vm != s.substrate.is_vm()
+            || (vm && (spec.substrate, &spec.template) != (s.substrate, &s.template))
+        {
+            return Err(Error::invalid(format!(
+                "a {} sandbox of template {} is restored to snapshots of its own kind (this \
+                 one: {} of {})",
+                spec.substrate.name(),
+                spec.template,
+                s.substrate.name(),
+                s.template
+            )));
         }
         let layers = self.snapshots.dirs(&s.layers);
-        let (template_dirs, _) = self.rt.lowerdirs(&s.template)?;
-        let lowerdirs: Vec<String> = layers.iter().cloned().chain(template_dirs).collect();
+        let lowerdirs: Vec<String> = if vm {
+            layers.clone()
+        } else {
+            let (template_dirs, _) = self.rt.lowerdirs(&s.template)?;
+            layers.iter().cloned().chain(template_dirs).collect()
+        };
         let mut guard = e.lock().await;
         if e.record().state != State::Running {
             return Err(Error::Transition(format!(

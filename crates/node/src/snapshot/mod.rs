@@ -62,6 +62,10 @@ pub struct SnapshotRecord {
     /// The trajectory and step it was logged as, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trajectory: Option<(String, u64)>,
+    /// A VM's limits (its guest's memory, vCPUs and disk): a sandbox made from its snapshot
+    /// has the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<crate::capacity::Admitted>,
 }
 
 impl SnapshotRecord {
@@ -77,8 +81,9 @@ impl SnapshotRecord {
             "created_at": crate::clock::rfc3339(self.created_at_ms),
             "labels": self.labels,
             "depth": self.layers.len(),
-            // A container's snapshot holds its files, not its processes' memory.
-            "memory": false,
+            // A container's snapshot holds its files, not its processes' memory; a VM's holds
+            // the whole guest.
+            "memory": self.substrate.is_vm(),
         });
         if let Some((t, step)) = &self.trajectory {
             v["trajectory"] = serde_json::json!(t);
@@ -145,6 +150,22 @@ impl LayerStore {
         ids: copy::IdShift,
     ) -> Result<(String, copy::Copied), copy::CopyError> {
         self.write(|dest| copy::apply(upper, dest, ids))
+    }
+
+    /// A new layer `fill` writes (a VM's saved state and disk): its id and the bytes written.
+    pub fn save(
+        &self,
+        fill: impl FnOnce(&Path) -> Result<u64, String>,
+    ) -> Result<(String, copy::Copied), copy::CopyError> {
+        self.write(|dest| {
+            fill(dest)
+                .map(|bytes| copy::Copied { bytes, entries: 0 })
+                .map_err(|e| copy::CopyError {
+                    op: "save",
+                    path: dest.to_owned(),
+                    source: std::io::Error::other(e),
+                })
+        })
     }
 
     /// Merges `layers` (topmost first) into a new layer that sits right above `template` (its

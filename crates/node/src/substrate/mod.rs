@@ -172,14 +172,18 @@ impl Sandbox {
     /// Rolls a container back in place onto `lowerdirs` (a snapshot's layers above its
     /// template's, topmost first) under a fresh writable layer: every process but the agent
     /// is killed, as by [`Sandbox::reset`], whose later calls come back to these layers.
+    ///
+    /// A VM is replaced by a guest restored from the running guest's snapshot in
+    /// `lowerdirs[0]` (its processes and memory as they were).
     pub fn restore(&mut self, lowerdirs: Vec<String>) -> Result<(), RuntimeError> {
-        if !matches!(self.backend, Backend::Container { .. }) {
-            return Err(RuntimeError::Invalid(
-                "only container sandboxes are restored here".into(),
-            ));
-        }
         self.state = self.state.transition(State::Resetting)?;
-        let result = self.reset_container(Some(lowerdirs));
+        let result = match &self.backend {
+            Backend::Container { .. } => self.reset_container(Some(lowerdirs)),
+            Backend::Vm(_) => match lowerdirs.first() {
+                Some(dir) => self.restore_vm(dir),
+                None => Err(RuntimeError::Invalid("no VM snapshot to restore".into())),
+            },
+        };
         self.state = match result {
             Ok(()) => self.state.transition(State::Ready)?,
             Err(_) => self.state.transition(State::Failed)?,

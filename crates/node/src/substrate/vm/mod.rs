@@ -17,6 +17,7 @@ pub mod cache;
 pub mod image;
 pub mod qemu;
 pub mod rootfs;
+pub mod fork;
 pub mod sandbox;
 
 use std::collections::HashMap;
@@ -206,11 +207,17 @@ pub struct Snapshot {
     /// The snapshot's state file, root image and initramfs, held open while the snapshot is
     /// loaded: an open file marks its cache entry in use ([`cache::open_entries`]).
     _held: Vec<fs::File>,
+    /// A snapshot of a running guest (`fork.rs`): the template snapshot it stands on, whose
+    /// RAM file its clones map (the guest's own pages come with its state stream).
+    base: Option<Arc<Snapshot>>,
 }
 
 impl Snapshot {
     fn ram(&self) -> PathBuf {
-        self.dir.join("ram")
+        match &self.base {
+            Some(b) => b.ram(),
+            None => self.dir.join("ram"),
+        }
     }
 
     fn state(&self) -> PathBuf {
@@ -220,7 +227,11 @@ impl Snapshot {
     /// The writable layer's disk as the template boot left it (clones write to a private,
     /// already-unlinked copy-on-write overlay of it).
     fn upper(&self) -> PathBuf {
-        self.dir.join("upper.img")
+        if self.base.is_some() {
+            self.dir.join(fork::UPPER)
+        } else {
+            self.dir.join("upper.img")
+        }
     }
 
     /// What it was made for.
@@ -563,6 +574,7 @@ impl VmRuntime {
             boot_ms: 0,
             save_ms: 0,
             _held: Vec::new(),
+            base: None,
         };
         if dir.join("complete").exists() {
             touch(&dir);
@@ -596,6 +608,7 @@ impl VmRuntime {
             ram_file: snap.ram(),
             ram_shared: boot,
             upper: snap.upper(),
+            upper_qcow2: snap.base.is_some(),
             run_dir: run_dir.to_path_buf(),
             console_log: boot.then(|| run_dir.join("console.log")),
             incoming: !boot,

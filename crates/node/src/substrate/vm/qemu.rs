@@ -92,6 +92,9 @@ pub struct VmArgs {
     /// The writable layer's disk: written through while booting a template, a private
     /// copy-on-write overlay (`snapshot=on`) for clones.
     pub upper: PathBuf,
+    /// The writable disk is a qcow2 image (a running guest's snapshot: its overlay over the
+    /// template's disk), not the raw ext4 image.
+    pub upper_qcow2: bool,
     /// `true` while booting a template (guest RAM written through to `ram_file`); `false`
     /// for clones (a private copy-on-write mapping of it).
     pub ram_shared: bool,
@@ -192,8 +195,9 @@ impl VmArgs {
         );
         push(&["-drive", &drive, "-device", &format!("{blk},drive=root")]);
         let upper = format!(
-            "id=upper,file={},format=raw,if=none,cache=unsafe,discard=unmap{}",
+            "id=upper,file={},format={},if=none,cache=unsafe,discard=unmap{}",
             self.upper.display(),
+            if self.upper_qcow2 { "qcow2" } else { "raw" },
             if self.ram_shared { "" } else { ",snapshot=on" }
         );
         push(&["-drive", &upper, "-device", &format!("{blk},drive=upper")]);
@@ -396,6 +400,7 @@ mod tests {
             ram_file: "/ram".into(),
             ram_shared: !incoming,
             upper: "/u.img".into(),
+            upper_qcow2: false,
             run_dir: "/run/x".into(),
             console_log: None,
             incoming,

@@ -295,6 +295,13 @@ impl Runtime {
     ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
         let (rt, snap) = self.vm_snapshot(spec)?;
+        // Made from a running guest's snapshot: its top layer holds the guest.
+        let snap = match spec.layers.first() {
+            Some(dir) => Arc::new(
+                Snapshot::derived(&snap, std::path::PathBuf::from(dir)).map_err(vm_err(id))?,
+            ),
+            None => snap,
+        };
         let env = self.vm_env(id, spec)?;
         let limits = CgroupLimits {
             cpu_weight: Some(spec.limits.cpu_weight),
@@ -436,7 +443,18 @@ fn start_vm(
         })
         .map_err(vm_err(id))?;
     let ready = (|| -> Result<(), VmError> {
-        vm::identify(&mut agent, id, spec, SCRATCH_DIRS)?;
+        // A running guest's snapshot already made its root read-only in its memory.
+        let fresh;
+        let spec_now = if snap.base.is_some() {
+            fresh = SandboxSpec {
+                writable_root: true,
+                ..spec.clone()
+            };
+            &fresh
+        } else {
+            spec
+        };
+        vm::identify(&mut agent, id, spec_now, SCRATCH_DIRS)?;
         agent.call_ok(
             &dsec_api::agent::Request::Configure {
                 workdir: None,
@@ -471,6 +489,33 @@ impl Sandbox {
 
     /// Reset of a VM: a fresh QEMU restored from the snapshot again replaces the old one (in
     /// the same cgroup); nothing of the old guest survives.
+    /// Saves the running guest into `dest` (a snapshot layer's directory): the bytes written.
+    pub(crate) fn vm_save(&self, dest: &std::path::Path) -> Result<u64, RuntimeError> {
+        let Backend::Vm(b) = &self.backend else {
+            return Err(RuntimeError::Invalid("not a VM sandbox".into()));
+        };
+        b.rt.save_running(&self.id, self.sup.pid(), dest)
+            .map_err(vm_err(&self.id))
+    }
+
+    /// Replaces the guest with one restored from the running guest's snapshot in `dir` (a
+    /// rollback); later resets come back to it.
+    pub(crate) fn restore_vm(&mut self, dir: &str) -> Result<(), RuntimeError> {
+        let Backend::Vm(b) = &mut self.backend else {
+            return Err(RuntimeError::Invalid("not a VM sandbox".into()));
+        };
+        let snap = Arc::new(
+            Snapshot::derived(&b.snap, std::path::PathBuf::from(dir)).map_err(vm_err(&self.id))?,
+        );
+        vm::kill(&self.sup);
+        let (sup, agent) = start_vm(&b.rt, &self.id, &snap, &b.cgroup, &self.spec, &b.env)?;
+        b.snap = snap;
+        self.init_pid = sup.pid();
+        self.sup = sup;
+        self.agent = agent;
+        Ok(())
+    }
+
     pub(crate) fn reset_vm(&mut self) -> Result<(), RuntimeError> {
         let Backend::Vm(b) = &self.backend else {
             return Err(RuntimeError::Invalid("not a VM sandbox".into()));
