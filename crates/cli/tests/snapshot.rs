@@ -492,3 +492,87 @@ fn a_dockerfile_builds_a_template() {
         "no build sandbox is left: {v}"
     );
 }
+
+/// A microVM's snapshot holds the whole guest: a fork (and a create from it) keeps a Python
+/// session's variable and a background process; a restore rolls the guest back in place; a
+/// reset comes back to the snapshot restored; deleting the tree leaves no layer.
+#[test]
+fn vm_snapshots_keep_processes_and_memory() {
+    let d = Daemon::fresh("vm", &[]);
+    let id = d.create(json!({"substrate": "microvm"}));
+    d.sh(&id, "echo disk > /workspace/a; (sleep 1000 &)");
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/sessions"),
+        Some(&json!({"kind": "python"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let session = v["session"].as_u64().expect("session");
+    let run = |sb: &str, input: &str| {
+        let v = d.ok(
+            "POST",
+            &format!("/v1/sandboxes/{sb}/sessions/{session}/run"),
+            json!({ "input": input }),
+        );
+        v["stdout"]["data"].as_str().unwrap_or_default().to_owned()
+    };
+    run(&id, "x = 41");
+    let f = d.ok(
+        "POST",
+        &format!("/v1/sandboxes/{id}/fork"),
+        json!({"count": 2}),
+    );
+    let snap = f["snapshot"].clone();
+    assert_eq!(
+        (snap["memory"].as_bool(), snap["substrate"].as_str()),
+        (Some(true), Some("microvm"))
+    );
+    for k in f["sandboxes"].as_array().expect("sandboxes") {
+        let k = sid(k);
+        assert_eq!(run(&k, "print(x + 1)"), "42\n");
+        assert_eq!(
+            d.sh(
+                &k,
+                "cat /workspace/a; pgrep -x sleep >/dev/null && echo sleeping; hostname"
+            ),
+            format!("disk\nsleeping\n{k}\n")
+        );
+        d.delete(&k);
+    }
+    run(&id, "x = 0");
+    d.sh(&id, "rm /workspace/a");
+    d.ok(
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore"),
+        json!({"snapshot": snap["id"]}),
+    );
+    assert_eq!(run(&id, "print(x)"), "41\n");
+    assert_eq!(d.sh(&id, "cat /workspace/a"), "disk\n");
+    run(&id, "x = 7");
+    d.ok("POST", &format!("/v1/sandboxes/{id}/reset"), json!({}));
+    assert_eq!(
+        run(&id, "print(x)"),
+        "41\n",
+        "a reset comes back to the snapshot"
+    );
+    // A container cannot be restored to a VM's snapshot.
+    let c = d.create(json!({}));
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{c}/restore"),
+        Some(&json!({"snapshot": snap["id"]})),
+    );
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (400, Some("invalid_request")),
+        "{v}"
+    );
+    d.delete(&c);
+    d.delete(&id);
+    d.ok(
+        "DELETE",
+        &format!("/v1/snapshots/{}?recursive=true", sid(&snap)),
+        json!(null),
+    );
+    assert_eq!(d.layers(), 0);
+}

@@ -87,12 +87,16 @@ impl Node {
                     .save(|dest| sb.vm_save(dest).map_err(|e| super::error::chain(&e)))
                     .map_err(|err| Error::internal(format!("save the guest: {err}")))
             } else {
-                sb.upper().map_err(Error::from).and_then(|(fd, (uid, gid))| {
-                    use std::os::fd::AsFd as _;
-                    node.snapshots
-                        .take(fd.as_fd(), IdShift { uid, gid })
-                        .map_err(|err| Error::internal(format!("copy the writable layer: {err}")))
-                })
+                sb.upper()
+                    .map_err(Error::from)
+                    .and_then(|(fd, (uid, gid))| {
+                        use std::os::fd::AsFd as _;
+                        node.snapshots
+                            .take(fd.as_fd(), IdShift { uid, gid })
+                            .map_err(|err| {
+                                Error::internal(format!("copy the writable layer: {err}"))
+                            })
+                    })
             };
             (sb, taken)
         })

@@ -14,10 +14,10 @@
 //! node reuses them. Reset = restore the snapshot again into a new QEMU.
 
 pub mod cache;
+pub mod fork;
 pub mod image;
 pub mod qemu;
 pub mod rootfs;
-pub mod fork;
 pub mod sandbox;
 
 use std::collections::HashMap;
