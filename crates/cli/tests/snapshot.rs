@@ -576,3 +576,51 @@ fn vm_snapshots_keep_processes_and_memory() {
     );
     assert_eq!(d.layers(), 0);
 }
+
+/// A snapshot (and a fork) with `trajectory` + `step` is a logged step: replayed, never
+/// retaken; the snapshot records its trajectory and step.
+#[test]
+fn snapshots_are_trajectory_steps() {
+    let d = Daemon::fresh("traj", &[]);
+    let id = d.create(json!({}));
+    let body = json!({"trajectory": "tj-snap", "step": 1, "labels": {"k": "v"}});
+    let s1 = d.ok(
+        "POST",
+        &format!("/v1/sandboxes/{id}/snapshots"),
+        body.clone(),
+    );
+    assert_eq!(
+        (s1["trajectory"].as_str(), s1["step"].as_u64()),
+        (Some("tj-snap"), Some(1)),
+        "{s1}"
+    );
+    let again = d.ok("POST", &format!("/v1/sandboxes/{id}/snapshots"), body);
+    assert_eq!(again["id"], s1["id"], "replayed, not retaken");
+    let listed = d.ok("GET", &format!("/v1/snapshots?sandbox={id}"), json!(null));
+    assert_eq!(listed["items"].as_array().map(Vec::len), Some(1));
+    let f = d.ok(
+        "POST",
+        &format!("/v1/sandboxes/{id}/fork"),
+        json!({"count": 1, "trajectory": "tj-snap", "step": 2}),
+    );
+    let fs = d.ok(
+        "GET",
+        &format!("/v1/snapshots/{}", sid(&f["snapshot"])),
+        json!(null),
+    );
+    assert_eq!(
+        (fs["trajectory"].as_str(), fs["step"].as_u64()),
+        (Some("tj-snap"), Some(2)),
+        "{fs}"
+    );
+    let recs = d.ok("GET", "/v1/trajectories/tj-snap/records", json!(null));
+    let text = recs.to_string();
+    assert!(
+        text.contains("\"snapshot\"") && text.contains("\"fork\""),
+        "{recs}"
+    );
+    for k in f["sandboxes"].as_array().expect("sandboxes") {
+        d.delete(&sid(k));
+    }
+    d.delete(&id);
+}

@@ -51,10 +51,16 @@ where
         Some(traj) => {
             let action = action_of(body, &["trajectory", "step"])?;
             let traj2 = traj.clone();
-            logged_step(app, t, e, traj, b.step, op, action, move |step| {
+            let r = logged_step(app, t, e, traj, b.step, op, action, move |step| {
                 run(Some((traj2, step)))
             })
-            .await
+            .await?;
+            // A step that made something answers as its call does: 201 (replayed too).
+            let (mut parts, body) = r.into_parts();
+            if parts.status == StatusCode::OK {
+                parts.status = StatusCode::CREATED;
+            }
+            Ok(Response::from_parts(parts, body))
         }
         None => Ok((StatusCode::CREATED, Json(run(None).await?)).into_response()),
     }
