@@ -7,14 +7,29 @@ use super::{step, Entry, Error, Node, Result};
 use crate::clock::now_ms;
 use crate::sandbox::State;
 use crate::store::SandboxRecord;
+use crate::substrate::{RuntimeError, Sandbox};
 
 impl Node {
     /// Resets a sandbox: every process killed, a fresh writable layer.
     pub async fn reset(self: &Arc<Self>, e: &Arc<Entry>) -> Result<SandboxRecord> {
+        self.in_place(e, "reset", Sandbox::reset, &self.metrics.reset, |_| {})
+            .await
+    }
+
+    /// Runs `op` (a reset, a restore) on a running sandbox, `Resetting` meanwhile; `done`
+    /// updates its record once `op` succeeded. A failed `op` leaves it `Failed`.
+    pub(super) async fn in_place(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        what: &str,
+        op: impl FnOnce(&mut Sandbox) -> std::result::Result<(), RuntimeError> + Send + 'static,
+        took: &crate::metrics::Histogram,
+        done: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<SandboxRecord> {
         let mut guard = e.lock().await;
         if e.record().state != State::Running {
             return Err(Error::Transition(format!(
-                "cannot reset a {:?} sandbox",
+                "cannot {what} a {:?} sandbox",
                 e.record().state
             )));
         }
@@ -24,7 +39,7 @@ impl Node {
         };
         let t0 = Instant::now();
         let (sb, result) = tokio::task::spawn_blocking(move || {
-            let r = sb.reset().and_then(|()| sb.mark_acquired());
+            let r = op(&mut sb).and_then(|()| sb.mark_acquired());
             (sb, r)
         })
         .await
@@ -32,9 +47,13 @@ impl Node {
         e.set_pids(Some(&sb));
         *guard = Some(sb);
         drop(guard);
-        self.metrics.reset.observe_duration(t0.elapsed());
+        took.observe_duration(t0.elapsed());
         match result {
-            Ok(()) => self.set_state(e, State::Running),
+            Ok(()) => self.update(e, |r| {
+                r.state = r.state.transition(State::Running)?;
+                done(r);
+                Ok(())
+            }),
             Err(err) => {
                 let err = Error::from(err);
                 let detail = err.detail();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::create::CreateRequest;
-use super::{step, Entry, Error, Node, Result};
+use super::{Entry, Error, Node, Result};
 use crate::clock::now_ms;
 use crate::sandbox::State;
 use crate::snapshot::{copy::IdShift, SnapshotRecord, FLATTEN_DEPTH, MAX_DEPTH};
@@ -312,47 +312,19 @@ impl Node {
             let (template_dirs, _) = self.rt.lowerdirs(&s.template)?;
             layers.iter().cloned().chain(template_dirs).collect()
         };
-        let mut guard = e.lock().await;
-        if e.record().state != State::Running {
-            return Err(Error::Transition(format!(
-                "cannot restore a {:?} sandbox",
-                e.record().state
-            )));
-        }
-        self.set_state(e, State::Resetting)?;
-        let Some(mut sb) = guard.take() else {
-            return Err(Error::NotFound(e.id.clone()));
-        };
-        let t0 = std::time::Instant::now();
-        let (sb, result) = tokio::task::spawn_blocking(move || {
-            let r = sb.restore(lowerdirs).and_then(|()| sb.mark_acquired());
-            (sb, r)
-        })
+        let id = s.id.clone();
+        self.in_place(
+            e,
+            "restore",
+            move |sb| sb.restore(lowerdirs),
+            &self.metrics.restore,
+            |r| {
+                r.spec.snapshot = Some(id);
+                r.spec.template = s.template;
+                r.spec.layers = layers;
+            },
+        )
         .await
-        .map_err(|err| Error::internal(err.to_string()))?;
-        e.set_pids(Some(&sb));
-        *guard = Some(sb);
-        drop(guard);
-        self.metrics.restore.observe_duration(t0.elapsed());
-        match result {
-            Ok(()) => self.update(e, |r| {
-                r.state = r.state.transition(State::Running)?;
-                r.spec.snapshot = Some(s.id.clone());
-                r.spec.template = s.template.clone();
-                r.spec.layers = layers.clone();
-                Ok(())
-            }),
-            Err(err) => {
-                let err = Error::from(err);
-                let detail = err.detail();
-                let _ = self.update(e, |r| {
-                    step(r, State::Failed)?;
-                    r.error = Some(detail.clone());
-                    Ok(())
-                });
-                Err(err)
-            }
-        }
     }
 
     /// `tenant`'s snapshots that pass `f`, oldest first.

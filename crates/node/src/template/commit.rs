@@ -87,39 +87,32 @@ impl TemplateStore {
         defaults: (Vec<(String, String)>, String, Option<String>),
         source: TemplateSource,
     ) -> Result<Template, TemplateError> {
-        self.importing(|| self.commit_locked(name, base, dirs, defaults, source))
-    }
-
-    fn commit_locked(
-        &self,
-        name: &str,
-        base: &Template,
-        dirs: &[std::path::PathBuf],
-        defaults: (Vec<(String, String)>, String, Option<String>),
-        source: TemplateSource,
-    ) -> Result<Template, TemplateError> {
-        super::validate_name(name)?;
-        let limits = ImportLimits::default();
-        let mut layers = base.layers.clone();
-        for dir in dirs {
-            let mut tmp =
-                tempfile::tempfile().map_err(|e| TemplateError::io("create temp file", dir, e))?;
-            layer_tar(dir, &mut tmp).map_err(|e| TemplateError::io("write layer tar", dir, e))?;
-            tmp.rewind()
-                .map_err(|e| TemplateError::io("rewind layer tar", dir, e))?;
-            let (digest, _) = self.layers().import(tmp, None, &limits)?;
-            layers.push(LayerRef::Stored { digest });
-        }
-        let (env, workdir, user) = defaults;
-        let t = Template {
-            name: name.to_owned(),
-            layers,
-            env,
-            workdir,
-            user,
-            source,
-        };
-        self.put_new(&t)?;
-        Ok(t)
+        // Layer collection waits until the record names the new layers.
+        self.importing(|| {
+            super::validate_name(name)?;
+            let limits = ImportLimits::default();
+            let mut layers = base.layers.clone();
+            for dir in dirs {
+                let mut tmp = tempfile::tempfile()
+                    .map_err(|e| TemplateError::io("create temp file", dir, e))?;
+                layer_tar(dir, &mut tmp)
+                    .map_err(|e| TemplateError::io("write layer tar", dir, e))?;
+                tmp.rewind()
+                    .map_err(|e| TemplateError::io("rewind layer tar", dir, e))?;
+                let (digest, _) = self.layers().import(tmp, None, &limits)?;
+                layers.push(LayerRef::Stored { digest });
+            }
+            let (env, workdir, user) = defaults;
+            let t = Template {
+                name: name.to_owned(),
+                layers,
+                env,
+                workdir,
+                user,
+                source,
+            };
+            self.put_new(&t)?;
+            Ok(t)
+        })
     }
 }
