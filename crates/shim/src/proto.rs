@@ -61,7 +61,18 @@ pub enum NodeMsg {
     Spawn(Box<SpawnRequest>),
     /// The node used (or found dead) one idle shell: build a replacement.
     ShellTaken,
+    /// Build some idle shells (at most [`PREFERRED_SHELLS`]) with this root instead of the
+    /// likely one: the root of the snapshot creates come from now (`None`: stop).
+    Prefer {
+        /// The root to pre-build.
+        rootfs: Option<dsec_sys::launch::RootfsSpec>,
+    },
+    /// The node used one idle shell built for a preferred root.
+    PreferredTaken,
 }
+
+/// Most idle shells built for a preferred root at once (never more than half of them).
+pub const PREFERRED_SHELLS: usize = 2;
 
 /// Supervisor → node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -85,6 +96,12 @@ pub enum SupervisorMsg {
     /// The spawner holds a new idle shell. Fd: the shell's request socket (`SOCK_SEQPACKET`),
     /// to which the node sends one [`SpawnRequest`] with a reply socket attached.
     ShellReady,
+    /// The spawner holds a new idle shell whose root was built for a preferred root (see
+    /// [`NodeMsg::Prefer`]) of these lower directories. Fd: as `ShellReady`.
+    PreferredReady {
+        /// The lower directories its root was built with.
+        lowerdirs: Vec<String>,
+    },
     /// An idle shell could not be built (the spawner should build another).
     ShellFailed,
     /// Launch failed; the supervisor has cleaned up and exits.

@@ -14,7 +14,11 @@ use crate::supervise::supervise;
 
 /// Leases a host id range, clones an idle shell's init into a fresh cgroup in a user namespace
 /// mapped onto that range, onto its placeholder root, and builds the likely root ahead of time.
-fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
+fn prebuild(
+    ctx: &SpawnerCtx,
+    stage: &str,
+    rootfs: Option<&launch::RootfsSpec>,
+) -> Result<Prebuilt, LaunchFailure> {
     let ids = lease_ids()?;
     let name = format!("shell-{}", std::process::id());
     let cgroup = ctx.sandbox_cgroup(&name, &CgroupLimits::default())?;
@@ -22,9 +26,8 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
     let map = id_map(&ids);
     match placeholder_init(ctx, stage, Some(map), &cgroup, &mut reset_state) {
         Ok(init) => {
-            let tree = ctx
-                .likely_rootfs
-                .as_ref()
+            let tree = rootfs
+                .or(ctx.likely_rootfs.as_ref())
                 .and_then(|r| launch::build_root_tree(r, &mut reset_state, WARM_PATHS).ok());
             Ok(Prebuilt {
                 cgroup,
@@ -44,7 +47,14 @@ fn prebuild(ctx: &SpawnerCtx, stage: &str) -> Result<Prebuilt, LaunchFailure> {
 
 /// An idle supervisor: pre-builds a shell, then waits for the one request it will serve, sent
 /// by the node on `requests` together with the socket to answer on.
-pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: OwnedFd) -> i32 {
+/// `preferred`: the root to pre-build instead of the likely one (a snapshot's, see
+/// `NodeMsg::Prefer`).
+pub(crate) fn idle_supervisor(
+    ctx: &SpawnerCtx,
+    requests: OwnedFd,
+    node_end: OwnedFd,
+    preferred: Option<&launch::RootfsSpec>,
+) -> i32 {
     ipc::default_sigchld();
     ipc::set_process_name("dsec-shell");
     let _ = ipc::setsid();
@@ -54,7 +64,7 @@ pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: Own
     let Some(stage) = ctx.stage.as_deref() else {
         return 1;
     };
-    let pre = match prebuild(ctx, stage) {
+    let pre = match prebuild(ctx, stage, preferred) {
         Ok(pre) => pre,
         Err(f) => {
             // Tell the node, so that the spawner builds a replacement; not at once: whatever
@@ -67,11 +77,13 @@ pub(crate) fn idle_supervisor(ctx: &SpawnerCtx, requests: OwnedFd, node_end: Own
         }
     };
     // Ready: hand the node our request socket.
-    if send(
-        ctx.node.as_fd(),
-        &SupervisorMsg::ShellReady,
-        &[node_end.as_fd()],
-    )
+    let ready = match preferred {
+        Some(r) => SupervisorMsg::PreferredReady {
+            lowerdirs: r.lowerdirs.clone(),
+        },
+        None => SupervisorMsg::ShellReady,
+    };
+    if send(ctx.node.as_fd(), &ready, &[node_end.as_fd()])
     .is_err()
     {
         return discard(pre);

@@ -13,7 +13,7 @@ use dsec_sys::seccomp::Filter;
 
 use crate::ctx::{send, SpawnerCtx};
 use crate::failure::launch_failure;
-use crate::proto::{NodeMsg, SupervisorMsg, MAX_MSG};
+use crate::proto::{NodeMsg, SupervisorMsg, MAX_MSG, PREFERRED_SHELLS};
 use crate::shell::idle_supervisor;
 use crate::supervise::supervise;
 use crate::CGROUP_BASE;
@@ -68,15 +68,22 @@ pub(crate) fn run_spawner() -> io::Result<()> {
     // sandbox that was just created and its first commands, which measured as the largest cost
     // of a create + first exec on a 2-CPU node.
     let mut refill_at: Option<Instant> = None;
+    // The root the node prefers some shells to have (a snapshot's creates come from), and how
+    // many idle shells were built for one.
+    let mut preferred: Option<RootfsSpec> = None;
+    let mut preferred_idle = 0usize;
     let mut buf = vec![0u8; MAX_MSG];
     loop {
         if refill_at.is_none_or(|t| Instant::now() >= t) {
             refill_at = None;
             while idle < target {
                 let (node_end, shell_end) = ipc::seqpacket_pair()?;
+                let prefer = preferred
+                    .as_ref()
+                    .filter(|_| preferred_idle < PREFERRED_SHELLS.min(target / 2));
                 match launch::fork_process() {
                     Ok(Forked::Child) => {
-                        ipc::exit_now(idle_supervisor(&ctx, shell_end, node_end));
+                        ipc::exit_now(idle_supervisor(&ctx, shell_end, node_end, prefer));
                     }
                     Ok(Forked::Parent(_)) => {
                         // The shell announces itself to the node once it is built (see
@@ -84,6 +91,7 @@ pub(crate) fn run_spawner() -> io::Result<()> {
                         drop(shell_end);
                         drop(node_end);
                         idle += 1;
+                        preferred_idle += usize::from(prefer.is_some());
                     }
                     Err(e) => {
                         eprintln!("dsec-shim spawner: pre-building a shell: {e}");
@@ -112,6 +120,16 @@ pub(crate) fn run_spawner() -> io::Result<()> {
             Ok(NodeMsg::ShellTaken) => {
                 idle = idle.saturating_sub(1);
                 refill_at.get_or_insert(Instant::now() + REFILL_DELAY);
+                continue;
+            }
+            Ok(NodeMsg::PreferredTaken) => {
+                idle = idle.saturating_sub(1);
+                preferred_idle = preferred_idle.saturating_sub(1);
+                refill_at.get_or_insert(Instant::now() + REFILL_DELAY);
+                continue;
+            }
+            Ok(NodeMsg::Prefer { rootfs }) => {
+                preferred = rootfs;
                 continue;
             }
             Err(e) => {

@@ -47,6 +47,8 @@ pub struct Runtime {
     host_mask: PathBuf,
     /// The host mask layer where it is built (the VM substrates build root images from it).
     host_mask_src: PathBuf,
+    /// The root idle shells pre-build (see `runtime.rs`).
+    likely: dsec_sys::launch::RootfsSpec,
     favordynmods: bool,
     /// The VM substrates, started on first use.
     vms: Mutex<Option<Arc<vm::VmRuntime>>>,

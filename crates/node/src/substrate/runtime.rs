@@ -144,6 +144,7 @@ impl Runtime {
         let spawner = Arc::new(spawner::start_spawner(
             &cfg, &likely, &mask_src, &host_mask,
         )?);
+        let likely_root = likely.clone();
         let reader = Arc::clone(&spawner);
         std::thread::Builder::new()
             .name("dsec-spawner-rx".into())
@@ -159,6 +160,7 @@ impl Runtime {
             stage,
             host_mask,
             host_mask_src: mask_src,
+            likely: likely_root,
             favordynmods,
             vms: Mutex::new(None),
             vm_settings: Mutex::new(VmSettings::default()),

@@ -194,8 +194,11 @@ impl Runtime {
         let bytes =
             serde_json::to_vec(&request).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         // Pre-built shells have a user namespace: a sandbox without one is made by the spawner.
+        if !spec.layers.is_empty() {
+            self.prefer(&request.config);
+        }
         let handed = if request.config.userns {
-            self.hand_to_shell(&bytes)
+            self.hand_to_shell(&bytes, &request.config.lowerdirs)
         } else {
             None
         };
@@ -308,17 +311,58 @@ fn wait_reply(sock: &OwnedFd) -> Result<Reply, LaunchFailure> {
 impl Runtime {
     /// Sends the request straight to an idle pre-built shell; returns the socket its answer
     /// will come on, or `None` when no shell took it.
-    fn hand_to_shell(&self, request: &[u8]) -> Option<OwnedFd> {
+    fn hand_to_shell(&self, request: &[u8], lowerdirs: &[String]) -> Option<OwnedFd> {
         loop {
-            let shell = self.spawner.shells.lock().ok()?.pop_front()?;
+            // A shell built for this root, else one built for the likely root, else any.
+            let take_preferred = |exact: bool| -> Option<OwnedFd> {
+                let mut p = self.spawner.preferred.lock().ok()?;
+                let at = p.iter().position(|(l, _)| !exact || l == lowerdirs)?;
+                p.remove(at).map(|(_, fd)| fd)
+            };
+            let (shell, taken) = match take_preferred(true) {
+                Some(s) => (s, NodeMsg::PreferredTaken),
+                None => match self.spawner.shells.lock().ok()?.pop_front() {
+                    Some(s) => (s, NodeMsg::ShellTaken),
+                    None => (take_preferred(false)?, NodeMsg::PreferredTaken),
+                },
+            };
             // Whatever happens, that shell is used up: the spawner builds a replacement.
-            self.notify_spawner(&NodeMsg::ShellTaken);
+            self.notify_spawner(&taken);
             let (ours, theirs) = ipc::seqpacket_pair().ok()?;
             if ipc::send_with_fds(shell.as_fd(), request, &[theirs.as_fd()]).is_ok() {
                 return Some(ours);
             }
             // A shell that failed to build has exited; try the next one.
         }
+    }
+
+    /// Asks the spawner to pre-build some idle shells with the root of `config` (a create from
+    /// a snapshot: more are likely to follow, a tree search's forks) when it would match such a
+    /// root (the defaults but for the layers) and is not the one preferred already.
+    fn prefer(&self, config: &LaunchConfig) {
+        let likely = &self.likely;
+        let alike = config.userns
+            && !config.writable_root
+            && config.limits.disk_bytes == likely.disk_bytes
+            && config.limits.disk_inodes == likely.disk_inodes
+            && config.scratch == likely.scratch;
+        if !alike {
+            return;
+        }
+        let Ok(mut hint) = self.spawner.hint.lock() else {
+            return;
+        };
+        if hint.as_deref() == Some(config.lowerdirs.as_slice()) {
+            return;
+        }
+        *hint = Some(config.lowerdirs.clone());
+        let rootfs = dsec_sys::launch::RootfsSpec {
+            lowerdirs: config.lowerdirs.clone(),
+            ..likely.clone()
+        };
+        self.notify_spawner(&NodeMsg::Prefer {
+            rootfs: Some(rootfs),
+        });
     }
 
     /// Asks the spawner to fork a supervisor for this request and waits for its answer.

@@ -23,6 +23,10 @@ pub(crate) struct SpawnerLink {
     pub(crate) pending: Mutex<HashMap<u64, mpsc::SyncSender<Reply>>>,
     /// Request sockets of idle pre-built shells, handed over by the spawner.
     pub(crate) shells: Mutex<VecDeque<OwnedFd>>,
+    /// Idle shells whose root was built for a preferred root: its lower directories.
+    pub(crate) preferred: Mutex<VecDeque<(Vec<String>, OwnedFd)>>,
+    /// The lower directories of the root the spawner was last asked to prefer.
+    pub(crate) hint: Mutex<Option<Vec<String>>>,
     /// The spawner process.
     pub(crate) child: Mutex<Child>,
 }
@@ -57,6 +61,8 @@ pub(crate) fn start_spawner(
         sock: ours,
         pending: Mutex::new(HashMap::new()),
         shells: Mutex::new(VecDeque::new()),
+        preferred: Mutex::new(VecDeque::new()),
+        hint: Mutex::new(None),
         child: Mutex::new(child),
     })
 }
@@ -87,6 +93,14 @@ pub(crate) fn spawner_reader(link: &SpawnerLink) {
             SupervisorMsg::ShellReady => {
                 if let (Some(fd), Ok(mut shells)) = (fds.into_iter().next(), link.shells.lock()) {
                     shells.push_back(fd);
+                }
+                continue;
+            }
+            SupervisorMsg::PreferredReady { lowerdirs } => {
+                if let (Some(fd), Ok(mut shells)) =
+                    (fds.into_iter().next(), link.preferred.lock())
+                {
+                    shells.push_back((lowerdirs, fd));
                 }
                 continue;
             }
