@@ -151,6 +151,17 @@ fn snapshots_pass_through(gw: &testkit::Http, id: &str) {
         let (s, _) = gw.req("DELETE", &format!("/v1/sandboxes/{f}"), None);
         assert!(s == 200 || s == 204);
     }
+    // A commit goes to the snapshot's node, whichever node a plain call would reach.
+    let body = serde_json::to_vec(&json!({"name": "from-snap", "snapshot": sn})).expect("json");
+    let r = gw
+        .send(
+            "POST",
+            "/v1/templates",
+            Some(&body),
+            &[("content-type", "application/json")],
+        )
+        .expect("commit");
+    assert_eq!(r.status, 201, "{}", r.json());
     let (s, v) = gw.req(
         "DELETE",
         &format!("/v1/snapshots/{sn}?recursive=true"),

@@ -83,9 +83,7 @@ pub(crate) fn idle_supervisor(
         },
         None => SupervisorMsg::ShellReady,
     };
-    if send(ctx.node.as_fd(), &ready, &[node_end.as_fd()])
-    .is_err()
-    {
+    if send(ctx.node.as_fd(), &ready, &[node_end.as_fd()]).is_err() {
         return discard(pre);
     }
     drop(node_end);

@@ -168,6 +168,7 @@ pub async fn serve(
             "/v1/snapshots",
             get(|State(gw): State<App>, req: Request| list(gw, req)),
         )
+        .route("/v1/templates", any(templates))
         .route("/v1/snapshots/{id}", any(by_id))
         .route("/v1/snapshots/{id}/{*rest}", any(by_id))
         .route(
@@ -943,6 +944,33 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
             )
         }
         (None, None) => problem(StatusCode::NOT_FOUND, missing, &format!("no {id}")),
+    }
+}
+
+/// `/v1/templates`: a commit of a snapshot (a JSON body naming one) goes to the snapshot's
+/// node; an import or a listing to any node (the cluster's templates are in etcd).
+async fn templates(State(gw): State<App>, req: Request) -> Response {
+    let json = req
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if req.method() != Method::POST || !json {
+        return anywhere(State(gw), req).await;
+    }
+    let (parts, bytes, v) = match read_json(req).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let node = v["snapshot"].as_str().and_then(|s| {
+        let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+        let name = t.numbers.get(&crate::ids::node_number(s)?)?.clone();
+        t.nodes.get(&name).cloned()
+    });
+    let req = Request::from_parts(parts, Body::from(bytes));
+    match node {
+        Some(n) => forward(&gw, &n, req).await,
+        None => anywhere(State(gw), req).await,
     }
 }
 

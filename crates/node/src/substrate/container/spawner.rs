@@ -97,8 +97,7 @@ pub(crate) fn spawner_reader(link: &SpawnerLink) {
                 continue;
             }
             SupervisorMsg::PreferredReady { lowerdirs } => {
-                if let (Some(fd), Ok(mut shells)) =
-                    (fds.into_iter().next(), link.preferred.lock())
+                if let (Some(fd), Ok(mut shells)) = (fds.into_iter().next(), link.preferred.lock())
                 {
                     shells.push_back((lowerdirs, fd));
                 }
