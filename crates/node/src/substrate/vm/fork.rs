@@ -6,9 +6,10 @@
 //! (`state`), and the copy-on-write overlay QEMU keeps for its writable disk (created in the
 //! cache's `tmp/` and unlinked, reached through `/proc/<qemu>/fd`) is copied to `upper.qcow2`
 //! while the migration has the disks flushed and inactive; then it goes on (`cont`). A sandbox
-//! made from such a snapshot maps its template's RAM file as every clone does and loads the
-//! stream over it (only the pages in the stream are copied), with the copied overlay as its
-//! disk's base: its processes, their memory and its files are the guest's at the snapshot.
+//! made from such a snapshot loads the stream into anonymous RAM (the stream has every page
+//! the guest used, so a mapping of the template's file would be copied page by page for
+//! nothing), with the copied overlay as its disk's base: its processes, their memory and its
+//! files are the guest's at the snapshot.
 
 use std::fs;
 use std::os::fd::AsFd;

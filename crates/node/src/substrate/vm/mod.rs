@@ -607,6 +607,7 @@ impl VmRuntime {
             root_image: snap.root_image.clone(),
             ram_file: snap.ram(),
             ram_shared: boot,
+            ram_anonymous: snap.base.is_some(),
             upper: snap.upper(),
             upper_qcow2: snap.base.is_some(),
             run_dir: run_dir.to_path_buf(),

@@ -98,6 +98,10 @@ pub struct VmArgs {
     /// `true` while booting a template (guest RAM written through to `ram_file`); `false`
     /// for clones (a private copy-on-write mapping of it).
     pub ram_shared: bool,
+    /// Guest RAM is anonymous memory, not `ram_file`: a running guest's snapshot loads every
+    /// page the guest used from its stream, so a mapping of the template's file would only be
+    /// copied on write page by page.
+    pub ram_anonymous: bool,
     /// Directory for the QMP and agent sockets.
     pub run_dir: PathBuf,
     /// Serial console log (template boots) or none (clones).
@@ -211,11 +215,15 @@ impl VmArgs {
             &format!("virtserialport,chardev=agent,name={}", super::PORT_NAME),
         ]);
         push(&["-device", rng]);
-        let ram = format!(
-            "memory-backend-file,id=mem,size={mem},mem-path={},share={}",
-            self.ram_file.display(),
-            if self.ram_shared { "on" } else { "off" }
-        );
+        let ram = if self.ram_anonymous {
+            format!("memory-backend-ram,id=mem,size={mem}")
+        } else {
+            format!(
+                "memory-backend-file,id=mem,size={mem},mem-path={},share={}",
+                self.ram_file.display(),
+                if self.ram_shared { "on" } else { "off" }
+            )
+        };
         push(&["-object", &ram]);
         let qmp = format!(
             "unix:{},server=on,wait=off",
@@ -399,6 +407,7 @@ mod tests {
             root_image: "/r.img".into(),
             ram_file: "/ram".into(),
             ram_shared: !incoming,
+            ram_anonymous: false,
             upper: "/u.img".into(),
             upper_qcow2: false,
             run_dir: "/run/x".into(),
