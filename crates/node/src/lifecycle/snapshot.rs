@@ -231,6 +231,8 @@ impl Node {
     /// layers.
     pub(super) fn resolve_snapshot(&self, tenant: &Tenant, req: &mut CreateRequest) -> Result<()> {
         let Some(id) = req.snapshot.clone() else {
+            // Layers come from a snapshot's record only, never with a request.
+            req.layers.clear();
             return Ok(());
         };
         let s = self.snapshot_of(tenant, &id)?;
