@@ -60,6 +60,9 @@ cargo build --workspace
 # Its state dirs live under /tmp like the test daemons', whose host mask (and so root image)
 # is then the same.
 prep=$(mktemp -d /tmp/dsec-vm-prepare.XXXXXX)
+# Searchable by the sandboxes' ids, as a node's run dir must be (mktemp makes it 0700): the
+# runtime's idle shells build their roots below it.
+chmod 0755 "$prep"
 ./target/x86_64-unknown-linux-gnu/debug/dsec --data-dir "$prep/data" --run-dir "$prep/run" vm prepare
 rm -rf "$prep"
 # Tests leave the machine as they found it: what is there before them is compared with what is
