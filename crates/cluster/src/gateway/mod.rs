@@ -629,22 +629,16 @@ async fn create(gw: App, req: Request) -> Response {
     let ask = ask_of(&spec, &tenant);
     let mut order = match spec["snapshot"].as_str() {
         // A snapshot's layers are on its node: the sandbox is made there.
-        Some(s) => {
-            let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
-            let node = crate::ids::node_number(s)
-                .and_then(|n| t.numbers.get(&n))
-                .and_then(|name| t.nodes.get(name));
-            match node {
-                Some(n) => vec![n.clone()],
-                None => {
-                    return problem(
-                        StatusCode::NOT_FOUND,
-                        "snapshot_not_found",
-                        &format!("no snapshot {s} on a live node"),
-                    )
-                }
+        Some(s) => match node_of(&gw, s).and_then(|(_, node)| node) {
+            Some(n) => vec![n],
+            None => {
+                return problem(
+                    StatusCode::NOT_FOUND,
+                    "snapshot_not_found",
+                    &format!("no snapshot {s} on a live node"),
+                )
             }
-        }
+        },
         None => ranked(&gw, &ask),
     };
     if order.is_empty() {
@@ -902,6 +896,16 @@ async fn batch_delete(State(gw): State<App>, req: Request) -> Response {
     .await
 }
 
+/// The node a sandbox or snapshot id names: its name, and its report while it is live. `None`
+/// for an id that names no node this gateway knows.
+fn node_of(gw: &App, id: &str) -> Option<(String, Option<NodeReport>)> {
+    let number = crate::ids::node_number(id)?;
+    let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
+    let name = t.numbers.get(&number)?.clone();
+    let node = t.nodes.get(&name).cloned();
+    Some((name, node))
+}
+
 /// A call to one sandbox (`/v1/sandboxes/{id}…`) or snapshot (`/v1/snapshots/{id}…`): to the
 /// node its id names.
 async fn by_id(State(gw): State<App>, req: Request) -> Response {
@@ -912,16 +916,11 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
     } else {
         "sandbox_not_found"
     };
-    let Some(number) = crate::ids::node_number(&id) else {
+    let Some((name, node)) = node_of(&gw, &id) else {
         return problem(StatusCode::NOT_FOUND, missing, &format!("no {id}"));
     };
-    let (node, name) = {
-        let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
-        let name = t.numbers.get(&number).cloned();
-        (name.as_ref().and_then(|n| t.nodes.get(n).cloned()), name)
-    };
-    match (node, name) {
-        (Some(node), _) => {
+    match node {
+        Some(node) => {
             let delete = req.method() == Method::DELETE
                 && req.uri().path().trim_end_matches('/') == format!("/v1/sandboxes/{id}");
             let r = forward(&gw, &node, req).await;
@@ -930,7 +929,7 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
             }
             r
         }
-        (None, Some(name)) => {
+        None => {
             gw.lost_calls.fetch_add(1, Ordering::Relaxed);
             if req.method() == Method::GET && req.uri().path() == format!("/v1/sandboxes/{id}") {
                 return axum::Json(json!({"id": id, "state": "lost", "node": name,
@@ -943,7 +942,6 @@ async fn by_id(State(gw): State<App>, req: Request) -> Response {
                 &format!("sandbox {id} was on node {name}, which was lost (its lease expired)"),
             )
         }
-        (None, None) => problem(StatusCode::NOT_FOUND, missing, &format!("no {id}")),
     }
 }
 
@@ -962,11 +960,10 @@ async fn templates(State(gw): State<App>, req: Request) -> Response {
         Ok(r) => r,
         Err(r) => return r,
     };
-    let node = v["snapshot"].as_str().and_then(|s| {
-        let t = gw.table.read().unwrap_or_else(|p| p.into_inner());
-        let name = t.numbers.get(&crate::ids::node_number(s)?)?.clone();
-        t.nodes.get(&name).cloned()
-    });
+    let node = v["snapshot"]
+        .as_str()
+        .and_then(|s| node_of(&gw, s))
+        .and_then(|(_, node)| node);
     let req = Request::from_parts(parts, Body::from(bytes));
     match node {
         Some(n) => forward(&gw, &n, req).await,

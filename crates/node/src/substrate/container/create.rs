@@ -88,14 +88,12 @@ impl Runtime {
             .map_err(RuntimeError::Template)?;
         // A template built on the host's (a committed snapshot of a `host` sandbox) takes the
         // mask the runtime staged off the root's file system, as `host` does.
-        let host = self.templates.host_template();
-        let store_mask = self.templates.lowerdirs(&host).into_iter().next();
         let dirs = self
             .templates
             .lowerdirs(&t)
             .into_iter()
             .map(|p| {
-                if Some(&p) == store_mask.as_ref() {
+                if p == self.host_mask_src {
                     self.host_mask.display().to_string()
                 } else {
                     p.display().to_string()
