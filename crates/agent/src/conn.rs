@@ -616,7 +616,23 @@ impl Agent {
                 fsize,
                 nproc,
                 workdir,
-            } => self.configure(id, env, (nofile, fsize, nproc), workdir),
+                user,
+                ensure_users,
+            } => self.configure(
+                id,
+                env,
+                (nofile, fsize, nproc),
+                workdir,
+                (user, ensure_users),
+            ),
+            Request::ProcAttach { handle } => self.proc_attach(id, handle),
+            Request::ProcDetach { handle, attach } => self.proc_detach(id, handle, attach),
+            Request::ProcList => self.proc_list(id),
+            Request::ProcResize { handle, size } => self.proc_resize(id, handle, size),
+            Request::FileRename { from, to } => self.file_rename(id, &from, &to),
+            Request::Watch { path, recursive } => self.watch(id, &path, recursive),
+            Request::Unwatch { watch } => self.unwatch(id, watch),
+            Request::AsUser { user, req } => self.as_user(id, &user, *req, body),
             Request::Identify {
                 hostname,
                 unix_ns,
@@ -645,6 +661,46 @@ impl Agent {
             },
             Request::ReopenRoot => self.reopen_root(id),
         }
+    }
+
+    fn unsupported(&self, id: u64, what: &str) {
+        self.out.error(
+            id,
+            ErrorCode::InvalidRequest,
+            &msg(format!("{what} is not supported by this agent")),
+        );
+    }
+
+    fn proc_attach(&self, id: u64, _handle: u64) {
+        self.unsupported(id, "proc_attach")
+    }
+
+    fn proc_detach(&self, id: u64, _handle: u64, _attach: u64) {
+        self.unsupported(id, "proc_detach")
+    }
+
+    fn proc_list(&self, id: u64) {
+        self.unsupported(id, "proc_list")
+    }
+
+    fn proc_resize(&self, id: u64, _handle: u64, _size: dsec_api::exec::PtySize) {
+        self.unsupported(id, "proc_resize")
+    }
+
+    fn file_rename(&self, id: u64, _from: &str, _to: &str) {
+        self.unsupported(id, "file_rename")
+    }
+
+    fn watch(&self, id: u64, _path: &str, _recursive: bool) {
+        self.unsupported(id, "watch")
+    }
+
+    fn unwatch(&self, id: u64, _watch: u64) {
+        self.unsupported(id, "unwatch")
+    }
+
+    fn as_user(&self, id: u64, _user: &str, _req: Request, _body: Vec<u8>) {
+        self.unsupported(id, "as_user")
     }
 
     fn proc_status(&self, id: u64, handle: u64) {
@@ -714,6 +770,7 @@ impl Agent {
         env: Vec<(String, String)>,
         (nofile, fsize, nproc): (Option<u64>, Option<u64>, Option<u64>),
         workdir: Option<String>,
+        (_user, _ensure_users): (Option<String>, Vec<(String, u32)>),
     ) {
         exec::configure(env, nofile, fsize, workdir);
         if let Some(n) = nproc {

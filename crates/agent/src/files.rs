@@ -458,6 +458,10 @@ pub fn wire_stat(name: String, info: &FileInfo, link_target: Option<String>) -> 
         mode: info.mode,
         mtime: info.mtime,
         link_target,
+        uid: 0,
+        gid: 0,
+        owner: None,
+        group: None,
     }
 }
 

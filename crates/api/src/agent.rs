@@ -178,6 +178,61 @@ pub enum Request {
         #[serde(default)]
         max_bytes: Option<u64>,
     },
+    /// Follow a background process from now on. Answer: `Attached`, then `Output` events while
+    /// it writes, then `ExecDone` when it exits (at once when it already has), or `Detached` when
+    /// `ProcDetach` ends the following first.
+    ProcAttach {
+        /// Handle from `Started`/`Attached`.
+        handle: u64,
+    },
+    /// Stop following: the request `attach` (a `ProcAttach`, or a `Spawn` with `stream`) ends
+    /// with `Detached`; the process goes on. Answer: `Ok`.
+    ProcDetach {
+        /// Handle of the process.
+        handle: u64,
+        /// Id of the request that follows it.
+        attach: u64,
+    },
+    /// The background processes still running. Answer: `Procs`.
+    ProcList,
+    /// Resize the pseudo-terminal of a background process started with `pty`. Answer: `Ok`.
+    ProcResize {
+        /// Handle of the process.
+        handle: u64,
+        /// The new size.
+        size: crate::exec::PtySize,
+    },
+    /// Rename (move) a path inside the sandbox root; the destination's parent must exist and an
+    /// existing destination file is replaced. Answer: `Ok`.
+    FileRename {
+        /// Path to move.
+        from: String,
+        /// Where to.
+        to: String,
+    },
+    /// Watch a directory (inotify). Answer: `Watching`, then `FsEvents` as things change, until
+    /// `Unwatch` ends it with `Detached` (or the directory goes: then `Error`).
+    Watch {
+        /// Directory inside the sandbox root.
+        path: String,
+        /// Also watch every subdirectory (and those made later).
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// End a `Watch` (by the id of its request). Answer: `Ok`.
+    Unwatch {
+        /// Id of the `Watch` request.
+        watch: u64,
+    },
+    /// Make the inner request (a file request: read, write, list, stat, mkdir, remove, rename,
+    /// tar, watch) as `user` of the sandbox: its permissions apply, and what it creates is
+    /// that user's. Answer: the inner request's.
+    AsUser {
+        /// A user name of the sandbox (or a numeric uid).
+        user: String,
+        /// The request.
+        req: Box<Request>,
+    },
     /// Kill every process in the sandbox except the agent, reap them, forget all handles and
     /// sessions. Used by reset. Answer: `Ok`.
     KillAll,
@@ -205,6 +260,15 @@ pub enum Request {
         /// `/` when absent or missing in the sandbox).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         workdir: Option<String>,
+        /// The user of commands and file requests that name none (the template's `user`; root
+        /// when absent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
+        /// Users to make where the sandbox lacks them (an entry in `/etc/passwd` and
+        /// `/etc/group`, and a home directory `/home/<name>` of theirs), each with the uid
+        /// given (its own group of the same id). Needs a writable root.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        ensure_users: Vec<(String, u32)>,
     },
     /// VM guests only: gives a guest restored from its template's snapshot its own identity —
     /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —
@@ -244,6 +308,66 @@ pub struct FileStat {
     /// Symlink target, for symlinks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link_target: Option<String>,
+    /// Owner uid, as seen inside the sandbox.
+    #[serde(default)]
+    pub uid: u32,
+    /// Owner gid, as seen inside the sandbox.
+    #[serde(default)]
+    pub gid: u32,
+    /// Owner's name in the sandbox's `/etc/passwd`, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Group's name in the sandbox's `/etc/group`, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+}
+
+/// A running background process (`ProcList`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcInfo {
+    /// Handle.
+    pub handle: u64,
+    /// Pid inside the sandbox.
+    pub pid: i32,
+    /// What it runs.
+    pub command: crate::exec::Command,
+    /// The environment the request added.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory the request named.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// The request's tag.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Started on a pseudo-terminal.
+    #[serde(default)]
+    pub pty: bool,
+}
+
+/// One change seen by a `Watch`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEvent {
+    /// Path relative to the watched directory.
+    pub name: String,
+    /// What happened.
+    pub op: FsOp,
+}
+
+/// Kinds of change a `Watch` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsOp {
+    /// Created (or moved in).
+    Create,
+    /// Written (closed after writing).
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away.
+    Rename,
+    /// Metadata changed.
+    Chmod,
 }
 
 /// Kind of a filesystem object.
@@ -282,6 +406,29 @@ pub enum Event {
     },
     /// A command finished (terminal).
     ExecDone(ExecResult),
+    /// A background process is followed by this request (answer to `ProcAttach`, or `Spawn`
+    /// with `stream`); not terminal.
+    Attached {
+        /// Handle for later `Proc*` requests.
+        handle: u64,
+        /// Pid inside the sandbox.
+        pid: i32,
+    },
+    /// The following (`ProcAttach`, streaming `Spawn`) or `Watch` was ended by
+    /// `ProcDetach`/`Unwatch` (terminal).
+    Detached,
+    /// Answer to `ProcList`.
+    Procs {
+        /// Running background processes, by handle.
+        items: Vec<ProcInfo>,
+    },
+    /// A `Watch` is in place; not terminal.
+    Watching,
+    /// Changes seen by a `Watch`; not terminal.
+    FsEvents {
+        /// In the order seen.
+        events: Vec<FsEvent>,
+    },
     /// A background process was started.
     Started {
         /// Handle for later `Proc*` requests.
@@ -326,7 +473,10 @@ impl Event {
     /// True when no further event will be sent for this request id.
     pub fn is_terminal(&self) -> bool {
         match self {
-            Event::Output { .. } => false,
+            Event::Output { .. }
+            | Event::Attached { .. }
+            | Event::Watching
+            | Event::FsEvents { .. } => false,
             Event::Data { eof } => *eof,
             Event::Hello { .. }
             | Event::Pong
@@ -337,6 +487,8 @@ impl Event {
             | Event::SessionOpened { .. }
             | Event::Stat(_)
             | Event::Listing { .. }
+            | Event::Detached
+            | Event::Procs { .. }
             | Event::Error { .. } => true,
         }
     }

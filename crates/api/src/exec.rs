@@ -48,10 +48,68 @@ pub struct ExecRequest {
     /// Bytes kept per stream (half head, half tail). Default [`DEFAULT_OUTPUT_LIMIT`].
     #[serde(default)]
     pub output_limit: Option<u64>,
-    /// Send `Output` events while the command runs.
+    /// Send `Output` events while the command runs. On a `Spawn`: the spawn request itself
+    /// follows the process (`Attached`, then `Output` events, then `ExecDone`).
     #[serde(default)]
     pub stream: bool,
+    /// Run as this user of the sandbox (a name from its `/etc/passwd`, or a numeric uid);
+    /// `None`: the sandbox's default user (the template's `user`, else root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// A caller-chosen tag of a background process, shown by `ProcList` (≤ 256 bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Run on a pseudo-terminal of this size (stdout carries the terminal's output; stderr is
+    /// empty). Background processes only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    /// A background process's stdin is closed once the spawn's body is written (`false`: it
+    /// stays open for `ProcStdin`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin_closed: bool,
 }
+
+/// Checks a user name: 1..=256 bytes of `[A-Za-z0-9._-]` (a POSIX portable name, or a numeric
+/// uid).
+pub fn validate_user(u: &str) -> Result<(), String> {
+    let ok = !u.is_empty()
+        && u.len() <= MAX_NAME_BYTES
+        && !u.starts_with('-')
+        && u.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "invalid user name {:?}",
+            u.chars().take(64).collect::<String>()
+        ))
+    }
+}
+
+/// The size of a pseudo-terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    /// Rows (1..=4096).
+    pub rows: u16,
+    /// Columns (1..=4096).
+    pub cols: u16,
+}
+
+impl PtySize {
+    /// Checks the bounds.
+    pub fn validate(&self) -> Result<(), String> {
+        if (1..=4096).contains(&self.rows) && (1..=4096).contains(&self.cols) {
+            Ok(())
+        } else {
+            Err("pty rows and cols must be in 1..=4096".into())
+        }
+    }
+}
+
+/// Longest user name or tag accepted.
+pub const MAX_NAME_BYTES: usize = 256;
 
 impl ExecRequest {
     /// A request for `argv` with every other field defaulted.
@@ -77,6 +135,10 @@ impl ExecRequest {
             cpu_limit_ms: None,
             output_limit: None,
             stream: false,
+            user: None,
+            tag: None,
+            pty: None,
+            stdin_closed: false,
         }
     }
 
@@ -136,6 +198,19 @@ impl ExecRequest {
         }
         if self.output_limit.is_some_and(|l| l > MAX_OUTPUT_LIMIT) {
             return Err(format!("output_limit must be at most {MAX_OUTPUT_LIMIT}"));
+        }
+        if let Some(u) = &self.user {
+            validate_user(u)?;
+        }
+        if let Some(t) = &self.tag {
+            if t.len() > MAX_NAME_BYTES || t.contains('\0') {
+                return Err(format!(
+                    "tag must be at most {MAX_NAME_BYTES} bytes, without NUL"
+                ));
+            }
+        }
+        if let Some(p) = &self.pty {
+            p.validate()?;
         }
         Ok(())
     }
@@ -275,6 +350,9 @@ pub struct ExecBody {
     /// Most bytes of output kept per stream.
     #[serde(default)]
     pub output_limit: Option<u64>,
+    /// Run as this user of the sandbox (default: the template's user, else root).
+    #[serde(default)]
+    pub user: Option<String>,
     /// Standard input as text.
     #[serde(default)]
     pub stdin: Option<String>,

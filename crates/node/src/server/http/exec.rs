@@ -48,6 +48,10 @@ pub(super) fn exec_request(
         cpu_limit_ms: b.cpu_limit_ms,
         output_limit: b.output_limit,
         stream: false,
+        user: b.user,
+        tag: None,
+        pty: None,
+        stdin_closed: false,
     };
     req.validate().map_err(ApiError::invalid)?;
     Ok((req, stdin))

@@ -52,7 +52,7 @@ pub(super) fn shell_exec(cmd: String, timeout: Duration, output_limit: u64) -> E
         timeout_ms: Some(timeout.as_millis().max(1) as u64),
         cpu_limit_ms: Some(timeout.as_millis().max(1) as u64),
         output_limit: Some(output_limit),
-        stream: false,
+        ..ExecRequest::shell(String::new())
     }
 }
 

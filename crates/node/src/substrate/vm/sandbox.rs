@@ -462,6 +462,8 @@ fn start_vm(
                 nofile: Some(spec.limits.open_files_max),
                 fsize: Some(spec.limits.file_size_max),
                 nproc: None,
+                user: None,
+                ensure_users: Vec::new(),
             },
             &[],
         )?;
