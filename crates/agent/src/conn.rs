@@ -1,12 +1,12 @@
 //! The protocol connection: a reader loop decoding request frames, one mutex-guarded writer so
 //! frames never interleave, and the handlers for every [`Request`]. A request that may block is
 //! served by the thread that read it, while an idle worker takes over the reading (bounded).
+//! Background processes and the requests following them are in [`crate::procs`].
 
-use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::fd::AsFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -17,16 +17,15 @@ use dsec_api::frame::{self, FrameError};
 use dsec_api::ErrorCode;
 use dsec_sys::proc;
 
-use crate::exec::{self, StdinFeed, SIGKILL};
+use crate::exec::{self, SIGKILL};
 use crate::files::{FileError, Root};
-use crate::reaper::{lock, ExitSlot, Reaper};
+use crate::procs::Procs;
+use crate::reaper::{lock, Reaper};
 use crate::session::Sessions;
 use crate::tar::TarError;
 
 /// Most requests handled at once.
 const MAX_INFLIGHT: usize = 256;
-/// Most live background process handles.
-pub const MAX_HANDLES: usize = 1024;
 /// How long `KillAll` waits for everything to be reaped.
 const KILL_ALL_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -84,7 +83,8 @@ impl Out {
         }
     }
 
-    fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
+    /// Answers with an `Error` event.
+    pub(crate) fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
         let message = chain(err);
         self.send(id, &Event::Error { code, message }, &[]);
     }
@@ -113,15 +113,6 @@ fn shrink_output(r: &mut ExecResult) -> bool {
     true
 }
 
-/// A background process.
-struct BgProc {
-    pid: i32,
-    slot: Arc<ExitSlot>,
-    feed: Arc<StdinFeed>,
-    result: Mutex<Option<ExecResult>>,
-    done: Condvar,
-}
-
 /// Shared agent state.
 pub struct Agent {
     out: Arc<Out>,
@@ -130,9 +121,8 @@ pub struct Agent {
     root_stale: AtomicBool,
     root_path: PathBuf,
     reaper: Arc<Reaper>,
-    procs: Mutex<HashMap<u64, Arc<BgProc>>>,
+    procs: Procs,
     sessions: Sessions,
-    next_handle: AtomicU64,
     inflight: AtomicUsize,
     workers: Arc<Workers>,
     /// Set when the agent is PID 1 of a VM guest.
@@ -358,9 +348,8 @@ impl Agent {
             root_stale: AtomicBool::new(false),
             root_path,
             reaper,
-            procs: Mutex::new(HashMap::new()),
+            procs: Procs::default(),
             sessions: Sessions::default(),
-            next_handle: AtomicU64::new(1),
             inflight: AtomicUsize::new(0),
             workers: Arc::new(Workers::default()),
         }
@@ -499,6 +488,7 @@ impl Agent {
     /// killed and the followers were released.
     fn next_connection(&self, conn: &Connection) -> Option<Reader> {
         if let Some(r) = (conn.next)() {
+            self.procs.forget_followers();
             self.hello();
             return Some(r);
         }
@@ -540,11 +530,16 @@ impl Agent {
         match req {
             Request::Ping => out.send(id, &Event::Pong, &[]),
             Request::Exec(r) => self.exec(id, &r, body),
-            Request::Spawn(r) => self.spawn(id, &r, body),
-            Request::ProcStatus { handle } => self.proc_status(id, handle),
-            Request::ProcSignal { handle, signal } => self.proc_signal(id, handle, signal),
-            Request::ProcStdin { handle, eof } => self.proc_stdin(id, handle, &body, eof),
-            Request::ProcWait { handle, timeout_ms } => self.proc_wait(id, handle, timeout_ms),
+            Request::Spawn(r) => {
+                let root = self.root();
+                self.procs.spawn(out, id, &r, body, &root, &self.reaper)
+            }
+            Request::ProcStatus { handle } => self.procs.status(out, id, handle),
+            Request::ProcSignal { handle, signal } => self.procs.signal(out, id, handle, signal),
+            Request::ProcStdin { handle, eof } => self.procs.stdin(out, id, handle, &body, eof),
+            Request::ProcWait { handle, timeout_ms } => {
+                self.procs.wait(out, id, handle, timeout_ms)
+            }
             Request::SessionOpen { kind, env, cwd } => {
                 match self
                     .sessions
@@ -617,18 +612,15 @@ impl Agent {
                 nproc,
                 workdir,
                 user,
-                ensure_users,
-            } => self.configure(
-                id,
-                env,
-                (nofile, fsize, nproc),
-                workdir,
-                (user, ensure_users),
-            ),
-            Request::ProcAttach { handle } => self.proc_attach(id, handle),
-            Request::ProcDetach { handle, attach } => self.proc_detach(id, handle, attach),
-            Request::ProcList => self.proc_list(id),
-            Request::ProcResize { handle, size } => self.proc_resize(id, handle, size),
+            } => self.configure(id, env, (nofile, fsize, nproc), workdir, user),
+            Request::EnsureUsers { users } => match crate::users::ensure(&self.root(), &users) {
+                Ok(()) => ok(),
+                Err(e) => out.error(id, e.code(), &e),
+            },
+            Request::ProcAttach { handle } => self.procs.attach(out, id, handle),
+            Request::ProcDetach { handle, attach } => self.procs.detach(out, id, handle, attach),
+            Request::ProcList => self.procs.list(out, id),
+            Request::ProcResize { handle, size } => self.procs.resize(out, id, handle, size),
             Request::FileRename { from, to } => self.file_rename(id, &from, &to),
             Request::Watch { path, recursive } => self.watch(id, &path, recursive),
             Request::Unwatch { watch } => self.unwatch(id, watch),
@@ -671,22 +663,6 @@ impl Agent {
         );
     }
 
-    fn proc_attach(&self, id: u64, _handle: u64) {
-        self.unsupported(id, "proc_attach")
-    }
-
-    fn proc_detach(&self, id: u64, _handle: u64, _attach: u64) {
-        self.unsupported(id, "proc_detach")
-    }
-
-    fn proc_list(&self, id: u64) {
-        self.unsupported(id, "proc_list")
-    }
-
-    fn proc_resize(&self, id: u64, _handle: u64, _size: dsec_api::exec::PtySize) {
-        self.unsupported(id, "proc_resize")
-    }
-
     fn file_rename(&self, id: u64, _from: &str, _to: &str) {
         self.unsupported(id, "file_rename")
     }
@@ -699,51 +675,34 @@ impl Agent {
         self.unsupported(id, "unwatch")
     }
 
-    fn as_user(&self, id: u64, _user: &str, _req: Request, _body: Vec<u8>) {
-        self.unsupported(id, "as_user")
-    }
-
-    fn proc_status(&self, id: u64, handle: u64) {
-        match self.proc(handle) {
-            Some(p) => self.out.send(
+    /// A file request made as a user of the sandbox: this thread's file-system ids are theirs
+    /// while it runs (a `Watch` keeps them only for resolving its directory).
+    fn as_user(&self, id: u64, user: &str, req: Request, body: Vec<u8>) {
+        let file_request = matches!(
+            req,
+            Request::FileRead { .. }
+                | Request::FileWrite { .. }
+                | Request::FileList { .. }
+                | Request::FileStat { .. }
+                | Request::Mkdir { .. }
+                | Request::Remove { .. }
+                | Request::FileRename { .. }
+                | Request::TarUpload { .. }
+                | Request::TarDownload { .. }
+                | Request::Watch { .. }
+        );
+        if !file_request {
+            return self.out.error(
                 id,
-                &Event::ProcStatus {
-                    running: p.slot.get().is_none(),
-                    pid: p.pid,
-                },
-                &[],
-            ),
-            None => self.no_handle(id, handle),
+                ErrorCode::InvalidRequest,
+                &msg("as_user wraps a file request only (commands name their user)"),
+            );
         }
-    }
-
-    fn proc_signal(&self, id: u64, handle: u64, signal: i32) {
-        match self.proc(handle) {
-            None => self.no_handle(id, handle),
-            Some(_) if !(1..=64).contains(&signal) => {
-                self.out.error(
-                    id,
-                    ErrorCode::InvalidRequest,
-                    &msg(format!("signal {signal} not in 1..=64")),
-                );
-            }
-            Some(p) => match proc::killpg(p.pid, signal) {
-                Ok(_) => self.out.send(id, &Event::Ok, &[]),
-                Err(e) => self.out.error(id, ErrorCode::Internal, &e),
-            },
-        }
-    }
-
-    fn proc_stdin(&self, id: u64, handle: u64, body: &[u8], eof: bool) {
-        match self.proc(handle) {
-            None => self.no_handle(id, handle),
-            Some(p) => match p.feed.push(body, eof) {
-                Ok(()) => {
-                    p.slot.wake();
-                    self.out.send(id, &Event::Ok, &[]);
-                }
-                Err(e) => self.out.error(id, e.code(), &e),
-            },
+        let guard =
+            crate::users::resolve(&self.root(), user).and_then(|u| crate::users::AsUser::enter(&u));
+        match guard {
+            Ok(_guard) => self.handle(id, req, body),
+            Err(e) => self.out.error(id, e.code(), &e),
         }
     }
 
@@ -770,9 +729,10 @@ impl Agent {
         env: Vec<(String, String)>,
         (nofile, fsize, nproc): (Option<u64>, Option<u64>, Option<u64>),
         workdir: Option<String>,
-        (_user, _ensure_users): (Option<String>, Vec<(String, u32)>),
+        user: Option<String>,
     ) {
         exec::configure(env, nofile, fsize, workdir);
+        crate::users::set_default(user);
         if let Some(n) = nproc {
             if let Err(e) = dsec_sys::proc::set_own_rlimit(libc::RLIMIT_NPROC, n) {
                 self.out.error(id, ErrorCode::Internal, &e);
@@ -794,7 +754,7 @@ impl Agent {
     /// `ReopenRoot`, a reset: the supervisor killed every other process of the sandbox, so their
     /// handles and sessions go too; the root is reopened at its next use.
     fn reopen_root(&self, id: u64) {
-        lock(&self.procs).clear();
+        self.procs.clear();
         self.sessions.clear();
         // Let go of the old root now: held until the next use it would keep the old writable
         // layer (and all it stores) alive while the sandbox sits idle. /proc stands in (its
@@ -807,18 +767,6 @@ impl Agent {
         }
         self.root_stale.store(true, Ordering::Release);
         self.out.send(id, &Event::Ok, &[]);
-    }
-
-    fn no_handle(&self, id: u64, handle: u64) {
-        self.out.error(
-            id,
-            ErrorCode::HandleNotFound,
-            &msg(format!("handle {handle} not found")),
-        );
-    }
-
-    fn proc(&self, handle: u64) -> Option<Arc<BgProc>> {
-        lock(&self.procs).get(&handle).cloned()
     }
 
     fn exec(&self, id: u64, req: &ExecRequest, body: Vec<u8>) {
@@ -845,92 +793,9 @@ impl Agent {
         }
     }
 
-    fn spawn(&self, id: u64, req: &ExecRequest, body: Vec<u8>) {
-        if lock(&self.procs).len() >= MAX_HANDLES {
-            self.out.error(
-                id,
-                ErrorCode::ResourceExhausted,
-                &msg(format!("more than {MAX_HANDLES} background processes")),
-            );
-            return;
-        }
-        let started = exec::build_command(req, &self.root())
-            .and_then(|(cmd, program)| exec::start(&self.reaper, &cmd, &program));
-        let mut running = match started {
-            Ok(r) => r,
-            Err(e) => return self.out.error(id, e.code(), &e),
-        };
-        let feed = Arc::new(StdinFeed::new(body, false));
-        let bg = Arc::new(BgProc {
-            pid: running.pid,
-            slot: Arc::clone(&running.slot),
-            feed: Arc::clone(&feed),
-            result: Mutex::new(None),
-            done: Condvar::new(),
-        });
-        let limits = exec::limits_for(req, running.started);
-        let cpu = req.cpu_limit_ms;
-        let bg2 = Arc::clone(&bg);
-        let pumped = std::thread::Builder::new()
-            .name(format!("bg-{}", running.pid))
-            .spawn(move || {
-                let pumped = running.pump(&feed, &limits, &mut |_, _| {});
-                let res = exec::finish(&running, pumped, cpu);
-                *lock(&bg2.result) = Some(res);
-                bg2.done.notify_all();
-            });
-        if let Err(e) = pumped {
-            let _ = proc::killpg(bg.pid, SIGKILL);
-            return self.out.error(id, ErrorCode::ResourceExhausted, &e);
-        }
-        let handle = self.next_handle.fetch_add(1, Ordering::SeqCst);
-        lock(&self.procs).insert(handle, Arc::clone(&bg));
-        self.out.send(
-            id,
-            &Event::Started {
-                handle,
-                pid: bg.pid,
-            },
-            &[],
-        );
-    }
-
-    fn proc_wait(&self, id: u64, handle: u64, timeout_ms: u64) {
-        let Some(p) = self.proc(handle) else {
-            return self.no_handle(id, handle);
-        };
-        let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(MAX_TIMEOUT_MS));
-        let mut g = lock(&p.result);
-        loop {
-            if let Some(r) = g.as_ref() {
-                let r = r.clone();
-                drop(g);
-                lock(&self.procs).remove(&handle);
-                return self.out.send(id, &Event::ExecDone(r), &[]);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                drop(g);
-                return self.out.send(
-                    id,
-                    &Event::ProcStatus {
-                        running: p.slot.get().is_none(),
-                        pid: p.pid,
-                    },
-                    &[],
-                );
-            }
-            g = p
-                .done
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-
     /// Kills every process but the agent and waits until all are reaped.
     fn kill_all(&self, timeout: Duration) -> Result<(), ReqError> {
-        lock(&self.procs).clear();
+        self.procs.clear();
         self.sessions.clear();
         let is_init = proc::getpid() == 1;
         let deadline = Instant::now() + timeout;

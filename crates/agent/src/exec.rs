@@ -96,13 +96,18 @@ pub enum ExecError {
     /// Stdin was already closed.
     #[error("stdin is closed")]
     StdinClosed,
+    /// The user to run as is unknown or malformed.
+    #[error("{0}")]
+    User(String),
 }
 
 impl ExecError {
     /// The wire code.
     pub fn code(&self) -> ErrorCode {
         match self {
-            ExecError::Invalid(_) | ExecError::StdinClosed => ErrorCode::InvalidRequest,
+            ExecError::Invalid(_) | ExecError::StdinClosed | ExecError::User(_) => {
+                ErrorCode::InvalidRequest
+            }
             ExecError::Cwd(e) => e.code(),
             ExecError::Spawn { .. } => ErrorCode::SpawnFailed,
             ExecError::StdinFull => ErrorCode::TooLarge,
@@ -265,6 +270,7 @@ pub fn build_command(req: &ExecRequest, root: &Root) -> Result<(Spawn, String), 
         req.cpu_limit_ms,
         root,
     )?;
+    as_user(&mut cmd, req.user.as_deref(), &req.env, root)?;
     Ok((cmd, program))
 }
 
@@ -299,7 +305,31 @@ pub fn prepare(
             0 => None,
             n => Some(n),
         },
+        ..ChildSetup::default()
     });
+    Ok(())
+}
+
+/// Runs the command as `user` (else the sandbox's default user; root when it has none):
+/// its ids, and `HOME`, `USER`, `LOGNAME` unless `env` sets them; every capability the agent
+/// holds is cleared in the command.
+pub fn as_user(
+    cmd: &mut Spawn,
+    user: Option<&str>,
+    env: &std::collections::BTreeMap<String, String>,
+    root: &Root,
+) -> Result<(), ExecError> {
+    cmd.setup_mut().drop_caps = crate::users::drop_caps();
+    let Some(name) = crate::users::effective(user) else {
+        return Ok(());
+    };
+    let u = crate::users::resolve(root, &name).map_err(|e| ExecError::User(e.to_string()))?;
+    for (k, v) in u.env() {
+        if !env.contains_key(&k) {
+            cmd.envs([(k, v)]);
+        }
+    }
+    cmd.setup_mut().user = Some(u.credentials());
     Ok(())
 }
 
@@ -312,6 +342,9 @@ pub struct Running {
     /// Exit delivery.
     pub slot: Arc<ExitSlot>,
     wake: PipeReader,
+    /// Stdin and stdout are a terminal's master (see [`dsec_sys::spawn::Spawn::pty`]): the
+    /// end of input is a `^D`, not a close.
+    pub pty: bool,
     stdin: Option<File>,
     stdout: Option<File>,
     stderr: Option<File>,
@@ -357,6 +390,7 @@ pub fn start(reaper: &Reaper, cmd: &Spawn, program: &str) -> Result<Running, Exe
         started,
         slot,
         wake,
+        pty: false,
         stdin,
         stdout,
         stderr,
@@ -418,6 +452,9 @@ impl Running {
         let mut deadline = limits.deadline;
         let mut buf = vec![0u8; READ_CHUNK];
         let mut drain_until: Option<Instant> = None;
+        // A terminal's input line holds bytes after its last newline (a `^D` then only ends
+        // the line; a second one is the end of input).
+        let mut line_open = false;
         loop {
             let exited = self.slot.get().is_some();
             if exited && drain_until.is_none() {
@@ -432,6 +469,9 @@ impl Running {
                     let (a, _) = s.buf.as_slices();
                     match stdin.write(a) {
                         Ok(n) => {
+                            if n > 0 {
+                                line_open = a[n - 1] != b'\n';
+                            }
                             s.buf.drain(..n);
                         }
                         Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -447,6 +487,10 @@ impl Running {
                     }
                 }
                 if s.closed || (s.buf.is_empty() && s.eof) {
+                    if self.pty && !s.closed {
+                        let eof: &[u8] = if line_open { b"\x04\x04" } else { b"\x04" };
+                        let _ = stdin.write(eof);
+                    }
                     s.closed = true;
                     want_write = false;
                     drop(s);

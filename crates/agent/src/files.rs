@@ -6,12 +6,14 @@
 //! never lead outside it. Mutations work on a parent directory fd plus one final name with the
 //! `*at` calls, never following a final symlink.
 
+use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use dsec_api::agent::{FileKind, FileStat};
 use dsec_api::ErrorCode;
@@ -25,6 +27,10 @@ pub const MAX_LIST: usize = 10_000;
 pub const MAX_DEPTH: usize = 256;
 /// Default bound of a file read.
 pub const DEFAULT_READ_MAX: u64 = 64 << 20;
+/// Most bytes of the sandbox's `/etc/passwd` or `/etc/group` read for owner names.
+const MAX_NAME_DB: u64 = 1 << 20;
+/// Longest user or group name taken from the sandbox's databases.
+const MAX_NAME: usize = 256;
 
 /// Errors of file operations.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +87,17 @@ pub enum FileError {
         /// The bound.
         limit: u64,
     },
+    /// Renaming failed.
+    #[error("rename {from:?} to {to:?}")]
+    Rename {
+        /// The path moved.
+        from: String,
+        /// Where to.
+        to: String,
+        /// Cause.
+        #[source]
+        source: FsError,
+    },
 }
 
 /// Maps an errno to a wire code (one place for the whole agent).
@@ -107,6 +124,12 @@ impl FileError {
             FileError::Io { source, .. } => errno_code(source.raw_os_error()),
             FileError::WrongType { .. } => ErrorCode::WrongFileType,
             FileError::TooLarge { .. } => ErrorCode::TooLarge,
+            // EXDEV from renameat itself is a move across file systems, not an escape (the
+            // parents were resolved already).
+            FileError::Rename { source, .. } if source.raw_os_error() == Some(libc::EXDEV) => {
+                ErrorCode::InvalidRequest
+            }
+            FileError::Rename { source, .. } => errno_code(source.raw_os_error()),
         }
     }
 }
@@ -155,6 +178,8 @@ fn join(comps: &[&str]) -> OsString {
 pub struct Root {
     fd: OwnedFd,
     confine: Confine,
+    /// Owner names from the sandbox's user databases (dropped with the root on a reset).
+    names: Mutex<NameCache>,
 }
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -170,6 +195,7 @@ impl Root {
         Ok(Root {
             fd,
             confine: Confine::InRoot,
+            names: Mutex::default(),
         })
     }
 
@@ -178,6 +204,7 @@ impl Root {
         Root {
             fd,
             confine: Confine::Beneath,
+            names: Mutex::default(),
         }
     }
 
@@ -268,7 +295,12 @@ impl Root {
         } else {
             None
         };
-        Ok(wire_stat(path.to_owned(), &info, link_target))
+        Ok(wire_stat(
+            path.to_owned(),
+            &info,
+            link_target,
+            &self.owner_names(),
+        ))
     }
 
     /// Lists a directory, sorted by name.
@@ -282,6 +314,7 @@ impl Root {
                 limit: MAX_LIST as u64,
             });
         }
+        let names = self.owner_names();
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
             let Ok(info) = sfs::fstatat_nofollow(dir.as_fd(), &e.name) else {
@@ -298,6 +331,7 @@ impl Root {
                 e.name.to_string_lossy().into_owned(),
                 &info,
                 link_target,
+                &names,
             ));
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -356,6 +390,80 @@ impl Root {
         sfs::mkdirat(dir.as_fd(), &name, mode).map_err(Self::sys("mkdir", path))
     }
 
+    /// Moves `from` to `to` (replacing an existing file there); both parents are resolved
+    /// inside the root, neither final name is followed.
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), FileError> {
+        let (from_dir, from_name) = self.parent(from)?;
+        let (to_dir, to_name) = self.parent(to)?;
+        sfs::renameat_between(from_dir.as_fd(), &from_name, to_dir.as_fd(), &to_name).map_err(
+            |source| FileError::Rename {
+                from: from.to_owned(),
+                to: to.to_owned(),
+                source,
+            },
+        )
+    }
+
+    /// The sandbox's user and group names: its `/etc/passwd` and `/etc/group`, read through
+    /// this root (never the host's) and parsed again only when one of them changed (inode,
+    /// size or mtime), so a listing costs two opens and two stats, not a read per entry.
+    pub fn owner_names(&self) -> OwnerNames {
+        let mut cache = match self.names.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let users = self.name_table("/etc/passwd", 7, &mut cache.passwd);
+        let groups = self.name_table("/etc/group", 4, &mut cache.group);
+        OwnerNames { users, groups }
+    }
+
+    /// The id → name table of the database at `path` (lines of at least `fields` fields:
+    /// `name:x:id:…`), from `slot` while the file is unchanged; empty when it is missing or not
+    /// a regular file.
+    fn name_table(
+        &self,
+        path: &str,
+        fields: usize,
+        slot: &mut Option<NameTable>,
+    ) -> Arc<HashMap<u32, String>> {
+        let opened = self.open_at(path, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0);
+        let Ok(fd) = opened else {
+            *slot = None;
+            return Arc::default();
+        };
+        let info = match sfs::fstatat_nofollow(fd.as_fd(), OsStr::new("")) {
+            Ok(i) if i.kind == Kind::File => i,
+            _ => {
+                *slot = None;
+                return Arc::default();
+            }
+        };
+        let key = (info.dev, info.ino, info.size, info.mtime);
+        if let Some(t) = slot.as_ref().filter(|t| t.key == key) {
+            return Arc::clone(&t.names);
+        }
+        let mut data = Vec::new();
+        if File::from(fd)
+            .take(MAX_NAME_DB)
+            .read_to_end(&mut data)
+            .is_err()
+        {
+            *slot = None;
+            return Arc::default();
+        }
+        if data.len() as u64 >= MAX_NAME_DB {
+            // Cut at the bound: the last line may be partial.
+            let end = data.iter().rposition(|&b| b == b'\n').unwrap_or(0);
+            data.truncate(end);
+        }
+        let names = Arc::new(parse_names(&data, fields));
+        *slot = Some(NameTable {
+            key,
+            names: Arc::clone(&names),
+        });
+        names
+    }
+
     /// Removes a file, symlink or (with `recursive`) a directory tree. Never follows symlinks.
     pub fn remove(&self, path: &str, recursive: bool) -> Result<(), FileError> {
         let (dir, name) = self.parent(path)?;
@@ -377,6 +485,69 @@ impl Root {
             sfs::unlinkat(dir.as_fd(), &name, false).map_err(Self::sys("remove", path))
         }
     }
+}
+
+/// Cached id → name table of one user database.
+#[derive(Debug)]
+struct NameTable {
+    /// Device, inode, size and mtime of the file it was parsed from.
+    key: (u64, u64, u64, i64),
+    names: Arc<HashMap<u32, String>>,
+}
+
+/// The cached tables of `/etc/passwd` and `/etc/group`.
+#[derive(Debug, Default)]
+struct NameCache {
+    passwd: Option<NameTable>,
+    group: Option<NameTable>,
+}
+
+/// The sandbox's user and group names by id (a snapshot of [`Root::owner_names`]).
+#[derive(Debug, Clone, Default)]
+pub struct OwnerNames {
+    users: Arc<HashMap<u32, String>>,
+    groups: Arc<HashMap<u32, String>>,
+}
+
+impl OwnerNames {
+    /// Name of `uid`, when the sandbox has one.
+    pub fn user(&self, uid: u32) -> Option<String> {
+        self.users.get(&uid).cloned()
+    }
+
+    /// Name of `gid`, when the sandbox has one.
+    pub fn group(&self, gid: u32) -> Option<String> {
+        self.groups.get(&gid).cloned()
+    }
+}
+
+/// Parses `name:x:id:…` lines (at least `fields` fields) of a user or group database into
+/// id → name, skipping whatever is malformed: non-UTF-8, comments, NIS `+`/`-` entries, empty or
+/// overlong names, ids that are not numbers. The first entry of an id wins (as `getpwuid`).
+fn parse_names(data: &[u8], fields: usize) -> HashMap<u32, String> {
+    let mut out = HashMap::new();
+    for line in data.split(|&b| b == b'\n') {
+        let Ok(line) = std::str::from_utf8(line) else {
+            continue;
+        };
+        let line = line.strip_suffix('\r').unwrap_or(line);
+        if line.starts_with(['#', '+', '-']) {
+            continue;
+        }
+        let f: Vec<&str> = line.splitn(fields + 1, ':').collect();
+        if f.len() < fields {
+            continue;
+        }
+        let name = f[0];
+        if name.is_empty() || name.len() > MAX_NAME || name.chars().any(char::is_control) {
+            continue;
+        }
+        let Ok(id) = f[2].parse::<u32>() else {
+            continue;
+        };
+        out.entry(id).or_insert_with(|| name.to_owned());
+    }
+    out
 }
 
 /// Failure of [`write_in`].
@@ -444,8 +615,13 @@ fn remove_tree(dir: BorrowedFd<'_>, depth: usize) -> Result<(), FsError> {
     }
 }
 
-/// Wire form of a stat.
-pub fn wire_stat(name: String, info: &FileInfo, link_target: Option<String>) -> FileStat {
+/// Wire form of a stat, with the owner's names from `names`.
+pub fn wire_stat(
+    name: String,
+    info: &FileInfo,
+    link_target: Option<String>,
+    names: &OwnerNames,
+) -> FileStat {
     FileStat {
         name,
         kind: match info.kind {
@@ -458,10 +634,10 @@ pub fn wire_stat(name: String, info: &FileInfo, link_target: Option<String>) -> 
         mode: info.mode,
         mtime: info.mtime,
         link_target,
-        uid: 0,
-        gid: 0,
-        owner: None,
-        group: None,
+        uid: info.uid,
+        gid: info.gid,
+        owner: names.user(info.uid),
+        group: names.group(info.gid),
     }
 }
 
@@ -525,6 +701,48 @@ mod tests {
         assert_eq!(clean("/a/./b/../c").expect("ok"), vec!["a", "c"]);
         assert!(clean("/").expect("ok").is_empty());
         assert!(clean("a\0b").is_err());
+    }
+
+    #[test]
+    fn user_databases_parse_defensively() {
+        let db = b"root:x:0:0:root:/root:/bin/bash\nbad\n#c:x:5:5::/:/bin/sh\n+nis:x:6:6::/:/x\n\
+            user:x:1000:1000::/home/user:/bin/sh\r\n:x:7:7::/:/bin/sh\nn:x:NaN:1::/:/bin/sh\n\
+            dup:x:1000:1000::/:/bin/sh\n\xff:x:8:8::/:/bin/sh\nshort:x:9:9";
+        let m = parse_names(db, 7);
+        let mut v: Vec<_> = m.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        v.sort();
+        assert_eq!(v, vec![(0, "root"), (1000, "user")]);
+        let g = parse_names(b"sudo:x:27:user,other\nbroken\nusers:x:100:\n", 4);
+        assert_eq!(g.get(&27).map(String::as_str), Some("sudo"));
+        assert_eq!(g.get(&100).map(String::as_str), Some("users"));
+        assert_eq!(g.len(), 2);
+    }
+
+    #[test]
+    fn owner_names_are_cached_until_the_database_changes() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(tmp.path().join("etc")).expect("mkdir");
+        let passwd = tmp.path().join("etc/passwd");
+        std::fs::write(&passwd, "user:x:1000:1000::/home/user:/bin/sh\n").expect("write");
+        let root = Root::open(tmp.path()).expect("root");
+        let a = root.owner_names();
+        let b = root.owner_names();
+        assert!(Arc::ptr_eq(&a.users, &b.users), "parsed once");
+        assert_eq!(a.user(1000).as_deref(), Some("user"));
+        assert_eq!(a.group(1000), None);
+        // A new file (new inode) is parsed again.
+        let next = tmp.path().join("etc/passwd.new");
+        std::fs::write(&next, "other:x:1000:1000::/:/bin/sh\n").expect("write");
+        std::fs::rename(&next, &passwd).expect("rename");
+        let c = root.owner_names();
+        assert_eq!(c.user(1000).as_deref(), Some("other"));
+        // A database past the bound is read up to it, its cut line dropped.
+        let mut big = "x".repeat(MAX_NAME_DB as usize - 10);
+        big.push_str("\nlast:x:1:1::/:/bin/sh\n");
+        std::fs::write(tmp.path().join("etc/group"), big).expect("write");
+        assert_eq!(root.owner_names().group(1), None);
+        std::fs::remove_file(&passwd).expect("rm");
+        assert_eq!(root.owner_names().user(1000), None);
     }
 
     #[test]

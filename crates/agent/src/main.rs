@@ -15,9 +15,11 @@ mod conn;
 mod exec;
 mod files;
 mod guest;
+mod procs;
 mod reaper;
 mod session;
 mod tar;
+mod users;
 mod vm;
 
 use std::os::unix::net::UnixStream;

@@ -232,6 +232,7 @@ impl Sessions {
             }
         };
         exec::prepare(&mut cmd, env, cwd, None, root).map_err(SessionError::Start)?;
+        exec::as_user(&mut cmd, None, env, root).map_err(SessionError::Start)?;
         let mut running = exec::start(reaper, &cmd, program).map_err(SessionError::Start)?;
         let pid = running.pid;
         let slot = Arc::clone(&running.slot);

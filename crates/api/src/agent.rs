@@ -224,6 +224,13 @@ pub enum Request {
         /// Id of the `Watch` request.
         watch: u64,
     },
+    /// Make the users the sandbox lacks: for each `(name, uid)` an entry in `/etc/passwd` and
+    /// `/etc/group` (a group of its own with the same id) and a home `/home/<name>` of theirs;
+    /// a name the sandbox has keeps its entry. Needs a writable root. Answer: `Ok`.
+    EnsureUsers {
+        /// Names and uids.
+        users: Vec<(String, u32)>,
+    },
     /// Make the inner request (a file request: read, write, list, stat, mkdir, remove, rename,
     /// tar, watch) as `user` of the sandbox: its permissions apply, and what it creates is
     /// that user's. Answer: the inner request's.
@@ -264,11 +271,6 @@ pub enum Request {
         /// when absent).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         user: Option<String>,
-        /// Users to make where the sandbox lacks them (an entry in `/etc/passwd` and
-        /// `/etc/group`, and a home directory `/home/<name>` of theirs), each with the uid
-        /// given (its own group of the same id). Needs a writable root.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        ensure_users: Vec<(String, u32)>,
     },
     /// VM guests only: gives a guest restored from its template's snapshot its own identity —
     /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —

@@ -15,8 +15,7 @@ pub(crate) fn configure_request(cfg: &LaunchConfig) -> Request {
         fsize: Some(cfg.limits.file_size_max),
         nproc: cfg.ids.map(|_| cfg.limits.nproc()),
         workdir: cfg.workdir.clone(),
-        user: None,
-        ensure_users: Vec::new(),
+        user: cfg.user.clone(),
     }
 }
 

@@ -39,6 +39,9 @@ pub struct LaunchConfig {
     /// The working directory of commands that name none (the template's).
     #[serde(default)]
     pub workdir: Option<String>,
+    /// The user of commands that name none (the template's; root when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
     /// The leased range (first uid, first gid, count), filled in by the supervisor; never sent.
     #[serde(skip)]
     pub ids: Option<(u32, u32, u32)>,

@@ -109,6 +109,15 @@ pub enum FsError {
     /// Reading a directory failed.
     #[error("read directory")]
     ReadDir(#[source] io::Error),
+    /// An inotify call (`inotify_init1`, `inotify_add_watch`, `inotify_rm_watch`) failed.
+    #[error("inotify {op}")]
+    Inotify {
+        /// The call.
+        op: &'static str,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl FsError {
@@ -125,7 +134,8 @@ impl FsError {
             | FsError::Symlink { source, .. }
             | FsError::Readlink { source, .. }
             | FsError::Stat { source, .. }
-            | FsError::ReadDir(source) => source.raw_os_error(),
+            | FsError::ReadDir(source)
+            | FsError::Inotify { source, .. } => source.raw_os_error(),
         }
     }
 }
@@ -266,6 +276,32 @@ pub fn renameat(dir: BorrowedFd<'_>, from: &OsStr, to: &OsStr) -> Result<(), FsE
         })
 }
 
+/// `renameat(from_dir, from, to_dir, to)` between two directories; replaces an existing `to`
+/// (a file by a file, an empty directory by a directory) and never follows a final symlink.
+pub fn renameat_between(
+    from_dir: BorrowedFd<'_>,
+    from: &OsStr,
+    to_dir: BorrowedFd<'_>,
+    to: &OsStr,
+) -> Result<(), FsError> {
+    let a = cstr(from)?;
+    let b = cstr(to)?;
+    // SAFETY: both strings are NUL-terminated and both fds are open for the call.
+    check(unsafe {
+        libc::renameat(
+            from_dir.as_raw_fd(),
+            a.as_ptr(),
+            to_dir.as_raw_fd(),
+            b.as_ptr(),
+        )
+    })
+    .map_err(|source| FsError::Rename {
+        from: from.to_owned(),
+        to: to.to_owned(),
+        source,
+    })
+}
+
 /// `linkat(old_dir, old, new_dir, new, 0)`: a hard link; a final symlink is not followed.
 pub fn linkat(
     old_dir: BorrowedFd<'_>,
@@ -359,6 +395,10 @@ pub struct FileInfo {
     pub dev: u64,
     /// Inode number.
     pub ino: u64,
+    /// Owner uid (as the caller's user namespace sees it).
+    pub uid: u32,
+    /// Owner gid (as the caller's user namespace sees it).
+    pub gid: u32,
 }
 
 fn info(st: &libc::stat) -> FileInfo {
@@ -376,6 +416,8 @@ fn info(st: &libc::stat) -> FileInfo {
         mtime: st.st_mtime,
         dev: st.st_dev,
         ino: st.st_ino,
+        uid: st.st_uid,
+        gid: st.st_gid,
     }
 }
 
@@ -465,10 +507,179 @@ pub fn read_dir(dir: BorrowedFd<'_>, limit: usize) -> Result<(Vec<DirEntry>, boo
     Ok((out, truncated))
 }
 
+/// An inotify instance (non-blocking, close-on-exec). Directories are watched by descriptor
+/// (see [`Inotify::add_watch`]), so no path string is ever resolved for a watch.
+#[derive(Debug)]
+pub struct Inotify {
+    fd: std::fs::File,
+}
+
+/// One inotify event (`struct inotify_event`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InotifyEvent {
+    /// Watch descriptor (-1 with `IN_Q_OVERFLOW`).
+    pub wd: i32,
+    /// `IN_*` bits.
+    pub mask: u32,
+    /// Pairs an `IN_MOVED_FROM` with its `IN_MOVED_TO`.
+    pub cookie: u32,
+    /// Name of the entry inside the watched directory (empty for events on the directory itself).
+    pub name: OsString,
+}
+
+/// Size of `struct inotify_event` without its name.
+const INOTIFY_HEADER: usize = 16;
+
+impl Inotify {
+    /// `inotify_init1(IN_NONBLOCK | IN_CLOEXEC)`.
+    pub fn new() -> Result<Inotify, FsError> {
+        // SAFETY: plain system call without pointers.
+        let rc = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        if rc < 0 {
+            return Err(FsError::Inotify {
+                op: "init",
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: inotify_init1 returned a new fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(rc) };
+        Ok(Inotify {
+            fd: std::fs::File::from(fd),
+        })
+    }
+
+    /// Watches the directory open at `dir` (any fd of it, `O_PATH` too) with `mask` (`IN_*`
+    /// event bits; `IN_ONLYDIR` is added). The kernel resolves `/proc/self/fd/<dir>` to the
+    /// object the descriptor holds, so whatever happened to the path since it was opened, the
+    /// watch lands on that directory. (`IN_DONT_FOLLOW` must not be passed: it would stop at the
+    /// magic link itself.) Returns the watch descriptor, the same one for a directory that is
+    /// watched already.
+    pub fn add_watch(&self, dir: BorrowedFd<'_>, mask: u32) -> Result<i32, FsError> {
+        let path = CString::new(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+            .expect("invariant: a formatted number has no NUL");
+        // SAFETY: `path` is NUL-terminated, `self.fd` is an inotify fd we own and `dir` stays
+        // open for the call.
+        let rc = unsafe {
+            libc::inotify_add_watch(
+                self.fd.as_raw_fd(),
+                path.as_ptr(),
+                (mask | libc::IN_ONLYDIR) & !libc::IN_DONT_FOLLOW,
+            )
+        };
+        if rc < 0 {
+            return Err(FsError::Inotify {
+                op: "add watch",
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(rc)
+    }
+
+    /// `inotify_rm_watch`. The kernel queues an `IN_IGNORED` event for `wd`.
+    pub fn rm_watch(&self, wd: i32) -> Result<(), FsError> {
+        // SAFETY: plain system call on an inotify fd we own.
+        check(unsafe { libc::inotify_rm_watch(self.fd.as_raw_fd(), wd) }).map_err(|source| {
+            FsError::Inotify {
+                op: "remove watch",
+                source,
+            }
+        })
+    }
+
+    /// Reads the queued events (none when nothing is queued: the fd is non-blocking); `buf`
+    /// bounds one read (at least 4 KiB, so that any one event fits).
+    pub fn read(&self, buf: &mut [u8]) -> io::Result<Vec<InotifyEvent>> {
+        use std::io::Read;
+        match (&self.fd).read(buf) {
+            Ok(n) => Ok(parse_inotify(&buf[..n])),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Vec::new()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The instance's fd, for polling.
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.fd)
+    }
+}
+
+/// Splits what one `read` of an inotify fd returned into events (a truncated tail is dropped).
+pub fn parse_inotify(mut buf: &[u8]) -> Vec<InotifyEvent> {
+    let mut out = Vec::new();
+    let word = |b: &[u8], at: usize| -> [u8; 4] {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(&b[at..at + 4]);
+        w
+    };
+    while buf.len() >= INOTIFY_HEADER {
+        let len = u32::from_ne_bytes(word(buf, 12)) as usize;
+        let Some(name) = buf.get(INOTIFY_HEADER..INOTIFY_HEADER + len) else {
+            break;
+        };
+        // The name is NUL-padded to an alignment boundary.
+        let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+        out.push(InotifyEvent {
+            wd: i32::from_ne_bytes(word(buf, 0)),
+            mask: u32::from_ne_bytes(word(buf, 4)),
+            cookie: u32::from_ne_bytes(word(buf, 8)),
+            name: OsString::from_vec(name[..end].to_vec()),
+        });
+        buf = &buf[INOTIFY_HEADER + len..];
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+
+    #[test]
+    fn inotify_watches_by_descriptor() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(tmp.path().join("d")).expect("mkdir");
+        let root = open_root(tmp.path()).expect("root");
+        let d = openat2(
+            root.as_fd(),
+            OsStr::new("d"),
+            libc::O_PATH | libc::O_DIRECTORY,
+            0,
+            Confine::Beneath,
+        )
+        .expect("open d");
+        let ino = Inotify::new().expect("inotify");
+        let wd = ino
+            .add_watch(d.as_fd(), libc::IN_CREATE | libc::IN_DONT_FOLLOW)
+            .expect("watch");
+        // The path now names something else: the watch stays on the directory.
+        std::fs::rename(tmp.path().join("d"), tmp.path().join("e")).expect("rename");
+        std::fs::write(tmp.path().join("e/f"), b"x").expect("write");
+        let mut buf = vec![0u8; 4096];
+        let evs = ino.read(&mut buf).expect("read");
+        assert_eq!(evs.len(), 1, "{evs:?}");
+        assert_eq!(evs[0].wd, wd);
+        assert_eq!(evs[0].name, OsString::from("f"));
+        assert_ne!(evs[0].mask & libc::IN_CREATE, 0);
+        assert!(ino.read(&mut buf).expect("read").is_empty());
+        ino.rm_watch(wd).expect("rm");
+        // A file is refused (IN_ONLYDIR).
+        let f = openat2(
+            root.as_fd(),
+            OsStr::new("e/f"),
+            libc::O_PATH,
+            0,
+            Confine::Beneath,
+        )
+        .expect("open f");
+        let e = ino.add_watch(f.as_fd(), libc::IN_CREATE).expect_err("file");
+        assert_eq!(e.raw_os_error(), Some(libc::ENOTDIR));
+        // A truncated record is dropped, not misread.
+        assert!(parse_inotify(&[0u8; 15]).is_empty());
+        let mut rec = vec![0u8; 16];
+        rec[12] = 8;
+        assert!(parse_inotify(&rec).is_empty());
+    }
 
     #[test]
     fn in_root_confines_symlinks_and_dotdot() {

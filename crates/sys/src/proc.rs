@@ -274,6 +274,123 @@ pub struct ChildSetup {
     pub nofile: Option<u64>,
     /// RLIMIT_FSIZE (soft and hard) for the command.
     pub fsize: Option<u64>,
+    /// Become this user (groups, gid, uid — in that order) before the exec.
+    pub user: Option<Credentials>,
+    /// Clear every capability set (ambient included) before the exec: the caller holds
+    /// capabilities its commands must not (a sandbox's agent keeps those it needs to start a
+    /// command as another user).
+    pub drop_caps: bool,
+}
+
+/// Who a command runs as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Credentials {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Supplementary groups (at most [`MAX_GROUPS`]).
+    pub groups: Vec<u32>,
+}
+
+/// Most supplementary groups a command gets.
+pub const MAX_GROUPS: usize = 64;
+
+/// Whether capability number `cap` is in the calling thread's bounding set.
+pub fn bounding_has(cap: u32) -> bool {
+    // SAFETY: prctl with integer arguments only.
+    unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap)) > 0 }
+}
+
+/// `fchown(2)`.
+pub fn fchown(fd: std::os::fd::BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: fchown on a valid descriptor.
+    if unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The calling thread's supplementary groups (at most [`MAX_GROUPS`]).
+pub fn thread_groups() -> Vec<u32> {
+    let mut g = vec![0u32; MAX_GROUPS];
+    // SAFETY: getgroups into a buffer of `g.len()` gids.
+    let n = unsafe { libc::getgroups(g.len() as libc::c_int, g.as_mut_ptr()) };
+    g.truncate(usize::try_from(n).unwrap_or(0));
+    g
+}
+
+/// Gives the calling thread back file-system ids equal to its effective ids, and `groups`.
+pub fn restore_thread_fs_ids(groups: &[u32]) -> io::Result<()> {
+    // SAFETY: no arguments.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    set_thread_fs_ids(uid, gid, groups)
+}
+
+/// The capabilities of the calling thread: `(effective, permitted)` as bit masks.
+pub fn own_caps() -> io::Result<(u64, u64)> {
+    let (e, p, _) = capget()?;
+    Ok((e, p))
+}
+
+fn capget() -> io::Result<(u64, u64, u64)> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget with a v3 header and room for two data structs, as the ABI requires.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let join = |f: fn(&Data) -> u32| u64::from(f(&data[0])) | (u64::from(f(&data[1])) << 32);
+    Ok((
+        join(|d| d.effective),
+        join(|d| d.permitted),
+        join(|d| d.inheritable),
+    ))
+}
+
+/// Sets the calling thread's filesystem ids (the ids its file accesses are checked as and what
+/// it creates is owned by) and supplementary groups; raw system calls, so only this thread
+/// changes. Needs `CAP_SETUID`/`CAP_SETGID` unless the ids are the thread's own.
+pub fn set_thread_fs_ids(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
+    // SAFETY: setgroups with a valid array of `groups.len()` gids.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_setgroups,
+            groups.len() as libc::size_t,
+            groups.as_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // setfs*id answer the previous id, never an error: read back to check.
+    // SAFETY: integer arguments only.
+    unsafe {
+        libc::syscall(libc::SYS_setfsgid, gid);
+        libc::syscall(libc::SYS_setfsuid, uid);
+        let now_gid = libc::syscall(libc::SYS_setfsgid, u32::MAX) as u32;
+        let now_uid = libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32;
+        if now_uid != uid || now_gid != gid {
+            return Err(io::Error::from_raw_os_error(libc::EPERM));
+        }
+    }
+    Ok(())
 }
 
 /// Makes `fd` the child's fd 3 (without `FD_CLOEXEC`). Used to hand the protocol socket to

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
 use crate::proc::ChildSetup;
@@ -31,7 +31,8 @@ const CHILD_STACK: usize = 64 * 1024;
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// A command to start: program, arguments, environment and child set-up. Its standard streams
-/// are always pipes and it always leads a new process group.
+/// are pipes (or a pseudo-terminal, see [`Spawn::pty`]) and it always leads a new process
+/// group.
 #[derive(Debug)]
 pub struct Spawn {
     program: OsString,
@@ -39,6 +40,8 @@ pub struct Spawn {
     /// `None`: the caller's environment.
     env: Option<BTreeMap<OsString, OsString>>,
     setup: ChildSetup,
+    /// Run on a new pseudo-terminal of this size (rows, columns).
+    pty: Option<(u16, u16)>,
 }
 
 /// A started command: its pid and the parent's ends of its standard streams.
@@ -63,6 +66,7 @@ impl Spawn {
             args: Vec::new(),
             env: None,
             setup: ChildSetup::default(),
+            pty: None,
         }
     }
 
@@ -121,6 +125,21 @@ impl Spawn {
         self
     }
 
+    /// The set-up, to amend.
+    pub fn setup_mut(&mut self) -> &mut ChildSetup {
+        &mut self.setup
+    }
+
+    /// Runs the command on a new pseudo-terminal of `rows` × `cols`: its stdin, stdout and
+    /// stderr are the terminal (its controlling terminal: it leads a new session, and so its
+    /// own process group); the parent's [`Spawned::stdin`] and [`Spawned::stdout`] are both the
+    /// terminal's master (close-on-exec), [`Spawned::stderr`] an empty pipe. `TERM` defaults
+    /// to `xterm-256color`.
+    pub fn pty(&mut self, rows: u16, cols: u16) -> &mut Self {
+        self.pty = Some((rows, cols));
+        self
+    }
+
     /// Starts the command. Returns when it has exec'd; an exec that failed (no such program,
     /// not executable) or a set-up step that failed is the error, with the child already reaped.
     /// The caller must keep any other reaper of its children from waiting for this one until
@@ -141,6 +160,10 @@ impl Spawn {
             Some(m) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             None => std::env::vars_os().collect(),
         };
+        let mut env = env;
+        if self.pty.is_some() && !env.iter().any(|(k, _)| k == "TERM") {
+            env.push(("TERM".into(), "xterm-256color".into()));
+        }
         let mut envp = Vec::with_capacity(env.len());
         let mut path = None;
         for (k, v) in &env {
@@ -157,9 +180,24 @@ impl Spawn {
         let envp_ptrs = null_terminated(&envp);
         let cand_ptrs: Vec<*const libc::c_char> = candidates.iter().map(|c| c.as_ptr()).collect();
 
-        let (in_r, in_w) = pipe()?;
-        let (out_r, out_w) = pipe()?;
-        let (err_r, err_w) = pipe()?;
+        // On a terminal, the child's three streams are its slave; the parent's ends are the
+        // master twice and an empty pipe (its write end is closed below).
+        let terminal = match self.pty {
+            Some((rows, cols)) => Some(open_pty(rows, cols)?),
+            None => None,
+        };
+        let ((in_r, in_w), (out_r, out_w)) = match &terminal {
+            Some((master, slave)) => (
+                (slave.try_clone()?, master.try_clone()?),
+                (master.try_clone()?, slave.try_clone()?),
+            ),
+            None => (pipe()?, pipe()?),
+        };
+        let (err_r, err_w) = match &terminal {
+            Some((_, slave)) => (pipe()?.0, slave.try_clone()?),
+            None => pipe()?,
+        };
+        drop(terminal);
         let (report_r, report_w) = pipe()?;
         let ctx = ChildCtx {
             candidates: &cand_ptrs,
@@ -167,10 +205,16 @@ impl Spawn {
             envp: envp_ptrs.as_ptr(),
             stdio: [in_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
             report: report_w.as_raw_fd(),
+            pty: self.pty.is_some(),
             cwd: self.setup.cwd.as_ref().map(AsRawFd::as_raw_fd),
             cpu: self.setup.cpu_limit_secs,
             nofile: self.setup.nofile,
             fsize: self.setup.fsize,
+            user: self.setup.user.as_ref().map(|c| (c.uid, c.gid)),
+            groups: self.setup.user.as_ref().map_or(&[][..], |c| {
+                &c.groups[..c.groups.len().min(crate::proc::MAX_GROUPS)]
+            }),
+            drop_caps: self.setup.drop_caps,
         };
         // A u128 buffer is 16-byte aligned, as the stack pointer must be.
         let mut stack = vec![0u128; CHILD_STACK / 16];
@@ -281,6 +325,75 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
+/// Opens a new pseudo-terminal of `rows` × `cols`: `(master, slave)`, both close-on-exec.
+fn open_pty(rows: u16, cols: u16) -> io::Result<(OwnedFd, OwnedFd)> {
+    // SAFETY: posix_openpt takes flags only and returns a new fd or -1.
+    let fd = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is fresh and owned by nothing else.
+    let master = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: grantpt/unlockpt on the master we own; they touch no memory of ours.
+    if unsafe { libc::grantpt(master.as_raw_fd()) } != 0
+        || unsafe { libc::unlockpt(master.as_raw_fd()) } != 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    // The slave by the master (no path lookup: the right one even where /dev/pts is another
+    // instance), else by its name.
+    // SAFETY: TIOCGPTPEER takes open flags and returns a new fd or -1.
+    let peer = unsafe {
+        libc::ioctl(
+            master.as_raw_fd(),
+            libc::TIOCGPTPEER,
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
+    let slave = if peer >= 0 {
+        // SAFETY: `peer` is fresh and owned by nothing else.
+        unsafe { OwnedFd::from_raw_fd(peer) }
+    } else {
+        let mut name = [0 as libc::c_char; 128];
+        // SAFETY: ptsname_r writes at most `name.len()` bytes, NUL included, into `name`.
+        let rc = unsafe { libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        // SAFETY: `name` holds a NUL-terminated path (ptsname_r succeeded).
+        let fd = unsafe {
+            libc::open(
+                name.as_ptr(),
+                libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is fresh and owned by nothing else.
+        unsafe { OwnedFd::from_raw_fd(fd) }
+    };
+    set_window_size(master.as_fd(), rows, cols)?;
+    Ok((master, slave))
+}
+
+/// Sets the window size of the terminal `fd` (a master or a slave); the terminal's foreground
+/// process group gets `SIGWINCH`.
+pub fn set_window_size(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one `winsize` from a pointer valid for the call, on a borrowed
+    // open fd.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Blocks every signal in the calling thread until dropped.
 struct BlockAll {
     old: libc::sigset_t,
@@ -316,10 +429,16 @@ struct ChildCtx<'a> {
     envp: *const *const libc::c_char,
     stdio: [RawFd; 3],
     report: RawFd,
+    /// The streams are a terminal: lead a new session with it as its controlling terminal.
+    pty: bool,
     cwd: Option<RawFd>,
     cpu: Option<u64>,
     nofile: Option<u64>,
     fsize: Option<u64>,
+    /// `(uid, gid)` and the supplementary groups to become.
+    user: Option<(u32, u32)>,
+    groups: &'a [u32],
+    drop_caps: bool,
 }
 
 const STEP_SIGMASK: u32 = 1;
@@ -328,6 +447,9 @@ const STEP_STDIO: u32 = 3;
 const STEP_RLIMIT: u32 = 4;
 const STEP_CWD: u32 = 5;
 const STEP_EXEC: u32 = 6;
+const STEP_CTTY: u32 = 9;
+const STEP_USER: u32 = 7;
+const STEP_CAPS: u32 = 8;
 
 fn step_name(step: u32) -> &'static str {
     match step {
@@ -336,8 +458,25 @@ fn step_name(step: u32) -> &'static str {
         STEP_STDIO => "dup2",
         STEP_RLIMIT => "setrlimit",
         STEP_CWD => "fchdir",
+        STEP_CTTY => "setsid/TIOCSCTTY",
+        STEP_USER => "setuid",
+        STEP_CAPS => "capset",
         _ => "exec",
     }
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
 }
 
 /// The child: set-up, then exec. Only system calls (see the module docs).
@@ -377,13 +516,21 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
                 libc::sigaction(sig, &dfl, std::ptr::null_mut());
             }
         }
-        if libc::setpgid(0, 0) != 0 {
+        // A new session also makes the child the leader of a new process group.
+        if ctx.pty {
+            if libc::setsid() < 0 {
+                return fail(STEP_CTTY);
+            }
+        } else if libc::setpgid(0, 0) != 0 {
             return fail(STEP_PGROUP);
         }
         for (target, fd) in ctx.stdio.iter().enumerate() {
             if libc::dup2(*fd, target as libc::c_int) < 0 {
                 return fail(STEP_STDIO);
             }
+        }
+        if ctx.pty && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
+            return fail(STEP_CTTY);
         }
         // Commands are the OOM killer's first choice in their sandbox, before the agent (which
         // is also exempted outright where the supervisor holds CAP_SYS_RESOURCE). Raising a
@@ -422,6 +569,36 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             };
             if libc::setrlimit(libc::RLIMIT_CPU, &lim) != 0 {
                 return fail(STEP_RLIMIT);
+            }
+        }
+        // Raw system calls: glibc's set*id would signal the caller's other threads, which
+        // share this memory. Groups, then gid, then uid (after which the rest is not allowed).
+        if let Some((uid, gid)) = ctx.user {
+            if libc::syscall(libc::SYS_setgroups, ctx.groups.len(), ctx.groups.as_ptr()) != 0
+                || libc::syscall(libc::SYS_setresgid, gid, gid, gid) != 0
+                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
+            {
+                return fail(STEP_USER);
+            }
+        }
+        if ctx.drop_caps {
+            // Securebits may keep capabilities across the uid change above and across exec
+            // (through the ambient set): clear every set explicitly.
+            let header = CapHeader {
+                version: 0x2008_0522,
+                pid: 0,
+            };
+            let data = [CapData::default(); 2];
+            if libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL,
+                0,
+                0,
+                0,
+            ) != 0
+                || libc::syscall(libc::SYS_capset, &header, data.as_ptr()) != 0
+            {
+                return fail(STEP_CAPS);
             }
         }
         // The agent blocks SIGCHLD in all its threads (and all signals around this clone); a
@@ -496,6 +673,44 @@ mod tests {
             output(s.spawn().expect("spawn")).0,
             "SigBlk:\t0000000000000000\n"
         );
+    }
+
+    #[test]
+    fn a_pty_child_has_a_controlling_terminal_of_the_size_asked() {
+        let mut s = Spawn::new("sh");
+        s.args([
+            "-c",
+            "test -t 0 && test -t 1 && stty size && echo $TERM; \
+             read line; echo got $line",
+        ])
+        .pty(33, 101);
+        let child = s.spawn().expect("spawn");
+        let mut stdin = child.stdin;
+        std::io::Write::write_all(&mut stdin, b"hi\n").expect("write");
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut master = child.stdout;
+        loop {
+            match master.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                // The slave's last holder exited.
+                Err(e) if e.raw_os_error() == Some(libc::EIO) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(child.pid, &mut status, 0) };
+        let text = String::from_utf8_lossy(&out).replace('\r', "");
+        assert!(text.contains("33 101\nxterm-256color\n"), "{text:?}");
+        assert!(text.contains("got hi\n"), "{text:?}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "{text:?}");
+        let mut empty = String::new();
+        let mut err = child.stderr;
+        err.read_to_string(&mut empty).expect("stderr");
+        assert_eq!(empty, "");
     }
 
     #[test]

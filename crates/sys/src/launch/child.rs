@@ -220,17 +220,66 @@ fn loopback_up(err: &OwnedFd) {
     }
 }
 
-/// Clears every capability set of the calling process: locks securebits so that uid 0 gains
-/// nothing on exec, empties the bounding and ambient sets, then zeroes effective, permitted and
-/// inheritable sets.
+/// The capabilities the agent keeps (inside the sandbox's user namespace, when it has one): to
+/// start a command as another user of the sandbox (`CAP_SETUID`, `CAP_SETGID`; also its own
+/// file-system ids, for file requests made as that user) and to give a user it makes a home
+/// of its own (`CAP_CHOWN`). The agent clears every set in each command it starts (see
+/// `ChildSetup::drop_caps`), so no command holds them.
+pub const AGENT_CAPS: u64 =
+    (1 << CAP_SETUID) | (1 << CAP_SETGID) | (1 << CAP_CHOWN);
+const CAP_CHOWN: u32 = 0;
+const CAP_SETGID: u32 = 6;
+const CAP_SETUID: u32 = 7;
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+fn capset(err: &OwnedFd, step: &'static str, effective: u64, permitted: u64, inheritable: u64) {
+    let header = CapHeader {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let half = |m: u64, hi: bool| if hi { (m >> 32) as u32 } else { m as u32 };
+    let data = [false, true].map(|hi| CapData {
+        effective: half(effective, hi),
+        permitted: half(permitted, hi),
+        inheritable: half(inheritable, hi),
+    });
+    // SAFETY: capset with a v3 header and two data structs, as the ABI requires.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as libc::c_int };
+    check(rc, err, step);
+}
+
+/// Drops every capability but [`AGENT_CAPS`]: locks securebits so that uid 0 gains nothing on
+/// exec (and changing uid keeps nothing by itself), empties the bounding set, and leaves the
+/// kept ones in the ambient set — the only way they survive the agent's exec under
+/// `SECBIT_NOROOT` — then locks the ambient set against raising any other.
 fn drop_privileges(err: &OwnedFd) {
+    let Ok((effective, permitted)) = crate::proc::own_caps() else {
+        fail(err, "capget");
+    };
+    if permitted & AGENT_CAPS != AGENT_CAPS {
+        fail(err, "the launch lacks CAP_SETUID, CAP_SETGID or CAP_CHOWN");
+    }
+    // While every capability is still held: the kept ones become inheritable, which the
+    // ambient set requires.
+    capset(err, "capset", effective, permitted, AGENT_CAPS);
     let bits = libc::SECBIT_NOROOT
         | libc::SECBIT_NOROOT_LOCKED
         | libc::SECBIT_NO_SETUID_FIXUP
         | libc::SECBIT_NO_SETUID_FIXUP_LOCKED
-        | libc::SECBIT_KEEP_CAPS_LOCKED
-        | libc::SECBIT_NO_CAP_AMBIENT_RAISE
-        | libc::SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
+        | libc::SECBIT_KEEP_CAPS_LOCKED;
     // SAFETY: prctl with integer arguments only.
     unsafe {
         check(
@@ -249,6 +298,30 @@ fn drop_privileges(err: &OwnedFd) {
             err,
             "ambient",
         );
+        for cap in 0..64u32 {
+            if AGENT_CAPS & (1 << cap) != 0 {
+                check(
+                    libc::prctl(
+                        libc::PR_CAP_AMBIENT,
+                        libc::PR_CAP_AMBIENT_RAISE as libc::c_ulong,
+                        cap as libc::c_ulong,
+                        0,
+                        0,
+                    ),
+                    err,
+                    "ambient raise",
+                );
+            }
+        }
+        check(
+            libc::prctl(
+                libc::PR_SET_SECUREBITS,
+                (bits | libc::SECBIT_NO_CAP_AMBIENT_RAISE | libc::SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED)
+                    as libc::c_ulong,
+            ),
+            err,
+            "securebits",
+        );
         let mut cap = 0;
         loop {
             if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong) < 0 {
@@ -260,34 +333,6 @@ fn drop_privileges(err: &OwnedFd) {
             cap += 1;
         }
     }
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: i32,
-    }
-    #[repr(C)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    let header = Header {
-        version: 0x2008_0522,
-        pid: 0,
-    };
-    let data = [
-        Data {
-            effective: 0,
-            permitted: 0,
-            inheritable: 0,
-        },
-        Data {
-            effective: 0,
-            permitted: 0,
-            inheritable: 0,
-        },
-    ];
-    // SAFETY: capset with a v3 header and two data structs, as the ABI requires.
-    let rc = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as libc::c_int };
-    check(rc, err, "capset");
+    capset(err, "capset", AGENT_CAPS, AGENT_CAPS, AGENT_CAPS);
 }
+

@@ -66,19 +66,21 @@ pub fn valid_id(id: &str) -> bool {
 impl Runtime {
     pub(crate) fn lowerdirs(&self, template: &str) -> Result<(Vec<String>, Env), RuntimeError> {
         self.container_template(template)
-            .map(|(dirs, env, _)| (dirs, env))
+            .map(|(dirs, env, _, _)| (dirs, env))
     }
 
-    /// A template's lower directories (topmost first), environment and working directory
-    /// (`None`: `/`).
+    /// A template's lower directories (topmost first), environment, working directory
+    /// (`None`: `/`) and user (`None`: root).
+    #[allow(clippy::type_complexity)]
     fn container_template(
         &self,
         template: &str,
-    ) -> Result<(Vec<String>, Env, Option<String>), RuntimeError> {
+    ) -> Result<(Vec<String>, Env, Option<String>, Option<String>), RuntimeError> {
         if template == "host" {
             return Ok((
                 vec![self.host_mask.display().to_string(), "/".into()],
                 Vec::new(),
+                None,
                 None,
             ));
         }
@@ -101,7 +103,7 @@ impl Runtime {
             })
             .collect();
         let workdir = (t.workdir != "/" && !t.workdir.is_empty()).then(|| t.workdir.clone());
-        Ok((dirs, t.env.clone(), workdir))
+        Ok((dirs, t.env.clone(), workdir, t.user.clone()))
     }
 
     /// The base environment of every command in sandbox `id`: defaults, then the template's,
@@ -163,7 +165,7 @@ impl Runtime {
         spec: &SandboxSpec,
     ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
-        let (lowerdirs, template_env, workdir) = self.container_template(&spec.template)?;
+        let (lowerdirs, template_env, workdir, user) = self.container_template(&spec.template)?;
         let lowerdirs = spec.layers.iter().cloned().chain(lowerdirs).collect();
         let id = id.to_owned();
         let run_dir = self.cfg.run_dir.join("sandboxes").join(&id);
@@ -185,6 +187,7 @@ impl Runtime {
             // The supervisor leases the ids (a range of its own, host-wide).
             userns: spec.userns,
             workdir,
+            user,
             ids: None,
         };
         let req = self.new_req();

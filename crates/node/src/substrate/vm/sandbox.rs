@@ -463,7 +463,6 @@ fn start_vm(
                 fsize: Some(spec.limits.file_size_max),
                 nproc: None,
                 user: None,
-                ensure_users: Vec::new(),
             },
             &[],
         )?;
