@@ -942,3 +942,346 @@ fn exec_argv_shell_variants() {
     assert_eq!(text(&r.stdout), "/bin/sh\n");
     assert!(r.wall_us > 0);
 }
+
+// Background processes that are followed: streaming spawns, attach, detach, list, terminals.
+
+impl Agent {
+    /// The events of request `id` so far, once `cond` holds for them (they stay in the inbox).
+    fn events_when(
+        &self,
+        id: u64,
+        timeout: Duration,
+        cond: impl Fn(&[(Event, Vec<u8>)]) -> bool,
+    ) -> Vec<(Event, Vec<u8>)> {
+        let deadline = Instant::now() + timeout;
+        let (m, cv) = &*self.inbox;
+        let mut g = m.lock().expect("lock");
+        loop {
+            let evs = g.get(&id).cloned().unwrap_or_default();
+            if cond(&evs) {
+                return evs;
+            }
+            let now = Instant::now();
+            assert!(now < deadline, "timeout waiting for request {id}: {evs:?}");
+            g = cv.wait_timeout(g, deadline - now).expect("wait").0;
+        }
+    }
+
+    /// Sends a streaming `Spawn` of `req`; returns its request id, handle and pid.
+    fn spawn_followed(&self, mut req: ExecRequest, stdin: &[u8]) -> (u64, u64, i32) {
+        req.stream = true;
+        let id = self.send(&Request::Spawn(req), stdin);
+        let evs = self.events_when(id, Duration::from_secs(10), |e| !e.is_empty());
+        match evs[0].0 {
+            Event::Attached { handle, pid } => (id, handle, pid),
+            ref other => panic!("expected attached, got {other:?}"),
+        }
+    }
+
+    /// Sends a `ProcAttach`; returns its request id once `Attached` came.
+    fn attach(&self, handle: u64) -> u64 {
+        let id = self.send(&Request::ProcAttach { handle }, b"");
+        let evs = self.events_when(id, Duration::from_secs(10), |e| !e.is_empty());
+        assert!(
+            matches!(evs[0].0, Event::Attached { handle: h, .. } if h == handle),
+            "{evs:?}"
+        );
+        id
+    }
+}
+
+/// The bytes of the `Output` events of `evs`, per stream.
+fn outputs(evs: &[(Event, Vec<u8>)]) -> (String, String) {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    for (e, b) in evs {
+        match e {
+            Event::Output {
+                stream: Stream::Stdout,
+            } => out.extend_from_slice(b),
+            Event::Output {
+                stream: Stream::Stderr,
+            } => err.extend_from_slice(b),
+            _ => {}
+        }
+    }
+    (
+        String::from_utf8_lossy(&out).into_owned(),
+        String::from_utf8_lossy(&err).into_owned(),
+    )
+}
+
+fn terminal_of(evs: &[(Event, Vec<u8>)]) -> &Event {
+    &evs.last().expect("events").0
+}
+
+#[test]
+fn follow_a_streaming_spawn_to_its_end() {
+    let a = Agent::start();
+    let (id, handle, pid) =
+        a.spawn_followed(ExecRequest::shell("echo out; echo err >&2; exit 3"), b"");
+    assert!(pid > 0);
+    let evs = a.wait_terminal(id, Duration::from_secs(10));
+    assert!(matches!(evs[0].0, Event::Attached { .. }), "{evs:?}");
+    assert_eq!(outputs(&evs), ("out\n".into(), "err\n".into()));
+    let Event::ExecDone(r) = terminal_of(&evs) else {
+        panic!("{evs:?}")
+    };
+    assert_eq!((r.status, r.exit_code), (ExecStatus::NonzeroExit, Some(3)));
+    assert_eq!(text(&r.stdout), "out\n");
+    // The follower had the result: the handle is forgotten.
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || {
+            matches!(
+                a.call(Request::ProcStatus { handle }),
+                Event::Error {
+                    code: ErrorCode::HandleNotFound,
+                    ..
+                }
+            )
+        },
+        || "the handle of a followed process outlives its result".into(),
+    );
+    // stdin_closed: the body, then the end of input.
+    let mut req = ExecRequest::argv(["cat"]);
+    req.stdin_closed = true;
+    let (id, _, _) = a.spawn_followed(req, b"fed");
+    let evs = a.wait_terminal(id, Duration::from_secs(10));
+    assert_eq!(outputs(&evs).0, "fed");
+    assert!(matches!(terminal_of(&evs), Event::ExecDone(r) if r.status == ExecStatus::Ok));
+}
+
+#[test]
+fn attach_mid_way_then_detach() {
+    let a = Agent::start();
+    let Event::Started { handle, .. } = a.call(Request::Spawn(ExecRequest::shell(
+        "for i in 1 2 3; do echo $i; sleep 0.2; done",
+    ))) else {
+        panic!("expected started")
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let f = a.attach(handle);
+    let evs = a.wait_terminal(f, Duration::from_secs(10));
+    let (out, _) = outputs(&evs);
+    assert!(!out.contains('1') && out.contains('3'), "{out:?}");
+    let Event::ExecDone(r) = terminal_of(&evs) else {
+        panic!("{evs:?}")
+    };
+    assert_eq!(text(&r.stdout), "1\n2\n3\n");
+    // Delivered to a follower: a later wait finds no handle.
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || {
+            matches!(
+                a.call(Request::ProcStatus { handle }),
+                Event::Error {
+                    code: ErrorCode::HandleNotFound,
+                    ..
+                }
+            )
+        },
+        || "the handle of a followed process outlives its result".into(),
+    );
+
+    // Attaching to a process that exited unfollowed: its result at once.
+    let Event::Started { handle, .. } = a.call(Request::Spawn(ExecRequest::shell("echo gone")))
+    else {
+        panic!("expected started")
+    };
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || {
+            matches!(
+                a.call(Request::ProcStatus { handle }),
+                Event::ProcStatus { running: false, .. }
+            )
+        },
+        || "did not exit".into(),
+    );
+    let f = a.attach(handle);
+    let evs = a.wait_terminal(f, Duration::from_secs(10));
+    assert!(matches!(terminal_of(&evs), Event::ExecDone(r) if text(&r.stdout) == "gone\n"));
+
+    // Detach: the follower ends with `Detached`, the process goes on.
+    let Event::Started { handle, pid } = a.call(Request::Spawn(ExecRequest::shell(
+        "while true; do echo x; sleep 0.05; done",
+    ))) else {
+        panic!("expected started")
+    };
+    let f = a.attach(handle);
+    let g = a.attach(handle);
+    a.events_when(f, Duration::from_secs(5), |e| e.len() >= 3);
+    assert_eq!(a.call(Request::ProcDetach { handle, attach: f }), Event::Ok);
+    let evs = a.wait_terminal(f, Duration::from_secs(5));
+    assert_eq!(terminal_of(&evs), &Event::Detached);
+    assert_eq!(
+        a.call(Request::ProcStatus { handle }),
+        Event::ProcStatus { running: true, pid }
+    );
+    // The other follower still gets output, and the end.
+    let before = a
+        .events_when(g, Duration::from_secs(5), |e| e.len() >= 2)
+        .len();
+    a.events_when(g, Duration::from_secs(5), |e| e.len() > before);
+    assert_eq!(a.call(Request::ProcSignal { handle, signal: 9 }), Event::Ok);
+    let evs = a.wait_terminal(g, Duration::from_secs(10));
+    assert!(matches!(terminal_of(&evs), Event::ExecDone(r) if r.status == ExecStatus::Killed));
+    // Detaching from an unknown handle.
+    assert_eq!(
+        code_of(a.call(Request::ProcDetach {
+            handle: 9999,
+            attach: 1
+        })),
+        ErrorCode::HandleNotFound
+    );
+}
+
+#[test]
+fn proc_list_shows_running_processes_with_their_request() {
+    let a = Agent::start();
+    let mut req = ExecRequest::argv(["sleep", "30"]);
+    req.tag = Some("server".into());
+    req.env.insert("K".into(), "v".into());
+    req.cwd = Some("/tmp".into());
+    let Event::Started { handle: h1, pid } = a.call(Request::Spawn(req.clone())) else {
+        panic!("expected started")
+    };
+    let Event::Started { handle: h2, .. } = a.call(Request::Spawn(ExecRequest::argv(["true"])))
+    else {
+        panic!("expected started")
+    };
+    let mut pty = ExecRequest::argv(["sleep", "30"]);
+    pty.pty = Some(dsec_api::exec::PtySize { rows: 5, cols: 10 });
+    let Event::Started { handle: h3, .. } = a.call(Request::Spawn(pty)) else {
+        panic!("expected started")
+    };
+    // `true` exits: listed no more (its handle stays, for ProcWait).
+    let list = || match a.call(Request::ProcList) {
+        Event::Procs { items } => items,
+        other => panic!("expected procs, got {other:?}"),
+    };
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || list().len() == 2,
+        || format!("{:?}", list()),
+    );
+    let items = list();
+    assert_eq!(
+        items.iter().map(|i| (i.handle, i.pty)).collect::<Vec<_>>(),
+        [(h1, false), (h3, true)]
+    );
+    assert_eq!(items[0].pid, pid);
+    assert_eq!(items[0].tag.as_deref(), Some("server"));
+    assert_eq!(items[0].env.get("K").map(String::as_str), Some("v"));
+    assert_eq!(items[0].cwd.as_deref(), Some("/tmp"));
+    assert_eq!(items[0].command, req.command);
+    assert!(matches!(a.wait_done(h2, 5000).status, ExecStatus::Ok));
+    for h in [h1, h3] {
+        assert_eq!(
+            a.call(Request::ProcSignal {
+                handle: h,
+                signal: 9
+            }),
+            Event::Ok
+        );
+        a.wait_done(h, 5000);
+    }
+    assert_eq!(a.call(Request::ProcList), Event::Procs { items: vec![] });
+}
+
+#[test]
+fn pty_size_resize_and_input() {
+    let a = Agent::start();
+    let mut req = ExecRequest::shell("test -t 0 && stty size; read x; stty size; echo bye >&2");
+    req.pty = Some(dsec_api::exec::PtySize { rows: 24, cols: 80 });
+    let (id, handle, _) = a.spawn_followed(req, b"");
+    a.events_when(id, Duration::from_secs(10), |e| {
+        outputs(e).0.contains("24 80")
+    });
+    assert_eq!(
+        a.call(Request::ProcResize {
+            handle,
+            size: dsec_api::exec::PtySize {
+                rows: 50,
+                cols: 132
+            }
+        }),
+        Event::Ok
+    );
+    assert_eq!(
+        a.call_body(Request::ProcStdin { handle, eof: false }, b"go\n")
+            .pop()
+            .expect("ev")
+            .0,
+        Event::Ok
+    );
+    let evs = a.wait_terminal(id, Duration::from_secs(10));
+    let (out, err) = outputs(&evs);
+    // Everything the terminal shows comes as stdout: stderr too, and the echoed input.
+    assert!(
+        out.contains("50 132") && out.contains("go") && out.contains("bye"),
+        "{out:?}"
+    );
+    assert_eq!(err, "");
+    assert!(matches!(terminal_of(&evs), Event::ExecDone(r) if r.status == ExecStatus::Ok));
+    // A process without a terminal cannot be resized; a size out of bounds is refused.
+    let Event::Started { handle, .. } = a.call(Request::Spawn(ExecRequest::argv(["sleep", "5"])))
+    else {
+        panic!("expected started")
+    };
+    let resize = |rows| Request::ProcResize {
+        handle,
+        size: dsec_api::exec::PtySize { rows, cols: 10 },
+    };
+    assert_eq!(code_of(a.call(resize(10))), ErrorCode::InvalidRequest);
+    assert_eq!(code_of(a.call(resize(0))), ErrorCode::InvalidRequest);
+    assert_eq!(a.call(Request::ProcSignal { handle, signal: 9 }), Event::Ok);
+
+    // `cat` on a terminal: input is echoed and copied; the end of input (after a line left
+    // open) ends it.
+    let mut req = ExecRequest::argv(["cat"]);
+    req.pty = Some(dsec_api::exec::PtySize { rows: 24, cols: 80 });
+    let (id, handle, _) = a.spawn_followed(req, b"hello\n");
+    a.events_when(id, Duration::from_secs(10), |e| {
+        outputs(e).0.matches("hello").count() >= 2
+    });
+    assert_eq!(
+        a.call_body(Request::ProcStdin { handle, eof: true }, b"tail")
+            .pop()
+            .expect("ev")
+            .0,
+        Event::Ok
+    );
+    let evs = a.wait_terminal(id, Duration::from_secs(10));
+    assert!(
+        outputs(&evs).0.matches("tail").count() >= 2,
+        "{:?}",
+        outputs(&evs)
+    );
+    assert!(
+        matches!(terminal_of(&evs), Event::ExecDone(r) if r.status == ExecStatus::Ok),
+        "{evs:?}"
+    );
+}
+
+#[test]
+fn followed_processes_that_exit_leave_the_table() {
+    let a = Agent::start();
+    // More followed processes than the table holds, one after another.
+    for i in 0..1100 {
+        let (id, _, _) = a.spawn_followed(ExecRequest::argv(["true"]), b"");
+        let evs = a.wait_terminal(id, Duration::from_secs(10));
+        assert!(
+            matches!(terminal_of(&evs), Event::ExecDone(r) if r.status == ExecStatus::Ok),
+            "spawn {i}: {evs:?}"
+        );
+    }
+    let Event::Started { handle, .. } = a.call(Request::Spawn(ExecRequest::argv(["true"]))) else {
+        panic!("the table is full")
+    };
+    a.wait_done(handle, 5000);
+}

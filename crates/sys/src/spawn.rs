@@ -653,6 +653,7 @@ mod tests {
                 cpu_limit_secs: Some(7),
                 nofile: Some(64),
                 fsize: None,
+                ..ChildSetup::default()
             });
         let (out, code) = output(s.spawn().expect("spawn"));
         assert_eq!((out.as_str(), code), ("x\n64\n7\n/tmp\n", 0));
@@ -683,6 +684,8 @@ mod tests {
             "test -t 0 && test -t 1 && stty size && echo $TERM; \
              read line; echo got $line",
         ])
+        .env_clear()
+        .envs([("PATH", "/usr/bin:/bin")])
         .pty(33, 101);
         let child = s.spawn().expect("spawn");
         let mut stdin = child.stdin;
