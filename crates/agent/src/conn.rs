@@ -655,24 +655,19 @@ impl Agent {
         }
     }
 
-    fn unsupported(&self, id: u64, what: &str) {
-        self.out.error(
-            id,
-            ErrorCode::InvalidRequest,
-            &msg(format!("{what} is not supported by this agent")),
-        );
+    fn file_rename(&self, id: u64, from: &str, to: &str) {
+        match self.root().rename(from, to) {
+            Ok(()) => self.out.send(id, &Event::Ok, &[]),
+            Err(e) => self.out.error(id, e.code(), &e),
+        }
     }
 
-    fn file_rename(&self, id: u64, _from: &str, _to: &str) {
-        self.unsupported(id, "file_rename")
+    fn watch(&self, id: u64, path: &str, recursive: bool) {
+        crate::watch::watch(&self.out, &self.root(), id, path, recursive)
     }
 
-    fn watch(&self, id: u64, _path: &str, _recursive: bool) {
-        self.unsupported(id, "watch")
-    }
-
-    fn unwatch(&self, id: u64, _watch: u64) {
-        self.unsupported(id, "unwatch")
+    fn unwatch(&self, id: u64, watch: u64) {
+        crate::watch::unwatch(&self.out, id, watch)
     }
 
     /// A file request made as a user of the sandbox: this thread's file-system ids are theirs
@@ -756,6 +751,7 @@ impl Agent {
     fn reopen_root(&self, id: u64) {
         self.procs.clear();
         self.sessions.clear();
+        crate::watch::end_all();
         // Let go of the old root now: held until the next use it would keep the old writable
         // layer (and all it stores) alive while the sandbox sits idle. /proc stands in (its
         // mount moves into the fresh root, so it pins nothing of the old one) until the next
@@ -797,6 +793,7 @@ impl Agent {
     fn kill_all(&self, timeout: Duration) -> Result<(), ReqError> {
         self.procs.clear();
         self.sessions.clear();
+        crate::watch::end_all();
         let is_init = proc::getpid() == 1;
         let deadline = Instant::now() + timeout;
         loop {

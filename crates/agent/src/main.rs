@@ -21,6 +21,7 @@ mod session;
 mod tar;
 mod users;
 mod vm;
+mod watch;
 
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
