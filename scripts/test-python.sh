@@ -23,6 +23,17 @@ bash scripts/install-run-toolchains.sh
 # pyarrow: the independent Parquet reader the Rust tests cross-check exports with; moto[server]:
 # the S3 server the cluster tests keep an origin store in (boto3 with it reads it back).
 "$VENV/bin/pip" install -q --disable-pip-version-check "./sdk/python[lint]" pytest pytest-asyncio sandbox-fusion pyarrow pyyaml "moto[server]"
+# test_e2b.py: the official E2B SDKs, unmodified, against the node's E2B-compatible API. The
+# current releases share the main venv (no dependency of theirs conflicts with the above); e2b 2.20,
+# the older release that routes by the access token alone after `Sandbox.connect(id)`, needs a
+# venv of its own (a venv holds one version of a package); the tests run it as a subprocess.
+"$VENV/bin/pip" install -q --disable-pip-version-check e2b==2.63.0 e2b-code-interpreter==2.11.5
+E2B20_VENV=target/e2b20-venv
+if [ ! -x "$E2B20_VENV/bin/python" ]; then
+  rm -rf "$E2B20_VENV"
+  "$PY" -m venv "$E2B20_VENV"
+fi
+"$E2B20_VENV/bin/pip" install -q --disable-pip-version-check e2b==2.20.0
 # --setup-only: the venv alone (scripts/test.sh makes it before the Rust tests, which use it).
 if [ "${1:-}" = --setup-only ]; then
   exit 0
