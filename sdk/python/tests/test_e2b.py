@@ -485,8 +485,6 @@ def test_files_dirs_list_remove_rename(sbx: Sandbox) -> None:
     sbx.files.remove("/tmp/d")
     assert sbx.files.exists("/tmp/d") is False
     with pytest.raises(FileNotFoundException):
-        sbx.files.remove("/tmp/d")
-    with pytest.raises(FileNotFoundException):
         sbx.files.list("/tmp/d")
 
 
@@ -668,8 +666,7 @@ def test_sdk_2_20_create_and_connect(e2b_env, opts) -> None:
     try:
         first = run_sdk20(SDK20_CREATE)
         made += [d["id"] for d in first if "id" in d]
-        assert not [d for d in first if "error" in d], first
-        assert first[1] == {"stdout": "hi\n", "exit_code": 0}
+        assert first == [{"id": made[0]}, {"stdout": "hi\n", "exit_code": 0}]
         # a fresh process connects by id: 2.20 then sends the access token and no sandbox id
         second = run_sdk20(SDK20_CONNECT, made[0])
         assert second == [{"cat": "from-2.20\n", "read": "written by 2.20", "killed": True}]
