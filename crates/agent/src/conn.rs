@@ -663,7 +663,7 @@ impl Agent {
     }
 
     fn watch(&self, id: u64, path: &str, recursive: bool) {
-        crate::watch::watch(&self.out, &self.root(), id, path, recursive)
+        crate::watch::watch(&self.out, self.root(), id, path, recursive)
     }
 
     fn unwatch(&self, id: u64, watch: u64) {

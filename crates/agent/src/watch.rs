@@ -6,7 +6,12 @@
 //! connection. The directory is opened through the sandbox root and watched by descriptor
 //! (`/proc/self/fd/<n>`, see [`Inotify::add_watch`]); subdirectories are opened beneath it with
 //! no symlink followed on the way, so a path swapped for a symlink never moves a watch
-//! elsewhere.
+//! elsewhere. No descriptor is held between events (one would keep a removed directory's inode
+//! alive and delay the `IN_DELETE_SELF` that ends the watch): a directory made later is opened
+//! beneath the watched one reopened through the root and checked to be the same inode.
+//!
+//! A directory moved within the tree keeps its watches under the new name (the kernel queues
+//! `IN_MOVED_FROM` and `IN_MOVED_TO` next to each other); one moved out is no longer watched.
 //!
 //! The registry is one mutex, and every event of a watch (`Watching`, `FsEvents`, its end) is
 //! sent while it is held, so nothing follows a watch's terminal event.
@@ -19,7 +24,7 @@
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -155,11 +160,15 @@ struct Batch {
 /// One `Watch` in place.
 struct Watch {
     out: Arc<Out>,
-    /// The path requested (for messages).
+    /// The path requested.
     path: String,
-    /// The watched directory (`O_PATH`); subdirectories are opened beneath it.
-    base: OwnedFd,
+    /// The root it was resolved in.
+    root: Arc<Root>,
+    /// Device and inode of the watched directory.
+    inode: (u64, u64),
     recursive: bool,
+    /// Cookie of a directory move within the tree whose `IN_MOVED_TO` is next.
+    moved: Option<u32>,
     /// Watch descriptor → directory relative to the watched one ("" for itself).
     dirs: HashMap<i32, PathBuf>,
     batch: Batch,
@@ -189,7 +198,7 @@ fn registry() -> MutexGuard<'static, Registry> {
 
 /// `Watch`: answers `Watching` once the directory (and with `recursive` every subdirectory)
 /// is watched, then `FsEvents` from the event thread; or an error.
-pub fn watch(out: &Arc<Out>, root: &Root, id: u64, path: &str, recursive: bool) {
+pub fn watch(out: &Arc<Out>, root: Arc<Root>, id: u64, path: &str, recursive: bool) {
     if let Err(e) = start(out, root, id, path, recursive) {
         send_error(out, id, &e);
     }
@@ -231,7 +240,7 @@ fn send_error(out: &Out, id: u64, e: &WatchError) {
 
 fn start(
     out: &Arc<Out>,
-    root: &Root,
+    root: Arc<Root>,
     id: u64,
     path: &str,
     recursive: bool,
@@ -241,9 +250,9 @@ fn start(
         source,
     };
     let base = root.open_dir(path).map_err(open_err)?;
-    let walk_from = base.try_clone().map_err(|source| {
-        open_err(FileError::Io {
-            op: "duplicate descriptor of",
+    let info = sfs::fstatat_nofollow(base.as_fd(), OsStr::new("")).map_err(|source| {
+        open_err(FileError::Sys {
+            op: "stat",
             path: path.to_owned(),
             source,
         })
@@ -271,20 +280,16 @@ fn start(
         Watch {
             out: Arc::clone(out),
             path: path.to_owned(),
-            base,
+            root,
+            inode: (info.dev, info.ino),
             recursive,
+            moved: None,
             dirs: HashMap::new(),
             batch: Batch::default(),
         },
     );
-    let added = add_tree(
-        &mut reg,
-        &inotify,
-        id,
-        walk_from.as_fd(),
-        Path::new(""),
-        None,
-    );
+    let added = add_tree(&mut reg, &inotify, id, base.as_fd(), Path::new(""), None);
+    drop(base);
     if let Err(e) = added {
         take(&mut reg, id);
         return Err(e);
@@ -468,8 +473,8 @@ fn run(inotify: &Inotify) {
         };
         let now = Instant::now();
         let mut reg = registry();
-        for ev in events {
-            dispatch(&mut reg, inotify, ev, now);
+        for (i, ev) in events.iter().enumerate() {
+            dispatch(&mut reg, inotify, ev, events.get(i + 1), now);
         }
         let due: Vec<u64> = reg
             .watches
@@ -493,8 +498,14 @@ fn fail(reg: &mut Registry, id: u64, err: &WatchError) {
     }
 }
 
-/// What one inotify event means to each watch that covers its directory.
-fn dispatch(reg: &mut Registry, inotify: &Inotify, ev: InotifyEvent, now: Instant) {
+/// What one inotify event (followed by `next`) means to each watch that covers its directory.
+fn dispatch(
+    reg: &mut Registry,
+    inotify: &Inotify,
+    ev: &InotifyEvent,
+    next: Option<&InotifyEvent>,
+    now: Instant,
+) {
     if ev.mask & libc::IN_Q_OVERFLOW != 0 {
         for w in reg.watches.values_mut() {
             w.batch.dropped += 1;
@@ -560,10 +571,28 @@ fn dispatch(reg: &mut Registry, inotify: &Inotify, ev: InotifyEvent, now: Instan
             continue;
         }
         match op {
+            FsOp::Create if ev.mask & libc::IN_MOVED_TO != 0 && w.moved == Some(ev.cookie) => {
+                w.moved = None; // its watches were renamed with its `IN_MOVED_FROM`
+            }
             FsOp::Create => watch_new_dir(reg, inotify, id, &path, now),
-            // Moved away: what it holds is no longer below the watched directory under these
-            // names (a move within the tree is watched anew by its `IN_MOVED_TO`).
-            FsOp::Rename => forget_subtree(reg, id, &path),
+            FsOp::Rename => {
+                // Moved within the tree (its `IN_MOVED_TO` comes next, in a directory of this
+                // watch): the same watches, a new name. Moved away: no longer watched.
+                let to = next
+                    .filter(|n| n.mask & libc::IN_MOVED_TO != 0 && n.cookie == ev.cookie)
+                    .and_then(|n| Some(w.dirs.get(&n.wd)?.join(&n.name)));
+                match to {
+                    Some(to) => {
+                        for rel in w.dirs.values_mut() {
+                            if let Ok(rest) = rel.strip_prefix(&path) {
+                                *rel = to.join(rest);
+                            }
+                        }
+                        w.moved = Some(ev.cookie);
+                    }
+                    None => forget_subtree(reg, id, &path),
+                }
+            }
             FsOp::Write | FsOp::Remove | FsOp::Chmod => {}
         }
     }
@@ -574,8 +603,17 @@ fn watch_new_dir(reg: &mut Registry, inotify: &Inotify, id: u64, rel: &Path, now
     let Some(w) = reg.watches.get(&id) else {
         return;
     };
+    // The watched directory again, through the root: it must be the same one (else it moved
+    // away, and its `IN_MOVE_SELF` ends the watch).
+    let Ok(base) = w.root.open_dir(&w.path) else {
+        return;
+    };
+    match sfs::fstatat_nofollow(base.as_fd(), OsStr::new("")) {
+        Ok(i) if (i.dev, i.ino) == w.inode => {}
+        _ => return,
+    }
     let opened = sfs::openat2(
-        w.base.as_fd(),
+        base.as_fd(),
         OsStr::new(rel.as_os_str()),
         libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
         0,

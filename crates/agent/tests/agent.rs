@@ -1285,3 +1285,349 @@ fn followed_processes_that_exit_leave_the_table() {
     };
     a.wait_done(handle, 5000);
 }
+
+// Renames, owners, watches.
+
+/// A test root with `dirs` made.
+fn root_with(dirs: &[&str]) -> tempfile::TempDir {
+    let root = tempfile::tempdir().expect("tmp");
+    for d in dirs {
+        std::fs::create_dir_all(root.path().join(d)).expect("mkdir");
+    }
+    root
+}
+
+/// The changes the `FsEvents` of `evs` report, in order.
+fn fs_events(evs: &[(Event, Vec<u8>)]) -> Vec<(String, dsec_api::agent::FsOp)> {
+    evs.iter()
+        .filter_map(|(e, _)| match e {
+            Event::FsEvents { events } => Some(events.iter().map(|f| (f.name.clone(), f.op))),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+/// Whether `want` occurs in `got` in order (other changes may come between).
+fn in_order(
+    got: &[(String, dsec_api::agent::FsOp)],
+    want: &[(&str, dsec_api::agent::FsOp)],
+) -> bool {
+    let mut it = got.iter();
+    want.iter()
+        .all(|(n, op)| it.any(|(gn, gop)| gn == n && gop == op))
+}
+
+impl Agent {
+    /// Starts watching `path`; returns the request id once `Watching` came.
+    fn watch(&self, path: &str, recursive: bool) -> u64 {
+        let id = self.send(
+            &Request::Watch {
+                path: path.into(),
+                recursive,
+            },
+            b"",
+        );
+        let evs = self.events_when(id, Duration::from_secs(10), |e| !e.is_empty());
+        assert_eq!(evs[0].0, Event::Watching, "{evs:?}");
+        id
+    }
+
+    /// The changes watch `id` reported so far, once `want` is among them in order.
+    fn changes(
+        &self,
+        id: u64,
+        want: &[(&str, dsec_api::agent::FsOp)],
+    ) -> Vec<(String, dsec_api::agent::FsOp)> {
+        let evs = self.events_when(id, Duration::from_secs(10), |e| {
+            in_order(&fs_events(e), want)
+        });
+        fs_events(&evs)
+    }
+
+    /// Ends watch `id`: the `Unwatch` gets `Ok`, the watch `Detached`.
+    fn unwatch(&self, id: u64) -> Vec<(Event, Vec<u8>)> {
+        assert_eq!(self.call(Request::Unwatch { watch: id }), Event::Ok);
+        let evs = self.wait_terminal(id, Duration::from_secs(10));
+        assert_eq!(terminal_of(&evs), &Event::Detached, "{evs:?}");
+        evs
+    }
+
+    fn rename(&self, from: &str, to: &str) -> Event {
+        self.call(Request::FileRename {
+            from: from.into(),
+            to: to.into(),
+        })
+    }
+}
+
+#[test]
+fn file_rename_within_and_across_directories() {
+    let root = root_with(&["a", "b"]);
+    let r = root.path().to_owned();
+    std::fs::write(r.join("a/f"), b"one").expect("write");
+    std::fs::write(r.join("b/h"), b"old").expect("write");
+    std::os::unix::fs::symlink("/", r.join("abs")).expect("symlink");
+    let a = Agent::start_with_root(Some(root));
+    // Within a directory, then across, then over an existing file.
+    assert_eq!(a.rename("/a/f", "/a/g"), Event::Ok);
+    assert_eq!(a.rename("a/g", "/b/g"), Event::Ok);
+    assert_eq!(a.rename("/b/g", "/b/h"), Event::Ok);
+    assert_eq!(a.read("/b/h").expect("read"), b"one");
+    assert!(!r.join("a/f").exists() && !r.join("b/g").exists());
+    // A directory moves with what it holds.
+    assert_eq!(a.rename("/b", "/a/b2"), Event::Ok);
+    assert_eq!(a.read("/a/b2/h").expect("read"), b"one");
+    // Missing source or destination parent.
+    assert_eq!(code_of(a.rename("/a/nope", "/a/x")), ErrorCode::NotFound);
+    assert_eq!(code_of(a.rename("/a/b2/h", "/none/x")), ErrorCode::NotFound);
+    // Escapes are refused, either way round; the root itself does not move.
+    assert_eq!(code_of(a.rename("/a/b2/h", "../x")), ErrorCode::PathEscape);
+    assert_eq!(
+        code_of(a.rename("/a/../../x", "/a/y")),
+        ErrorCode::PathEscape
+    );
+    assert_eq!(code_of(a.rename("/", "/a/y")), ErrorCode::InvalidRequest);
+    // A symlink on the way resolves inside the root.
+    assert_eq!(a.rename("/a/b2/h", "/abs/moved"), Event::Ok);
+    assert_eq!(std::fs::read(r.join("moved")).expect("inside"), b"one");
+    assert!(!std::path::Path::new("/moved").exists());
+    // A final symlink is moved, not followed.
+    assert_eq!(a.rename("/abs", "/abs2"), Event::Ok);
+    assert!(r
+        .join("abs2")
+        .symlink_metadata()
+        .expect("link")
+        .is_symlink());
+}
+
+#[test]
+fn stat_and_list_name_the_owner_from_the_sandbox_databases() {
+    let root = root_with(&["etc", "d"]);
+    let r = root.path().to_owned();
+    std::fs::write(
+        r.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nbroken line\nuser:x:1000:1000::/home/user:/bin/sh\n",
+    )
+    .expect("passwd");
+    std::fs::write(r.join("etc/group"), "root:x:0:\nstaff:x:1000:user\n").expect("group");
+    std::fs::write(r.join("d/mine"), b"x").expect("write");
+    std::fs::write(r.join("d/nobody"), b"x").expect("write");
+    std::os::unix::fs::chown(r.join("d/mine"), Some(1000), Some(1000)).expect("chown");
+    std::os::unix::fs::chown(r.join("d/nobody"), Some(4242), Some(4343)).expect("chown");
+    let a = Agent::start_with_root(Some(root));
+    let Event::Stat(st) = a.call(Request::FileStat {
+        path: "/d/mine".into(),
+    }) else {
+        panic!("stat")
+    };
+    assert_eq!((st.uid, st.gid), (1000, 1000));
+    assert_eq!(st.owner.as_deref(), Some("user"));
+    assert_eq!(st.group.as_deref(), Some("staff"));
+    let Event::Listing { entries } = a.call(Request::FileList { path: "/d".into() }) else {
+        panic!("list")
+    };
+    let nobody = entries.iter().find(|e| e.name == "nobody").expect("nobody");
+    assert_eq!((nobody.uid, nobody.gid), (4242, 4343));
+    assert_eq!(
+        (nobody.owner.as_deref(), nobody.group.as_deref()),
+        (None, None)
+    );
+    let Event::Listing { entries } = a.call(Request::FileList { path: "/".into() }) else {
+        panic!("list")
+    };
+    let etc = entries.iter().find(|e| e.name == "etc").expect("etc");
+    assert_eq!(etc.owner.as_deref(), Some("root"));
+    // A changed database is read again.
+    std::fs::write(r.join("etc/passwd.new"), "renamed:x:1000:1000::/:/bin/sh\n").expect("w");
+    std::fs::rename(r.join("etc/passwd.new"), r.join("etc/passwd")).expect("rename");
+    let Event::Stat(st) = a.call(Request::FileStat {
+        path: "/d/mine".into(),
+    }) else {
+        panic!("stat")
+    };
+    assert_eq!(st.owner.as_deref(), Some("renamed"));
+}
+
+#[test]
+fn watch_reports_changes_in_one_directory() {
+    use dsec_api::agent::FsOp::*;
+    let root = root_with(&["w"]);
+    let w = root.path().join("w");
+    let a = Agent::start_with_root(Some(root));
+    let id = a.watch("/w", false);
+    std::fs::write(w.join("f"), b"x").expect("write");
+    a.changes(id, &[("f", Create), ("f", Write)]);
+    std::fs::set_permissions(
+        w.join("f"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod");
+    std::fs::rename(w.join("f"), w.join("g")).expect("rename");
+    std::fs::remove_file(w.join("g")).expect("rm");
+    std::fs::create_dir(w.join("sub")).expect("mkdir");
+    std::fs::write(w.join("sub/inner"), b"x").expect("write");
+    std::fs::write(w.join("end"), b"x").expect("write");
+    let got = a.changes(
+        id,
+        &[
+            ("f", Chmod),
+            ("f", Rename),
+            ("g", Create),
+            ("g", Remove),
+            ("sub", Create),
+            ("end", Create),
+        ],
+    );
+    // One write reported per batch, however many write calls and closes there were.
+    assert_eq!(
+        got.iter().filter(|e| *e == &("f".into(), Write)).count(),
+        1,
+        "{got:?}"
+    );
+    assert!(got.iter().all(|(n, _)| !n.starts_with("sub/")), "{got:?}");
+    let evs = a.unwatch(id);
+    assert_eq!(evs[0].0, Event::Watching);
+    // Gone after Unwatch: no more events, and a second Unwatch does not know it.
+    std::fs::write(w.join("later"), b"x").expect("write");
+    assert_eq!(
+        code_of(a.call(Request::Unwatch { watch: id })),
+        ErrorCode::HandleNotFound
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(a.inbox.0.lock().expect("lock").get(&id).is_none());
+}
+
+#[test]
+fn watch_recursive_follows_the_tree() {
+    use dsec_api::agent::FsOp::*;
+    let root = root_with(&["t/a/b"]);
+    let t = root.path().join("t");
+    let a = Agent::start_with_root(Some(root));
+    let id = a.watch("/t", true);
+    std::fs::write(t.join("a/b/f"), b"x").expect("write");
+    a.changes(id, &[("a/b/f", Create), ("a/b/f", Write)]);
+    // A new directory, written to at once: its file is reported (found when its watch was
+    // put in place, or seen by it), and later writes to it too.
+    std::fs::create_dir_all(t.join("n/m")).expect("mkdir");
+    std::fs::write(t.join("n/m/f"), b"x").expect("write");
+    a.changes(id, &[("n", Create), ("n/m/f", Create)]);
+    std::thread::sleep(Duration::from_millis(50));
+    std::fs::write(t.join("n/m/f"), b"y").expect("write");
+    a.changes(id, &[("n/m/f", Create), ("n/m/f", Write)]);
+    // A directory moved within the tree is reported under its new name.
+    std::fs::rename(t.join("a"), t.join("c")).expect("rename");
+    std::fs::write(t.join("c/b/g"), b"x").expect("write");
+    std::fs::remove_file(t.join("c/b/g")).expect("rm");
+    let got = a.changes(
+        id,
+        &[
+            ("a", Rename),
+            ("c", Create),
+            ("c/b/g", Create),
+            ("c/b/g", Remove),
+        ],
+    );
+    assert!(!got.iter().any(|(n, _)| n == "a/b/g"), "{got:?}");
+    // Moved out of the tree: no longer watched.
+    std::fs::rename(t.join("c"), t.parent().expect("parent").join("out")).expect("rename");
+    std::fs::write(t.parent().expect("parent").join("out/b/h"), b"x").expect("write");
+    std::fs::write(t.join("end"), b"x").expect("write");
+    let got = a.changes(id, &[("c", Rename), ("end", Create)]);
+    assert!(!got.iter().any(|(n, _)| n.ends_with("b/h")), "{got:?}");
+    a.unwatch(id);
+}
+
+#[test]
+fn watch_of_a_missing_or_removed_directory() {
+    let root = root_with(&["w"]);
+    std::fs::write(root.path().join("file"), b"x").expect("write");
+    let w = root.path().join("w");
+    let a = Agent::start_with_root(Some(root));
+    let watch = |path: &str| {
+        a.call(Request::Watch {
+            path: path.into(),
+            recursive: true,
+        })
+    };
+    assert_eq!(code_of(watch("/missing")), ErrorCode::NotFound);
+    assert_eq!(code_of(watch("/file")), ErrorCode::WrongFileType);
+    assert_eq!(code_of(watch("/../w")), ErrorCode::PathEscape);
+    let id = a.watch("/w", false);
+    std::fs::write(w.join("f"), b"x").expect("write");
+    std::fs::remove_dir_all(&w).expect("rm");
+    let evs = a.wait_terminal(id, Duration::from_secs(10));
+    assert!(
+        matches!(
+            terminal_of(&evs),
+            Event::Error {
+                code: ErrorCode::NotFound,
+                ..
+            }
+        ),
+        "{evs:?}"
+    );
+}
+
+#[test]
+fn watches_are_bounded_and_end_with_a_reset() {
+    use dsec_api::agent::FsOp::*;
+    let root = root_with(&["w"]);
+    let w = root.path().join("w");
+    let a = Agent::start_with_root(Some(root));
+    // Many watches of one directory share its inotify watch.
+    let ids: Vec<u64> = (0..64).map(|_| a.watch("/w", false)).collect();
+    let over = a.call(Request::Watch {
+        path: "/w".into(),
+        recursive: false,
+    });
+    assert_eq!(code_of(over), ErrorCode::ResourceExhausted);
+    for id in &ids[1..] {
+        a.unwatch(*id);
+    }
+    // The one left still sees changes after the others let go.
+    std::fs::write(w.join("f"), b"x").expect("write");
+    a.changes(ids[0], &[("f", Create)]);
+    let again = a.watch("/w", true);
+    // A reset ends every watch.
+    assert_eq!(a.call(Request::KillAll), Event::Ok);
+    for id in [ids[0], again] {
+        let evs = a.wait_terminal(id, Duration::from_secs(10));
+        assert_eq!(terminal_of(&evs), &Event::Detached, "{evs:?}");
+    }
+}
+
+#[test]
+fn watch_of_a_tree_past_the_directory_bound() {
+    // 4,096 directories per watch: the watched one and 4,095 below it fit, one more does not.
+    let root = root_with(&["big", "fits"]);
+    for i in 0..4096 {
+        std::fs::create_dir(root.path().join(format!("big/d{i}"))).expect("mkdir");
+    }
+    for i in 0..4095 {
+        std::fs::create_dir(root.path().join(format!("fits/d{i}"))).expect("mkdir");
+    }
+    let fits = root.path().join("fits");
+    let a = Agent::start_with_root(Some(root));
+    let ev = a.call(Request::Watch {
+        path: "/big".into(),
+        recursive: true,
+    });
+    assert_eq!(code_of(ev), ErrorCode::ResourceExhausted);
+    let flat = a.watch("/big", false);
+    a.unwatch(flat);
+    // A tree that grows past the bound ends its watch.
+    let id = a.watch("/fits", true);
+    std::fs::create_dir(fits.join("d0/one-more")).expect("mkdir");
+    let evs = a.wait_terminal(id, Duration::from_secs(10));
+    assert!(
+        matches!(
+            terminal_of(&evs),
+            Event::Error {
+                code: ErrorCode::ResourceExhausted,
+                ..
+            }
+        ),
+        "{evs:?}"
+    );
+}
