@@ -200,7 +200,9 @@ pub fn ensure(root: &Root, users: &[(String, u32)]) -> Result<(), UserError> {
     for (name, uid) in users {
         dsec_api::exec::validate_user(name).map_err(UserError::Invalid)?;
         if name.parse::<u32>().is_ok() {
-            return Err(UserError::Invalid(format!("a user to make needs a name, not {name:?}")));
+            return Err(UserError::Invalid(format!(
+                "a user to make needs a name, not {name:?}"
+            )));
         }
         let passwd = read_db(root, "/etc/passwd")?;
         let home = format!("/home/{name}");
@@ -220,18 +222,14 @@ pub fn ensure(root: &Root, users: &[(String, u32)]) -> Result<(), UserError> {
         } else {
             "/bin/sh"
         };
-        let mut p = passwd;
-        if !p.is_empty() && !p.ends_with('\n') {
-            p.push('\n');
-        }
-        p.push_str(&format!("{name}:x:{uid}:{uid}::{home}:{shell}\n"));
+        // First, so that the uid's name is this one even where the template has another
+        // account of that uid (`whoami` answers the first).
+        let mut p = format!("{name}:x:{uid}:{uid}::{home}:{shell}\n");
+        p.push_str(&passwd);
         root.write_atomic("/etc/passwd", p.as_bytes(), 0o644, true)?;
         let mut g = read_db(root, "/etc/group")?;
         if !group_entries(&g).any(|e| e.0 == name) {
-            if !g.is_empty() && !g.ends_with('\n') {
-                g.push('\n');
-            }
-            g.push_str(&format!("{name}:x:{uid}:\n"));
+            g.insert_str(0, &format!("{name}:x:{uid}:\n"));
             root.write_atomic("/etc/group", g.as_bytes(), 0o644, true)?;
         }
         ensure_home(root, &home, *uid, *uid)?;
@@ -279,7 +277,6 @@ impl Drop for AsUser {
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {

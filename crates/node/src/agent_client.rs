@@ -2,11 +2,22 @@
 //!
 //! Blocking and one request at a time per connection: a sandbox's operations are serialised by
 //! its owner. Every wait is bounded by a deadline.
+//!
+//! Requests that go on while others are made — a streaming `Spawn`, a `ProcAttach`, a `Watch` —
+//! are *subscriptions* ([`AgentConn::subscribe`]): every read of the connection (a
+//! [`AgentConn::call`], or [`AgentConn::pump`] between calls) routes their events into the
+//! subscription's channel instead of dropping them. A subscription whose reader falls behind
+//! by more than [`SUBSCRIPTION_MAX_BYTES`] is ended (see [`AgentConn::subscribe`]).
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
 
 use dsec_api::agent::{Event, Request, PROTOCOL_VERSION};
 use dsec_api::exec::{ExecRequest, ExecResult, Stream};
@@ -69,6 +80,12 @@ const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
 /// thousands of connections, and a buffer per connection would be that many dirty pages.
 const READ_CHUNK: usize = 32 << 10;
 
+/// Most bytes of events a subscription holds that its reader has not taken; past it the
+/// subscription is ended with a `resource_exhausted` error.
+pub const SUBSCRIPTION_MAX_BYTES: usize = 16 << 20;
+/// What each event counts against [`SUBSCRIPTION_MAX_BYTES`] besides its body.
+const EVENT_COST: usize = 256;
+
 /// A connection to one agent.
 #[derive(Debug)]
 pub struct AgentConn {
@@ -79,6 +96,80 @@ pub struct AgentConn {
     /// Added to a request's own timeout: the window of silence after which the agent's
     /// liveness is probed (see [`AgentConn::call`]).
     slack: Duration,
+    /// Live subscriptions by request id.
+    subs: HashMap<u64, Routed>,
+}
+
+/// The connection's side of a subscription.
+#[derive(Debug)]
+struct Routed {
+    tx: mpsc::UnboundedSender<(Event, Vec<u8>)>,
+    /// Bytes sent into the channel and not yet taken (shared with the [`Subscription`]).
+    pending: Arc<AtomicUsize>,
+    /// What ends it early.
+    cancel: Cancel,
+}
+
+/// How a subscription is ended before its terminal event.
+#[derive(Debug, Clone, Copy)]
+enum Cancel {
+    /// A process follower: `ProcDetach` once its handle is known (from `Attached`).
+    Process(Option<u64>),
+    /// A `Watch`: `Unwatch`.
+    Watch,
+    /// Nothing to send (a request that ends by itself).
+    None,
+}
+
+/// The receiving end of a subscription: the events of one request, the terminal one last.
+#[derive(Debug)]
+pub struct Subscription {
+    id: u64,
+    rx: mpsc::UnboundedReceiver<(Event, Vec<u8>)>,
+    pending: Arc<AtomicUsize>,
+}
+
+/// What [`Subscription::try_next`] found.
+#[derive(Debug)]
+pub enum Next {
+    /// An event and its body.
+    Event(Event, Vec<u8>),
+    /// Nothing yet.
+    Empty,
+    /// No more will come: the terminal event was taken, or the connection dropped it.
+    Ended,
+}
+
+impl Subscription {
+    /// The id of the request it follows.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn took(&self, item: &(Event, Vec<u8>)) {
+        self.pending
+            .fetch_sub(item.1.len() + EVENT_COST, Ordering::AcqRel);
+    }
+
+    /// The next event if one was routed, without waiting.
+    pub fn try_next(&mut self) -> Next {
+        match self.rx.try_recv() {
+            Ok(item) => {
+                self.took(&item);
+                Next::Event(item.0, item.1)
+            }
+            Err(mpsc::error::TryRecvError::Empty) => Next::Empty,
+            Err(mpsc::error::TryRecvError::Disconnected) => Next::Ended,
+        }
+    }
+
+    /// Waits for the next event (someone else must read the connection meanwhile: a
+    /// [`AgentConn::call`] or [`AgentConn::pump`]); `None` once it ended.
+    pub async fn recv(&mut self) -> Option<(Event, Vec<u8>)> {
+        let item = self.rx.recv().await?;
+        self.took(&item);
+        Some(item)
+    }
 }
 
 impl AgentConn {
@@ -90,6 +181,7 @@ impl AgentConn {
             next_id: 1,
             greeted: false,
             slack: DEADLINE_SLACK,
+            subs: HashMap::new(),
         }
     }
 
@@ -153,16 +245,156 @@ impl AgentConn {
         }
     }
 
+    /// The next event that is not a subscription's (those are routed on the way).
     fn read_event(&mut self, deadline: Instant) -> Result<(u64, Event, Vec<u8>), AgentError> {
+        loop {
+            if let Some(got) = self.read_routed(deadline)? {
+                return Ok(got);
+            }
+        }
+    }
+
+    /// Reads one event: a subscription's is routed into its channel (`None`), any other is
+    /// returned.
+    fn read_routed(
+        &mut self,
+        deadline: Instant,
+    ) -> Result<Option<(u64, Event, Vec<u8>)>, AgentError> {
         loop {
             if let Some(raw) = self.decoder.next_frame().map_err(AgentError::Protocol)? {
                 let (env, body) = raw.into_event().map_err(AgentError::Protocol)?;
-                return Ok((env.id, env.ev, body));
+                if self.subs.contains_key(&env.id) {
+                    self.route(env.id, env.ev, body);
+                    return Ok(None);
+                }
+                return Ok(Some((env.id, env.ev, body)));
             }
             let mut chunk = [0u8; READ_CHUNK];
             let n = self.read_some(deadline, &mut chunk)?;
             self.decoder.push(&chunk[..n]);
         }
+    }
+
+    /// Passes an event to subscription `id`: a terminal one ends it; one past the memory
+    /// bound ends it with an error and stops the following at the agent; a reader that went
+    /// away ends it the same way.
+    fn route(&mut self, id: u64, ev: Event, body: Vec<u8>) {
+        let Some(sub) = self.subs.get_mut(&id) else {
+            return;
+        };
+        if let (Event::Attached { handle, .. }, Cancel::Process(h)) = (&ev, &mut sub.cancel) {
+            *h = Some(*handle);
+        }
+        let terminal = ev.is_terminal();
+        let cost = body.len() + EVENT_COST;
+        let over = sub.pending.load(Ordering::Acquire) + cost > SUBSCRIPTION_MAX_BYTES;
+        if over && !terminal {
+            let _ = sub.tx.send((
+                Event::Error {
+                    code: ErrorCode::ResourceExhausted,
+                    message: format!(
+                        "the follower fell more than {SUBSCRIPTION_MAX_BYTES} bytes behind"
+                    ),
+                },
+                Vec::new(),
+            ));
+            self.cancel(id);
+            return;
+        }
+        sub.pending.fetch_add(cost, Ordering::AcqRel);
+        let gone = sub.tx.send((ev, body)).is_err();
+        if terminal {
+            self.subs.remove(&id);
+        } else if gone {
+            self.cancel(id);
+        }
+    }
+
+    /// Ends subscription `id` and asks the agent to stop what feeds it (its answer, and the
+    /// subscription's own end, arrive later and are dropped as events of no one's).
+    fn cancel(&mut self, id: u64) {
+        let Some(sub) = self.subs.remove(&id) else {
+            return;
+        };
+        let req = match sub.cancel {
+            Cancel::Process(Some(handle)) => Request::ProcDetach { handle, attach: id },
+            Cancel::Watch => Request::Unwatch { watch: id },
+            Cancel::Process(None) | Cancel::None => return,
+        };
+        if let Err(e) = self.send(&req, &[]) {
+            tracing::debug!(request = id, error = %e, "stop a follower");
+        }
+    }
+
+    /// Sends `req` as a subscription: its events, up to and including the terminal one, go to
+    /// the returned [`Subscription`] as any read of this connection comes across them. Meant
+    /// for a streaming `Spawn`, a `ProcAttach` and a `Watch` (their ends: [`AgentConn::unsubscribe`]);
+    /// any request works. Returns the request's id.
+    pub fn subscribe(
+        &mut self,
+        req: &Request,
+        body: &[u8],
+    ) -> Result<(u64, Subscription), AgentError> {
+        let cancel = match req {
+            Request::ProcAttach { handle } => Cancel::Process(Some(*handle)),
+            Request::Spawn(r) if r.stream => Cancel::Process(None),
+            Request::Watch { .. } => Cancel::Watch,
+            Request::AsUser { req, .. } if matches!(**req, Request::Watch { .. }) => Cancel::Watch,
+            _ => Cancel::None,
+        };
+        let id = self.send(req, body)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let pending = Arc::new(AtomicUsize::new(0));
+        self.subs.insert(
+            id,
+            Routed {
+                tx,
+                pending: Arc::clone(&pending),
+                cancel,
+            },
+        );
+        Ok((id, Subscription { id, rx, pending }))
+    }
+
+    /// Ends subscription `id` early: `ProcDetach` (a process's follower) or `Unwatch` (a watch)
+    /// is sent; what arrives for it afterwards is dropped. Nothing when it already ended.
+    pub fn unsubscribe(&mut self, id: u64) {
+        self.cancel(id);
+    }
+
+    /// Reads and routes what the agent sends for up to `max_wait`, returning once something
+    /// was routed to a subscription (and what had already arrived with it) — or at once when
+    /// there is no subscription. Events of no subscription are dropped (no request is
+    /// outstanding between calls). True when something was routed.
+    pub fn pump(&mut self, max_wait: Duration) -> Result<bool, AgentError> {
+        let mut deadline = Instant::now() + max_wait;
+        let mut routed = false;
+        while !self.subs.is_empty() {
+            match self.read_routed(deadline) {
+                Ok(None) => {
+                    routed = true;
+                    // Only what is buffered already.
+                    deadline = Instant::now();
+                }
+                Ok(Some((_, Event::Hello { version, .. }, _))) => {
+                    if version != PROTOCOL_VERSION {
+                        return Err(AgentError::Unexpected(format!(
+                            "agent protocol version {version}"
+                        )));
+                    }
+                    self.greeted = true;
+                }
+                Ok(Some(_)) => {}
+                Err(AgentError::Timeout(_)) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(routed)
+    }
+
+    /// How many subscriptions are live.
+    pub fn subscriptions(&self) -> usize {
+        self.subs.len()
     }
 
     /// Reads what the agent sent into `buf` (waiting until `deadline`); returns how many
@@ -226,8 +458,13 @@ impl AgentConn {
         // The outstanding liveness ping, if any (never for a ping: that is the probe itself).
         let mut probe: Option<u64> = None;
         loop {
-            let (rid, ev, body) = match self.read_event(deadline) {
-                Ok(got) => got,
+            let (rid, ev, body) = match self.read_routed(deadline) {
+                Ok(Some(got)) => got,
+                // A subscription's event: the agent is alive.
+                Ok(None) => {
+                    deadline = Instant::now() + limit;
+                    continue;
+                }
                 Err(AgentError::Timeout(_)) if probe.is_none() && !matches!(req, Request::Ping) => {
                     probe = Some(self.send(&Request::Ping, &[])?);
                     deadline = Instant::now() + limit;
@@ -506,6 +743,132 @@ mod tests {
             })
             .collect();
         assert_eq!(kinds, [false, true]);
+        Ok(())
+    }
+
+    fn event(id: u64, ev: &Event, body: &[u8]) -> anyhow::Result<Vec<u8>> {
+        Ok(frame::encode_event(id, ev, body)?)
+    }
+
+    fn next_request(agent: &mut UnixStream) -> anyhow::Result<(u64, Request)> {
+        let raw = frame::read_frame(agent)?.ok_or_else(|| anyhow::anyhow!("eof"))?;
+        let (env, _) = raw.into_request()?;
+        Ok((env.id, env.req))
+    }
+
+    #[test]
+    fn calls_route_a_subscriptions_events_and_pump_reads_between_calls() -> anyhow::Result<()> {
+        let (_spare, node, mut agent) = pair()?;
+        let mut c = AgentConn::new(node.into());
+        let (id, mut sub) = c.subscribe(&Request::ProcAttach { handle: 4 }, &[])?;
+        assert_eq!(sub.id(), id);
+        assert!(matches!(sub.try_next(), Next::Empty));
+        let (rid, req) = next_request(&mut agent)?;
+        assert_eq!((rid, req), (id, Request::ProcAttach { handle: 4 }));
+        // The follower's events come before, among and after a call's answer.
+        let fake = std::thread::spawn(move || -> anyhow::Result<UnixStream> {
+            let (ping, _) = next_request(&mut agent)?;
+            let mut bytes = event(id, &Event::Attached { handle: 4, pid: 9 }, &[])?;
+            bytes.extend(event(
+                id,
+                &Event::Output {
+                    stream: Stream::Stdout,
+                },
+                b"one",
+            )?);
+            bytes.extend(event(ping, &Event::Pong, &[])?);
+            bytes.extend(event(
+                id,
+                &Event::Output {
+                    stream: Stream::Stdout,
+                },
+                b"two",
+            )?);
+            agent.write_all(&bytes)?;
+            Ok(agent)
+        });
+        c.ping()?;
+        let mut agent = fake
+            .join()
+            .map_err(|_| anyhow::anyhow!("fake agent panicked"))??;
+        let mut got = Vec::new();
+        while let Next::Event(ev, body) = sub.try_next() {
+            got.push((ev, body));
+        }
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[0].0, Event::Attached { handle: 4, pid: 9 });
+        assert_eq!(got[1].1, b"one");
+        // Between calls, a pump reads the rest; the terminal event ends the subscription.
+        assert!(c.pump(Duration::from_secs(5))?);
+        assert!(matches!(sub.try_next(), Next::Event(_, b) if b == b"two"));
+        agent.write_all(&event(id, &Event::Detached, &[])?)?;
+        assert!(c.pump(Duration::from_secs(5))?);
+        assert!(matches!(sub.try_next(), Next::Event(Event::Detached, _)));
+        assert!(matches!(sub.try_next(), Next::Ended));
+        assert_eq!(c.subscriptions(), 0);
+        // No subscription: a pump returns at once.
+        let t = Instant::now();
+        assert!(!c.pump(Duration::from_secs(5))?);
+        assert!(t.elapsed() < Duration::from_secs(1));
+        Ok(())
+    }
+
+    #[test]
+    fn a_subscription_falling_too_far_behind_is_ended_and_detached() -> anyhow::Result<()> {
+        let (_spare, node, mut agent) = pair()?;
+        let mut c = AgentConn::new(node.into());
+        let mut req = ExecRequest::argv(["yes"]);
+        req.stream = true;
+        let (id, mut sub) = c.subscribe(&Request::Spawn(req), &[])?;
+        next_request(&mut agent)?;
+        let chunk = vec![b'y'; 256 << 10];
+        let writer = std::thread::spawn(move || -> anyhow::Result<UnixStream> {
+            agent.write_all(&event(id, &Event::Attached { handle: 7, pid: 9 }, &[])?)?;
+            for _ in 0..(SUBSCRIPTION_MAX_BYTES / chunk.len() + 2) {
+                agent.write_all(&event(
+                    id,
+                    &Event::Output {
+                        stream: Stream::Stdout,
+                    },
+                    &chunk,
+                )?)?;
+            }
+            Ok(agent)
+        });
+        while c.subscriptions() > 0 {
+            c.pump(Duration::from_secs(5))?;
+        }
+        let mut agent = writer
+            .join()
+            .map_err(|_| anyhow::anyhow!("writer panicked"))??;
+        // The node asked the agent to stop the following …
+        let (_, stop) = next_request(&mut agent)?;
+        assert_eq!(
+            stop,
+            Request::ProcDetach {
+                handle: 7,
+                attach: id
+            }
+        );
+        // … and the reader finds what fit, then the error.
+        let mut last = None;
+        let mut bytes = 0;
+        while let Next::Event(ev, body) = sub.try_next() {
+            bytes += body.len();
+            last = Some(ev);
+        }
+        assert!(bytes <= SUBSCRIPTION_MAX_BYTES);
+        assert!(
+            matches!(
+                last,
+                Some(Event::Error {
+                    code: ErrorCode::ResourceExhausted,
+                    ..
+                })
+            ),
+            "{last:?}"
+        );
+        assert!(matches!(sub.try_next(), Next::Ended));
         Ok(())
     }
 

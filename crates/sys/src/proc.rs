@@ -296,16 +296,26 @@ pub struct Credentials {
 /// Most supplementary groups a command gets.
 pub const MAX_GROUPS: usize = 64;
 
+/// Whether `setgroups(2)` is refused in the caller's user namespace (`/proc/self/setgroups`
+/// is `deny`, as in a sandbox's: its processes keep no supplementary group, so there are none
+/// to drop either).
+pub fn setgroups_denied() -> bool {
+    static DENIED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DENIED.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/setgroups").is_ok_and(|s| s.trim() == "deny")
+    })
+}
+
 /// Whether capability number `cap` is in the calling thread's bounding set.
 pub fn bounding_has(cap: u32) -> bool {
     // SAFETY: prctl with integer arguments only.
     unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap)) > 0 }
 }
 
-/// `fchown(2)`.
+/// Changes the owner of what `fd` refers to (an `O_PATH` descriptor too).
 pub fn fchown(fd: std::os::fd::BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
-    // SAFETY: fchown on a valid descriptor.
-    if unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) } != 0 {
+    // SAFETY: fchownat with AT_EMPTY_PATH on a valid descriptor and an empty C string.
+    if unsafe { libc::fchownat(fd.as_raw_fd(), c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
@@ -369,12 +379,16 @@ fn capget() -> io::Result<(u64, u64, u64)> {
 /// changes. Needs `CAP_SETUID`/`CAP_SETGID` unless the ids are the thread's own.
 pub fn set_thread_fs_ids(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
     // SAFETY: setgroups with a valid array of `groups.len()` gids.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_setgroups,
-            groups.len() as libc::size_t,
-            groups.as_ptr(),
-        )
+    let rc = if setgroups_denied() {
+        0
+    } else {
+        unsafe {
+            libc::syscall(
+                libc::SYS_setgroups,
+                groups.len() as libc::size_t,
+                groups.as_ptr(),
+            )
+        }
     };
     if rc != 0 {
         return Err(io::Error::last_os_error());

@@ -211,9 +211,12 @@ impl Spawn {
             nofile: self.setup.nofile,
             fsize: self.setup.fsize,
             user: self.setup.user.as_ref().map(|c| (c.uid, c.gid)),
-            groups: self.setup.user.as_ref().map_or(&[][..], |c| {
-                &c.groups[..c.groups.len().min(crate::proc::MAX_GROUPS)]
-            }),
+            groups: match self.setup.user.as_ref() {
+                Some(c) if !crate::proc::setgroups_denied() => {
+                    &c.groups[..c.groups.len().min(crate::proc::MAX_GROUPS)]
+                }
+                _ => &[],
+            },
             drop_caps: self.setup.drop_caps,
         };
         // A u128 buffer is 16-byte aligned, as the stack pointer must be.
@@ -574,7 +577,8 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         // Raw system calls: glibc's set*id would signal the caller's other threads, which
         // share this memory. Groups, then gid, then uid (after which the rest is not allowed).
         if let Some((uid, gid)) = ctx.user {
-            if libc::syscall(libc::SYS_setgroups, ctx.groups.len(), ctx.groups.as_ptr()) != 0
+            if (!ctx.groups.is_empty()
+                && libc::syscall(libc::SYS_setgroups, ctx.groups.len(), ctx.groups.as_ptr()) != 0)
                 || libc::syscall(libc::SYS_setresgid, gid, gid, gid) != 0
                 || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
             {

@@ -122,6 +122,30 @@ impl Sandbox {
         self.init_pid
     }
 
+    /// Stops (`SIGSTOP`) or continues (`SIGCONT`) every process of a container sandbox but its
+    /// agent and supervisor: they stay where they are, memory and files kept (a pause). Twice,
+    /// so that a child forked while the first pass ran is caught by the second.
+    pub fn pause(&mut self, rt: &Runtime, paused: bool) -> Result<(), RuntimeError> {
+        if self.spec.substrate.is_vm() {
+            return Err(RuntimeError::Invalid(
+                "pausing a VM sandbox is not supported yet (snapshot it instead)".into(),
+            ));
+        }
+        let Some(cg) = rt.cgroups.open(&self.id) else {
+            return Err(RuntimeError::Invalid(format!("no cgroup for {}", self.id)));
+        };
+        let keep = [self.init_pid, self.sup.pid()];
+        let signal = if paused { libc::SIGSTOP } else { libc::SIGCONT };
+        for _ in 0..2 {
+            for pid in cg.pids().map_err(RuntimeError::Cgroup)? {
+                if !keep.contains(&pid) {
+                    let _ = dsec_sys::proc::kill(pid, signal);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Marks the sandbox acquired (pool → user).
     pub fn mark_acquired(&mut self) -> Result<(), RuntimeError> {
         self.state = self.state.transition(State::Running)?;

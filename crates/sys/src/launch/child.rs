@@ -225,8 +225,7 @@ fn loopback_up(err: &OwnedFd) {
 /// file-system ids, for file requests made as that user) and to give a user it makes a home
 /// of its own (`CAP_CHOWN`). The agent clears every set in each command it starts (see
 /// `ChildSetup::drop_caps`), so no command holds them.
-pub const AGENT_CAPS: u64 =
-    (1 << CAP_SETUID) | (1 << CAP_SETGID) | (1 << CAP_CHOWN);
+pub const AGENT_CAPS: u64 = (1 << CAP_SETUID) | (1 << CAP_SETGID) | (1 << CAP_CHOWN);
 const CAP_CHOWN: u32 = 0;
 const CAP_SETGID: u32 = 6;
 const CAP_SETUID: u32 = 7;
@@ -316,8 +315,9 @@ fn drop_privileges(err: &OwnedFd) {
         check(
             libc::prctl(
                 libc::PR_SET_SECUREBITS,
-                (bits | libc::SECBIT_NO_CAP_AMBIENT_RAISE | libc::SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED)
-                    as libc::c_ulong,
+                (bits
+                    | libc::SECBIT_NO_CAP_AMBIENT_RAISE
+                    | libc::SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED) as libc::c_ulong,
             ),
             err,
             "securebits",
@@ -335,4 +335,3 @@ fn drop_privileges(err: &OwnedFd) {
     }
     capset(err, "capset", AGENT_CAPS, AGENT_CAPS, AGENT_CAPS);
 }
-

@@ -34,6 +34,7 @@ use crate::lifecycle::{CreateRequest, Entry, PoolSize};
 use crate::log::REQUEST_ID;
 use crate::store::{IdemOutcome, SandboxRecord, Tenant};
 
+mod e2b;
 mod exec;
 mod files;
 mod middleware;
@@ -44,6 +45,7 @@ mod templates;
 mod tenants;
 mod trajectories;
 
+use e2b::*;
 use exec::*;
 use files::*;
 use middleware::*;
@@ -144,6 +146,15 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/trajectories/{tid}/export", get(export_trajectory))
         .route("/v1/trajectories/{tid}/finish", post(finish_trajectory))
         .route("/v1/admin/compact", post(compact_log))
+        // The E2B control plane (docs/e2b.md).
+        .route("/sandboxes", post(e2b_create).get(e2b_list))
+        .route("/v2/sandboxes", post(e2b_create).get(e2b_list))
+        .route("/sandboxes/{id}", get(e2b_get).delete(e2b_kill))
+        .route("/sandboxes/{id}/timeout", post(e2b_timeout))
+        .route("/sandboxes/{id}/connect", post(e2b_connect))
+        .route("/v2/sandboxes/{id}/connect", post(e2b_connect))
+        .route("/sandboxes/{id}/resume", post(e2b_connect))
+        .route("/sandboxes/{id}/pause", post(e2b_pause))
         .layer(axum_mw::from_fn_with_state(app.clone(), idempotency))
         .layer(axum_mw::from_fn_with_state(app.clone(), authenticate));
     Router::new()
@@ -160,6 +171,10 @@ pub fn router(app: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum_mw::from_fn_with_state(
+            app.clone(),
+            e2b::sandbox_traffic,
+        ))
         .layer(axum_mw::from_fn_with_state(app.clone(), request_id))
         .with_state(app)
 }
