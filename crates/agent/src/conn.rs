@@ -11,14 +11,14 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dsec_api::agent::{Event, Request, DATA_CHUNK, PROTOCOL_VERSION};
-use dsec_api::error::chain;
-use dsec_api::exec::{ExecRequest, ExecResult, ExecStatus, Stream, MAX_TIMEOUT_MS};
+use dsec_api::exec::{ExecRequest, ExecStatus, Stream, MAX_TIMEOUT_MS};
 use dsec_api::frame::{self, FrameError};
 use dsec_api::ErrorCode;
 use dsec_sys::proc;
 
 use crate::exec::{self, SIGKILL};
 use crate::files::{FileError, Root};
+use crate::out::Out;
 use crate::procs::Procs;
 use crate::reaper::{lock, Reaper};
 use crate::session::Sessions;
@@ -28,90 +28,6 @@ use crate::tar::TarError;
 const MAX_INFLIGHT: usize = 256;
 /// How long `KillAll` waits for everything to be reaped.
 const KILL_ALL_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The writing half of the connection.
-pub struct Out {
-    w: Mutex<Box<dyn Write + Send>>,
-}
-
-impl Out {
-    /// Sends one event frame; transport errors are ignored (the reader sees the hang-up).
-    pub fn send(&self, id: u64, ev: &Event, body: &[u8]) {
-        match frame::encode_event(id, ev, body) {
-            Ok(bytes) => {
-                let mut w = lock(&self.w);
-                let _ = w.write_all(&bytes);
-            }
-            Err(FrameError::HeaderTooLarge(_)) if matches!(ev, Event::ExecDone(_)) => {
-                // Captured output that JSON-escapes beyond the frame limit (1 MiB of NUL bytes
-                // is 6 MiB of `\u0000`): keep less of it, marked truncated, rather than answer
-                // nothing.
-                if let Event::ExecDone(r) = ev {
-                    let mut r = r.clone();
-                    if shrink_output(&mut r) {
-                        self.send(id, &Event::ExecDone(r), body);
-                        return;
-                    }
-                }
-                self.error(
-                    id,
-                    ErrorCode::Internal,
-                    &msg("exec result too large to send"),
-                );
-            }
-            Err(e) => {
-                eprintln!("dsec-agent: encode event for request {id}: {e}");
-                // Never leave the host waiting for an answer that will not come.
-                if !matches!(ev, Event::Error { .. }) {
-                    self.error(id, ErrorCode::Internal, &e);
-                }
-            }
-        }
-    }
-
-    /// Answers with the `Data` events `read` passes its pieces to (`send(bytes, eof)`), or with
-    /// its error and the code `code` gives it.
-    fn send_data<E: std::error::Error>(
-        &self,
-        id: u64,
-        code: fn(&E) -> ErrorCode,
-        read: impl FnOnce(&mut dyn FnMut(&[u8], bool)) -> Result<(), E>,
-    ) {
-        let mut send = |b: &[u8], eof: bool| self.send(id, &Event::Data { eof }, b);
-        if let Err(e) = read(&mut send) {
-            self.error(id, code(&e), &e);
-        }
-    }
-
-    /// Answers with an `Error` event.
-    pub(crate) fn error(&self, id: u64, code: ErrorCode, err: &dyn std::error::Error) {
-        let message = chain(err);
-        self.send(id, &Event::Error { code, message }, &[]);
-    }
-}
-
-/// Halves the kept bytes of the larger captured stream (head and tail halves kept); false when
-/// there is nothing left to drop.
-fn shrink_output(r: &mut ExecResult) -> bool {
-    let c = if r.stdout.data.len() >= r.stderr.data.len() {
-        &mut r.stdout
-    } else {
-        &mut r.stderr
-    };
-    let len = c.data.len();
-    if len < 64 {
-        return false;
-    }
-    let keep = len / 2;
-    let head = keep / 2;
-    let tail = keep - head;
-    let mut data = Vec::with_capacity(keep);
-    data.extend_from_slice(&c.data[..head]);
-    data.extend_from_slice(&c.data[len - tail..]);
-    c.data = data;
-    c.truncated = true;
-    true
-}
 
 /// Shared agent state.
 pub struct Agent {
@@ -156,6 +72,7 @@ struct Connection {
 }
 
 /// What the reading thread does with a frame.
+#[allow(clippy::large_enum_variant)] // one per frame read, moved at once
 enum Step {
     /// Serve this request on this thread (the reading passes on).
     Serve((u64, Request, Vec<u8>)),

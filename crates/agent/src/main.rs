@@ -15,6 +15,7 @@ mod conn;
 mod exec;
 mod files;
 mod guest;
+mod out;
 mod procs;
 mod reaper;
 mod session;

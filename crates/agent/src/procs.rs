@@ -23,9 +23,9 @@ use dsec_api::exec::{ExecRequest, ExecResult, PtySize, MAX_TIMEOUT_MS};
 use dsec_api::ErrorCode;
 use dsec_sys::proc;
 
-use crate::conn::Out;
 use crate::exec::{self, StdinFeed, SIGKILL};
 use crate::files::Root;
+use crate::out::Out;
 use crate::reaper::{lock, ExitSlot, Reaper};
 
 /// Most live background process handles.

@@ -147,19 +147,6 @@ fn group_entries(db: &str) -> impl Iterator<Item = (&str, u32, &str)> {
     })
 }
 
-/// Name of `uid` in the sandbox's `/etc/passwd`, of `gid` in its `/etc/group`.
-pub fn names(root: &Root, uid: u32, gid: u32) -> (Option<String>, Option<String>) {
-    let passwd = read_db(root, "/etc/passwd").unwrap_or_default();
-    let group = read_db(root, "/etc/group").unwrap_or_default();
-    let owner = passwd_entries(&passwd)
-        .find(|e| e.1 == uid)
-        .map(|e| e.0.to_owned());
-    let grp = group_entries(&group)
-        .find(|e| e.1 == gid)
-        .map(|e| e.0.to_owned());
-    (owner, grp)
-}
-
 /// Resolves `name` (or a numeric uid) in the sandbox.
 pub fn resolve(root: &Root, name: &str) -> Result<User, UserError> {
     dsec_api::exec::validate_user(name).map_err(UserError::Invalid)?;

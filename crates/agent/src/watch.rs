@@ -22,6 +22,9 @@
 //! events; what does not fit, and what the kernel dropped on a queue overflow, is counted and
 //! logged (rate-limited), not sent.
 
+// Errors carry the path and cause; they are rare and built once.
+#![allow(clippy::result_large_err)]
+
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -35,8 +38,8 @@ use dsec_api::ErrorCode;
 use dsec_sys::fs::{self as sfs, Confine, FsError, Inotify, InotifyEvent};
 use dsec_sys::proc::{self, Interest};
 
-use crate::conn::Out;
 use crate::files::{errno_code, FileError, Root, MAX_DEPTH};
+use crate::out::Out;
 
 /// Most watches in place at once, per agent.
 pub const MAX_WATCHES: usize = 64;
@@ -430,7 +433,7 @@ fn flush(id: u64, w: &mut Watch) {
     }
     b.last.clear();
     b.since = None;
-    if b.dropped > 0 && b.logged.map_or(true, |t| t.elapsed() >= DROP_LOG_EVERY) {
+    if b.dropped > 0 && b.logged.is_none_or(|t| t.elapsed() >= DROP_LOG_EVERY) {
         eprintln!(
             "dsec-agent: watch {id} of {:?}: {} events dropped (more than {MAX_BATCH} per \
              {BATCH:?}, or the kernel's queue overflowed)",

@@ -378,10 +378,10 @@ fn capget() -> io::Result<(u64, u64, u64)> {
 /// it creates is owned by) and supplementary groups; raw system calls, so only this thread
 /// changes. Needs `CAP_SETUID`/`CAP_SETGID` unless the ids are the thread's own.
 pub fn set_thread_fs_ids(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
-    // SAFETY: setgroups with a valid array of `groups.len()` gids.
     let rc = if setgroups_denied() {
         0
     } else {
+        // SAFETY: setgroups with a valid array of `groups.len()` gids.
         unsafe {
             libc::syscall(
                 libc::SYS_setgroups,

@@ -337,10 +337,10 @@ fn open_pty(rows: u16, cols: u16) -> io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: `fd` is fresh and owned by nothing else.
     let master = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: grantpt/unlockpt on the master we own; they touch no memory of ours.
-    if unsafe { libc::grantpt(master.as_raw_fd()) } != 0
-        || unsafe { libc::unlockpt(master.as_raw_fd()) } != 0
-    {
+    // SAFETY: grantpt on the master we own; it touches no memory of ours.
+    let granted = unsafe { libc::grantpt(master.as_raw_fd()) } == 0;
+    // SAFETY: as above, unlockpt.
+    if !granted || unsafe { libc::unlockpt(master.as_raw_fd()) } != 0 {
         return Err(io::Error::last_os_error());
     }
     // The slave by the master (no path lookup: the right one even where /dev/pts is another

@@ -4,6 +4,9 @@
 //! cell's last expression, as a notebook shows it —, `error`, `number_of_executions`,
 //! `end_of_execution`); `/contexts` makes, lists, restarts and removes contexts.
 
+// Handlers' helpers answer an E2B error response as their error: built once, returned up.
+#![allow(clippy::result_large_err)]
+
 use std::collections::HashMap;
 use std::sync::Mutex;
 
