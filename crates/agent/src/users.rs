@@ -3,7 +3,7 @@
 //! lacks them, the default user of commands and file requests, and the per-thread file-system
 //! ids under which a file request runs as a user.
 //!
-//! The agent of a container sandbox holds `CAP_SETUID`, `CAP_SETGID` and `CAP_CHOWN` in the
+//! The agent of a container sandbox holds `CAP_SETUID`, `CAP_SETGID`, `CAP_CHOWN` and `CAP_KILL` in the
 //! sandbox's user namespace and nothing else (see `dsec_sys::launch`); every command it starts
 //! clears them ([`drop_caps`]).
 

@@ -222,11 +222,14 @@ fn loopback_up(err: &OwnedFd) {
 
 /// The capabilities the agent keeps (inside the sandbox's user namespace, when it has one): to
 /// start a command as another user of the sandbox (`CAP_SETUID`, `CAP_SETGID`; also its own
-/// file-system ids, for file requests made as that user) and to give a user it makes a home
-/// of its own (`CAP_CHOWN`). The agent clears every set in each command it starts (see
+/// file-system ids, for file requests made as that user), to give a user it makes a home of
+/// its own (`CAP_CHOWN`) and to signal that user's processes (`CAP_KILL`: a timeout, a kill
+/// request, a reset). The agent clears every set in each command it starts (see
 /// `ChildSetup::drop_caps`), so no command holds them.
-pub const AGENT_CAPS: u64 = (1 << CAP_SETUID) | (1 << CAP_SETGID) | (1 << CAP_CHOWN);
+pub const AGENT_CAPS: u64 =
+    (1 << CAP_SETUID) | (1 << CAP_SETGID) | (1 << CAP_CHOWN) | (1 << CAP_KILL);
 const CAP_CHOWN: u32 = 0;
+const CAP_KILL: u32 = 5;
 const CAP_SETGID: u32 = 6;
 const CAP_SETUID: u32 = 7;
 
@@ -269,7 +272,7 @@ fn drop_privileges(err: &OwnedFd) {
         fail(err, "capget");
     };
     if permitted & AGENT_CAPS != AGENT_CAPS {
-        fail(err, "the launch lacks CAP_SETUID, CAP_SETGID or CAP_CHOWN");
+        fail(err, "the launch lacks a capability the agent keeps");
     }
     // While every capability is still held: the kept ones become inheritable, which the
     // ambient set requires.
