@@ -15,6 +15,7 @@ pub mod idrange;
 pub mod ipc;
 pub mod launch;
 pub mod layer;
+pub mod net;
 pub mod proc;
 pub mod seccomp;
 pub mod spawn;

@@ -18,6 +18,7 @@ mod envd;
 mod follow;
 mod interp;
 mod multipart;
+mod port;
 
 pub(super) use control::*;
 
@@ -216,10 +217,7 @@ pub(super) async fn sandbox_traffic(
     match port {
         ENVD_PORT => envd::serve(target, req).await,
         INTERP_PORT => interp::serve(target, req).await,
-        _ => e2b_error(
-            StatusCode::BAD_GATEWAY,
-            format!("The sandbox {id} is running but port {port} is not open"),
-        ),
+        _ => port::serve(target, port, req).await,
     }
 }
 
