@@ -512,6 +512,7 @@ fn dispatch(
     if ev.mask & libc::IN_Q_OVERFLOW != 0 {
         for w in reg.watches.values_mut() {
             w.batch.dropped += 1;
+            w.batch.since.get_or_insert(now); // logged with the next batch
         }
         return;
     }
