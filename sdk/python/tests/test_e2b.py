@@ -603,6 +603,9 @@ def test_ci_contexts(ci: CISandbox) -> None:
 
 def test_pause_and_resume(sbx: Sandbox, opts) -> None:
     sbx.files.write("/home/user/keep.txt", "still here")
+    # a process running at the pause runs on after the resume
+    proc = sbx.commands.run("sleep 600", background=True, timeout=0)
+    proc.disconnect()
     paused = sbx.pause()
     assert paused in (True, sbx.sandbox_id)
     assert Sandbox.get_info(sbx.sandbox_id, **opts).state == SandboxState.PAUSED
@@ -613,6 +616,7 @@ def test_pause_and_resume(sbx: Sandbox, opts) -> None:
     assert Sandbox.get_info(sbx.sandbox_id, **opts).state == SandboxState.RUNNING
     assert resumed.files.read("/home/user/keep.txt") == "still here"
     assert resumed.commands.run("cat /home/user/keep.txt").stdout == "still here"
+    assert proc.pid in [p.pid for p in resumed.commands.list()]
 
 
 # -- e2b 2.20 ------------------------------------------------------------------------------------
