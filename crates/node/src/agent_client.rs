@@ -815,34 +815,35 @@ mod tests {
 
     #[test]
     fn a_subscription_falling_too_far_behind_is_ended_and_detached() -> anyhow::Result<()> {
-        let (_spare, node, mut agent) = pair()?;
+        let (spare, node, mut agent) = pair()?;
         let mut c = AgentConn::new(node.into());
         let mut req = ExecRequest::argv(["yes"]);
         req.stream = true;
         let (id, mut sub) = c.subscribe(&Request::Spawn(req), &[])?;
         next_request(&mut agent)?;
+        let mut requests = agent.try_clone()?;
         let chunk = vec![b'y'; 256 << 10];
-        let writer = std::thread::spawn(move || -> anyhow::Result<UnixStream> {
-            agent.write_all(&event(id, &Event::Attached { handle: 7, pid: 9 }, &[])?)?;
-            for _ in 0..(SUBSCRIPTION_MAX_BYTES / chunk.len() + 2) {
-                agent.write_all(&event(
-                    id,
-                    &Event::Output {
-                        stream: Stream::Stdout,
-                    },
-                    &chunk,
-                )?)?;
+        // Writes until the node end closes (a write error ends it).
+        let writer = std::thread::spawn(move || {
+            let attached = event(id, &Event::Attached { handle: 7, pid: 9 }, &[]);
+            let output = event(
+                id,
+                &Event::Output {
+                    stream: Stream::Stdout,
+                },
+                &chunk,
+            );
+            if let (Ok(a), Ok(o)) = (attached, output) {
+                if agent.write_all(&a).is_ok() {
+                    while agent.write_all(&o).is_ok() {}
+                }
             }
-            Ok(agent)
         });
         while c.subscriptions() > 0 {
             c.pump(Duration::from_secs(5))?;
         }
-        let mut agent = writer
-            .join()
-            .map_err(|_| anyhow::anyhow!("writer panicked"))??;
         // The node asked the agent to stop the following …
-        let (_, stop) = next_request(&mut agent)?;
+        let (_, stop) = next_request(&mut requests)?;
         assert_eq!(
             stop,
             Request::ProcDetach {
@@ -850,6 +851,10 @@ mod tests {
                 attach: id
             }
         );
+        drop((c, spare));
+        writer
+            .join()
+            .map_err(|_| anyhow::anyhow!("writer panicked"))?;
         // … and the reader finds what fit, then the error.
         let mut last = None;
         let mut bytes = 0;
@@ -857,7 +862,7 @@ mod tests {
             bytes += body.len();
             last = Some(ev);
         }
-        assert!(bytes <= SUBSCRIPTION_MAX_BYTES);
+        assert!(bytes > 0 && bytes <= SUBSCRIPTION_MAX_BYTES, "{bytes}");
         assert!(
             matches!(
                 last,

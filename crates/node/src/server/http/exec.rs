@@ -348,6 +348,100 @@ pub(super) async fn proc_wait(
     }
 }
 
+/// `GET /v1/sandboxes/{id}/processes`: the background processes still running.
+pub(super) async fn proc_list(
+    Caller(app, t): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    match agent_answer(&app, &t, &id, AgentReq::ProcList).await? {
+        Event::Procs { items } => Ok(Json(json!({ "items": items }))),
+        other => Err(ApiError::internal(format!("unexpected {other:?}"))),
+    }
+}
+
+/// How long a follower waits for its `Attached` before the request fails.
+const ATTACH_WAIT: Duration = Duration::from_secs(30);
+
+/// `GET /v1/sandboxes/{id}/processes/{handle}/output`: follows a background process from now
+/// on as `text/event-stream` — `stdout`/`stderr` events (`{"data_b64"}`), then `exit` with
+/// its result (or `error`). A client that goes away stops the following; the process goes on.
+pub(super) async fn proc_output(
+    Caller(app, t): Caller,
+    Path((id, handle)): Path<(String, u64)>,
+) -> ApiResult<Response> {
+    let e = app.node.owned(&t, &id)?;
+    let mut f = crate::lifecycle::follow(&e, AgentReq::ProcAttach { handle }, Vec::new()).await?;
+    // A handle that does not exist is the request's error, not an event of a stream.
+    match f.next(ATTACH_WAIT).await {
+        Some(Ok((Event::Attached { .. }, _))) => {}
+        Some(Ok((Event::Error { code, message }, _))) => return Err(ApiError::new(code, message)),
+        Some(Ok((other, _))) => return Err(ApiError::internal(format!("unexpected {other:?}"))),
+        Some(Err(err)) => return Err(err.into()),
+        None => {
+            f.detach().await;
+            return Err(ApiError::new(
+                ErrorCode::AgentUnavailable,
+                format!("the agent did not attach to process {handle} within {ATTACH_WAIT:?}"),
+            ));
+        }
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    tokio::spawn(async move {
+        loop {
+            // Bounded: a slow client leaves the events with the follower, which is ended
+            // once too much is waiting (the process goes on).
+            let got = tokio::select! {
+                got = f.next(Duration::from_secs(15)) => got,
+                () = tx.closed() => break,
+            };
+            let (ev, last) = match got {
+                None => continue,
+                Some(Ok((Event::Output { stream }, body))) => {
+                    let name = match stream {
+                        Stream::Stdout => "stdout",
+                        Stream::Stderr => "stderr",
+                    };
+                    let data =
+                        json!({"data_b64": base64::engine::general_purpose::STANDARD.encode(body)});
+                    (
+                        SseEvent::default().event(name).data(data.to_string()),
+                        false,
+                    )
+                }
+                Some(Ok((Event::ExecDone(r), _))) => {
+                    count_kills(&app, &r);
+                    let data = serde_json::to_string(&r).unwrap_or_default();
+                    (SseEvent::default().event("exit").data(data), true)
+                }
+                Some(Ok((Event::Detached, _))) => {
+                    (SseEvent::default().event("detached").data("{}"), true)
+                }
+                Some(Ok((Event::Error { code, message }, _))) => {
+                    let p = ApiError::new(code, message).problem();
+                    let data = serde_json::to_string(&p).unwrap_or_default();
+                    (SseEvent::default().event("error").data(data), true)
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(err)) => {
+                    let data =
+                        serde_json::to_string(&ApiError::from(err).problem()).unwrap_or_default();
+                    (SseEvent::default().event("error").data(data), true)
+                }
+            };
+            if tx.send(ev).await.is_err() || last {
+                break;
+            }
+        }
+        // Dropped here: a follow that did not end is detached in the background.
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
 pub(super) async fn session_open(
     Caller(app, t): Caller,
     Path(id): Path<String>,

@@ -89,6 +89,11 @@ pub fn router(app: AppState) -> Router {
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/processes", post(spawn))
         .route("/v1/sandboxes/{id}/processes/{handle}", get(proc_status))
+        .route("/v1/sandboxes/{id}/processes", get(proc_list))
+        .route(
+            "/v1/sandboxes/{id}/processes/{handle}/output",
+            get(proc_output),
+        )
         .route(
             "/v1/sandboxes/{id}/processes/{handle}/stdin",
             post(proc_stdin),
