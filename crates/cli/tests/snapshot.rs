@@ -359,7 +359,7 @@ fn a_snapshot_commits_as_a_template() {
     let sn = d.snapshot(&id);
     let body = serde_json::to_vec(
         &json!({"name": "app", "snapshot": sn["id"], "workdir": "/workspace/app",
-        "env": {"PATH": "/usr/bin:/bin", "APP": "1"}}),
+        "env": {"PATH": "/usr/bin:/bin", "APP": "1"}, "user": "nobody"}),
     )
     .expect("json");
     let r = d
@@ -393,11 +393,18 @@ fn a_snapshot_commits_as_a_template() {
     );
     let k = d.create(json!({"template": "app"}));
     assert_eq!(d.sh(&k, "cat /workspace/app/x"), "hello\n");
-    // The template's workdir and environment hold in its sandboxes.
+    // The template's workdir, environment and user hold in its sandboxes (a command may
+    // still name another user).
     assert_eq!(
-        d.sh(&k, "pwd; echo $APP; cat x"),
-        "/workspace/app\n1\nhello\n"
+        d.sh(&k, "pwd; echo $APP; cat x; id -un"),
+        "/workspace/app\n1\nhello\nnobody\n"
     );
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{k}/exec"),
+        Some(&json!({"shell": "id -u", "user": "root"})),
+    );
+    assert_eq!((s, v["stdout"]["data"].as_str()), (200, Some("0\n")), "{v}");
     d.delete(&k);
     let (s, v) = d.req("DELETE", "/v1/templates/app", None);
     assert_eq!(s, 204, "{v}");
@@ -442,8 +449,8 @@ fn a_dockerfile_builds_a_template() {
     assert!(text.contains("Successfully built template built"), "{text}");
     let k = d.create(json!({"template": "built"}));
     assert_eq!(
-        d.sh(&k, "pwd; cat app.txt data/d.txt built.txt; echo $APP_HOME"),
-        "/srv/app\napp\ndata\nhi from build\n/srv/app\n"
+        d.sh(&k, "pwd; cat app.txt data/d.txt built.txt; echo $APP_HOME; id -u"),
+        "/srv/app\napp\ndata\nhi from build\n/srv/app\n1000\n"
     );
     d.delete(&k);
     let (s, t) = d.req("GET", "/v1/templates/built", None);
