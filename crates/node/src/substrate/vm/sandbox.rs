@@ -70,6 +70,8 @@ pub(crate) struct VmBinding {
     snap: Arc<Snapshot>,
     cgroup: Cgroup,
     env: Vec<(String, String)>,
+    /// The template's user: the default user of the guest's commands.
+    user: Option<String>,
 }
 
 fn vm_err(id: &str) -> impl FnOnce(VmError) -> RuntimeError + '_ {
@@ -207,17 +209,24 @@ impl Runtime {
         Ok(TemplateRoot::Layers { dirs, key })
     }
 
-    /// The base environment of VM sandbox `id` (defaults, the template's, the request's).
-    fn vm_env(&self, id: &str, spec: &SandboxSpec) -> Result<Vec<(String, String)>, RuntimeError> {
-        let template_env = if spec.template == "host" {
-            Vec::new()
+    /// The base environment of VM sandbox `id` (defaults, the template's, the request's) and
+    /// the template's user.
+    #[allow(clippy::type_complexity)]
+    fn vm_env(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+    ) -> Result<(Vec<(String, String)>, Option<String>), RuntimeError> {
+        let (template_env, user) = if spec.template == "host" {
+            (Vec::new(), None)
         } else {
-            self.templates
+            let t = self
+                .templates
                 .get(&spec.template)
-                .map_err(RuntimeError::Template)?
-                .env
+                .map_err(RuntimeError::Template)?;
+            (t.env, t.user)
         };
-        Ok(self.sandbox_env(id, template_env, spec))
+        Ok((self.sandbox_env(id, template_env, spec), user))
     }
 
     /// The snapshot VM sandboxes of `spec` are restored from (made first if needed: a boot of
@@ -302,7 +311,7 @@ impl Runtime {
             ),
             None => snap,
         };
-        let env = self.vm_env(id, spec)?;
+        let (env, user) = self.vm_env(id, spec)?;
         let limits = CgroupLimits {
             cpu_weight: Some(spec.limits.cpu_weight),
             cpu_max: spec
@@ -322,7 +331,7 @@ impl Runtime {
             .create(id, &limits)
             .map_err(RuntimeError::Cgroup)?;
         let t_cg = t0.elapsed().as_micros() as u64;
-        let started = start_vm(&rt, id, &snap, &cgroup, spec, &env);
+        let started = start_vm(&rt, id, &snap, &cgroup, spec, (&env, user.as_deref()));
         let (sup, agent) = match started {
             Ok(v) => v,
             Err(e) => {
@@ -338,6 +347,7 @@ impl Runtime {
             snap,
             cgroup,
             env,
+            user,
         };
         let sandbox = binding.sandbox(id, spec.clone(), State::Ready, sup, agent);
         Ok((
@@ -391,12 +401,13 @@ impl Runtime {
                     source,
                 }
             })?;
-        let env = self.vm_env(id, &spec)?;
+        let (env, user) = self.vm_env(id, &spec)?;
         let binding = VmBinding {
             rt,
             snap,
             cgroup,
             env,
+            user,
         };
         Ok(binding.sandbox(id, spec, state, sup, agent))
     }
@@ -433,7 +444,7 @@ fn start_vm(
     snap: &Arc<Snapshot>,
     cgroup: &Cgroup,
     spec: &SandboxSpec,
-    env: &[(String, String)],
+    (env, user): (&[(String, String)], Option<&str>),
 ) -> Result<(PidFd, AgentConn), RuntimeError> {
     let (qemu, mut agent) = rt
         .restore(id, snap, |pid| {
@@ -462,7 +473,7 @@ fn start_vm(
                 nofile: Some(spec.limits.open_files_max),
                 fsize: Some(spec.limits.file_size_max),
                 nproc: None,
-                user: None,
+                user: user.map(str::to_owned),
             },
             &[],
         )?;
@@ -509,7 +520,14 @@ impl Sandbox {
             Snapshot::derived(&b.snap, std::path::PathBuf::from(dir)).map_err(vm_err(&self.id))?,
         );
         vm::kill(&self.sup);
-        let (sup, agent) = start_vm(&b.rt, &self.id, &snap, &b.cgroup, &self.spec, &b.env)?;
+        let (sup, agent) = start_vm(
+            &b.rt,
+            &self.id,
+            &snap,
+            &b.cgroup,
+            &self.spec,
+            (&b.env, b.user.as_deref()),
+        )?;
         b.snap = snap;
         self.init_pid = sup.pid();
         self.sup = sup;
@@ -522,7 +540,14 @@ impl Sandbox {
             return Err(RuntimeError::Invalid("not a VM sandbox".into()));
         };
         vm::kill(&self.sup);
-        let (sup, agent) = start_vm(&b.rt, &self.id, &b.snap, &b.cgroup, &self.spec, &b.env)?;
+        let (sup, agent) = start_vm(
+            &b.rt,
+            &self.id,
+            &b.snap,
+            &b.cgroup,
+            &self.spec,
+            (&b.env, b.user.as_deref()),
+        )?;
         self.init_pid = sup.pid();
         self.sup = sup;
         self.agent = agent;
