@@ -422,6 +422,46 @@ def test_pty(sbx: Sandbox) -> None:
     assert "/dev/pts/" in text, text
 
 
+def test_port_forwarding(sbx: Sandbox, e2b_env: Dict[str, str]) -> None:
+    """A web server in the sandbox is reached through the node: by E2b-Sandbox-Port, and by a
+    Host of the form <port>-<id>.<domain>; a closed port answers 502 naming it."""
+    import urllib.error
+    import urllib.request
+
+    sbx.files.write("/home/user/site/index.html", "hello from the sandbox\n")
+    h = sbx.commands.run("cd /home/user/site && exec python3 -m http.server 8000", background=True, timeout=0)
+    token = sbx._envd_access_token  # what the SDK sends as X-Access-Token
+    assert token
+    url = e2b_env["E2B_SANDBOX_URL"]
+    try:
+        by_header = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000", "X-Access-Token": token}
+        deadline = time.time() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url + "/index.html", headers=by_header)) as r:
+                    assert (r.status, r.read()) == (200, b"hello from the sandbox\n")
+                break
+            except urllib.error.HTTPError as e:
+                assert e.code == 502 and time.time() < deadline, e.read()
+                time.sleep(0.2)
+        by_host = {"Host": f"8000-{sbx.sandbox_id}.sandbox.test", "X-Access-Token": token}
+        with urllib.request.urlopen(urllib.request.Request(url + "/index.html", headers=by_host)) as r:
+            assert r.read() == b"hello from the sandbox\n"
+        closed = dict(by_header, **{"E2b-Sandbox-Port": "8001"})
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(urllib.request.Request(url + "/", headers=closed))
+        assert ei.value.code == 502
+        assert "port 8001 is not open" in json.loads(ei.value.read())["message"]
+        # without the sandbox's token: refused
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(
+                urllib.request.Request(url + "/", headers=dict(by_header, **{"X-Access-Token": "sb-x.y"}))
+            )
+        assert ei.value.code == 401
+    finally:
+        h.kill()
+
+
 # A thread-safety smoke test: the SDK holds one HTTP/1.1 connection per open stream, so several
 # background commands and a foreground one at once must each get their own answer.
 def test_concurrent_streams(sbx: Sandbox) -> None:
