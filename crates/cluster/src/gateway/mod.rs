@@ -15,6 +15,7 @@
 //! | `/v1/trajectories/{id}/…` | the node that holds it, found by asking them all once (`gateway/trajectories.rs`) |
 //! | `GET /v1/cluster` | the gateway itself: the node table and the autoscaling signals |
 //! | `/livez`, `/readyz`, `/metrics` | the gateway itself |
+//! | E2B's API: `/sandboxes…`, `/v2/sandboxes…`, sandbox traffic | as `/v1` (`gateway/e2b.rs`) |
 //! | anything else (`/run_code`, `/v1/run`, tenants, templates, pools) | the best-scored node |
 
 use std::collections::BTreeMap;
@@ -37,6 +38,7 @@ use crate::etcd::Etcd;
 use crate::model::{self, now_ms, NodeReport};
 use crate::place::{self, Ask};
 
+mod e2b;
 mod placed;
 mod trajectories;
 
@@ -178,6 +180,10 @@ pub async fn serve(
         .route("/v1/trajectories/{id}", any(trajectories::by_id))
         .route("/v1/trajectories/{id}/{*rest}", any(trajectories::by_id))
         .fallback(anywhere)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&gw),
+            e2b::dispatch,
+        ))
         .with_state(gw);
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     on_ready(listener.local_addr()?);
@@ -626,7 +632,11 @@ async fn create(gw: App, req: Request) -> Response {
     if !idempotent && quota_room(&gw, &tenant, max, 1) == 0 {
         return quota_exceeded();
     }
-    let ask = ask_of(&spec, &tenant);
+    let ask = if e2b::is_control_path(parts.uri.path()) {
+        e2b::ask_of(&spec, &tenant)
+    } else {
+        ask_of(&spec, &tenant)
+    };
     let mut order = match spec["snapshot"].as_str() {
         // A snapshot's layers are on its node: the sandbox is made there.
         Some(s) => match node_of(&gw, s).and_then(|(_, node)| node) {
