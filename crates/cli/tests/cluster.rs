@@ -1171,3 +1171,249 @@ fn a_tenant_quota_holds_exactly_across_gateways_and_nodes() {
         .req("POST", "/v1/sandboxes", Some(&json!({})));
     assert_eq!(s, 201, "{v}");
 }
+
+/// One Connect envelope: `flags`, the JSON's length (u32, big-endian), the JSON.
+fn envelope(flags: u8, v: &Value) -> Vec<u8> {
+    let json = v.to_string().into_bytes();
+    let mut out = vec![flags];
+    out.extend_from_slice(&(json.len() as u32).to_be_bytes());
+    out.extend_from_slice(&json);
+    out
+}
+
+/// The envelopes of a Connect stream, as (flags, JSON).
+fn envelopes(mut b: &[u8]) -> Vec<(u8, Value)> {
+    let mut out = Vec::new();
+    while b.len() >= 5 {
+        let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
+        let msg = &b[5..(5 + len).min(b.len())];
+        out.push((b[0], serde_json::from_slice(msg).unwrap_or(Value::Null)));
+        b = &b[(5 + len).min(b.len())..];
+    }
+    out
+}
+
+/// Checks that the answer of a `process.Process/Start` of `echo hi` is a Connect stream of a
+/// start event, `hi\n` on stdout, an end event and the end of the stream.
+fn assert_echo_hi(status: u16, ctype: Option<&str>, body: &[u8]) {
+    let env = envelopes(body);
+    assert_eq!(
+        (status, ctype),
+        (200, Some("application/connect+json")),
+        "{env:?} {}",
+        String::from_utf8_lossy(body)
+    );
+    let events: Vec<&Value> = env.iter().map(|(_, v)| &v["event"]).collect();
+    assert!(events[0]["start"]["pid"].is_u64(), "{env:?}");
+    assert!(
+        events.iter().any(|e| e["data"]["stdout"] == "aGkK"),
+        "{env:?}"
+    );
+    assert!(events.iter().any(|e| e["end"].is_object()), "{env:?}");
+    assert_eq!(env.last().map(|(f, _)| *f), Some(0x02), "{env:?}");
+}
+
+/// The E2B API through a gateway: creates placed on the nodes, info, list merged and paged,
+/// sandbox traffic (a Connect stream, files) routed by `E2b-Sandbox-Id` or by the access token
+/// alone (a chunked request body), the gateway's own errors in E2B's shape, kill.
+#[test]
+fn the_e2b_api_works_through_the_gateway() {
+    let (base, _cleanup) = scratch("e2b");
+    let (_etcd, etcd_url) = etcd(&base);
+    let (a, b) = (node(&base, "e1", &etcd_url), node(&base, "e2", &etcd_url));
+    let (_gw, gw, url) = gateway(&etcd_url);
+    let gw = gw.with_key(Some(&a.key));
+    wait_registered(&gw, &[&a, &b], &a.key);
+
+    // Two creates (both versions of the SDK), spread over the nodes.
+    let mut made = Vec::new();
+    for path in ["/v2/sandboxes", "/sandboxes"] {
+        let (s, v) = gw.req(
+            "POST",
+            path,
+            Some(&json!({"templateID": "base", "metadata": {"via": "gw"}, "envVars": {}})),
+        );
+        assert_eq!(s, 201, "{path}: {v}");
+        let id = v["sandboxID"].as_str().expect("sandboxID").to_owned();
+        let token = v["envdAccessToken"].as_str().expect("token").to_owned();
+        made.push((id, token));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let numbers: std::collections::BTreeSet<u16> = made
+        .iter()
+        .map(|(id, _)| dsec_cluster::ids::node_number(id).expect("a node number"))
+        .collect();
+    assert_eq!(numbers.len(), 2, "{made:?}");
+    let (id, token) = made[0].clone();
+
+    let (s, v) = gw.req("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(
+        (s, v["sandboxID"].as_str()),
+        (200, Some(id.as_str())),
+        "{v}"
+    );
+    assert_eq!(v["state"], "running", "{v}");
+
+    // The list: both nodes, oldest first; paged at the gateway.
+    let (s, v) = gw.req("GET", "/v2/sandboxes?metadata=via%3Dgw", None);
+    let ids: Vec<&str> = v
+        .as_array()
+        .map(|a| a.iter().filter_map(|i| i["sandboxID"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        (s, ids),
+        (200, vec![made[0].0.as_str(), made[1].0.as_str()])
+    );
+    let r = gw
+        .send("GET", "/v2/sandboxes?limit=1", None, &[])
+        .expect("list");
+    let next = r.headers.get("x-next-token").and_then(|v| v.to_str().ok());
+    assert_eq!((r.status, next), (200, Some("1")));
+    assert_eq!(r.json()[0]["sandboxID"], made[0].0.as_str());
+    let r = gw
+        .send("GET", "/v2/sandboxes?limit=1&nextToken=1", None, &[])
+        .expect("list");
+    assert!(r.headers.get("x-next-token").is_none(), "{:?}", r.headers);
+    assert_eq!(r.json()[0]["sandboxID"], made[1].0.as_str());
+
+    // A Connect server stream, routed by E2b-Sandbox-Id.
+    let start = envelope(
+        0,
+        &json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo hi"]}, "stdin": false}),
+    );
+    let traffic = gw.with_key(None);
+    let headers = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("E2b-Sandbox-Port", "49983"),
+        ("X-Access-Token", token.as_str()),
+        ("Content-Type", "application/connect+json"),
+        ("Connect-Protocol-Version", "1"),
+    ];
+    let r = traffic
+        .send("POST", "/process.Process/Start", Some(&start), &headers)
+        .expect("start");
+    let ctype = r.headers.get("content-type").and_then(|v| v.to_str().ok());
+    assert_echo_hi(r.status, ctype, &r.body);
+
+    // Files, both ways.
+    let file_headers = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", token.as_str()),
+        ("Content-Type", "application/octet-stream"),
+    ];
+    let r = traffic
+        .send(
+            "POST",
+            "/files?path=/tmp/x",
+            Some(b"through the gateway"),
+            &file_headers,
+        )
+        .expect("write");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()[0]["path"], "/tmp/x", "{}", r.json());
+    let r = traffic
+        .send("GET", "/files?path=/tmp/x", None, &file_headers[..2])
+        .expect("read");
+    assert_eq!(
+        (r.status, r.body.as_slice()),
+        (200, &b"through the gateway"[..])
+    );
+
+    // The access token alone routes (SDK 2.20 after a connect); the body chunked; the answer
+    // streams: `hi` comes through while the command still sleeps.
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let slow = envelope(
+        0,
+        &json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo hi; sleep 2"]}, "stdin": false}),
+    );
+    let mut reader = std::io::Cursor::new(slow);
+    let t0 = Instant::now();
+    let mut resp = agent
+        .post(format!("{url}/process.Process/Start"))
+        .header("X-Access-Token", token.as_str())
+        .header("Content-Type", "application/connect+json")
+        .send(ureq::SendBody::from_reader(&mut reader))
+        .expect("start by token");
+    let status = resp.status().as_u16();
+    let ctype = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let mut stream = resp.body_mut().as_reader();
+    let (mut body, mut hi_at) = (Vec::new(), None);
+    loop {
+        use std::io::Read as _;
+        let mut head = [0u8; 5];
+        if stream.read_exact(&mut head).is_err() {
+            break;
+        }
+        let mut msg = vec![0u8; u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize];
+        stream.read_exact(&mut msg).expect("an envelope's message");
+        if String::from_utf8_lossy(&msg).contains("aGkK") {
+            hi_at = Some(t0.elapsed());
+        }
+        body.extend_from_slice(&head);
+        body.extend_from_slice(&msg);
+    }
+    let done = t0.elapsed();
+    assert_echo_hi(status, ctype.as_deref(), &body);
+    let hi_at = hi_at.expect("hi");
+    assert!(
+        done >= Duration::from_secs(2) && done - hi_at >= Duration::from_millis(1500),
+        "hi at {hi_at:?}, the end at {done:?}: not streamed"
+    );
+
+    // Routed by `Host: <port>-<id>.<domain>` (with a token, by the token): each sandbox's own
+    // node answers (401 without the token; another node would not know the sandbox: 502).
+    for (sb, tok) in &made {
+        let host = format!("49983-{sb}.sandboxes.test");
+        let r = traffic
+            .send("GET", "/health", None, &[("Host", host.as_str())])
+            .expect("health by host");
+        assert_eq!(r.status, 401, "{}", String::from_utf8_lossy(&r.body));
+        let r = traffic
+            .send(
+                "GET",
+                "/health",
+                None,
+                &[("Host", host.as_str()), ("X-Access-Token", tok.as_str())],
+            )
+            .expect("health by host");
+        assert_eq!(r.status, 204, "{}", String::from_utf8_lossy(&r.body));
+    }
+
+    // What the gateway answers itself is E2B's shape: a sandbox no node holds.
+    let ghost = "sb-00ff000000000001";
+    let r = traffic
+        .send("GET", "/health", None, &[("E2b-Sandbox-Id", ghost)])
+        .expect("health");
+    assert_eq!(
+        (r.status, r.json()),
+        (
+            502,
+            json!({"code": 502, "message": format!("The sandbox {ghost} was not found")})
+        )
+    );
+    let (s, v) = gw.req("GET", &format!("/sandboxes/{ghost}"), None);
+    assert_eq!((s, v["code"].as_u64()), (404, Some(404)), "{v}");
+    let (s, v) = gw.req("PUT", "/v2/sandboxes", None);
+    assert_eq!((s, v["code"].as_u64()), (405, Some(405)), "{v}");
+
+    // Kill: gone for the control plane and for its traffic.
+    for (id, _) in &made {
+        let (s, v) = gw.req("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(s, 204, "{v}");
+    }
+    let (s, v) = gw.req("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!((s, v["code"].as_u64()), (404, Some(404)), "{v}");
+    let r = traffic
+        .send("POST", "/process.Process/Start", Some(&start), &headers)
+        .expect("start after kill");
+    assert_eq!(r.status, 502, "{}", String::from_utf8_lossy(&r.body));
+    let (s, v) = gw.req("GET", "/v2/sandboxes", None);
+    assert_eq!((s, v), (200, json!([])));
+}
