@@ -29,8 +29,6 @@ pub const MAX_DEPTH: usize = 256;
 pub const DEFAULT_READ_MAX: u64 = 64 << 20;
 /// Most bytes of the sandbox's `/etc/passwd` or `/etc/group` read for owner names.
 const MAX_NAME_DB: u64 = 1 << 20;
-/// Longest user or group name taken from the sandbox's databases.
-const MAX_NAME: usize = 256;
 
 /// Errors of file operations.
 #[derive(Debug, thiserror::Error)]
@@ -521,31 +519,44 @@ impl OwnerNames {
     }
 }
 
+/// Longest user or group name taken from a database.
+const MAX_NAME: usize = 256;
+
+/// The well-formed lines of a user database (`/etc/passwd`: 7 fields, `/etc/group`: 4), as
+/// fields: comments and NIS lines (`#`, `+`, `-`), short lines, empty, long or control-laden
+/// names and non-numeric ids (the third field) are skipped.
+pub(crate) fn db_lines(db: &str, fields: usize) -> impl Iterator<Item = Vec<&str>> {
+    db.lines().filter_map(move |l| {
+        let l = l.strip_suffix('\r').unwrap_or(l);
+        if l.starts_with(['#', '+', '-']) {
+            return None;
+        }
+        let f: Vec<&str> = l.splitn(fields, ':').collect();
+        let name = *f.first()?;
+        let ok = f.len() == fields
+            && !name.is_empty()
+            && name.len() <= MAX_NAME
+            && !name.chars().any(char::is_control)
+            && f[2].parse::<u32>().is_ok();
+        ok.then_some(f)
+    })
+}
+
 /// Parses `name:x:id:…` lines (at least `fields` fields) of a user or group database into
 /// id → name, skipping whatever is malformed: non-UTF-8, comments, NIS `+`/`-` entries, empty or
 /// overlong names, ids that are not numbers. The first entry of an id wins (as `getpwuid`).
 fn parse_names(data: &[u8], fields: usize) -> HashMap<u32, String> {
+    // Lines that are not UTF-8 are skipped whole.
+    let text: String = data
+        .split(|&b| b == b'\n')
+        .filter_map(|l| std::str::from_utf8(l).ok())
+        .flat_map(|l| [l, "\n"])
+        .collect();
     let mut out = HashMap::new();
-    for line in data.split(|&b| b == b'\n') {
-        let Ok(line) = std::str::from_utf8(line) else {
-            continue;
-        };
-        let line = line.strip_suffix('\r').unwrap_or(line);
-        if line.starts_with(['#', '+', '-']) {
-            continue;
+    for f in db_lines(&text, fields) {
+        if let Ok(id) = f[2].parse::<u32>() {
+            out.entry(id).or_insert_with(|| f[0].to_owned());
         }
-        let f: Vec<&str> = line.splitn(fields + 1, ':').collect();
-        if f.len() < fields {
-            continue;
-        }
-        let name = f[0];
-        if name.is_empty() || name.len() > MAX_NAME || name.chars().any(char::is_control) {
-            continue;
-        }
-        let Ok(id) = f[2].parse::<u32>() else {
-            continue;
-        };
-        out.entry(id).or_insert_with(|| name.to_owned());
     }
     out
 }

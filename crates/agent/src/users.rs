@@ -13,7 +13,7 @@ use std::sync::{OnceLock, RwLock};
 use dsec_api::ErrorCode;
 use dsec_sys::proc::{Credentials, MAX_GROUPS};
 
-use crate::files::{FileError, Root};
+use crate::files::{db_lines, FileError, Root};
 
 /// Most bytes of `/etc/passwd` or `/etc/group` read.
 const MAX_DB: u64 = 1 << 20;
@@ -127,24 +127,12 @@ fn read_db(root: &Root, path: &str) -> Result<String, FileError> {
 
 /// A `passwd` entry: name, uid, gid, home.
 fn passwd_entries(db: &str) -> impl Iterator<Item = (&str, u32, u32, &str)> {
-    db.lines().filter_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        if f.len() < 7 || f[0].is_empty() {
-            return None;
-        }
-        Some((f[0], f[2].parse().ok()?, f[3].parse().ok()?, f[5]))
-    })
+    db_lines(db, 7).filter_map(|f| Some((f[0], f[2].parse().ok()?, f[3].parse().ok()?, f[5])))
 }
 
 /// A `group` entry: name, gid, members.
 fn group_entries(db: &str) -> impl Iterator<Item = (&str, u32, &str)> {
-    db.lines().filter_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        if f.len() < 4 || f[0].is_empty() {
-            return None;
-        }
-        Some((f[0], f[2].parse().ok()?, f[3]))
-    })
+    db_lines(db, 4).filter_map(|f| Some((f[0], f[2].parse().ok()?, f[3])))
 }
 
 /// Resolves `name` (or a numeric uid) in the sandbox.

@@ -449,7 +449,10 @@ fn a_dockerfile_builds_a_template() {
     assert!(text.contains("Successfully built template built"), "{text}");
     let k = d.create(json!({"template": "built"}));
     assert_eq!(
-        d.sh(&k, "pwd; cat app.txt data/d.txt built.txt; echo $APP_HOME; id -u"),
+        d.sh(
+            &k,
+            "pwd; cat app.txt data/d.txt built.txt; echo $APP_HOME; id -u"
+        ),
         "/srv/app\napp\ndata\nhi from build\n/srv/app\n1000\n"
     );
     d.delete(&k);

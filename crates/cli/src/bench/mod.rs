@@ -15,6 +15,7 @@ mod chaos;
 mod cluster;
 mod cluster_sim;
 mod container;
+mod e2b;
 mod log;
 mod run;
 mod snapshot;
@@ -43,6 +44,9 @@ pub enum BenchKind {
     /// Container snapshots (0 and 100 files, `cp -a` peer), fork 16, create from a snapshot
     /// vs cold, restore vs reset, a 100-deep chain.
     Snapshot,
+    /// The official E2B Python SDK's create + `commands.run("true")` + kill loop against the
+    /// node's E2B-compatible API, with the dsec Python SDK's same loop as the peer, interleaved.
+    E2b,
 }
 
 /// Arguments of `dsec bench`.
@@ -69,6 +73,13 @@ pub struct BenchArgs {
     /// Seed of `chaos`'s choices (default: from the time; the report names it).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// The Python of `e2b` (it must import `e2b` and `dsec`; default: the repository's
+    /// `target/pyvenv/bin/python`).
+    #[arg(long)]
+    pub python: Option<std::path::PathBuf>,
+    /// The substrate of `e2b`'s sandboxes.
+    #[arg(long, default_value = "container", value_parser = ["container", "microvm"])]
+    pub substrate: String,
     /// Write the JSON here as well as to stdout.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
@@ -160,5 +171,6 @@ pub fn run(
         BenchKind::Chaos => chaos::run(args),
         BenchKind::Cluster => cluster::run(args),
         BenchKind::Snapshot => snapshot::run(args),
+        BenchKind::E2b => e2b::run(args),
     }
 }

@@ -73,7 +73,7 @@ enum Backend {
         control: OwnedFd,
     },
     /// A VM: what it is restored from.
-    Vm(vm::sandbox::VmBinding),
+    Vm(Box<vm::sandbox::VmBinding>),
 }
 
 /// One live sandbox, of any substrate. Owned by exactly one caller at a time.

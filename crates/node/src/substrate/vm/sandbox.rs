@@ -431,7 +431,7 @@ impl VmBinding {
             init_pid: sup.pid(),
             sup,
             run_dir: self.rt.run_dir(id),
-            backend: Backend::Vm(self),
+            backend: Backend::Vm(Box::new(self)),
             oom_kills: 0,
         }
     }

@@ -9,8 +9,8 @@ use dsec_api::agent::{FileKind, FileStat, FsOp, ProcInfo};
 use dsec_api::exec::{Command as ExecCommand, ExecStatus, PtySize, MAX_OUTPUT_LIMIT};
 
 use super::connect::*;
-use super::follow::Follow;
 use super::*;
+use crate::lifecycle::Follow;
 
 /// Dispatches one request of sandbox traffic to the sandbox API.
 pub(super) async fn serve(t: Target, req: Request) -> Response {
@@ -38,6 +38,23 @@ pub(super) async fn serve(t: Target, req: Request) -> Response {
             filesystem(t, &p["/filesystem.Filesystem/".len()..], h, body).await
         }
         _ => e2b_error(StatusCode::NOT_FOUND, format!("no such endpoint {path}")),
+    }
+}
+
+/// Follows `req` (a streaming spawn, an attach, a watch) on the target's sandbox.
+async fn follow_start(t: &Target, req: AgentReq, body: Vec<u8>) -> Result<Follow, ApiError> {
+    crate::lifecycle::follow(&t.entry, req, body)
+        .await
+        .map_err(ApiError::from)
+}
+
+/// The next event of a follower (`None`: none within `wait`); the agent's error answer as
+/// `Err`.
+async fn next_event(f: &mut Follow, wait: Duration) -> Option<Result<(Event, Vec<u8>), ApiError>> {
+    match f.next(wait).await? {
+        Ok((Event::Error { code, message }, _)) => Some(Err(ApiError::new(code, message))),
+        Ok(ev) => Some(Ok(ev)),
+        Err(e) => Some(Err(ApiError::from(e))),
     }
 }
 
@@ -300,7 +317,7 @@ async fn follow_process(
     h: &axum::http::HeaderMap,
 ) -> Response {
     let pty = matches!(&req, AgentReq::Spawn(r) if r.pty.is_some());
-    let mut f = match Follow::start(&t.app, &t.entry, req, body).await {
+    let mut f = match follow_start(&t, req, body).await {
         Ok(f) => f,
         Err(e) => return stream_error(e.into()),
     };
@@ -314,7 +331,7 @@ async fn follow_process(
                 Some(d) => every.min(d.saturating_duration_since(tokio::time::Instant::now())),
                 None => every,
             };
-            let msg = match f.next(wait).await {
+            let msg = match next_event(&mut f, wait).await {
                 None if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => {
                     break Some(ConnectError::new(
                         "deadline_exceeded",
@@ -635,14 +652,7 @@ fn watch_request(t: &Target, path: &str, recursive: bool) -> AgentReq {
 /// `WatchDir` (the async SDK): `start`, then `filesystem` events as they come.
 async fn watch_dir(t: Target, r: FsRequest, h: &axum::http::HeaderMap) -> Response {
     let path = full_path(&t, &r.path);
-    let mut f = match Follow::start(
-        &t.app,
-        &t.entry,
-        watch_request(&t, &path, r.recursive),
-        Vec::new(),
-    )
-    .await
-    {
+    let mut f = match follow_start(&t, watch_request(&t, &path, r.recursive), Vec::new()).await {
         Ok(f) => f,
         Err(e) => return stream_error(e.into()),
     };
@@ -656,7 +666,7 @@ async fn watch_dir(t: Target, r: FsRequest, h: &axum::http::HeaderMap) -> Respon
                 Some(d) => every.min(d.saturating_duration_since(tokio::time::Instant::now())),
                 None => every,
             };
-            let msgs: Vec<Value> = match f.next(wait).await {
+            let msgs: Vec<Value> = match next_event(&mut f, wait).await {
                 None if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => break,
                 None => vec![json!({"keepalive": {}})],
                 Some(Ok((Event::Watching, _))) => vec![json!({"start": {}})],
@@ -713,16 +723,11 @@ mod watchers {
         if with(|m| m.len()) >= MAX_WATCHERS {
             return Err(ConnectError::new("resource_exhausted", "too many watchers"));
         }
-        let mut f = Follow::start(
-            &t.app,
-            &t.entry,
-            watch_request(t, path, recursive),
-            Vec::new(),
-        )
-        .await
-        .map_err(ConnectError::from)?;
+        let mut f = follow_start(t, watch_request(t, path, recursive), Vec::new())
+            .await
+            .map_err(ConnectError::from)?;
         // The watch is in place once the agent says so.
-        match f.next(Duration::from_secs(10)).await {
+        match next_event(&mut f, Duration::from_secs(10)).await {
             Some(Ok((Event::Watching, _))) => {}
             Some(Err(e)) => return Err(e.into()),
             _ => {
@@ -749,7 +754,7 @@ mod watchers {
             loop {
                 tokio::select! {
                     _ = &mut stop_rx => break,
-                    ev = f.next(Duration::from_secs(60)) => match ev {
+                    ev = next_event(&mut f, Duration::from_secs(60)) => match ev {
                         None => continue,
                         Some(Ok((Event::FsEvents { events }, _))) => with(|m| {
                             if let Some(w) = m.get_mut(&key) {

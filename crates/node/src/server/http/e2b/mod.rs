@@ -15,7 +15,6 @@ use super::*;
 mod connect;
 mod control;
 mod envd;
-mod follow;
 mod interp;
 mod multipart;
 mod port;
