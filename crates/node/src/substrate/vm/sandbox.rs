@@ -70,8 +70,15 @@ pub(crate) struct VmBinding {
     snap: Arc<Snapshot>,
     cgroup: Cgroup,
     env: Vec<(String, String)>,
-    /// The template's user: the default user of the guest's commands.
+    /// The template's user and working directory: the defaults of the guest's commands.
+    defaults: GuestDefaults,
+}
+
+/// A template's user and working directory, as a guest's `Configure` carries them.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GuestDefaults {
     user: Option<String>,
+    workdir: Option<String>,
 }
 
 fn vm_err(id: &str) -> impl FnOnce(VmError) -> RuntimeError + '_ {
@@ -216,17 +223,24 @@ impl Runtime {
         &self,
         id: &str,
         spec: &SandboxSpec,
-    ) -> Result<(Vec<(String, String)>, Option<String>), RuntimeError> {
-        let (template_env, user) = if spec.template == "host" {
-            (Vec::new(), None)
+    ) -> Result<(Vec<(String, String)>, GuestDefaults), RuntimeError> {
+        let (template_env, defaults) = if spec.template == "host" {
+            (Vec::new(), GuestDefaults::default())
         } else {
             let t = self
                 .templates
                 .get(&spec.template)
                 .map_err(RuntimeError::Template)?;
-            (t.env, t.user)
+            let workdir = (t.workdir != "/" && !t.workdir.is_empty()).then_some(t.workdir);
+            (
+                t.env,
+                GuestDefaults {
+                    user: t.user,
+                    workdir,
+                },
+            )
         };
-        Ok((self.sandbox_env(id, template_env, spec), user))
+        Ok((self.sandbox_env(id, template_env, spec), defaults))
     }
 
     /// The snapshot VM sandboxes of `spec` are restored from (made first if needed: a boot of
@@ -311,7 +325,7 @@ impl Runtime {
             ),
             None => snap,
         };
-        let (env, user) = self.vm_env(id, spec)?;
+        let (env, defaults) = self.vm_env(id, spec)?;
         let limits = CgroupLimits {
             cpu_weight: Some(spec.limits.cpu_weight),
             cpu_max: spec
@@ -331,7 +345,7 @@ impl Runtime {
             .create(id, &limits)
             .map_err(RuntimeError::Cgroup)?;
         let t_cg = t0.elapsed().as_micros() as u64;
-        let started = start_vm(&rt, id, &snap, &cgroup, spec, (&env, user.as_deref()));
+        let started = start_vm(&rt, id, &snap, &cgroup, spec, (&env, &defaults));
         let (sup, agent) = match started {
             Ok(v) => v,
             Err(e) => {
@@ -347,7 +361,7 @@ impl Runtime {
             snap,
             cgroup,
             env,
-            user,
+            defaults,
         };
         let sandbox = binding.sandbox(id, spec.clone(), State::Ready, sup, agent);
         Ok((
@@ -401,13 +415,13 @@ impl Runtime {
                     source,
                 }
             })?;
-        let (env, user) = self.vm_env(id, &spec)?;
+        let (env, defaults) = self.vm_env(id, &spec)?;
         let binding = VmBinding {
             rt,
             snap,
             cgroup,
             env,
-            user,
+            defaults,
         };
         Ok(binding.sandbox(id, spec, state, sup, agent))
     }
@@ -444,7 +458,7 @@ fn start_vm(
     snap: &Arc<Snapshot>,
     cgroup: &Cgroup,
     spec: &SandboxSpec,
-    (env, user): (&[(String, String)], Option<&str>),
+    (env, defaults): (&[(String, String)], &GuestDefaults),
 ) -> Result<(PidFd, AgentConn), RuntimeError> {
     let (qemu, mut agent) = rt
         .restore(id, snap, |pid| {
@@ -468,12 +482,12 @@ fn start_vm(
         vm::identify(&mut agent, id, spec_now, SCRATCH_DIRS)?;
         agent.call_ok(
             &dsec_api::agent::Request::Configure {
-                workdir: None,
+                workdir: defaults.workdir.clone(),
                 env: env.to_vec(),
                 nofile: Some(spec.limits.open_files_max),
                 fsize: Some(spec.limits.file_size_max),
                 nproc: None,
-                user: user.map(str::to_owned),
+                user: defaults.user.clone(),
             },
             &[],
         )?;
@@ -526,7 +540,7 @@ impl Sandbox {
             &snap,
             &b.cgroup,
             &self.spec,
-            (&b.env, b.user.as_deref()),
+            (&b.env, &b.defaults),
         )?;
         b.snap = snap;
         self.init_pid = sup.pid();
@@ -546,7 +560,7 @@ impl Sandbox {
             &b.snap,
             &b.cgroup,
             &self.spec,
-            (&b.env, b.user.as_deref()),
+            (&b.env, &b.defaults),
         )?;
         self.init_pid = sup.pid();
         self.sup = sup;
