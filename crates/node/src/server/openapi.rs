@@ -122,10 +122,24 @@ pub const ROUTES: &[Route] = &[
     ),
     r(
         "get",
+        "/v1/sandboxes/{id}/processes",
+        "The running background processes",
+        "",
+        "",
+    ),
+    r(
+        "get",
         "/v1/sandboxes/{id}/processes/{handle}",
         "Background process status",
         "",
         "Process",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/processes/{handle}/output",
+        "Follow its output (SSE) until it exits",
+        "",
+        "",
     ),
     r(
         "post",
