@@ -124,12 +124,11 @@ impl Sandbox {
 
     /// Stops (`SIGSTOP`) or continues (`SIGCONT`) every process of a container sandbox but its
     /// agent and supervisor: they stay where they are, memory and files kept (a pause). Twice,
-    /// so that a child forked while the first pass ran is caught by the second.
+    /// so that a child forked while the first pass ran is caught by the second. A VM's whole
+    /// guest stops instead.
     pub fn pause(&mut self, rt: &Runtime, paused: bool) -> Result<(), RuntimeError> {
         if self.spec.substrate.is_vm() {
-            return Err(RuntimeError::Invalid(
-                "pausing a VM sandbox is not supported yet (snapshot it instead)".into(),
-            ));
+            return self.pause_vm(paused);
         }
         let Some(cg) = rt.cgroups.open(&self.id) else {
             return Err(RuntimeError::Invalid(format!("no cgroup for {}", self.id)));

@@ -524,6 +524,24 @@ impl Sandbox {
             .map_err(vm_err(&self.id))
     }
 
+    /// Stops (QMP `stop`) or continues (`cont`) the whole guest: its vCPUs halt where they
+    /// are, its memory and disk kept by QEMU (a pause).
+    pub(crate) fn pause_vm(&self, paused: bool) -> Result<(), RuntimeError> {
+        let Backend::Vm(b) = &self.backend else {
+            return Err(RuntimeError::Invalid("not a VM sandbox".into()));
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut qmp =
+            vm::qemu::Qmp::connect(&b.rt.run_dir(&self.id).join(vm::qemu::QMP_SOCK), deadline)
+                .map_err(vm_err(&self.id))?;
+        qmp.execute(
+            if paused { "stop" } else { "cont" },
+            serde_json::Value::Null,
+        )
+        .map_err(vm_err(&self.id))?;
+        Ok(())
+    }
+
     /// Replaces the guest with one restored from the running guest's snapshot in `dir` (a
     /// rollback); later resets come back to it.
     pub(crate) fn restore_vm(&mut self, dir: &str) -> Result<(), RuntimeError> {
