@@ -223,6 +223,11 @@ async fn serve(
     };
     on_ready(addr, admin_key);
     tracing::info!(addr = %addr, "listening");
+    // A streamed answer (an exec's events, the E2B API's Connect streams) goes out as small
+    // writes: without TCP_NODELAY the second waits for the client's delayed ACK (40 ms).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = axum::serve(listener, http::router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .into_future();
