@@ -104,6 +104,9 @@ pub enum SupervisorMsg {
     PreferredReady {
         /// The lower directories its root was built with.
         lowerdirs: Vec<String>,
+        /// Whether its root was built writable.
+        #[serde(default)]
+        writable_root: bool,
     },
     /// An idle shell could not be built (the spawner should build another).
     ShellFailed,

@@ -80,6 +80,7 @@ pub(crate) fn idle_supervisor(
     let ready = match preferred {
         Some(r) => SupervisorMsg::PreferredReady {
             lowerdirs: r.lowerdirs.clone(),
+            writable_root: r.writable_root,
         },
         None => SupervisorMsg::ShellReady,
     };

@@ -195,11 +195,15 @@ impl Runtime {
         let bytes =
             serde_json::to_vec(&request).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         // Pre-built shells have a user namespace: a sandbox without one is made by the spawner.
-        if !spec.layers.is_empty() {
+        if !spec.layers.is_empty() || spec.writable_root {
             self.prefer(&request.config);
         }
         let handed = if request.config.userns {
-            self.hand_to_shell(&bytes, &request.config.lowerdirs)
+            self.hand_to_shell(
+                &bytes,
+                &request.config.lowerdirs,
+                request.config.writable_root,
+            )
         } else {
             None
         };
@@ -312,12 +316,19 @@ fn wait_reply(sock: &OwnedFd) -> Result<Reply, LaunchFailure> {
 impl Runtime {
     /// Sends the request straight to an idle pre-built shell; returns the socket its answer
     /// will come on, or `None` when no shell took it.
-    fn hand_to_shell(&self, request: &[u8], lowerdirs: &[String]) -> Option<OwnedFd> {
+    fn hand_to_shell(
+        &self,
+        request: &[u8],
+        lowerdirs: &[String],
+        writable_root: bool,
+    ) -> Option<OwnedFd> {
         loop {
             // A shell built for this root, else one built for the likely root, else any.
             let take_preferred = |exact: bool| -> Option<OwnedFd> {
                 let mut p = self.spawner.preferred.lock().ok()?;
-                let at = p.iter().position(|(l, _)| !exact || l == lowerdirs)?;
+                let at = p
+                    .iter()
+                    .position(|((l, w), _)| !exact || (l == lowerdirs && *w == writable_root))?;
                 p.remove(at).map(|(_, fd)| fd)
             };
             let (shell, taken) = match take_preferred(true) {
@@ -338,12 +349,12 @@ impl Runtime {
     }
 
     /// Asks the spawner to pre-build some idle shells with the root of `config` (a create from
-    /// a snapshot: more are likely to follow, a tree search's forks) when it would match such a
-    /// root (the defaults but for the layers) and is not the one preferred already.
+    /// a snapshot: more are likely to follow, a tree search's forks; a writable root, as every
+    /// E2B sandbox has) when it would match such a root (the defaults but for the layers and
+    /// the writable root) and is not the one preferred already.
     fn prefer(&self, config: &LaunchConfig) {
         let likely = &self.likely;
         let alike = config.userns
-            && !config.writable_root
             && config.limits.disk_bytes == likely.disk_bytes
             && config.limits.disk_inodes == likely.disk_inodes
             && config.scratch == likely.scratch;
@@ -353,12 +364,14 @@ impl Runtime {
         let Ok(mut hint) = self.spawner.hint.lock() else {
             return;
         };
-        if hint.as_deref() == Some(config.lowerdirs.as_slice()) {
+        let key = (config.lowerdirs.clone(), config.writable_root);
+        if hint.as_ref() == Some(&key) {
             return;
         }
-        *hint = Some(config.lowerdirs.clone());
+        *hint = Some(key);
         let rootfs = dsec_sys::launch::RootfsSpec {
             lowerdirs: config.lowerdirs.clone(),
+            writable_root: config.writable_root,
             ..likely.clone()
         };
         self.notify_spawner(&NodeMsg::Prefer {

@@ -15,6 +15,10 @@ use crate::substrate::{RuntimeConfig, RuntimeError};
 /// A supervisor's answer and the descriptors it passed.
 pub(crate) type Reply = (SupervisorMsg, Vec<OwnedFd>);
 
+/// What a pre-built shell's root was built for: its lower directories and whether it is
+/// writable.
+pub(crate) type RootKey = (Vec<String>, bool);
+
 /// The node's end of the spawner: its socket, the creates waiting for an answer, the idle shells.
 pub(crate) struct SpawnerLink {
     /// The socket to the spawner.
@@ -24,9 +28,9 @@ pub(crate) struct SpawnerLink {
     /// Request sockets of idle pre-built shells, handed over by the spawner.
     pub(crate) shells: Mutex<VecDeque<OwnedFd>>,
     /// Idle shells whose root was built for a preferred root: its lower directories.
-    pub(crate) preferred: Mutex<VecDeque<(Vec<String>, OwnedFd)>>,
+    pub(crate) preferred: Mutex<VecDeque<(RootKey, OwnedFd)>>,
     /// The lower directories of the root the spawner was last asked to prefer.
-    pub(crate) hint: Mutex<Option<Vec<String>>>,
+    pub(crate) hint: Mutex<Option<RootKey>>,
     /// The spawner process.
     pub(crate) child: Mutex<Child>,
 }
@@ -96,10 +100,13 @@ pub(crate) fn spawner_reader(link: &SpawnerLink) {
                 }
                 continue;
             }
-            SupervisorMsg::PreferredReady { lowerdirs } => {
+            SupervisorMsg::PreferredReady {
+                lowerdirs,
+                writable_root,
+            } => {
                 if let (Some(fd), Ok(mut shells)) = (fds.into_iter().next(), link.preferred.lock())
                 {
-                    shells.push_back((lowerdirs, fd));
+                    shells.push_back(((lowerdirs, writable_root), fd));
                 }
                 continue;
             }
