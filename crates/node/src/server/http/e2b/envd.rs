@@ -706,8 +706,8 @@ mod watchers {
     }
 
     static WATCHERS: Mutex<Option<HashMap<String, Watcher>>> = Mutex::new(None);
-    /// Most watchers per node.
-    const MAX_WATCHERS: usize = 1024;
+    /// Most watchers per sandbox (its agent holds at most 64 watches anyway).
+    const MAX_WATCHERS: usize = 64;
     const MAX_EVENTS: usize = 10_000;
 
     fn with<T>(f: impl FnOnce(&mut HashMap<String, Watcher>) -> T) -> T {
@@ -720,8 +720,17 @@ mod watchers {
         path: &str,
         recursive: bool,
     ) -> Result<String, ConnectError> {
-        if with(|m| m.len()) >= MAX_WATCHERS {
-            return Err(ConnectError::new("resource_exhausted", "too many watchers"));
+        // Watchers of sandboxes that are gone go first.
+        let node = Arc::clone(&t.app.node);
+        let mine = with(|m| {
+            m.retain(|_, w| node.entry(&w.sandbox).is_some());
+            m.values().filter(|w| w.sandbox == t.id()).count()
+        });
+        if mine >= MAX_WATCHERS {
+            return Err(ConnectError::new(
+                "resource_exhausted",
+                format!("a sandbox has at most {MAX_WATCHERS} watchers"),
+            ));
         }
         let mut f = follow_start(t, watch_request(t, path, recursive), Vec::new())
             .await

@@ -69,6 +69,9 @@ fn with<T>(f: impl FnOnce(&mut HashMap<String, Vec<Context>>) -> T) -> T {
 
 /// Dispatches one request to the code interpreter.
 pub(super) async fn serve(t: Target, req: Request) -> Response {
+    // Contexts of sandboxes that are gone go first.
+    let node = Arc::clone(&t.app.node);
+    with(|m| m.retain(|id, _| node.entry(id).is_some()));
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_owned();
     let body = match axum::body::to_bytes(body, 16 << 20).await {
