@@ -44,7 +44,8 @@ pub(super) fn ask_of<'a>(spec: &'a Value, tenant: &'a str) -> Ask<'a> {
 }
 
 /// An E2B error answer: `{"code": <status>, "message"}`.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+/// An E2B error answer: `{"code": <status>, "message"}` (the node's E2B API answers the same).
+pub fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (
         status,
         axum::Json(json!({"code": status.as_u16(), "message": message.into()})),
@@ -265,9 +266,9 @@ async fn all_pages(
     Ok(out)
 }
 
-/// Rewrites the gateway's problem documents (`/v1`'s error shape) into E2B's `{"code",
-/// "message"}`, `Retry-After` kept; answers of nodes (already E2B's) pass untouched.
-async fn e2b_shape(resp: Response) -> Response {
+/// Rewrites a problem document (`/v1`'s error shape, the gateway's or a node's own) into E2B's
+/// `{"code", "message"}`, `Retry-After` kept; any other answer passes untouched.
+pub async fn e2b_shape(resp: Response) -> Response {
     let is_problem = resp
         .headers()
         .get(header::CONTENT_TYPE)

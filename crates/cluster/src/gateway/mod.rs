@@ -38,7 +38,7 @@ use crate::etcd::Etcd;
 use crate::model::{self, now_ms, NodeReport};
 use crate::place::{self, Ask};
 
-mod e2b;
+pub mod e2b;
 mod placed;
 mod trajectories;
 

@@ -105,11 +105,7 @@ fn token_sandbox(app: &AppState, token: &str) -> Option<String> {
 
 /// An E2B error answer: `{"code": <status>, "message"}`.
 pub(super) fn e2b_error(status: StatusCode, message: impl Into<String>) -> Response {
-    (
-        status,
-        Json(json!({"code": status.as_u16(), "message": message.into()})),
-    )
-        .into_response()
+    dsec_cluster::gateway::e2b::error(status, message)
 }
 
 /// The answer for a sandbox that is gone (the SDK reads "was not found" on a 502 as "not
@@ -171,7 +167,7 @@ pub(super) async fn sandbox_traffic(
 ) -> Response {
     let path = req.uri().path().to_owned();
     if is_control_path(&path) {
-        return e2b_errors(next.run(req).await).await;
+        return dsec_cluster::gateway::e2b::e2b_shape(next.run(req).await).await;
     }
     let headers = req.headers();
     let by_header = header_str(headers, "e2b-sandbox-id").map(str::to_owned);
@@ -218,32 +214,4 @@ pub(super) async fn sandbox_traffic(
         INTERP_PORT => interp::serve(target, req).await,
         _ => port::serve(target, port, req).await,
     }
-}
-
-/// Rewrites a problem document (`/v1`'s error shape) into E2B's `{"code", "message"}`.
-async fn e2b_errors(resp: Response) -> Response {
-    let is_problem = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/problem+json"));
-    if !is_problem {
-        return resp;
-    }
-    let (parts, body) = resp.into_parts();
-    let bytes = axum::body::to_bytes(body, 1 << 20)
-        .await
-        .unwrap_or_default();
-    let v: Value = serde_json::from_slice(&bytes).unwrap_or_default();
-    let message = v
-        .get("detail")
-        .or_else(|| v.get("title"))
-        .and_then(Value::as_str)
-        .unwrap_or("error")
-        .to_owned();
-    let mut out = e2b_error(parts.status, message);
-    if let Some(ra) = parts.headers.get(header::RETRY_AFTER) {
-        out.headers_mut().insert(header::RETRY_AFTER, ra.clone());
-    }
-    out
 }
