@@ -187,9 +187,12 @@ impl Runtime {
         &self.capacity
     }
 
-    /// Idle pre-built shells the node holds a request socket of (one descriptor each).
+    /// Idle pre-built shells, for the likely root and for a preferred one, the node holds a
+    /// request socket of (one descriptor each).
     pub fn idle_shells(&self) -> usize {
-        self.spawner.shells.lock().map(|s| s.len()).unwrap_or(0)
+        let plain = self.spawner.shells.lock().map(|s| s.len()).unwrap_or(0);
+        let preferred = self.spawner.preferred.lock().map(|s| s.len()).unwrap_or(0);
+        plain + preferred
     }
 
     /// Whether cgroup attaches avoid the RCU grace period (`favordynmods`).
