@@ -330,6 +330,49 @@ def test_send_stdin(sbx: Sandbox) -> None:
     assert (r.stdout, r.exit_code) == ("hello\nworld\n", 0)
 
 
+def test_stream_input(sbx: Sandbox) -> None:
+    """`commands.stream_input` (Process/StreamInput, a client stream of envelopes) feeds stdin in
+    order; an unknown pid is NotFound."""
+    h = sbx.commands.run("cat", background=True, stdin=True, timeout=30)
+    sbx.commands.stream_input(h.pid, iter(["one\n", b"two\n", "three\n"]))
+    sbx.commands.close_stdin(h.pid)
+    r = h.wait()
+    assert (r.stdout, r.exit_code) == ("one\ntwo\nthree\n", 0)
+    with pytest.raises(NotFoundException):
+        sbx.commands.stream_input(999_999, iter(["x"]))
+
+
+def test_create_is_idempotent(e2b_env: Dict[str, str]) -> None:
+    """A create retried with the same Idempotency-Key answers the first sandbox again."""
+    import urllib.request
+
+    body = json.dumps({"templateID": "base", "metadata": {"test": "idem"}}).encode()
+    key = f"e2b-{uuid.uuid4()}"
+
+    def create() -> Dict[str, str]:
+        req = urllib.request.Request(
+            e2b_env["E2B_API_URL"] + "/v2/sandboxes",
+            data=body,
+            headers={
+                "X-API-KEY": e2b_env["E2B_API_KEY"],
+                "Content-Type": "application/json",
+                "Idempotency-Key": key,
+            },
+        )
+        with urllib.request.urlopen(req) as r:
+            assert r.status == 201
+            out: Dict[str, str] = json.loads(r.read())
+            return out
+
+    first = create()
+    try:
+        again = create()
+        assert again["sandboxID"] == first["sandboxID"]
+        assert again["envdAccessToken"] == first["envdAccessToken"]
+    finally:
+        Sandbox.kill(first["sandboxID"], api_key=e2b_env["E2B_API_KEY"], api_url=e2b_env["E2B_API_URL"])
+
+
 def test_kill_process(sbx: Sandbox) -> None:
     h = sbx.commands.run("sleep 30", background=True, timeout=60)
     t0 = time.monotonic()
