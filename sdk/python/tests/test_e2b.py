@@ -636,6 +636,32 @@ def test_watch_dir(sbx: Sandbox) -> None:
         handle.stop()
 
 
+@pytest.mark.asyncio
+async def test_watch_dir_stream_async(e2b_env: Dict[str, str]) -> None:
+    """The async SDK watches through the WatchDir server stream (start, then filesystem events)."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    sbx = await AsyncSandbox.create(api_key=e2b_env["E2B_API_KEY"], api_url=e2b_env["E2B_API_URL"])
+    try:
+        await sbx.files.make_dir("/home/user/aw")
+        seen: List[object] = []
+        handle = await sbx.files.watch_dir("/home/user/aw", on_event=seen.append, timeout=30)
+        try:
+            await sbx.files.write("/home/user/aw/a.txt", "x")
+            for _ in range(100):
+                if any(getattr(e, "name", "") == "a.txt" for e in seen):
+                    break
+                await asyncio.sleep(0.1)
+            names = {(getattr(e, "name", ""), getattr(e, "type", None)) for e in seen}
+            assert any(n == "a.txt" for n, _ in names), seen
+        finally:
+            await handle.stop()
+    finally:
+        await sbx.kill()
+
+
 # -- code interpreter ----------------------------------------------------------------------------
 
 
