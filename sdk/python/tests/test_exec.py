@@ -67,6 +67,17 @@ def test_exec_env_and_cwd(sandbox: dsec.Sandbox) -> None:
     assert r.text == "42\n/tmp\n"
 
 
+def test_exec_as_a_user(sandbox: dsec.Sandbox) -> None:
+    r = sandbox.exec("id -u; id -un; echo $HOME", user="nobody")
+    assert r.ok, r
+    assert r.text == "65534\nnobody\n/nonexistent\n"
+    assert sandbox.exec("id -u").text == "0\n"
+    p = sandbox.spawn("id -u", user="4242")
+    assert p.wait().text == "4242\n"
+    with pytest.raises(dsec.InvalidRequest):
+        sandbox.exec("true", user="no-such-user")
+
+
 def test_exec_timeout_is_a_result(sandbox: dsec.Sandbox) -> None:
     t0 = time.monotonic()
     r = sandbox.exec(["/bin/sleep", "30"], timeout_ms=500)

@@ -113,6 +113,8 @@ class ExecOptions(TypedDict, total=False):
         stdin: bytes or text fed to the command's stdin.
         cpu_limit_ms: CPU-time limit.
         output_limit: bytes of stdout/stderr kept (and the hard bound that kills the command).
+        user: the user of the sandbox it runs as (a name in its ``/etc/passwd`` or a uid;
+            default: the template's user, else root).
     """
 
     env: Mapping[str, str] | None
@@ -121,6 +123,7 @@ class ExecOptions(TypedDict, total=False):
     stdin: str | bytes | None
     cpu_limit_ms: int | None
     output_limit: int | None
+    user: str | None
 
 
 class WriteOptions(TypedDict, total=False):
@@ -246,6 +249,9 @@ def exec_body(
         body["cpu_limit_ms"] = int(cpu_limit_ms)
     if output_limit is not None:
         body["output_limit"] = int(output_limit)
+    user = options.get("user")
+    if user is not None:
+        body["user"] = str(user)
     if stdin is not None:
         if isinstance(stdin, str):
             body["stdin"] = stdin
