@@ -33,12 +33,37 @@ const QEMU_PIDS: u64 = 256;
 /// until the VM cache is cleared.
 /// (`/etc` itself is left out: its modification time moves whenever any tool replaces a file
 /// there by rename.)
-const HOST_FINGERPRINT: &[&str] = &[
-    "/var/lib/dpkg/status",
-    "/usr/local/bin",
-    "/usr/local/lib",
-    "/opt",
-];
+const HOST_FINGERPRINT: &[&str] = &["/var/lib/dpkg/status", "/opt"];
+
+/// Directories named by what they hold instead ([`listing_fingerprint`]): tools rewrite their
+/// files there by rename with the same content (a session's helper scripts, `ln -sf` of the
+/// same link), which moves the directory's modification time and, named by it, made a new
+/// multi-GB image each time.
+const HOST_LISTED: &[&str] = &["/usr/local/bin", "/usr/local/lib"];
+
+/// Names what `dir` holds: each entry's name, kind, size (a regular file) or target (a link),
+/// sorted; not modification times.
+fn listing_fingerprint(dir: &std::path::Path) -> String {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return String::new();
+    };
+    let mut lines: Vec<String> = rd
+        .flatten()
+        .filter_map(|e| {
+            let m = std::fs::symlink_metadata(e.path()).ok()?;
+            let what = if m.file_type().is_symlink() {
+                format!("l {}", std::fs::read_link(e.path()).ok()?.display())
+            } else if m.is_dir() {
+                "d".to_owned()
+            } else {
+                format!("f {}", m.len())
+            };
+            Some(format!("{} {what}", e.file_name().to_string_lossy()))
+        })
+        .collect();
+    lines.sort();
+    crate::substrate::vm::image::image_key(&lines.iter().map(String::as_str).collect::<Vec<_>>())
+}
 
 /// Told of every VM preparation step with the template it is for.
 pub type VmObserver = Arc<dyn Fn(&str, vm::Event) + Send + Sync>;
@@ -194,6 +219,11 @@ impl Runtime {
             let changed: Vec<String> = HOST_FINGERPRINT
                 .iter()
                 .map(|p| format!("{p}={}", mtime(p)))
+                .chain(
+                    HOST_LISTED
+                        .iter()
+                        .map(|p| format!("{p}#{}", listing_fingerprint(std::path::Path::new(p)))),
+                )
                 .collect();
             let mask_id = mask_fingerprint(&self.host_mask_src);
             let mask = self.host_mask_src.display().to_string();
@@ -608,7 +638,25 @@ impl Sandbox {
 
 #[cfg(test)]
 mod tests {
-    use super::mask_fingerprint;
+    use super::{listing_fingerprint, mask_fingerprint};
+
+    #[test]
+    fn a_listing_is_named_by_its_entries_not_their_times() -> anyhow::Result<()> {
+        let d = tempfile::tempdir()?;
+        std::fs::write(d.path().join("tool"), "#!/bin/sh\n")?;
+        std::os::unix::fs::symlink("/elsewhere/dsec", d.path().join("dsec"))?;
+        let before = listing_fingerprint(d.path());
+        // Rewritten by rename with the same content, the link made again: the same name.
+        std::fs::write(d.path().join("tool.new"), "#!/bin/sh\n")?;
+        std::fs::rename(d.path().join("tool.new"), d.path().join("tool"))?;
+        std::fs::remove_file(d.path().join("dsec"))?;
+        std::os::unix::fs::symlink("/elsewhere/dsec", d.path().join("dsec"))?;
+        assert_eq!(listing_fingerprint(d.path()), before);
+        // A new file, a changed size, a link elsewhere: another.
+        std::fs::write(d.path().join("tool"), "#!/bin/sh\nexit 0\n")?;
+        assert_ne!(listing_fingerprint(d.path()), before);
+        Ok(())
+    }
     use crate::template::unpack::{make_whiteout, set_opaque};
 
     #[test]
