@@ -193,7 +193,10 @@ async fn serve(
         took_ms = %report.took_ms,
         "recovered",
     );
-    tokio::spawn(run::start(Arc::clone(&state.runner)));
+    tokio::spawn(run::start(
+        Arc::clone(&state.runner),
+        crate::clock::now_ms(),
+    ));
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ServerError::Other(format!("listen on {}: {e}", cfg.listen)))?;

@@ -535,8 +535,16 @@ pub async fn list_languages(app: Arc<Runner>, template: Option<String>) -> ApiRe
 
 /// Destroys runner sandboxes a previous node process left (their sessions died with the
 /// agent connections of that process). Zygotes and the language probe start at first use.
-pub async fn start(app: Arc<Runner>) {
-    stop(&app).await;
+/// Only those recorded before `started` (taken before the node serves anything): this runs
+/// beside the first requests, whose own runner sandboxes may be being created already.
+pub async fn start(app: Arc<Runner>, started: u64) {
+    let mine = app.tenant().id.clone();
+    for e in app.node.entries() {
+        let r = e.record();
+        if r.tenant.as_deref() == Some(mine.as_str()) && r.created_at_ms < started {
+            let _ = app.node.destroy(&e).await;
+        }
+    }
 }
 
 /// Destroys the runner's sandboxes when the node stops: zygotes and idle containers are a
