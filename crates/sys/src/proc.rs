@@ -337,6 +337,29 @@ pub fn restore_thread_fs_ids(groups: &[u32]) -> io::Result<()> {
     set_thread_fs_ids(uid, gid, groups)
 }
 
+/// The header of `capget`/`capset` (`_LINUX_CAPABILITY_VERSION_3`, the calling thread).
+#[repr(C)]
+pub(crate) struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+impl CapHeader {
+    pub(crate) const V3: CapHeader = CapHeader {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+}
+
+/// One of the two data structs of `capget`/`capset` (capabilities 0–31, then 32–63).
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+pub(crate) struct CapData {
+    pub(crate) effective: u32,
+    pub(crate) permitted: u32,
+    pub(crate) inheritable: u32,
+}
+
 /// The capabilities of the calling thread: `(effective, permitted)` as bit masks.
 pub fn own_caps() -> io::Result<(u64, u64)> {
     let (e, p, _) = capget()?;
@@ -344,29 +367,14 @@ pub fn own_caps() -> io::Result<(u64, u64)> {
 }
 
 fn capget() -> io::Result<(u64, u64, u64)> {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: i32,
-    }
-    #[repr(C)]
-    #[derive(Default, Clone, Copy)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    let mut header = Header {
-        version: 0x2008_0522,
-        pid: 0,
-    };
-    let mut data = [Data::default(); 2];
+    let mut header = CapHeader::V3;
+    let mut data = [CapData::default(); 2];
     // SAFETY: capget with a v3 header and room for two data structs, as the ABI requires.
     let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    let join = |f: fn(&Data) -> u32| u64::from(f(&data[0])) | (u64::from(f(&data[1])) << 32);
+    let join = |f: fn(&CapData) -> u32| u64::from(f(&data[0])) | (u64::from(f(&data[1])) << 32);
     Ok((
         join(|d| d.effective),
         join(|d| d.permitted),

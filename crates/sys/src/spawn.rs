@@ -468,20 +468,6 @@ fn step_name(step: u32) -> &'static str {
     }
 }
 
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: i32,
-}
-
-#[repr(C)]
-#[derive(Default, Clone, Copy)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
 /// The child: set-up, then exec. Only system calls (see the module docs).
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` is the `ChildCtx` the parent keeps alive across the clone (CLONE_VFORK).
@@ -588,11 +574,8 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         if ctx.drop_caps {
             // Securebits may keep capabilities across the uid change above and across exec
             // (through the ambient set): clear every set explicitly.
-            let header = CapHeader {
-                version: 0x2008_0522,
-                pid: 0,
-            };
-            let data = [CapData::default(); 2];
+            let header = crate::proc::CapHeader::V3;
+            let data = [crate::proc::CapData::default(); 2];
             if libc::prctl(
                 libc::PR_CAP_AMBIENT,
                 libc::PR_CAP_AMBIENT_CLEAR_ALL,

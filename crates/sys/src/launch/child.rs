@@ -233,27 +233,10 @@ const CAP_KILL: u32 = 5;
 const CAP_SETGID: u32 = 6;
 const CAP_SETUID: u32 = 7;
 
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
 fn capset(err: &OwnedFd, step: &'static str, effective: u64, permitted: u64, inheritable: u64) {
-    let header = CapHeader {
-        version: 0x2008_0522,
-        pid: 0,
-    };
+    let header = crate::proc::CapHeader::V3;
     let half = |m: u64, hi: bool| if hi { (m >> 32) as u32 } else { m as u32 };
-    let data = [false, true].map(|hi| CapData {
+    let data = [false, true].map(|hi| crate::proc::CapData {
         effective: half(effective, hi),
         permitted: half(permitted, hi),
         inheritable: half(inheritable, hi),
