@@ -268,13 +268,17 @@ pub(in crate::server::http) async fn e2b_list(
     Caller(app, t): Caller,
     Query(q): Query<ListQuery>,
 ) -> ApiResult<Response> {
-    let mut want: Vec<(String, String)> = Vec::new();
-    if let Some(m) = q.metadata.as_deref().filter(|m| !m.is_empty()) {
-        for pair in m.split('&') {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            want.push((percent_decode(k), percent_decode(v)));
-        }
-    }
+    // `metadata` is itself a query string (`k=v&k2=v2`, encoded once more by the SDK): the
+    // router's query parser decodes it as it decoded the request's.
+    let want: Vec<(String, String)> = match q.metadata.as_deref().filter(|m| !m.is_empty()) {
+        Some(m) => format!("/?{m}")
+            .parse::<axum::http::Uri>()
+            .ok()
+            .and_then(|u| Query::<Vec<(String, String)>>::try_from_uri(&u).ok())
+            .map(|Query(v)| v)
+            .ok_or_else(|| ApiError::invalid("metadata must be k=v pairs joined by &"))?,
+        None => Vec::new(),
+    };
     let states: Vec<String> = q
         .state
         .as_deref()
@@ -317,29 +321,4 @@ pub(in crate::server::http) async fn e2b_list(
         }
     }
     Ok(resp)
-}
-
-/// Decodes `%XX` escapes and `+` (a query value decoded once by the router may still carry
-/// the SDK's own encoding).
-pub(super) fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    let hex = |c: u8| (c as char).to_digit(16);
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => match (hex(b[i + 1]), hex(b[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                    continue;
-                }
-                _ => out.push(b'%'),
-            },
-            b'+' => out.push(b' '),
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }

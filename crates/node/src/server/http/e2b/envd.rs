@@ -25,7 +25,9 @@ pub(super) async fn serve(t: Target, req: Request) -> Response {
         Ok(b) => b,
         Err(e) => return e2b_error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
     };
-    let q = parts.uri.query().unwrap_or("").to_owned();
+    let q: FilesQuery = Query::try_from_uri(&parts.uri)
+        .map(|Query(q)| q)
+        .unwrap_or_default();
     let h = &parts.headers;
     match (parts.method.as_str(), path.as_str()) {
         ("GET", "/health") => StatusCode::NO_CONTENT.into_response(),
@@ -811,11 +813,13 @@ mod watchers {
 // ---------------------------------------------------------------------------------------------
 // /files
 
-fn query_param(q: &str, key: &str) -> Option<String> {
-    q.split('&').find_map(|kv| {
-        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-        (k == key).then(|| percent_decode(v))
-    })
+/// The query of `/files`, decoded by the router's query parser.
+#[derive(Deserialize, Default)]
+struct FilesQuery {
+    #[serde(default)]
+    path: Option<String>,
+    #[serde(default)]
+    username: Option<String>,
 }
 
 /// The E2B error answer of a failed file request.
@@ -824,17 +828,17 @@ fn files_error(e: ApiError) -> Response {
     e2b_error(status, e.detail)
 }
 
-fn user_for(t: &Target, q: &str) -> Target {
+fn user_for(t: &Target, q: &FilesQuery) -> Target {
     let mut t = t.clone();
-    if let Some(u) = query_param(q, "username").filter(|u| !u.is_empty()) {
+    if let Some(u) = q.username.clone().filter(|u| !u.is_empty()) {
         t.user = u;
     }
     t
 }
 
-async fn files_read(t: Target, q: &str) -> Response {
+async fn files_read(t: Target, q: &FilesQuery) -> Response {
     let t = user_for(&t, q);
-    let Some(path) = query_param(q, "path") else {
+    let Some(path) = q.path.clone() else {
         return e2b_error(StatusCode::BAD_REQUEST, "path is required");
     };
     let path = full_path(&t, &path);
@@ -857,7 +861,12 @@ async fn files_read(t: Target, q: &str) -> Response {
     }
 }
 
-async fn files_write(t: Target, q: &str, h: &axum::http::HeaderMap, body: Bytes) -> Response {
+async fn files_write(
+    t: Target,
+    q: &FilesQuery,
+    h: &axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     let t = user_for(&t, q);
     let ctype = header_str(h, "content-type").unwrap_or("").to_owned();
     let files: Vec<(String, Bytes)> = if ctype.starts_with("multipart/form-data") {
@@ -867,9 +876,7 @@ async fn files_write(t: Target, q: &str, h: &axum::http::HeaderMap, body: Bytes)
                 .filter(|p| p.name == "file")
                 .map(|p| {
                     (
-                        p.filename
-                            .or_else(|| query_param(q, "path"))
-                            .unwrap_or_default(),
+                        p.filename.or_else(|| q.path.clone()).unwrap_or_default(),
                         p.data,
                     )
                 })
@@ -877,7 +884,7 @@ async fn files_write(t: Target, q: &str, h: &axum::http::HeaderMap, body: Bytes)
             Err(e) => return e2b_error(StatusCode::BAD_REQUEST, e),
         }
     } else {
-        vec![(query_param(q, "path").unwrap_or_default(), body)]
+        vec![(q.path.clone().unwrap_or_default(), body)]
     };
     if files.is_empty() || files.iter().any(|(p, _)| p.is_empty()) {
         return e2b_error(StatusCode::BAD_REQUEST, "every file needs a path");
