@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 pub mod cluster;
+pub mod fakenet;
 mod http;
 
 pub use http::{Http, Reply};
