@@ -292,6 +292,22 @@ impl Drop for FakeNet {
         let _ = ip(&["link", "del", &self.host_if]);
         let _ = fs::remove_dir_all(&self.dir);
         let _ = ip(&["netns", "del", &self.ns]);
+        release_run_netns();
+    }
+}
+
+/// `ip netns add` mounts `/run/netns` on itself the first time: once the last named namespace
+/// is gone, that mount and the directory go too (the machine as it was found). A namespace
+/// added meanwhile keeps it busy, and then it stays.
+fn release_run_netns() {
+    let dir = Path::new("/run/netns");
+    let empty = fs::read_dir(dir).map(|mut d| d.next().is_none()).unwrap_or(false);
+    let mounted = fs::read_to_string("/proc/self/mountinfo")
+        .map(|m| m.lines().any(|l| l.split(' ').nth(4) == Some("/run/netns")))
+        .unwrap_or(false);
+    if empty && mounted {
+        let _ = rustix::mount::unmount(dir, rustix::mount::UnmountFlags::empty());
+        let _ = fs::remove_dir(dir);
     }
 }
 
@@ -330,6 +346,7 @@ fn sweep() {
         let _ = ip(&["link", "del", &format!("dsf-{n}")]);
         let _ = fs::remove_dir_all(&claimed);
         let _ = ip(&["netns", "del", &format!("dsecfake-{n}")]);
+        release_run_netns();
     }
 }
 
