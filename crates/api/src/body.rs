@@ -22,6 +22,9 @@ pub struct NewTenant {
     /// Most bytes of snapshot layers (each snapshot counts its own layer).
     #[serde(default)]
     pub max_snapshot_bytes: Option<u64>,
+    /// The widest network egress its sandboxes may have (`"none"` when absent).
+    #[serde(default)]
+    pub egress_ceiling: Option<crate::network::Egress>,
 }
 
 /// `POST /v1/sandboxes:batch` (create `count` alike).

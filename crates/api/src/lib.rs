@@ -21,6 +21,7 @@ pub mod error;
 pub mod exec;
 pub mod frame;
 pub mod limits;
+pub mod network;
 pub mod problem;
 pub mod sandbox;
 

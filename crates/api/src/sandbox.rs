@@ -145,6 +145,9 @@ pub struct CreateSpec {
     /// Made from this snapshot (`sn-…`): its template and substrate, its files.
     #[serde(default)]
     pub snapshot: Option<String>,
+    /// Network egress (none when absent).
+    #[serde(default)]
+    pub network: Option<crate::network::NetworkSpec>,
 }
 
 /// Layers a node fetched for a create.
@@ -213,6 +216,12 @@ pub struct SandboxView {
     /// Host pid of its init: shown to the admin tenant only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_pid: Option<i32>,
+    /// Its network policy (absent: egress `none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::network::NetworkSpec>,
+    /// Its address on the node's egress subnet, while it has a path out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_address: Option<std::net::Ipv4Addr>,
 }
 
 #[cfg(test)]

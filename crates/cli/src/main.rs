@@ -228,6 +228,14 @@ struct ServerArgs {
     /// from the nodes that hold them.
     #[arg(long, env = "DSEC_TEMPLATE_STORE", requires = "etcd")]
     template_store: Option<String>,
+    /// The DNS resolver (ip:port) names a sandbox's egress policy allows are resolved with
+    /// (default: the host's first nameserver in /etc/resolv.conf).
+    #[arg(long, env = "DSEC_EGRESS_RESOLVER")]
+    egress_resolver: Option<std::net::SocketAddr>,
+    /// The subnet (a.b.c.d/len) of sandboxes' egress addresses (default: a free /19 of
+    /// 10.224.0.0/11, one per node on a host).
+    #[arg(long, env = "DSEC_EGRESS_SUBNET", value_parser = parse_subnet)]
+    egress_subnet: Option<(std::net::Ipv4Addr, u8)>,
 }
 
 /// Where a template comes from: its name and its image.
@@ -681,6 +689,18 @@ fn template_rm(c: &client::Client, name: &str) -> Result<ExitCode, client::Clien
     Ok(ExitCode::SUCCESS)
 }
 
+/// `a.b.c.d/len`, len 16..=28 (room for sandboxes, not a whole class A).
+fn parse_subnet(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
+    let (a, l) = s.split_once('/').ok_or("a.b.c.d/len")?;
+    let a: std::net::Ipv4Addr = a.parse().map_err(|e| format!("{a}: {e}"))?;
+    let l: u8 = l
+        .parse()
+        .ok()
+        .filter(|l| (16..=28).contains(l))
+        .ok_or("the prefix length is 16 to 28")?;
+    Ok((dsec_api::network::network(a, l), l))
+}
+
 fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
     let mut runtime = RuntimeConfig::from_env().context("locate dsec binaries")?;
     runtime.data_dir = cli.data_dir.clone();
@@ -723,6 +743,11 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         },
         shutdown_sandboxes: args.shutdown_sandboxes,
         vm_cache_max_bytes: args.vm_cache_max_bytes,
+        egress: dsec_node::egress::EgressConfig {
+            resolver: args.egress_resolver,
+            subnet: args.egress_subnet,
+            never: Vec::new(),
+        },
         cluster: args
             .etcd
             .clone()

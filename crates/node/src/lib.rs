@@ -6,6 +6,7 @@ pub mod agent_client;
 pub mod autoscale;
 pub mod capacity;
 pub mod clock;
+pub mod egress;
 pub mod lifecycle;
 pub mod log;
 pub mod member;

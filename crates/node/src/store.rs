@@ -47,6 +47,25 @@ pub struct Tenant {
     pub max_snapshot_bytes: Option<u64>,
     /// Creation time, ms since the epoch.
     pub created_at_ms: u64,
+    /// The widest network egress its sandboxes may have (`None`: `all` for the admin tenant,
+    /// `none` for any other).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_ceiling: Option<dsec_api::network::Egress>,
+}
+
+impl Tenant {
+    /// Its egress ceiling, the default filled in.
+    pub fn ceiling(&self) -> dsec_api::network::Egress {
+        self.egress_ceiling.clone().unwrap_or(if self.admin {
+            dsec_api::network::Egress::All
+        } else {
+            dsec_api::network::Egress::None
+        })
+    }
+}
+
+fn is_no_network(n: &dsec_api::network::NetworkSpec) -> bool {
+    !n.enabled()
 }
 
 /// Everything the node knows about one sandbox.
@@ -96,6 +115,12 @@ pub struct SandboxRecord {
     /// What the node fetched to make it (a cluster template it did not hold).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fetched: Option<dsec_api::sandbox::Fetched>,
+    /// Its network policy (egress `none` when absent).
+    #[serde(default, skip_serializing_if = "is_no_network")]
+    pub network: dsec_api::network::NetworkSpec,
+    /// Its address on the node's egress subnet, while it has a path out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_addr: Option<std::net::Ipv4Addr>,
 }
 
 impl SandboxRecord {
@@ -121,6 +146,8 @@ impl SandboxRecord {
             secret_env: Vec::new(),
             phase: None,
             fetched: None,
+            network: dsec_api::network::NetworkSpec::default(),
+            net_addr: None,
         }
     }
 }
@@ -553,6 +580,7 @@ mod tests {
                 max_memory_bytes: None,
                 max_snapshot_bytes: None,
                 created_at_ms: 5,
+                egress_ceiling: None,
             };
             s.insert_tenant(&t)?;
             assert!(s.insert_tenant(&t).is_err(), "names and ids are unique");

@@ -16,6 +16,7 @@ pub mod ipc;
 pub mod launch;
 pub mod layer;
 pub mod net;
+pub mod netlink;
 pub mod proc;
 pub mod seccomp;
 pub mod spawn;

@@ -1,11 +1,11 @@
-//! Reaching a sandbox's own network namespace from the host: a TCP connection made inside it
-//! (to a server the sandbox runs on its loopback), used from the host's side afterwards — a
-//! socket stays in the namespace it was made in.
+//! Sockets: a TCP connection made inside a sandbox's own network namespace (to a server the
+//! sandbox runs on its loopback) and used from the host's side afterwards — a socket stays in
+//! the namespace it was made in; sockets bound to an address no interface has yet.
 
 use std::fs::File;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 /// Connects to `127.0.0.1:port` in the network namespace of process `pid` (a sandbox's init),
@@ -27,6 +27,82 @@ pub fn connect_in_netns(pid: i32, port: u16, timeout: Duration) -> io::Result<Tc
         .map_err(|_| io::Error::other("the connecting thread panicked"))?
 }
 
+/// A socket of `kind` (`SOCK_DGRAM`, `SOCK_STREAM`) bound to `addr` with `IP_FREEBIND`: the
+/// address need not be on an interface yet (the node's DNS listens on its sandboxes' gateway
+/// address, which lives on their veths).
+fn bind_freebind(addr: SocketAddr, kind: libc::c_int) -> io::Result<OwnedFd> {
+    let SocketAddr::V4(v4) = addr else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "IPv4 only"));
+    };
+    // SAFETY: socket() with constant arguments; the result is checked before it is owned.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_INET,
+            kind | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let one: libc::c_int = 1;
+    for opt in [
+        (libc::SOL_IP, libc::IP_FREEBIND),
+        (libc::SOL_SOCKET, libc::SO_REUSEADDR),
+    ] {
+        // SAFETY: setsockopt reads an int of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                opt.0,
+                opt.1,
+                (&one as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*v4.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: bind reads a sockaddr_in of the size given.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sin as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// A non-blocking UDP socket bound to `addr` with `IP_FREEBIND`.
+pub fn bind_freebind_udp(addr: SocketAddr) -> io::Result<UdpSocket> {
+    Ok(UdpSocket::from(bind_freebind(addr, libc::SOCK_DGRAM)?))
+}
+
+/// A non-blocking TCP listener on `addr` with `IP_FREEBIND`.
+pub fn bind_freebind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
+    let fd = bind_freebind(addr, libc::SOCK_STREAM)?;
+    // SAFETY: listen on a bound socket we own.
+    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(TcpListener::from(fd))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -39,5 +115,15 @@ mod tests {
         let s = connect_in_netns(std::process::id() as i32, port, Duration::from_secs(2));
         assert!(s.is_ok(), "{s:?}");
         assert!(connect_in_netns(i32::MAX, port, Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn binds_an_address_no_interface_has_yet() {
+        let a = SocketAddr::from((Ipv4Addr::new(10, 254, 254, 1), 0));
+        let u = bind_freebind_udp(a).expect("udp");
+        assert_eq!(u.local_addr().expect("addr").ip(), a.ip());
+        let t = bind_freebind_tcp(a).expect("tcp");
+        assert_eq!(t.local_addr().expect("addr").ip(), a.ip());
+        assert!(bind_freebind_udp("[::1]:0".parse().expect("v6")).is_err());
     }
 }

@@ -313,6 +313,7 @@ fn warm_acquire(rt: &Arc<Runtime>, n: usize, res: &mut Results) -> anyhow::Resul
         max_memory_bytes: None,
         max_snapshot_bytes: None,
         created_at_ms: dsec_node::clock::now_ms(),
+        egress_ceiling: None,
     };
     store.insert_tenant(&tenant)?;
     let tokio = tokio::runtime::Builder::new_multi_thread()

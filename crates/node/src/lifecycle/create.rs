@@ -66,6 +66,8 @@ pub struct CreateRequest {
     pub snapshot: Option<String>,
     /// The snapshot's layer directories, topmost first: resolved by the node.
     pub layers: Vec<String>,
+    /// Network egress, admitted against the tenant's ceiling.
+    pub network: dsec_api::network::NetworkSpec,
 }
 
 impl Default for CreateRequest {
@@ -84,6 +86,7 @@ impl Default for CreateRequest {
             userns: true,
             snapshot: None,
             layers: Vec::new(),
+            network: dsec_api::network::NetworkSpec::default(),
         }
     }
 }
@@ -176,7 +179,16 @@ impl Node {
             }
         }
         let reserved = self.reserve_in_cluster(tenant).await?;
-        let made = self.create_here(tenant, req).await;
+        let net = req.network.clone();
+        let mut made = self.create_here(tenant, req).await;
+        if let (true, Ok(rec)) = (net.enabled(), &made) {
+            // The path out comes once the sandbox exists, made or pooled alike; a failure
+            // destroys it (its destroy releases its cluster reservation).
+            match self.entry(&rec.id) {
+                Some(e) => return self.attach_network(&e, net).await,
+                None => made = Err(Error::NotFound(rec.id.clone())),
+            }
+        }
         if reserved && matches!(&made, Err(e) if !matches!(e, Error::Transition(_))) {
             // (A sandbox destroyed while it was made is released by its destroy.)
             self.release_in_cluster(&tenant.name).await;

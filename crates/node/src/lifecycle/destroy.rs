@@ -49,6 +49,9 @@ impl Node {
         .await
         .map_err(|err| Error::internal(err.to_string()))?;
         drop(guard);
+        if rec.net_addr.is_some() {
+            self.detach_network(&e.id).await;
+        }
         if let Err(err) = result {
             let _ = self.update(e, |r| {
                 step(r, State::Failed)?;

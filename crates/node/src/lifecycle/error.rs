@@ -29,6 +29,9 @@ pub enum Error {
     /// A tenant quota would be exceeded.
     #[error("{0}")]
     Quota(String),
+    /// The caller's tenant may not do this (a network policy beyond its egress ceiling).
+    #[error("{0}")]
+    Forbidden(String),
     /// The node holds its maximum of sandboxes.
     #[error("the node holds its maximum of {0} sandboxes")]
     Full(usize),

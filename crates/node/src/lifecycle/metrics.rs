@@ -55,6 +55,10 @@ pub struct Metrics {
     pub vm_created_vm: Counter,
     /// Create latency of VM sandboxes (restore to identified guest).
     pub vm_restore: Histogram,
+    /// Names and DNS answers refused to sandboxes (`egress_denied` events).
+    pub egress_denied: Counter,
+    /// Giving a sandbox its path out (veth, addresses, set elements).
+    pub egress_attach: Histogram,
 }
 
 impl Metrics {
@@ -149,6 +153,15 @@ impl Metrics {
                 &[],
             ),
             destroy: h("dsec_destroy_seconds", "Destroy latency", &[]),
+            egress_denied: c(
+                "dsec_egress_denied_total",
+                "Names and DNS answers refused to sandboxes by their egress policy",
+            ),
+            egress_attach: h(
+                "dsec_egress_attach_seconds",
+                "Giving a sandbox its network path out (veth, addresses, nftables elements)",
+                &[],
+            ),
             registry,
         }
     }

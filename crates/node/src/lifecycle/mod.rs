@@ -15,6 +15,7 @@ mod entry;
 mod error;
 pub mod follow;
 mod metrics;
+pub mod network;
 mod pools;
 mod recover;
 mod reset;
@@ -66,6 +67,12 @@ pub struct LifecycleEvent {
     pub version: u64,
     /// When, ms since the epoch.
     pub at_ms: u64,
+    /// What happened besides a state change (`egress_denied`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event: Option<&'static str>,
+    /// Its detail (the name or address refused).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Shared state of the node daemon.
@@ -112,6 +119,10 @@ pub struct Node {
     /// Held shared while a snapshot layer is written and recorded, exclusively while
     /// unreferenced layers are collected.
     snapshot_gc: tokio::sync::RwLock<()>,
+    /// How egress is set up, once the daemon's flags are read.
+    pub egress_config: std::sync::OnceLock<crate::egress::EgressConfig>,
+    /// The node's egress, started by the first sandbox that needs a path out.
+    egress: Mutex<Option<Arc<crate::egress::Egress>>>,
 }
 
 /// Counts a request as in flight while it lives.
@@ -157,6 +168,8 @@ impl Node {
             metrics: Metrics::new(),
             started: Instant::now(),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
+            egress_config: std::sync::OnceLock::new(),
+            egress: Mutex::new(None),
         })
     }
 
@@ -297,6 +310,8 @@ impl Node {
             state: rec.state,
             version: rec.version,
             at_ms: now_ms(),
+            event: None,
+            detail: None,
         });
         Ok(rec)
     }

@@ -102,6 +102,8 @@ impl Node {
             let _ = tokio::task::spawn_blocking(move || reap_orphan(&rt, &oid)).await;
             report.orphans.push(id);
         }
+        // Paths out of the adopted sandboxes (the kernel kept enforcing them meanwhile).
+        self.adopt_networks().await;
         // Sandbox cgroups no live sandbox has (a create or destroy cut short).
         report.orphan_cgroups = self.sweep_orphan_cgroups().await;
         // Snapshot layers a crash left without a record (or whose last user is gone).

@@ -37,6 +37,7 @@ pub fn new_tenant(
     max_sandboxes: Option<u64>,
     max_memory_bytes: Option<u64>,
     max_snapshot_bytes: Option<u64>,
+    egress_ceiling: Option<dsec_api::network::Egress>,
 ) -> ApiResult<(Tenant, String)> {
     let t = Tenant {
         id: format!("tn-{}", random_hex(8)),
@@ -46,6 +47,7 @@ pub fn new_tenant(
         max_memory_bytes,
         max_snapshot_bytes,
         created_at_ms: now_ms(),
+        egress_ceiling,
     };
     store.insert_tenant(&t)?;
     let key = format!("dsk_{}", random_hex(24));

@@ -144,6 +144,7 @@ impl From<lifecycle::Error> for ApiError {
             E::Invalid(_) => ErrorCode::InvalidRequest,
             E::Transition(_) => ErrorCode::InvalidTransition,
             E::Quota(_) => ErrorCode::QuotaExceeded,
+            E::Forbidden(_) => ErrorCode::Forbidden,
             E::Runtime(r) => r.code(),
             E::Template(t) => t.code(),
             E::Internal(_) => ErrorCode::Internal,

@@ -67,6 +67,8 @@ pub struct ServerConfig {
     pub vm_cache_max_bytes: Option<u64>,
     /// The cluster this node joins (`None`: a node on its own, the embedded default).
     pub cluster: Option<crate::member::ClusterConfig>,
+    /// How sandboxes' network egress is set up.
+    pub egress: crate::egress::EgressConfig,
 }
 
 /// A failure to start or run the daemon.
@@ -149,6 +151,7 @@ async fn serve(
         None
     };
     let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
+    let _ = app.egress_config.set(cfg.egress.clone());
     let member = join(&cfg, &app).await?;
     let state = state::AppState {
         node: Arc::clone(&app),
@@ -258,6 +261,8 @@ async fn serve(
     if cfg.shutdown_sandboxes {
         app.destroy_all(Duration::from_secs(60)).await;
     }
+    // Sandboxes that live on keep their paths out enforced by the kernel meanwhile.
+    app.egress_idle_teardown();
     result?;
     tracing::info!("stopped");
     Ok(())
@@ -351,6 +356,7 @@ fn internal_tenant(
         max_memory_bytes: None,
         max_snapshot_bytes: None,
         created_at_ms: crate::clock::now_ms(),
+        egress_ceiling: None,
     };
     store.insert_tenant(&t)?;
     Ok(t)
@@ -365,7 +371,7 @@ fn bootstrap_admin(
     if store.tenant_by_name("admin")?.is_some() {
         return Ok(None);
     }
-    let (_, key) = auth::new_tenant(store, "admin", true, None, None, None)
+    let (_, key) = auth::new_tenant(store, "admin", true, None, None, None, None)
         .map_err(|e| ServerError::Other(e.to_string()))?;
     let path: PathBuf = data_dir.join("admin.key");
     use std::io::Write as _;

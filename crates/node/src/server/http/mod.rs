@@ -14,7 +14,7 @@ use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self as axum_mw, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
 use base64::Engine as _;
 use dsec_api::agent::{Event, Request as AgentReq};
@@ -77,6 +77,7 @@ pub fn router(app: AppState) -> Router {
         )
         .route("/v1/sandboxes/{id}/lease", post(lease))
         .route("/v1/sandboxes/{id}/reset", post(reset))
+        .route("/v1/sandboxes/{id}/network", put(set_network))
         .route("/v1/sandboxes/{id}/snapshots", post(take_snapshot))
         .route("/v1/sandboxes/{id}/fork", post(fork))
         .route("/v1/sandboxes/{id}/restore", post(restore))

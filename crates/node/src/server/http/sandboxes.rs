@@ -30,6 +30,8 @@ pub fn view(r: &SandboxRecord) -> SandboxView {
         snapshot: r.spec.snapshot.clone(),
         supervisor_pid: None,
         init_pid: None,
+        network: r.network.enabled().then(|| r.network.clone()),
+        network_address: r.net_addr,
     }
 }
 
@@ -124,6 +126,8 @@ pub(super) fn create_request(
             ));
         }
     }
+    let network =
+        crate::lifecycle::network::admit_network(tenant, substrate, b.network.unwrap_or_default())?;
     let template = b.template.unwrap_or_else(|| "host".into());
     crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(CreateRequest {
@@ -140,6 +144,7 @@ pub(super) fn create_request(
         userns: b.userns.unwrap_or(!substrate.is_vm()),
         snapshot: b.snapshot,
         layers: Vec::new(),
+        network,
     })
 }
 
@@ -448,6 +453,17 @@ pub(super) async fn reset(
 ) -> ApiResult<Json<SandboxView>> {
     let e = app.node.owned(&t, &id)?;
     Ok(Json(view(&app.node.reset(&e).await?)))
+}
+
+/// `PUT /v1/sandboxes/{id}/network` `{"egress": …}`: the policy of a running sandbox.
+pub(super) async fn set_network(
+    Caller(app, t): Caller,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<SandboxView>> {
+    let e = app.node.owned(&t, &id)?;
+    let net: dsec_api::network::NetworkSpec = json_body(&body)?;
+    Ok(Json(view(&app.node.set_network(&e, &t, net).await?)))
 }
 
 #[cfg(test)]

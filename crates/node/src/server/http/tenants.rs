@@ -32,6 +32,7 @@ pub(super) async fn create_tenant(
         req.max_sandboxes,
         req.max_memory_bytes,
         req.max_snapshot_bytes,
+        req.egress_ceiling,
     )?;
     let mut v = serde_json::to_value(&t).unwrap_or_default();
     v["api_key"] = key.into();

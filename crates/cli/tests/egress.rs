@@ -1,0 +1,433 @@
+//! Network egress through a real `dsec server` against a fake internet in a network namespace
+//! of its own (`testkit::fakenet`: DNS, HTTP, HTTPS, a package index): nothing here contacts a
+//! real outside address. Default deny; allow by name, wildcard, CIDR and port; no DNS
+//! rebinding; never the node, link-local metadata or another sandbox; a policy changed on a
+//! running sandbox; tenants' ceilings; the kernel keeps enforcing while the daemon is dead
+//! and a restart adopts the paths; `pip install` from the fake index.
+//!
+//! Needs root (namespaces, veths, nftables); CI runs as root.
+
+use std::net::Ipv4Addr;
+
+use dsec_testkit as testkit;
+use serde_json::{json, Value};
+use testkit::fakenet::FakeNet;
+
+testkit::daemon_type!(
+    /// A daemon of these tests.
+    struct Daemon
+);
+
+impl Daemon {
+    fn fresh(test: &str, net: &FakeNet) -> Self {
+        let (data, run) = testkit::dirs("deg", test);
+        let base = data.parent().expect("a base").to_owned();
+        Self::on(&data, &run, Some(&base), net)
+    }
+
+    /// A daemon on these state dirs (removed with it when `owned` names their base).
+    fn on(
+        data: &std::path::Path,
+        run: &std::path::Path,
+        owned: Option<&std::path::Path>,
+        net: &FakeNet,
+    ) -> Self {
+        let mut s = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run);
+        if let Some(base) = owned {
+            s = s.remove_on_drop(base);
+        }
+        let d = s
+            .args(&[
+                "--pool-max",
+                "0",
+                "--egress-resolver",
+                &net.dns().to_string(),
+            ])
+            .start()
+            .expect("start dsec server");
+        Self(d)
+    }
+
+    fn create(&self, spec: Value) -> String {
+        let (s, v) = self.req("POST", "/v1/sandboxes", Some(&spec));
+        assert_eq!(s, 201, "{v}");
+        v["id"].as_str().expect("id").to_owned()
+    }
+
+    /// `(exit code, stdout + stderr)` of `sh -c shell`.
+    fn sh(&self, id: &str, shell: &str) -> (i64, String) {
+        let body = json!({"shell": shell, "timeout_ms": 20000});
+        let (s, v) = self.req("POST", &format!("/v1/sandboxes/{id}/exec"), Some(&body));
+        assert_eq!(s, 200, "{shell}: {v}");
+        let text = |k: &str| v[k]["data"].as_str().unwrap_or_default().to_owned();
+        (
+            v["exit_code"].as_i64().unwrap_or(-1),
+            format!("{}{}", text("stdout"), text("stderr")),
+        )
+    }
+
+    /// Whether an HTTP GET of `url` from the sandbox succeeds (curl, 3 s to connect).
+    fn get(&self, id: &str, url: &str, extra: &str) -> (bool, String) {
+        let (code, out) = self.sh(
+            id,
+            &format!("curl -sS --max-time 5 --connect-timeout 3 {extra} {url}"),
+        );
+        (code == 0, out)
+    }
+
+    fn resolves(&self, id: &str, name: &str) -> Option<String> {
+        let (code, out) = self.sh(id, &format!("getent ahostsv4 {name} | head -1"));
+        (code == 0 && !out.trim().is_empty())
+            .then(|| out.split_whitespace().next().unwrap_or_default().to_owned())
+    }
+
+    fn set_network(&self, id: &str, net: Value) -> (u16, Value) {
+        self.req("PUT", &format!("/v1/sandboxes/{id}/network"), Some(&net))
+    }
+}
+
+fn allow(rules: &[&str]) -> Value {
+    json!({"network": {"egress": {"allow": rules}}})
+}
+
+/// The host's links whose names start with `prefix`.
+fn links(prefix: &str) -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "link"])
+        .output()
+        .expect("ip link");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
+
+fn table_exists(name: &str) -> bool {
+    std::process::Command::new("nft")
+        .args(["list", "table", "inet", name])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+#[test]
+fn default_deny_and_allow_by_name() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("names", &net);
+    let (web, other) = (net.web(), net.other());
+    // No policy: only loopback, exactly as before.
+    let closed = d.create(json!({}));
+    assert!(!d.get(&closed, &format!("http://{web}/whoami"), "").0);
+    let (_, v) = d.req("GET", &format!("/v1/sandboxes/{closed}"), None);
+    assert!(v.get("network").is_none(), "{v}");
+
+    let id = d.create(allow(&["pypi.test"]));
+    let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(v["network"]["egress"]["allow"], json!(["pypi.test"]), "{v}");
+    assert_eq!(d.resolves(&id, "pypi.test"), Some(web.to_string()));
+    let (ok, out) = d.get(&id, "http://pypi.test/whoami", "");
+    assert!(ok, "{out}");
+    let who: Value = serde_json::from_str(&out).expect("whoami json");
+    assert_eq!(who["host"], "pypi.test");
+    // A name not allowed resolves to nothing; its address is not reachable either, nor is an
+    // address no allowed name resolved to.
+    assert_eq!(d.resolves(&id, "github.test"), None);
+    assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
+    assert!(
+        !d.get(
+            &id,
+            "http://github.test/whoami",
+            &format!("--resolve github.test:80:{other}")
+        )
+        .0
+    );
+    // Never: link-local metadata, the node's own addresses and API.
+    assert!(!d.get(&id, "http://169.254.169.254/", "").0);
+    let port = d
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches('/')
+        .to_owned();
+    let (_, out) = d.sh(&id, "ip -4 -o route show default");
+    let gw = out.split_whitespace().nth(2).unwrap_or_default().to_owned();
+    assert!(!gw.is_empty(), "a default route: {out}");
+    assert!(!d.get(&id, &format!("http://{gw}:{port}/v1/health"), "").0);
+    for host_addr in host_addrs() {
+        assert!(
+            !d.get(&id, &format!("http://{host_addr}:{port}/v1/health"), "")
+                .0,
+            "the node at {host_addr}"
+        );
+    }
+    // A refused name is counted.
+    let m = d.http().text("/metrics");
+    let denied = m
+        .lines()
+        .find_map(|l| l.strip_prefix("dsec_egress_denied_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(denied >= 1.0, "dsec_egress_denied_total {denied}");
+}
+
+/// The host's own IPv4 addresses (not loopback).
+fn host_addrs() -> Vec<Ipv4Addr> {
+    let out = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show"])
+        .output()
+        .expect("ip addr");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(3))
+        .filter_map(|a| a.split('/').next()?.parse::<Ipv4Addr>().ok())
+        .filter(|a| !a.is_loopback())
+        .take(3)
+        .collect()
+}
+
+#[test]
+fn wildcards_cidrs_ports_and_tls_by_name() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("cidr", &net);
+    let other = net.other();
+    let ca = std::fs::read_to_string(net.ca_pem()).expect("ca");
+    let id = d.create(allow(&["*.pythonhosted.test", &format!("{other}:443")]));
+    d.sh(&id, &format!("cat > /tmp/ca.pem <<'EOF'\n{ca}EOF"));
+    assert_eq!(
+        d.resolves(&id, "files.pythonhosted.test"),
+        Some(net.web().to_string())
+    );
+    assert!(d.get(&id, "http://files.pythonhosted.test/whoami", "").0);
+    // The wildcard is strictly below its suffix.
+    assert_eq!(d.resolves(&id, "pythonhosted.test"), None);
+    // The CIDR rule: port 443 only.
+    let (ok, out) = d.get(
+        &id,
+        "https://other.test/whoami",
+        &format!("--cacert /tmp/ca.pem --resolve other.test:443:{other}"),
+    );
+    assert!(ok, "{out}");
+    assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
+}
+
+#[test]
+fn no_dns_rebinding_onto_private_or_metadata_addresses() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("rebind", &net);
+    let id = d.create(allow(&["rebind.test"]));
+    assert_eq!(d.resolves(&id, "rebind.test"), Some(net.web().to_string()));
+    for bad in [
+        Ipv4Addr::new(10, 0, 0, 1),
+        Ipv4Addr::new(169, 254, 169, 254),
+        Ipv4Addr::new(127, 0, 0, 1),
+    ] {
+        net.set_name("rebind.test", &[bad]).expect("zone");
+        assert_eq!(d.resolves(&id, "rebind.test"), None, "rebinding to {bad}");
+    }
+}
+
+#[test]
+fn a_running_sandboxs_policy_changes_and_sandboxes_never_reach_each_other() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("change", &net);
+    let web = net.web();
+    let id = d.create(json!({}));
+    assert!(!d.get(&id, &format!("http://{web}/whoami"), "").0);
+    // Open for an install, then closed for the episode.
+    let (s, v) = d.set_network(&id, json!({"egress": {"allow": [format!("{web}/32")]}}));
+    assert_eq!(s, 200, "{v}");
+    assert!(v["network_address"].is_string(), "{v}");
+    assert!(d.get(&id, &format!("http://{web}/whoami"), "").0);
+    let (s, v) = d.set_network(&id, json!({"egress": {"allow": ["pypi.test"]}}));
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        !d.get(&id, &format!("http://{web}/whoami"), "").0,
+        "the CIDR rule is gone"
+    );
+    assert!(d.get(&id, "http://pypi.test/whoami", "").0);
+    let (s, v) = d.set_network(&id, json!({"egress": "none"}));
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("network_address").is_none(), "{v}");
+    assert!(!d.get(&id, &format!("http://{web}/whoami"), "").0);
+    assert_eq!(d.resolves(&id, "pypi.test"), None);
+
+    // Two sandboxes with the whole internet: neither reaches the other.
+    let a = d.create(json!({"network": {"egress": "all"}}));
+    let b = d.create(json!({"network": {"egress": "all"}}));
+    assert!(
+        d.get(&a, &format!("http://{web}/whoami"), "").0,
+        "all reaches the internet"
+    );
+    let (_, va) = d.req("GET", &format!("/v1/sandboxes/{a}"), None);
+    let addr_a = va["network_address"].as_str().expect("address").to_owned();
+    d.sh(
+        &a,
+        "nohup python3 -m http.server 8000 >/dev/null 2>&1 & sleep 1",
+    );
+    assert!(d.get(&a, "http://127.0.0.1:8000/", "").0, "a serves itself");
+    assert!(
+        !d.get(&b, &format!("http://{addr_a}:8000/"), "").0,
+        "b reaches a"
+    );
+    // Spoofing another source address gets nothing through (the agent cannot even set one).
+    let (code, _) = d.sh(&b, &format!("ip addr add {addr_a}/32 dev eth0"));
+    assert_ne!(code, 0, "a command changed its sandbox's addresses");
+}
+
+#[test]
+fn tenants_get_no_more_than_their_ceiling() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("ceiling", &net);
+    let mk = |name: &str, ceiling: Option<Value>| {
+        let mut body = json!({"name": name});
+        if let Some(c) = ceiling {
+            body["egress_ceiling"] = c;
+        }
+        let (s, v) = d.req("POST", "/v1/tenants", Some(&body));
+        assert_eq!(s, 201, "{v}");
+        testkit::Http::new(&d.url, v["api_key"].as_str(), None)
+    };
+    let post = |c: &testkit::Http, body: &Value| c.req("POST", "/v1/sandboxes", Some(body));
+    let plain = mk("plain", None);
+    let (s, v) = post(&plain, &allow(&["pypi.test"]));
+    assert_eq!((s, v["code"].as_str()), (403, Some("forbidden")), "{v}");
+    let (s, _) = post(&plain, &json!({}));
+    assert_eq!(s, 201);
+    let some = mk(
+        "some",
+        Some(json!({"allow": ["*.test"], "max_connections": 50})),
+    );
+    let (s, v) = post(&some, &json!({"network": {"egress": "all"}}));
+    assert_eq!((s, v["code"].as_str()), (403, Some("forbidden")), "{v}");
+    let (s, v) = post(&some, &allow(&["pypi.test"]));
+    assert_eq!(s, 201, "{v}");
+    let (s, v) = post(&some, &allow(&["10.0.0.0/8"]));
+    assert_eq!((s, v["code"].as_str()), (403, Some("forbidden")), "{v}");
+    let (s, v) = d.req("POST", "/v1/sandboxes", Some(&allow(&["::1"])));
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (400, Some("invalid_request")),
+        "{v}"
+    );
+}
+
+#[test]
+fn the_kernel_enforces_while_the_daemon_is_dead_and_a_restart_adopts() {
+    let net = FakeNet::start().expect("fake internet");
+    let (data, run, _base) = testkit::dirs_removed_on_drop("deg", "kill9");
+    let mut d = Daemon::on(&data, &run, None, &net);
+    let (web, other) = (net.web(), net.other());
+    let id = d.create(allow(&[&format!("{web}/32")]));
+    assert!(d.get(&id, &format!("http://{web}/whoami"), "").0);
+    let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None);
+    let init = v["init_pid"].as_i64().expect("init pid (admin view)");
+    let k = std::fs::read_to_string(d.data.join("egress-index")).expect("egress index");
+    let (table, prefix) = (format!("dsec_{}", k.trim()), format!("dsv{}-", k.trim()));
+    d.kill9();
+    assert!(table_exists(&table), "the rules outlive the daemon");
+    assert_eq!(links(&prefix).len(), 1);
+    // From inside the sandbox's network namespace, with no daemon: allowed, and not.
+    let curl = |url: &str| {
+        std::process::Command::new("nsenter")
+            .args([
+                "-t",
+                &init.to_string(),
+                "-n",
+                "curl",
+                "-sS",
+                "--max-time",
+                "3",
+                url,
+            ])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    assert!(curl(&format!("http://{web}/whoami")));
+    assert!(!curl(&format!("http://{other}/whoami")));
+    let mut d = Daemon::on(&data, &run, None, &net);
+    assert!(d.get(&id, &format!("http://{web}/whoami"), "").0, "adopted");
+    assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
+    let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(s, 200);
+    assert!(
+        links(&prefix).is_empty(),
+        "the veth is gone with its sandbox"
+    );
+    d.stop();
+    assert!(
+        !table_exists(&table),
+        "a node with no path left removes its table"
+    );
+}
+
+#[test]
+fn pip_installs_from_the_fake_index() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("pip", &net);
+    let id = d.create(json!({
+        "writable_root": true,
+        "network": {"egress": {"allow": ["pypi.test"]}},
+    }));
+    let (code, out) = d.sh(
+        &id,
+        "PIP_CONFIG_FILE=/dev/null /usr/bin/python3 -m pip install --isolated --no-cache-dir \
+         --disable-pip-version-check --index-url http://pypi.test/simple/ \
+         --trusted-host pypi.test --target /tmp/site dsecprobe 2>&1 && \
+         PYTHONPATH=/tmp/site /usr/bin/python3 -c 'import dsecprobe; print(dsecprobe.VALUE)'",
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.trim_end().ends_with("42"), "{out}");
+}
+
+#[test]
+fn bandwidth_and_connection_caps_hold() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("caps", &net);
+    let web = net.web();
+    let cap = 1_000_000u64;
+    let id = d.create(json!({"network": {"egress": {
+        "allow": [format!("{web}/32")], "bandwidth_bps": cap, "max_connections": 2,
+    }}}));
+    let (code, out) = d.sh(
+        &id,
+        &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
+    );
+    assert_eq!(code, 0, "{out}");
+    let speed: f64 = out.trim().parse().expect("speed");
+    assert!(
+        speed < cap as f64 * 1.3,
+        "{speed} B/s through a cap of {cap} B/s"
+    );
+    // Two connections held open, the third refused.
+    let (code, out) = d.sh(
+        &id,
+        &format!(
+            "python3 -c \"
+import socket
+held, ok = [], 0
+for i in range(3):
+    s = socket.socket(); s.settimeout(3)
+    try:
+        s.connect(('{web}', 80)); held.append(s); ok += 1
+    except OSError as e:
+        print('refused', e)
+print('open', ok)
+\""
+        ),
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("open 2"), "{out}");
+    // Without caps the same download is not held back.
+    let (s, v) = d.set_network(&id, json!({"egress": {"allow": [format!("{web}/32")]}}));
+    assert_eq!(s, 200, "{v}");
+    let (_, out) = d.sh(
+        &id,
+        &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
+    );
+    let free: f64 = out.trim().parse().expect("speed");
+    assert!(free > cap as f64 * 2.0, "{free} B/s with no cap");
+}

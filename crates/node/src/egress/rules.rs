@@ -1,0 +1,186 @@
+//! The node's nftables table: one per node, `inet dsec_<k>`, loaded whole and atomically with
+//! `nft -f` (at start, and again on a restart, keeping what its adopted sandboxes had), edited
+//! afterwards one set element at a time over netlink.
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+use super::policy::{NEVER, PRIVATE};
+
+/// Names of the table's sets.
+pub const ALLOW: &str = "allow4";
+/// Taken out of `allow4` (checked first).
+pub const DENY: &str = "deny4";
+/// Sandboxes whose policy is `"all"`.
+pub const ALL: &str = "all4";
+/// Each sandbox's host-side interface and the one address it may send from.
+pub const BIND: &str = "bind4";
+
+/// What the table is made for.
+#[derive(Debug, Clone)]
+pub struct Table {
+    /// `dsec_<k>`.
+    pub name: String,
+    /// Host-side interfaces of sandboxes start with this (`dsv<k>-`).
+    pub if_prefix: String,
+    /// The sandboxes' subnet.
+    pub subnet: (Ipv4Addr, u8),
+    /// The sandboxes' gateway (the node's DNS listens here).
+    pub gateway: Ipv4Addr,
+    /// The node's DNS port on the gateway.
+    pub dns_port: u16,
+    /// Networks never reached besides [`NEVER`] and the subnet: the node's own addresses,
+    /// its cluster's.
+    pub never: Vec<(Ipv4Addr, u8)>,
+}
+
+fn nets(list: &[(Ipv4Addr, u8)]) -> String {
+    list.iter()
+        .map(|(a, l)| format!("{a}/{l}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Table {
+    /// Every network no sandbox reaches, whatever its rules.
+    pub fn never_nets(&self) -> Vec<(Ipv4Addr, u8)> {
+        let mut v: Vec<(Ipv4Addr, u8)> = NEVER.to_vec();
+        v.push(self.subnet);
+        v.extend(self.never.iter().copied());
+        v
+    }
+
+    /// The whole table as `nft -f` input: the table is deleted and made again in one
+    /// transaction (no moment without rules), with `keep` (elements of sandboxes that live
+    /// on, as `nft` element text per set) put back.
+    pub fn script(&self, keep: &[(&str, String)]) -> String {
+        let (t, p, gw) = (&self.name, &self.if_prefix, self.gateway);
+        let never = nets(&self.never_nets());
+        let private = nets(&PRIVATE);
+        let mut s = format!(
+            "table inet {t} {{}}\ndelete table inet {t}\n\
+table inet {t} {{\n\
+  set {ALLOW} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval, timeout; }}\n\
+  set {DENY} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}\n\
+  set {ALL} {{ type ipv4_addr; }}\n\
+  set {BIND} {{ type ifname . ipv4_addr; }}\n\
+  map caps {{ type ipv4_addr : verdict; }}\n\
+  set never4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {never} }}; }}\n\
+  set private4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {private} }}; }}\n\
+  chain guard {{ type filter hook prerouting priority raw; policy accept;\n\
+    iifname \"{p}*\" meta nfproto ipv6 drop\n\
+    iifname \"{p}*\" iifname . ip saddr != @{BIND} counter drop\n\
+  }}\n\
+  chain dns {{ type nat hook prerouting priority dstnat; policy accept;\n\
+    iifname \"{p}*\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gw}:{dns}\n\
+  }}\n\
+  chain to_node {{ type filter hook input priority filter; policy accept;\n\
+    iifname \"{p}*\" ct state established,related accept\n\
+    iifname \"{p}*\" ip daddr {gw} meta l4proto {{ tcp, udp }} th dport {dns} accept\n\
+    iifname \"{p}*\" counter drop\n\
+  }}\n\
+  chain out {{ type filter hook forward priority filter; policy accept;\n\
+    oifname \"{p}*\" ct state established,related accept\n\
+    oifname \"{p}*\" counter drop\n\
+    iifname != \"{p}*\" accept\n\
+    ip daddr @never4 counter reject with icmpx admin-prohibited\n\
+    meta l4proto != {{ tcp, udp }} counter drop\n\
+    ip saddr . ip daddr . th dport @{DENY} counter reject with icmpx admin-prohibited\n\
+    ip saddr vmap @caps\n\
+    ip saddr . ip daddr . th dport @{ALLOW} accept\n\
+    ip saddr @{ALL} ip daddr != @private4 accept\n\
+    counter reject with icmpx admin-prohibited\n\
+  }}\n\
+  chain masq {{ type nat hook postrouting priority srcnat; policy accept;\n\
+    ip saddr {sub} oifname != \"{p}*\" masquerade\n\
+  }}\n\
+}}\n",
+            dns = self.dns_port,
+            sub = nets(&[self.subnet]),
+        );
+        for (set, elems) in keep {
+            if !elems.is_empty() {
+                s.push_str(&format!("add element inet {t} {set} {{ {elems} }}\n"));
+            }
+        }
+        s
+    }
+
+    /// Loads [`Table::script`] with `nft -f -`.
+    pub fn load(&self, keep: &[(&str, String)]) -> std::io::Result<()> {
+        nft_script(&self.script(keep))
+    }
+
+    /// Deletes the table (nothing if there is none).
+    pub fn delete(&self) -> std::io::Result<()> {
+        nft_script(&format!(
+            "table inet {t} {{}}\ndelete table inet {t}\n",
+            t = self.name
+        ))
+    }
+}
+
+/// Runs `nft -f -` on `script`.
+pub fn nft_script(script: &str) -> std::io::Result<()> {
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("nft (package nftables): {e}")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(script.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "nft -f: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> Table {
+        Table {
+            name: format!("dsec_t{}", std::process::id()),
+            if_prefix: "dsvt-".into(),
+            subnet: (Ipv4Addr::new(10, 239, 224, 0), 19),
+            gateway: Ipv4Addr::new(10, 239, 224, 1),
+            dns_port: 53,
+            never: vec![(Ipv4Addr::new(192, 0, 2, 2), 32)],
+        }
+    }
+
+    /// The script is accepted by the kernel (as root: CI is), loads twice (a restart), keeps
+    /// elements, and is gone after `delete`.
+    #[test]
+    fn loads_reloads_and_deletes() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("this test needs root (CI runs as root)");
+        }
+        let t = table();
+        t.load(&[]).expect("load");
+        t.load(&[(ALL, "10.239.224.9".into())]).expect("reload");
+        let out = Command::new("nft")
+            .args(["list", "set", "inet", &t.name, ALL])
+            .output()
+            .expect("nft list");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        t.delete().expect("delete");
+        t.delete().expect("delete again");
+        assert!(text.contains("10.239.224.9"), "{text}");
+        let out = Command::new("nft")
+            .args(["list", "table", "inet", &t.name])
+            .output()
+            .expect("nft list");
+        assert!(!out.status.success());
+    }
+}

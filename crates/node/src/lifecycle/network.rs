@@ -1,0 +1,241 @@
+//! Sandboxes' network egress in the lifecycle: a create with a policy gets its path once the
+//! sandbox exists (made or taken from a pool), a policy changes on a running sandbox, a
+//! destroy removes the path, a restart adopts it.
+
+use std::sync::Arc;
+
+use dsec_api::network::NetworkSpec;
+
+use super::{Entry, Error, LifecycleEvent, Node, Result};
+use crate::clock::now_ms;
+use crate::egress::{Egress, EgressError};
+use crate::sandbox::{State, Substrate};
+use crate::store::{SandboxRecord, Tenant};
+
+impl From<EgressError> for Error {
+    fn from(e: EgressError) -> Self {
+        match e {
+            EgressError::Unavailable(m) => Error::Unavailable(m),
+            EgressError::Full => Error::Unavailable(e.to_string()),
+            EgressError::Io(io) => Error::internal(format!("egress: {io}")),
+        }
+    }
+}
+
+/// Checks `net` against `tenant`'s ceiling and `substrate`; answers the policy to apply (the
+/// ceiling's caps filled in).
+pub fn admit_network(
+    tenant: &Tenant,
+    substrate: Substrate,
+    net: NetworkSpec,
+) -> Result<NetworkSpec> {
+    if !net.enabled() {
+        return Ok(net);
+    }
+    if substrate.is_vm() {
+        return Err(Error::invalid(
+            "network egress is not available on VM substrates yet (containers only)",
+        ));
+    }
+    let ceiling = tenant.ceiling();
+    let egress = net.egress.capped_by(&ceiling);
+    egress
+        .within(&ceiling)
+        .map_err(|e| Error::Forbidden(e.to_string()))?;
+    Ok(NetworkSpec { egress })
+}
+
+impl Node {
+    /// The node's egress, started now if no sandbox needed it before.
+    pub fn egress(self: &Arc<Self>) -> Result<Arc<Egress>> {
+        let mut slot = self.egress.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(eg) = slot.as_ref() {
+            return Ok(Arc::clone(eg));
+        }
+        let cfg = self.egress_config.get().cloned().unwrap_or_default();
+        let weak = Arc::downgrade(self);
+        let on_denied = Box::new(move |id: &str, what: &str| {
+            if let Some(node) = weak.upgrade() {
+                node.egress_denied(id, what);
+            }
+        });
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::internal("egress started outside the runtime"))?;
+        let eg = Egress::start(cfg, &self.rt.config().data_dir, &rt, on_denied)?;
+        *slot = Some(Arc::clone(&eg));
+        Ok(eg)
+    }
+
+    /// The node's egress if it was started.
+    pub fn egress_if_started(&self) -> Option<Arc<Egress>> {
+        self.egress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// An `egress_denied` event (and a count).
+    fn egress_denied(&self, id: &str, what: &str) {
+        self.metrics.egress_denied.inc();
+        let Some(e) = self.entry(id) else { return };
+        let rec = e.record();
+        tracing::info!(sandbox = %id, denied = %what, "egress denied");
+        let _ = self.events.send(LifecycleEvent {
+            sandbox: rec.id,
+            tenant: rec.tenant,
+            state: rec.state,
+            version: rec.version,
+            at_ms: now_ms(),
+            event: Some("egress_denied"),
+            detail: Some(what.chars().take(300).collect()),
+        });
+    }
+
+    /// Gives sandbox `e` (made, or just taken from a pool) its path out under `net`; a failure
+    /// destroys it (a sandbox is never handed over without the network it asked for).
+    pub(super) async fn attach_network(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        net: NetworkSpec,
+    ) -> Result<SandboxRecord> {
+        let attached = self.attach_now(e, &net).await;
+        match attached {
+            Ok(addr) => self.update(e, |r| {
+                r.network = net.clone();
+                r.net_addr = Some(addr);
+                Ok(())
+            }),
+            Err(err) => {
+                tracing::warn!(sandbox = %e.id, error = %err, "egress: attach failed");
+                let _ = self.destroy(e).await;
+                Err(err)
+            }
+        }
+    }
+
+    async fn attach_now(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        net: &NetworkSpec,
+    ) -> Result<std::net::Ipv4Addr> {
+        let eg = self.egress()?;
+        let Some((_, init)) = e.pids() else {
+            return Err(Error::NotFound(e.id.clone()));
+        };
+        let (id, policy) = (e.id.clone(), net.egress.clone());
+        let t0 = std::time::Instant::now();
+        let addr = tokio::task::spawn_blocking(move || eg.attach(&id, init, &policy))
+            .await
+            .map_err(|err| Error::internal(err.to_string()))??;
+        self.metrics.egress_attach.observe_duration(t0.elapsed());
+        Ok(addr)
+    }
+
+    /// Replaces the network policy of a running sandbox of `tenant`: a sandbox without a path
+    /// gets one, one whose policy becomes `none` loses it.
+    pub async fn set_network(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        tenant: &Tenant,
+        net: NetworkSpec,
+    ) -> Result<SandboxRecord> {
+        let rec = e.record();
+        let net = admit_network(tenant, rec.spec.substrate, net)?;
+        let _guard = e.lock().await;
+        if e.record().state != State::Running {
+            return Err(Error::Transition(format!(
+                "cannot change the network of a {:?} sandbox",
+                e.record().state
+            )));
+        }
+        let had = rec.net_addr.is_some();
+        match (had, net.enabled()) {
+            (false, false) => Ok(rec),
+            (false, true) => {
+                let addr = self.attach_now(e, &net).await?;
+                self.update(e, |r| {
+                    r.network = net.clone();
+                    r.net_addr = Some(addr);
+                    Ok(())
+                })
+            }
+            (true, false) => {
+                self.detach_network(&e.id).await;
+                self.update(e, |r| {
+                    r.network = NetworkSpec::default();
+                    r.net_addr = None;
+                    Ok(())
+                })
+            }
+            (true, true) => {
+                let eg = self.egress()?;
+                let (id, policy) = (e.id.clone(), net.egress.clone());
+                tokio::task::spawn_blocking(move || eg.set_policy(&id, &policy))
+                    .await
+                    .map_err(|err| Error::internal(err.to_string()))??;
+                self.update(e, |r| {
+                    r.network = net.clone();
+                    Ok(())
+                })
+            }
+        }
+    }
+
+    /// Removes sandbox `id`'s path out, if it has one.
+    pub(super) async fn detach_network(&self, id: &str) {
+        if let Some(eg) = self.egress_if_started() {
+            let id = id.to_owned();
+            let _ = tokio::task::spawn_blocking(move || eg.detach(&id)).await;
+        }
+    }
+
+    /// After a restart: starts egress when the previous process had it, takes back the paths
+    /// of adopted sandboxes, and removes the node's table when none is left.
+    pub(super) async fn adopt_networks(self: &Arc<Self>) {
+        let had = self.rt.config().data_dir.join("egress-index").exists();
+        let with_net: Vec<Arc<Entry>> = self
+            .entries()
+            .into_iter()
+            .filter(|e| e.record().net_addr.is_some())
+            .collect();
+        if !had && with_net.is_empty() {
+            return;
+        }
+        let eg = match self.egress() {
+            Ok(eg) => eg,
+            Err(err) => {
+                tracing::warn!(error = %err, "egress: not restarted; sandboxes with a path out are destroyed");
+                for e in with_net {
+                    let _ = self.destroy(&e).await;
+                }
+                return;
+            }
+        };
+        for e in with_net {
+            let rec = e.record();
+            let Some(addr) = rec.net_addr else { continue };
+            let (eg2, id, policy) = (Arc::clone(&eg), rec.id.clone(), rec.network.egress.clone());
+            let adopted = tokio::task::spawn_blocking(move || eg2.adopt(&id, addr, &policy))
+                .await
+                .map_err(|err| Error::internal(err.to_string()))
+                .and_then(|r| r.map_err(Error::from));
+            if let Err(err) = adopted {
+                tracing::warn!(sandbox = %rec.id, error = %err, "egress: not adopted; destroyed");
+                let _ = self.destroy(&e).await;
+            }
+        }
+        self.egress_idle_teardown();
+    }
+
+    /// Removes the node's egress table when no sandbox has a path out (at a restart that
+    /// adopted none, at a stop that leaves none).
+    pub fn egress_idle_teardown(&self) {
+        let mut slot = self.egress.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.as_ref().is_some_and(|eg| eg.attached() == 0) {
+            if let Some(eg) = slot.take() {
+                eg.teardown();
+                let _ = std::fs::remove_file(self.rt.config().data_dir.join("egress-index"));
+            }
+        }
+    }
+}
