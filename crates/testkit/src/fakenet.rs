@@ -301,7 +301,9 @@ impl Drop for FakeNet {
 /// added meanwhile keeps it busy, and then it stays.
 fn release_run_netns() {
     let dir = Path::new("/run/netns");
-    let empty = fs::read_dir(dir).map(|mut d| d.next().is_none()).unwrap_or(false);
+    let empty = fs::read_dir(dir)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(false);
     let mounted = fs::read_to_string("/proc/self/mountinfo")
         .map(|m| m.lines().any(|l| l.split(' ').nth(4) == Some("/run/netns")))
         .unwrap_or(false);
