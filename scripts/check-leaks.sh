@@ -7,7 +7,8 @@
 #
 # Looked at: dsec processes (by name, by binary under this checkout's target/, or by being in a
 # dsec cgroup) and QEMUs; zombies; mount points; cgroups named dsec* and the cgroups below them
-# (the product's own base `dsec` may stay, empty); network namespaces; nftables rules (when nft
+# (the product's own base `dsec` may stay, empty); network namespaces; sandboxes' and the fake
+# internet's veths; nftables rules (when nft
 # exists); and the tests' files in /tmp and /run. Not looked at: the VM image cache
 # (/var/cache/dsec), which is meant to persist.
 set -euo pipefail
@@ -82,6 +83,12 @@ netns() {
   ls /run/netns 2>/dev/null | sed 's/^/netns /' || true
 }
 
+links() {
+  # Sandboxes' veths (dsv<k>-<n>) and the fake internet's (dsf-<n>) on the host.
+  ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' \
+    | grep -E '^(dsv|dsf)' | sed 's/^/link /' || true
+}
+
 nftables() {
   if command -v nft >/dev/null; then
     nft list ruleset 2>/dev/null | sed 's/^[[:space:]]*//; s/^/nft /' || true
@@ -113,7 +120,7 @@ files() {
 }
 
 snapshot() {
-  { procs; zombies; mounts; cgroups; netns; nftables; files; } | sort -u
+  { procs; zombies; mounts; cgroups; netns; links; nftables; files; } | sort -u
 }
 
 usage() {

@@ -39,6 +39,14 @@ command -v lz4 >/dev/null || need+=(lz4)
 # The guest kernel's modules are xz- (or zstd-) compressed; neither tool is in a minimal Debian.
 command -v xz >/dev/null || need+=(xz-utils)
 command -v zstd >/dev/null || need+=(zstd)
+# Network egress: nft loads the node's table, ip and tc (iproute2) build the tests' fake
+# internet and pace capped sandboxes; its servers need openssl (a CA), curl and Debian's pip
+# (the package-index test) run inside sandboxes of the host template.
+command -v nft >/dev/null || need+=(nftables)
+command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
+command -v openssl >/dev/null || need+=(openssl)
+command -v curl >/dev/null || need+=(curl)
+/usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
