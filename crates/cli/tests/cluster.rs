@@ -936,7 +936,7 @@ fn two_gateways_racing_for_the_last_slots_never_overcommit() {
 /// The VM substrates through the gateway: a `microvm` sandbox is placed, its exec and files
 /// routed, like a container's (slow under TCG the first time: the node builds its VM cache).
 #[test]
-fn a_microvm_sandbox_works_through_the_gateway() {
+fn a_microvm_sandbox_and_network_egress_work_through_the_gateway() {
     let (base, _cleanup) = scratch("vm");
     let (_etcd, etcd_url) = etcd(&base);
     let n = node(&base, "v1", &etcd_url);
@@ -967,6 +967,39 @@ fn a_microvm_sandbox_works_through_the_gateway() {
         )
         .expect("read");
     assert_eq!(f.body, b"in-a-vm\n");
+    let (s, v) = gw.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(s == 200 || s == 204, "{v}");
+
+    // Network egress through the gateway: a policy on create, changed on a running sandbox.
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"network": {"egress": {"allow": ["192.0.2.0/24:443"]}}})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    assert!(v["network_address"].is_string(), "{v}");
+    assert_stdout(
+        &gw,
+        &id,
+        "exec",
+        json!({"shell": "grep -c eth0 /proc/net/dev"}),
+        "1\n",
+    );
+    let (s, v) = gw.req(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(&json!({"egress": "none"})),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("network_address").is_none(), "{v}");
+    assert_stdout(
+        &gw,
+        &id,
+        "exec",
+        json!({"shell": "grep -c eth0 /proc/net/dev || true"}),
+        "0\n",
+    );
     let (s, v) = gw.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
     assert!(s == 200 || s == 204, "{v}");
 }

@@ -290,6 +290,17 @@ def test_envs(make) -> None:
     assert sbx.commands.run("echo $FROM_CREATE", background=True).wait().stdout == "c1\n"
 
 
+def test_internet_access_maps_onto_egress(make, client: dsec.Client) -> None:
+    # E2B's default (allow_internet_access=True) is the public internet where the tenant may
+    # have it (the admin tenant here): the sandbox has a path out; False keeps loopback only.
+    on = make()
+    assert "eth0" in on.commands.run("cat /proc/net/dev").stdout
+    assert dsec.Sandbox.connect(on.sandbox_id, client).network == {"egress": "all"}
+    off = make(allow_internet_access=False)
+    assert "eth0" not in off.commands.run("cat /proc/net/dev").stdout
+    assert dsec.Sandbox.connect(off.sandbox_id, client).network == {"egress": "none"}
+
+
 def test_cwd(sbx: Sandbox) -> None:
     assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
     sbx.files.make_dir("/tmp/a/b")

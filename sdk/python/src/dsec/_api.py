@@ -320,6 +320,10 @@ def heartbeat(sandbox_id: str, lease_ms: int | None) -> Call[Record]:
     return Call("POST", sandbox_path(sandbox_id, "/lease"), json_body, json=t.clean({"lease_ms": lease_ms}))
 
 
+def set_network(sandbox_id: str, network: Mapping[str, Any]) -> Call[Record]:
+    return Call("PUT", sandbox_path(sandbox_id, "/network"), json_body, json=dict(network))
+
+
 def reset(sandbox_id: str) -> Call[Record]:
     return Call("POST", sandbox_path(sandbox_id, "/reset"), json_body, json={}, min_timeout=60.0)
 

@@ -133,6 +133,13 @@ class _SandboxData:
         return bool(self.data.get("userns"))
 
     @property
+    def network(self) -> dict[str, Any]:
+        """Its network policy (``{"egress": "none"}`` when it has none)."""
+        return dict(self.data.get("network") or {"egress": "none"})
+
+    network_address = _Field[str]("Its address on the node's egress subnet, while it has a path out.")
+
+    @property
     def env_keys(self) -> list[str]:
         return list(self.data.get("env_keys") or [])
 
@@ -280,6 +287,11 @@ class Sandbox(_SandboxData):
     def reset(self) -> Sandbox:
         """Kill every process and give the sandbox a fresh writable layer."""
         return self._set(self.client._send(api.reset(self.id)))
+
+    def set_network(self, network: Mapping[str, Any]) -> Sandbox:
+        """Replace its network policy (``{"egress": ...}``) while it runs: e.g. open it for a
+        ``pip install``, then ``{"egress": "none"}`` for the episode."""
+        return self._set(self.client._send(api.set_network(self.id, network)))
 
     def snapshot(
         self, *, labels: Mapping[str, str] | None = None, trajectory: str | None = None, step: int | None = None
@@ -585,6 +597,9 @@ class AsyncSandbox(_SandboxData):
 
     async def reset(self) -> AsyncSandbox:
         return self._set(await self.client._send(api.reset(self.id)))
+
+    async def set_network(self, network: Mapping[str, Any]) -> AsyncSandbox:
+        return self._set(await self.client._send(api.set_network(self.id, network)))
 
     async def destroy(self) -> AsyncSandbox:
         return self._destroyed(await self.client.delete_sandbox(self.id))

@@ -88,9 +88,14 @@ class CreateOptions(TypedDict, total=False):
             forks before they cost the node anything. ``False`` (the sandbox's root is host
             root with every capability dropped) is for the admin tenant only.
         snapshot: make it from this snapshot (``sn-…``): its template, substrate and files.
+        network: network egress, ``{"egress": "none"}`` when absent (only loopback);
+            ``{"egress": {"allow": ["pypi.org", "*.pythonhosted.org", "github.com:443",
+            "10.20.0.0/16"], "deny": [...], "bandwidth_bps": n, "max_connections": n}}`` or
+            ``{"egress": "all"}``, within the tenant's ``egress_ceiling``.
     """
 
     snapshot: str | None
+    network: Mapping[str, Any] | None
     template: str | None
     substrate: Substrate | None
     limits: Mapping[str, Any] | None
@@ -172,6 +177,9 @@ class TenantQuota(TypedDict, total=False):
 
     max_sandboxes: int | None
     max_memory_bytes: int | None
+    #: the widest network egress its sandboxes may have: ``"none"`` (the default), ``"all"`` or
+    #: an allow list (``{"allow": [...], "bandwidth_bps"?, "max_connections"?}``)
+    egress_ceiling: Any
 
 
 class RequestOptions(TypedDict, total=False):

@@ -17,6 +17,53 @@ pub(in crate::server::http) struct NewSandbox {
     metadata: Option<BTreeMap<String, String>>,
     #[serde(default)]
     env_vars: Option<BTreeMap<String, String>>,
+    /// E2B's default is `true` (the SDK always sends it).
+    #[serde(default, rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    #[serde(default)]
+    network: Option<E2bNetwork>,
+}
+
+/// `network` of a create (SDK ≥ 2.3): destinations let out and kept in.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub(in crate::server::http) struct E2bNetwork {
+    #[serde(default)]
+    allow_out: Vec<String>,
+    #[serde(default)]
+    deny_out: Vec<String>,
+}
+
+/// The dsec network policy an E2B create asks for: `network.allowOut` is an allow list
+/// (`denyOut` less the catch-all `0.0.0.0/0`, which an allow list implies);
+/// `allow_internet_access: false` is none; otherwise (E2B's default) the public internet,
+/// where the tenant's ceiling and the substrate allow it, else none.
+fn e2b_network(
+    t: &Tenant,
+    substrate: Option<&str>,
+    internet: Option<bool>,
+    net: Option<E2bNetwork>,
+) -> ApiResult<Option<dsec_api::network::NetworkSpec>> {
+    use dsec_api::network::{AllowList, Egress, NetworkSpec, Rule};
+    let parse = |v: Vec<String>| -> ApiResult<Vec<Rule>> {
+        v.iter()
+            .filter(|r| r.as_str() != "0.0.0.0/0")
+            .map(|r| Rule::parse(r).map_err(|e| ApiError::invalid(e.to_string())))
+            .collect()
+    };
+    if let Some(n) = net.filter(|n| !n.allow_out.is_empty()) {
+        let egress = Egress::Allow(AllowList {
+            allow: parse(n.allow_out)?,
+            deny: parse(n.deny_out)?,
+            ..AllowList::default()
+        });
+        return Ok(Some(NetworkSpec { egress }));
+    }
+    let vm = substrate.is_some_and(|s| s != "container");
+    let open = internet != Some(false) && !vm && Egress::All.within(&t.ceiling()).is_ok();
+    Ok(open.then(|| NetworkSpec {
+        egress: Egress::All,
+    }))
 }
 
 #[derive(Deserialize, Default)]
@@ -120,7 +167,9 @@ pub(in crate::server::http) async fn e2b_create(
         )));
     }
     labels.insert(TEMPLATE_LABEL.to_owned(), asked.clone());
+    let network = e2b_network(&t, substrate.as_deref(), b.allow_internet_access, b.network)?;
     let spec = CreateSpec {
+        network,
         template: Some(template_of(&app, &asked)),
         substrate,
         env: b.env_vars.unwrap_or_default(),
