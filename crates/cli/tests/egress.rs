@@ -171,6 +171,13 @@ fn default_deny_and_allow_by_name() {
         .and_then(|v| v.trim().parse::<f64>().ok())
         .unwrap_or(0.0);
     assert!(denied >= 1.0, "dsec_egress_denied_total {denied}");
+    let out = format!("dsec_sandbox_egress_bytes_total{{sandbox=\"{id}\",direction=\"out\"}} ");
+    let sent = m
+        .lines()
+        .find_map(|l| l.strip_prefix(out.as_str()))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(sent > 0, "bytes out of {id}: {m}");
 }
 
 /// The host's own IPv4 addresses (not loopback).

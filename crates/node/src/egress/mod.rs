@@ -593,6 +593,76 @@ impl Egress {
         let _ = r.del_link(&a.veth);
     }
 
+    /// The egress series of `/metrics`: DNS counters, sandboxes with a path, and each one's
+    /// bytes out and in (its veth's counters; a blocking netlink dump per sandbox).
+    pub fn metrics_text(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let s = &self.stats;
+        for (name, help, v) in [
+            (
+                "dsec_egress_dns_queries_total",
+                "DNS queries from sandboxes with egress",
+                &s.dns_queries,
+            ),
+            (
+                "dsec_egress_dns_dropped_total",
+                "DNS queries dropped for lack of room",
+                &s.dns_dropped,
+            ),
+            (
+                "dsec_egress_pinned_total",
+                "Addresses pinned from DNS answers",
+                &s.pinned,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+        let veths: Vec<(String, String)> = {
+            let inner = self.lock();
+            inner
+                .by_id
+                .iter()
+                .map(|(id, a)| (id.clone(), a.veth.clone()))
+                .collect()
+        };
+        let _ = writeln!(
+            out,
+            "# HELP dsec_egress_sandboxes Sandboxes with a path out\n# TYPE dsec_egress_sandboxes gauge\ndsec_egress_sandboxes {}",
+            veths.len()
+        );
+        let mut bytes = Vec::with_capacity(veths.len());
+        {
+            let mut r = self.route.lock().unwrap_or_else(|p| p.into_inner());
+            for (id, veth) in veths {
+                // The host side's receive is what the sandbox sent.
+                if let Ok(Some((rx, tx))) = r.link_stats(&veth) {
+                    bytes.push((id, rx, tx));
+                }
+            }
+        }
+        for (name, dir, pick) in [
+            ("dsec_sandbox_egress_bytes_total", "out", 0usize),
+            ("dsec_sandbox_egress_bytes_total", "in", 1),
+        ] {
+            if dir == "out" {
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} Bytes through a sandbox's path out, by direction\n# TYPE {name} counter"
+                );
+            }
+            for (id, rx, tx) in &bytes {
+                let v = if pick == 0 { rx } else { tx };
+                let _ = writeln!(out, "{name}{{sandbox=\"{id}\",direction=\"{dir}\"}} {v}");
+            }
+        }
+        out
+    }
+
     /// How many sandboxes have a path out.
     pub fn attached(&self) -> usize {
         self.lock().by_id.len()

@@ -486,6 +486,11 @@ async fn metrics_text(AxState(state): AxState<state::AppState>) -> Response {
             }
         }
     }
+    if let Some(eg) = app.egress_if_started() {
+        if let Ok(text) = tokio::task::spawn_blocking(move || eg.metrics_text()).await {
+            out.push_str(&text);
+        }
+    }
     let mut resp = out.into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
