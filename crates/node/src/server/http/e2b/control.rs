@@ -61,7 +61,7 @@ fn e2b_network(
     }
     let vm = substrate.is_some_and(|s| s != "container");
     let open = internet != Some(false) && !vm && Egress::All.within(&t.ceiling()).is_ok();
-    Ok(open.then(|| NetworkSpec {
+    Ok(open.then_some(NetworkSpec {
         egress: Egress::All,
     }))
 }
