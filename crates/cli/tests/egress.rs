@@ -438,3 +438,28 @@ print('open', ok)
     let free: f64 = out.trim().parse().expect("speed");
     assert!(free > cap as f64 * 2.0, "{free} B/s with no cap");
 }
+
+#[test]
+fn tls_sni_and_http_host_must_name_an_allowed_name() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("sni", &net);
+    let web = net.web();
+    let ca = std::fs::read_to_string(net.ca_pem()).expect("ca");
+    let id = d.create(allow(&["pypi.test"]));
+    d.sh(&id, &format!("cat > /tmp/ca.pem <<'EOF'\n{ca}EOF"));
+    assert_eq!(d.resolves(&id, "pypi.test"), Some(web.to_string()));
+    let (ok, out) = d.get(&id, "https://pypi.test/whoami", "--cacert /tmp/ca.pem");
+    assert!(ok, "{out}");
+    assert!(d.get(&id, "http://pypi.test/whoami", "").0);
+    // The allowed name's address, another name in SNI or Host: refused.
+    let (ok, out) = d.get(
+        &id,
+        "https://evil.test/whoami",
+        &format!("--cacert /tmp/ca.pem --resolve evil.test:443:{web}"),
+    );
+    assert!(!ok, "domain fronting through SNI: {out}");
+    let (ok, out) = d.get(&id, &format!("http://{web}/whoami"), "-H 'Host: evil.test'");
+    assert!(!ok, "domain fronting through Host: {out}");
+    // No name at all (an address in the URL: curl sends it as Host, which is no allowed name).
+    assert!(!d.get(&id, &format!("https://{web}/whoami"), "-k").0);
+}

@@ -103,6 +103,31 @@ pub fn bind_freebind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
     Ok(TcpListener::from(fd))
 }
 
+/// The destination a connection was addressed to before the kernel redirected it to us
+/// (`SO_ORIGINAL_DST` of an accepted socket; the node's in-band egress check).
+pub fn original_dst(sock: &impl AsRawFd) -> io::Result<std::net::SocketAddrV4> {
+    // SAFETY: an all-zero sockaddr_in is a valid value of the type.
+    let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `sin`, which has that size.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            (&mut sin as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(std::net::SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+        u16::from_be(sin.sin_port),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,7 @@
 pub mod caps;
 pub mod dns;
 pub mod policy;
+pub mod proxy;
 pub mod rules;
 pub mod wire;
 
@@ -26,7 +27,7 @@ use dsec_api::network::{Egress as Policy, NetworkSpec};
 use dsec_sys::netlink::nft::{concat, ipv4, Element, Nft};
 use dsec_sys::netlink::route::Route;
 
-use self::rules::{Table, ALL, ALLOW, BIND, DENY};
+use self::rules::{Table, ALL, ALLOW, BIND, DENY, NAMED};
 
 /// Where sandboxes' subnets come from: the `k`-th `/19` of `10.224.0.0/11` for the `k`-th
 /// node on a host.
@@ -188,6 +189,7 @@ impl Egress {
             subnet,
             gateway: Ipv4Addr::from(u32::from(subnet.0) + 1),
             dns_port: 53,
+            proxy_port: 3128,
             never: cfg.never.clone(),
         };
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
@@ -202,6 +204,9 @@ impl Egress {
         let gw = SocketAddr::from((table.gateway, table.dns_port));
         let udp = dsec_sys::net::bind_freebind_udp(gw).map_err(&fail)?;
         let tcp = dsec_sys::net::bind_freebind_tcp(gw).map_err(&fail)?;
+        let relay =
+            dsec_sys::net::bind_freebind_tcp(SocketAddr::from((table.gateway, table.proxy_port)))
+                .map_err(&fail)?;
         let eg = Arc::new(Egress {
             table,
             upstream,
@@ -219,9 +224,11 @@ impl Egress {
         let _guard = rt.enter();
         let udp = tokio::net::UdpSocket::from_std(udp).map_err(EgressError::Io)?;
         let tcp = tokio::net::TcpListener::from_std(tcp).map_err(EgressError::Io)?;
+        let relay = tokio::net::TcpListener::from_std(relay).map_err(EgressError::Io)?;
         let tasks = vec![
             rt.spawn(dns::serve_udp(Arc::clone(&eg), udp)),
             rt.spawn(dns::serve_tcp(Arc::clone(&eg), tcp)),
+            rt.spawn(proxy::serve(Arc::clone(&eg), relay)),
         ];
         *eg.tasks.lock().unwrap_or_else(|p| p.into_inner()) = tasks;
         tracing::info!(
@@ -495,7 +502,7 @@ impl Egress {
             let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
             nft.del_elements(
                 &self.table.name,
-                ALLOW,
+                NAMED,
                 &Self::pin_elements(a.addr, &old_pins),
             )?;
         }
@@ -520,7 +527,7 @@ impl Egress {
         let all: Vec<_> = a.pins.values().flatten().cloned().collect();
         drop(inner);
         let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
-        nft.add_elements(&self.table.name, ALLOW, &Self::pin_elements(addr, &all))?;
+        nft.add_elements(&self.table.name, NAMED, &Self::pin_elements(addr, &all))?;
         Ok(())
     }
 
@@ -559,8 +566,8 @@ impl Egress {
         );
         drop(inner);
         let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
-        nft.del_elements(&self.table.name, ALLOW, &Self::pin_elements(addr, &old))?;
-        nft.add_elements(&self.table.name, ALLOW, &Self::pin_elements(addr, &new))?;
+        nft.del_elements(&self.table.name, NAMED, &Self::pin_elements(addr, &old))?;
+        nft.add_elements(&self.table.name, NAMED, &Self::pin_elements(addr, &new))?;
         self.stats
             .pinned
             .fetch_add(addrs.len() as u64, Ordering::Relaxed);
@@ -587,7 +594,7 @@ impl Egress {
         }
         {
             let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = nft.del_elements(&self.table.name, ALLOW, &Self::pin_elements(a.addr, &pins));
+            let _ = nft.del_elements(&self.table.name, NAMED, &Self::pin_elements(a.addr, &pins));
         }
         let mut r = self.route.lock().unwrap_or_else(|p| p.into_inner());
         let _ = r.del_link(&a.veth);

@@ -12,6 +12,8 @@ use super::policy::{NEVER, PRIVATE};
 pub const ALLOW: &str = "allow4";
 /// Taken out of `allow4` (checked first).
 pub const DENY: &str = "deny4";
+/// Addresses pinned from DNS answers (checked in-band on ports 80 and 443).
+pub const NAMED: &str = "named4";
 /// Sandboxes whose policy is `"all"`.
 pub const ALL: &str = "all4";
 /// Each sandbox's host-side interface and the one address it may send from.
@@ -30,6 +32,8 @@ pub struct Table {
     pub gateway: Ipv4Addr,
     /// The node's DNS port on the gateway.
     pub dns_port: u16,
+    /// The node's in-band check (`proxy.rs`) on the gateway.
+    pub proxy_port: u16,
     /// Networks never reached besides [`NEVER`] and the subnet: the node's own addresses,
     /// its cluster's.
     pub never: Vec<(Ipv4Addr, u8)>,
@@ -62,6 +66,7 @@ impl Table {
             "table inet {t} {{}}\ndelete table inet {t}\n\
 table inet {t} {{\n\
   set {ALLOW} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval, timeout; }}\n\
+  set {NAMED} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval, timeout; }}\n\
   set {DENY} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}\n\
   set {ALL} {{ type ipv4_addr; }}\n\
   set {BIND} {{ type ifname . ipv4_addr; }}\n\
@@ -74,10 +79,12 @@ table inet {t} {{\n\
   }}\n\
   chain dns {{ type nat hook prerouting priority dstnat; policy accept;\n\
     iifname \"{p}*\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gw}:{dns}\n\
+    iifname \"{p}*\" tcp dport {{ 80, 443 }} ip saddr . ip daddr . tcp dport @{NAMED} redirect to :{proxy}\n\
   }}\n\
   chain to_node {{ type filter hook input priority filter; policy accept;\n\
     iifname \"{p}*\" ct state established,related accept\n\
     iifname \"{p}*\" ip daddr {gw} meta l4proto {{ tcp, udp }} th dport {dns} accept\n\
+    iifname \"{p}*\" ip daddr {gw} tcp dport {proxy} accept\n\
     iifname \"{p}*\" counter drop\n\
   }}\n\
   chain out {{ type filter hook forward priority filter; policy accept;\n\
@@ -89,6 +96,7 @@ table inet {t} {{\n\
     ip saddr . ip daddr . th dport @{DENY} counter reject with icmpx admin-prohibited\n\
     ip saddr vmap @caps\n\
     ip saddr . ip daddr . th dport @{ALLOW} accept\n\
+    ip saddr . ip daddr . th dport @{NAMED} accept\n\
     ip saddr @{ALL} ip daddr != @private4 accept\n\
     counter reject with icmpx admin-prohibited\n\
   }}\n\
@@ -97,6 +105,7 @@ table inet {t} {{\n\
   }}\n\
 }}\n",
             dns = self.dns_port,
+            proxy = self.proxy_port,
             sub = nets(&[self.subnet]),
         );
         for (set, elems) in keep {
@@ -155,6 +164,7 @@ mod tests {
             subnet: (Ipv4Addr::new(10, 239, 224, 0), 19),
             gateway: Ipv4Addr::new(10, 239, 224, 1),
             dns_port: 53,
+            proxy_port: 3128,
             never: vec![(Ipv4Addr::new(192, 0, 2, 2), 32)],
         }
     }
