@@ -463,3 +463,55 @@ fn tls_sni_and_http_host_must_name_an_allowed_name() {
     // No name at all (an address in the URL: curl sends it as Host, which is no allowed name).
     assert!(!d.get(&id, &format!("https://{web}/whoami"), "-k").0);
 }
+
+/// `GET /v1/events` lines of `sandbox` with `"event": "egress_denied"`, read for `within`.
+fn denied_events(d: &Daemon, sandbox: &str, within: std::time::Duration) -> Vec<String> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let addr = d
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_owned();
+    let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+    s.set_read_timeout(Some(within)).expect("timeout");
+    write!(
+        s,
+        "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\r\n",
+        d.key
+    )
+    .expect("write");
+    let mut out = Vec::new();
+    let reader = BufReader::new(s.take(1 << 20));
+    for line in reader.lines() {
+        let Ok(line) = line else { break };
+        if line.contains("egress_denied") && line.contains(sandbox) {
+            out.push(line);
+        }
+    }
+    out
+}
+
+#[test]
+fn refusals_are_reported_with_their_destination() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("events", &net);
+    let other = net.other();
+    let id = d.create(allow(&["pypi.test"]));
+    let trigger = {
+        let (url, key, id) = (d.url.clone(), d.key.clone(), id.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            let h = testkit::Http::new(&url, Some(&key), None);
+            let body = json!({"shell": format!("curl -s --max-time 2 http://{other}/ ; getent hosts github.test"), "timeout_ms": 10000});
+            h.req("POST", &format!("/v1/sandboxes/{id}/exec"), Some(&body))
+        })
+    };
+    let events = denied_events(&d, &id, std::time::Duration::from_secs(4));
+    let _ = trigger.join();
+    let all = events.join("\n");
+    assert!(
+        all.contains(&format!("{other}:80")),
+        "the address refused: {all}"
+    );
+    assert!(all.contains("github.test"), "the name refused: {all}");
+}

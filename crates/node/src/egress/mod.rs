@@ -101,6 +101,8 @@ pub struct Egress {
     on_denied: DeniedSink,
     /// Counters.
     pub stats: Stats,
+    /// Set by [`Egress::teardown`]: the NFLOG reader stops.
+    stopping: std::sync::atomic::AtomicBool,
     /// Its DNS servers (stopped by [`Egress::teardown`]).
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Holds the node's subnet index on this host (an abstract socket: gone with the node).
@@ -190,6 +192,7 @@ impl Egress {
             gateway: Ipv4Addr::from(u32::from(subnet.0) + 1),
             dns_port: 53,
             proxy_port: 3128,
+            log_group: 7000 + k as u16,
             never: cfg.never.clone(),
         };
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
@@ -219,8 +222,10 @@ impl Egress {
             on_denied,
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             _claim: claim,
         });
+        eg.read_refusals();
         let _guard = rt.enter();
         let udp = tokio::net::UdpSocket::from_std(udp).map_err(EgressError::Io)?;
         let tcp = tokio::net::TcpListener::from_std(tcp).map_err(EgressError::Io)?;
@@ -238,6 +243,41 @@ impl Egress {
             "egress ready"
         );
         Ok(eg)
+    }
+
+    /// Reports what the kernel refused sandboxes (the table's `refuse` chain logs to the
+    /// node's NFLOG group, at most 50 packets a second): an `egress_denied` of the sandbox with
+    /// the destination. A thread of its own, ended by [`Egress::teardown`].
+    fn read_refusals(self: &Arc<Self>) {
+        let mut log = match dsec_sys::netlink::log::Log::bind(self.table.log_group) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(group = %self.table.log_group, error = %e, "egress: refusals will not be reported");
+                return;
+            }
+        };
+        let weak = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("egress-refusals".into())
+            .spawn(move || loop {
+                let got = log.receive();
+                let Some(eg) = weak.upgrade() else { return };
+                if eg.stopping.load(Ordering::Relaxed) {
+                    return;
+                }
+                match got {
+                    Ok(packets) => {
+                        for p in packets {
+                            if let Some((id, _)) = eg.policy_of(p.src) {
+                                let port = p.dport.map(|d| format!(":{d}")).unwrap_or_default();
+                                eg.denied(&id, &format!("{}{port}", p.dst));
+                            }
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+                    Err(_) => std::thread::sleep(std::time::Duration::from_secs(1)),
+                }
+            });
     }
 
     /// Every network no sandbox reaches.
@@ -678,6 +718,7 @@ impl Egress {
     /// Removes the node's table and every veth of its prefix (the node stops with no sandbox
     /// left that has egress).
     pub fn teardown(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
         for t in self
             .tasks
             .lock()

@@ -34,6 +34,8 @@ pub struct Table {
     pub dns_port: u16,
     /// The node's in-band check (`proxy.rs`) on the gateway.
     pub proxy_port: u16,
+    /// The NFLOG group refused packets are logged to (the node reports them).
+    pub log_group: u16,
     /// Networks never reached besides [`NEVER`] and the subnet: the node's own addresses,
     /// its cluster's.
     pub never: Vec<(Ipv4Addr, u8)>,
@@ -81,24 +83,28 @@ table inet {t} {{\n\
     iifname \"{p}*\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gw}:{dns}\n\
     iifname \"{p}*\" tcp dport {{ 80, 443 }} ip saddr . ip daddr . tcp dport @{NAMED} redirect to :{proxy}\n\
   }}\n\
+  chain refuse {{\n\
+    limit rate 50/second burst 50 packets log group {group}\n\
+    counter reject with icmpx admin-prohibited\n\
+  }}\n\
   chain to_node {{ type filter hook input priority filter; policy accept;\n\
     iifname \"{p}*\" ct state established,related accept\n\
     iifname \"{p}*\" ip daddr {gw} meta l4proto {{ tcp, udp }} th dport {dns} accept\n\
     iifname \"{p}*\" ip daddr {gw} tcp dport {proxy} accept\n\
-    iifname \"{p}*\" counter drop\n\
+    iifname \"{p}*\" jump refuse\n\
   }}\n\
   chain out {{ type filter hook forward priority filter; policy accept;\n\
     oifname \"{p}*\" ct state established,related accept\n\
     oifname \"{p}*\" counter drop\n\
     iifname != \"{p}*\" accept\n\
-    ip daddr @never4 counter reject with icmpx admin-prohibited\n\
+    ip daddr @never4 jump refuse\n\
     meta l4proto != {{ tcp, udp }} counter drop\n\
-    ip saddr . ip daddr . th dport @{DENY} counter reject with icmpx admin-prohibited\n\
+    ip saddr . ip daddr . th dport @{DENY} jump refuse\n\
     ip saddr vmap @caps\n\
     ip saddr . ip daddr . th dport @{ALLOW} accept\n\
     ip saddr . ip daddr . th dport @{NAMED} accept\n\
     ip saddr @{ALL} ip daddr != @private4 accept\n\
-    counter reject with icmpx admin-prohibited\n\
+    jump refuse\n\
   }}\n\
   chain masq {{ type nat hook postrouting priority srcnat; policy accept;\n\
     ip saddr {sub} oifname != \"{p}*\" masquerade\n\
@@ -106,6 +112,7 @@ table inet {t} {{\n\
 }}\n",
             dns = self.dns_port,
             proxy = self.proxy_port,
+            group = self.log_group,
             sub = nets(&[self.subnet]),
         );
         for (set, elems) in keep {
@@ -165,6 +172,7 @@ mod tests {
             gateway: Ipv4Addr::new(10, 239, 224, 1),
             dns_port: 53,
             proxy_port: 3128,
+            log_group: 7999,
             never: vec![(Ipv4Addr::new(192, 0, 2, 2), 32)],
         }
     }

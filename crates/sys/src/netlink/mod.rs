@@ -1,4 +1,4 @@
-//! Netlink: network links, addresses and routes (rtnetlink), nftables set elements.
+//! Netlink: network links, addresses and routes (rtnetlink), nftables set elements, NFLOG.
 //!
 //! A small hand-written netlink client. [`route::Route`] speaks rtnetlink (`NETLINK_ROUTE`):
 //! veth pairs, IPv4 addresses and routes, link names and byte counters. [`nft::Nft`] speaks
@@ -18,6 +18,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+pub mod log;
 pub mod nft;
 pub mod route;
 
