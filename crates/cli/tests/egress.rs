@@ -515,3 +515,24 @@ fn refusals_are_reported_with_their_destination() {
     );
     assert!(all.contains("github.test"), "the name refused: {all}");
 }
+
+#[test]
+fn a_logged_steps_observation_lists_its_refusals() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("traj", &net);
+    let other = net.other();
+    let id = d.create(allow(&["pypi.test"]));
+    let body = json!({
+        "shell": format!("curl -s --max-time 2 http://{other}/; sleep 0.2"),
+        "trajectory": "egress-traj",
+        "step": 1,
+    });
+    let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/exec"), Some(&body));
+    assert_eq!(s, 200, "{v}");
+    let refused = v["egress_denied"].to_string();
+    assert!(refused.contains(&format!("{other}:80")), "{v}");
+    // Replayed from the log, the same observation.
+    let (s, again) = d.req("POST", &format!("/v1/sandboxes/{id}/exec"), Some(&body));
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["egress_denied"], v["egress_denied"]);
+}

@@ -45,7 +45,47 @@ pub fn admit_network(
     Ok(NetworkSpec { egress })
 }
 
+/// Most refusals one step's observation lists.
+const MAX_STEP_REFUSALS: usize = 32;
+
+/// Collects a sandbox's `egress_denied` events while a step runs (see [`Node::egress_watch`]).
+#[derive(Debug)]
+pub struct EgressWatch {
+    id: String,
+    rx: tokio::sync::broadcast::Receiver<LifecycleEvent>,
+}
+
+impl EgressWatch {
+    /// What was refused the sandbox since the watch began (at most 32, in order).
+    pub fn take(mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        loop {
+            match self.rx.try_recv() {
+                Ok(ev) => {
+                    if ev.sandbox == self.id && ev.event == Some("egress_denied") {
+                        if let Some(d) = ev.detail {
+                            if out.len() < MAX_STEP_REFUSALS {
+                                out.push(d);
+                            }
+                        }
+                    }
+                }
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => continue,
+                Err(_) => return out,
+            }
+        }
+    }
+}
+
 impl Node {
+    /// Starts collecting sandbox `id`'s refusals (a logged step's observation lists them).
+    pub fn egress_watch(&self, id: &str) -> EgressWatch {
+        EgressWatch {
+            id: id.to_owned(),
+            rx: self.events.subscribe(),
+        }
+    }
+
     /// The node's egress, started now if no sandbox needed it before.
     pub fn egress(self: &Arc<Self>) -> Result<Arc<Egress>> {
         let mut slot = self.egress.lock().unwrap_or_else(|p| p.into_inner());

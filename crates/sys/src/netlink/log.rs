@@ -11,6 +11,7 @@ const NFULNL_MSG_PACKET: u16 = 0;
 const NFULNL_MSG_CONFIG: u16 = 1;
 const NFULA_CFG_CMD: u16 = 1;
 const NFULA_CFG_MODE: u16 = 2;
+const NFULA_CFG_QTHRESH: u16 = 5;
 const NFULNL_CFG_CMD_BIND: u8 = 1;
 const NFULNL_COPY_PACKET: u8 = 2;
 const NFULA_PAYLOAD: u16 = 9;
@@ -56,6 +57,8 @@ impl Log {
         let mut mode = COPY_RANGE.to_be_bytes().to_vec();
         mode.extend_from_slice(&[NFULNL_COPY_PACKET, 0]);
         b.attr(NFULA_CFG_MODE, &mode);
+        // Each packet at once (the kernel otherwise batches them for up to a second).
+        b.attr(NFULA_CFG_QTHRESH, &1u32.to_be_bytes());
         b.end();
         sock.request(&b, seq, &mut |_| Ok(()))?
             .check(|| format!("NFULNL_MSG_CONFIG bind group {group}"))?;

@@ -189,7 +189,17 @@ where
         }
         crate::server::trajectory::Begin::Run(running) => {
             let step = running.step();
-            let (status, body, summary) = match run(step).await {
+            // What the sandbox's network refused while the step ran is part of its
+            // observation (logged, and replayed with it).
+            let watch = (e.record().net_addr.is_some()).then(|| app.node.egress_watch(&e.id));
+            let ran = run(step).await;
+            let refused = watch.map(|w| w.take()).unwrap_or_default();
+            let (status, body, summary) = match ran.map(|mut v| {
+                if !refused.is_empty() {
+                    v["egress_denied"] = json!(refused);
+                }
+                v
+            }) {
                 Ok(v) => {
                     let summary = json!({"status": v["status"], "exit_code": v["exit_code"], "wall_us": v["wall_us"]});
                     (200u16, serde_json::to_vec(&v).unwrap_or_default(), summary)
