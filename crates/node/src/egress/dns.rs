@@ -52,38 +52,27 @@ pub(super) async fn serve_udp(eg: Arc<Egress>, sock: UdpSocket) {
 
 /// Serves TCP queries (RFC 7766: two-byte length, then the message) on `l`.
 pub(super) async fn serve_tcp(eg: Arc<Egress>, l: TcpListener) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
-    loop {
-        let Ok((mut s, from)) = l.accept().await else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            continue;
-        };
-        let eg = Arc::clone(&eg);
-        tokio::spawn(async move {
-            // One query per connection is enough for resolvers' TCP fallback.
-            let read = async {
-                let len = s.read_u16().await? as usize;
-                if len == 0 || len > wire::MAX_MESSAGE {
-                    return Err(std::io::Error::other("bad length"));
-                }
-                let mut msg = vec![0u8; len];
-                s.read_exact(&mut msg).await?;
-                Ok::<_, std::io::Error>(msg)
-            };
-            if let Ok(Ok(msg)) = tokio::time::timeout(TCP_IDLE, read).await {
-                if let Some(a) = answer(&eg, from, &msg).await {
-                    let mut out = Vec::with_capacity(a.len() + 2);
-                    out.extend_from_slice(&(a.len() as u16).to_be_bytes());
-                    out.extend_from_slice(&a);
-                    let _ = s.write_all(&out).await;
-                }
+    super::proxy::accept_each(eg, l, IN_FLIGHT, |eg, mut s, from| async move {
+        // One query per connection is enough for resolvers' TCP fallback.
+        let read = async {
+            let len = s.read_u16().await? as usize;
+            if len == 0 || len > wire::MAX_MESSAGE {
+                return Err(std::io::Error::other("bad length"));
             }
-            drop(permit);
-        });
-    }
+            let mut msg = vec![0u8; len];
+            s.read_exact(&mut msg).await?;
+            Ok::<_, std::io::Error>(msg)
+        };
+        if let Ok(Ok(msg)) = tokio::time::timeout(TCP_IDLE, read).await {
+            if let Some(a) = answer(&eg, from, &msg).await {
+                let mut out = Vec::with_capacity(a.len() + 2);
+                out.extend_from_slice(&(a.len() as u16).to_be_bytes());
+                out.extend_from_slice(&a);
+                let _ = s.write_all(&out).await;
+            }
+        }
+    })
+    .await;
 }
 
 /// The answer to `msg` from `from`, or `None` to stay silent (not a sandbox of ours, not a

@@ -185,9 +185,14 @@ fn http_host(b: &[u8]) -> Head {
     Head::Http(host)
 }
 
-/// Serves redirected connections on `l` until the node stops.
-pub(super) async fn serve(eg: Arc<Egress>, l: TcpListener) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_RELAYS));
+/// Accepts connections on `l` until the node stops, each handled by `handle` in a task of
+/// its own, at most `max` at once (more are closed at once).
+pub(super) async fn accept_each<F, Fut>(eg: Arc<Egress>, l: TcpListener, max: usize, handle: F)
+where
+    F: Fn(Arc<Egress>, TcpStream, SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(tokio::sync::Semaphore::new(max));
     loop {
         let Ok((s, from)) = l.accept().await else {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -196,12 +201,20 @@ pub(super) async fn serve(eg: Arc<Egress>, l: TcpListener) {
         let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
             continue;
         };
-        let eg = Arc::clone(&eg);
+        let work = handle(Arc::clone(&eg), s, from);
         tokio::spawn(async move {
-            let _ = relay(&eg, s, from).await;
+            work.await;
             drop(permit);
         });
     }
+}
+
+/// Serves redirected connections on `l` until the node stops.
+pub(super) async fn serve(eg: Arc<Egress>, l: TcpListener) {
+    accept_each(eg, l, MAX_RELAYS, |eg, s, from| async move {
+        let _ = relay(&eg, s, from).await;
+    })
+    .await;
 }
 
 async fn relay(eg: &Arc<Egress>, mut s: TcpStream, from: SocketAddr) -> std::io::Result<()> {
