@@ -424,7 +424,10 @@ impl Agent {
         }
         if matches!(
             req,
-            Request::Configure { .. } | Request::ReopenRoot | Request::Identify { .. }
+            Request::Configure { .. }
+                | Request::ReopenRoot
+                | Request::Identify { .. }
+                | Request::GuestNet { .. }
         ) {
             self.handle(id, req, body);
             return None;
@@ -564,6 +567,17 @@ impl Agent {
                             Ok(())
                         }
                     }) {
+                    Ok(()) => ok(),
+                    Err(e) => out.error(id, ErrorCode::Internal, &e),
+                },
+            },
+            Request::GuestNet { addr, gateway } => match &self.guest {
+                None => out.error(
+                    id,
+                    ErrorCode::InvalidRequest,
+                    &msg("guest_net is for VM guests only"),
+                ),
+                Some(_) => match crate::guest::set_net(addr, gateway) {
                     Ok(()) => ok(),
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
                 },

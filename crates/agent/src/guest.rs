@@ -10,6 +10,23 @@ use std::time::Duration;
 
 use dsec_sys::guest::{self, MS_NODEV, MS_NOSUID, MS_REMOUNT};
 
+/// The guest's path out (see `Request::GuestNet`): `eth0` (the virtio NIC every VM has) gets
+/// `addr/32`, up, and a default route on-link through `gateway`.
+pub fn set_net(addr: std::net::Ipv4Addr, gateway: std::net::Ipv4Addr) -> io::Result<()> {
+    guest::set_ipv4_up("eth0", addr)?;
+    let mut route = dsec_sys::netlink::route::Route::open()?;
+    match route.add_route4(
+        std::net::Ipv4Addr::UNSPECIFIED,
+        0,
+        Some(gateway),
+        "eth0",
+        true,
+    ) {
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
+        r => r,
+    }
+}
+
 /// What the agent keeps of the boot: the writable layer's tmpfs, to resize it.
 #[derive(Debug)]
 pub struct Guest {

@@ -272,6 +272,15 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         user: Option<String>,
     },
+    /// VM guests only: gives the guest's NIC `eth0` the address `addr/32` (replacing any it
+    /// had), brings it up and routes everything through `gateway` (on-link): the sandbox's path
+    /// out (network egress). Answer: `Ok`.
+    GuestNet {
+        /// The guest's address.
+        addr: std::net::Ipv4Addr,
+        /// The node's end of the path.
+        gateway: std::net::Ipv4Addr,
+    },
     /// VM guests only: gives a guest restored from its template's snapshot its own identity —
     /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —
     /// and mixes the request body (fresh random bytes) into the guest's entropy pool, so clones

@@ -32,7 +32,9 @@ impl Daemon {
         owned: Option<&std::path::Path>,
         net: &FakeNet,
     ) -> Self {
-        let mut s = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run);
+        // (A VM's first create boots its template under TCG: minutes on a busy machine.)
+        let mut s = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
+            .timeout(std::time::Duration::from_secs(600));
         if let Some(base) = owned {
             s = s.remove_on_drop(base);
         }
@@ -535,4 +537,75 @@ fn a_logged_steps_observation_lists_its_refusals() {
     let (s, again) = d.req("POST", &format!("/v1/sandboxes/{id}/exec"), Some(&body));
     assert_eq!(s, 200, "{again}");
     assert_eq!(again["egress_denied"], v["egress_denied"]);
+}
+
+/// A microVM's path out is a container's: a tap into the node's table plugged into its NIC,
+/// `eth0` configured by its agent; a reset keeps it; a microVM without a policy has no way out.
+#[test]
+fn a_microvm_gets_the_same_path_out() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("vm", &net);
+    let (web, other) = (net.web(), net.other());
+    let id = d.create(json!({
+        "substrate": "microvm",
+        "network": {"egress": {"allow": ["pypi.test"]}},
+    }));
+    let check = |id: &str| {
+        assert_eq!(d.resolves(id, "pypi.test"), Some(web.to_string()));
+        let (ok, out) = d.get(id, "http://pypi.test/whoami", "");
+        assert!(ok, "{out}");
+        let who: Value = serde_json::from_str(&out).expect("whoami json");
+        assert_eq!(who["host"], "pypi.test");
+        assert_eq!(d.resolves(id, "github.test"), None);
+        assert!(!d.get(id, &format!("http://{other}/whoami"), "").0);
+        assert!(!d.get(id, "http://169.254.169.254/", "").0);
+    };
+    check(&id);
+    let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None);
+    assert_eq!(s, 200, "{v}");
+    check(&id);
+
+    // No policy: the NIC is on a hub with nothing else, no address, no route.
+    let closed = d.create(json!({"substrate": "microvm"}));
+    let (_, routes) = d.sh(&closed, "cat /proc/net/route");
+    assert_eq!(routes.lines().count(), 1, "{routes}");
+    assert!(!d.get(&closed, &format!("http://{web}/whoami"), "").0);
+    // A running VM's path is given at create only.
+    let (s, v) = d.set_network(&closed, allow(&["pypi.test"]));
+    assert_eq!(s, 400, "{v}");
+    for id in [&id, &closed] {
+        let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(s, 200, "{v}");
+    }
+}
+
+/// A microVM's QEMU keeps its tap while the daemon is dead; a restart adopts the path, and a
+/// reset after it plugs a fresh tap into the new QEMU; a destroy leaves no tap.
+#[test]
+fn a_restart_adopts_a_microvms_path_and_a_reset_after_it_keeps_it() {
+    let net = FakeNet::start().expect("fake internet");
+    let (data, run, _base) = testkit::dirs_removed_on_drop("deg", "vmkill9");
+    let mut d = Daemon::on(&data, &run, None, &net);
+    let (web, other) = (net.web(), net.other());
+    let id = d.create(json!({
+        "substrate": "microvm",
+        "network": {"egress": {"allow": [format!("{web}/32")]}},
+    }));
+    assert!(d.get(&id, &format!("http://{web}/whoami"), "").0);
+    let k = std::fs::read_to_string(d.data.join("egress-index")).expect("egress index");
+    let (table, prefix) = (format!("dsec_{}", k.trim()), format!("dsv{}-", k.trim()));
+    d.kill9();
+    assert_eq!(links(&prefix).len(), 1, "its QEMU keeps its tap");
+    let mut d = Daemon::on(&data, &run, None, &net);
+    assert!(d.get(&id, &format!("http://{web}/whoami"), "").0, "adopted");
+    assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
+    let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None);
+    assert_eq!(s, 200, "{v}");
+    assert!(d.get(&id, &format!("http://{web}/whoami"), "").0, "reset");
+    assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
+    let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(s, 200);
+    assert!(links(&prefix).is_empty(), "the tap is gone with its VM");
+    d.stop();
+    assert!(!table_exists(&table));
 }

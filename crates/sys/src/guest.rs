@@ -8,7 +8,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -191,6 +191,54 @@ pub fn loopback_up() -> io::Result<()> {
         return Err(err);
     }
     Ok(())
+}
+
+/// Gives interface `name` the address `addr/32` (replacing the one it had: a guest restored
+/// from a running guest's snapshot may carry another) and brings it up.
+pub fn set_ipv4_up(name: &str, addr: std::net::Ipv4Addr) -> io::Result<()> {
+    if name.is_empty() || name.len() > 15 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "bad interface name",
+        ));
+    }
+    // SAFETY: socket with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: we own the fresh socket; it is closed when `sock` drops.
+    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let ifreq = || {
+        // SAFETY: ifreq is plain data; zeroed is valid.
+        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+            *d = s as libc::c_char;
+        }
+        ifr
+    };
+    let sin = |a: std::net::Ipv4Addr| {
+        // SAFETY: sockaddr is plain data; zeroed is valid.
+        let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+        sa.sa_family = libc::AF_INET as libc::sa_family_t;
+        // sockaddr_in: the port (2 bytes, 0), then the address.
+        for (d, s) in sa.sa_data[2..6].iter_mut().zip(a.octets()) {
+            *d = s as libc::c_char;
+        }
+        sa
+    };
+    let mut ifr = ifreq();
+    ifr.ifr_ifru.ifru_addr = sin(addr);
+    // SAFETY: SIOCSIFADDR reads a valid ifreq.
+    ok(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &ifr) })?;
+    let mut ifr = ifreq();
+    ifr.ifr_ifru.ifru_netmask = sin(std::net::Ipv4Addr::BROADCAST);
+    // SAFETY: SIOCSIFNETMASK reads a valid ifreq.
+    ok(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFNETMASK, &ifr) })?;
+    let mut ifr = ifreq();
+    ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
+    ok(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr) })
 }
 
 /// Whether the host end of a virtio-serial port is connected: `poll` reports `POLLHUP` on the

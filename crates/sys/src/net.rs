@@ -128,6 +128,33 @@ pub fn original_dst(sock: &impl AsRawFd) -> io::Result<std::net::SocketAddrV4> {
     ))
 }
 
+/// Makes the tap device `name` (`IFF_TAP | IFF_NO_PI`, no virtio header: the frames a VM's
+/// NIC sends, as they are) and answers its file descriptor. The device is not persistent: it
+/// goes when the last descriptor (the VM's QEMU holds one) is closed.
+pub fn open_tap(name: &str) -> io::Result<OwnedFd> {
+    const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+    if name.is_empty() || name.len() > 15 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("bad interface name {name:?}"),
+        ));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")?;
+    // struct ifreq: the name (16 bytes), then the flags (a short) in the union.
+    let mut ifr = [0u8; 40];
+    ifr[..name.len()].copy_from_slice(name.as_bytes());
+    let flags = (libc::IFF_TAP | libc::IFF_NO_PI) as u16;
+    ifr[16..18].copy_from_slice(&flags.to_ne_bytes());
+    // SAFETY: TUNSETIFF reads (and writes back) a struct ifreq, which `ifr` is large enough for.
+    if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, ifr.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(OwnedFd::from(file))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

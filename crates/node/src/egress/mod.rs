@@ -91,6 +91,36 @@ struct Inner {
 /// What an `egress_denied` goes to: (sandbox, the name or address).
 pub type DeniedSink = Box<dyn Fn(&str, &str) + Send + Sync>;
 
+/// A VM sandbox's path out: a tap on the host (named like a container's veth, so the table
+/// treats both alike) plugged into the hub of the guest's NIC; the guest gives its `eth0` the
+/// address and a default route on-link through the gateway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmPath {
+    /// The tap's name (`dsv<k>-<n>`).
+    pub tap: String,
+    /// The guest's address.
+    pub addr: Ipv4Addr,
+    /// The host's end (the gateway address).
+    pub gateway: Ipv4Addr,
+    /// The policy's bandwidth cap (a queue on the tap).
+    pub bandwidth_bps: Option<u64>,
+}
+
+/// Makes the tap of `path` and its host side (the gateway address, up, a `/32` route to the
+/// guest, the bandwidth cap): each QEMU of the sandbox gets a fresh one (the tap goes when the
+/// QEMU holding it ends). Answers the descriptor to hand to QEMU.
+pub fn open_tap(path: &VmPath) -> std::io::Result<std::os::fd::OwnedFd> {
+    let fd = dsec_sys::net::open_tap(&path.tap)?;
+    let mut r = Route::open()?;
+    r.add_addr4(&path.tap, path.gateway, 32)?;
+    r.set_up(&path.tap)?;
+    r.add_route4(path.addr, 32, None, &path.tap, false)?;
+    if path.bandwidth_bps.is_some() {
+        caps::set_bandwidth(&path.tap, path.bandwidth_bps)?;
+    }
+    Ok(fd)
+}
+
 /// The node's egress: its subnet, table, DNS and the sandboxes attached.
 pub struct Egress {
     table: Table,
@@ -435,6 +465,49 @@ impl Egress {
             return Err(EgressError::Io(e));
         }
         Ok(addr)
+    }
+
+    /// Gives VM sandbox `id` a path out under `policy`: its address and elements, and the tap
+    /// its QEMU gets plugged in (made by [`open_tap`] each time a QEMU of it starts). The
+    /// guest configures its own side.
+    pub fn attach_vm(&self, id: &str, policy: &Policy) -> Result<VmPath, EgressError> {
+        let (addr, tap) = self.allocate(id, policy)?;
+        let probe = Attached {
+            addr,
+            veth: tap.clone(),
+            policy: policy.clone(),
+            statics: policy::static_elements(addr, policy),
+            pins: HashMap::new(),
+        };
+        let (bps, conns) = Self::caps_of(policy);
+        let done = self.apply_statics(&probe, true).and_then(|()| {
+            if (bps, conns) != (None, None) {
+                caps::set_chain(&self.table.name, addr, conns, bps)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = done {
+            self.detach(id);
+            return Err(EgressError::Io(e));
+        }
+        Ok(VmPath {
+            tap,
+            addr,
+            gateway: self.table.gateway,
+            bandwidth_bps: bps,
+        })
+    }
+
+    /// VM sandbox `id`'s path out as it is now (its tap, address, bandwidth cap).
+    pub fn vm_path(&self, id: &str) -> Option<VmPath> {
+        let inner = self.lock();
+        let a = inner.by_id.get(id)?;
+        Some(VmPath {
+            tap: a.veth.clone(),
+            addr: a.addr,
+            gateway: self.table.gateway,
+            bandwidth_bps: Self::caps_of(&a.policy).0,
+        })
     }
 
     /// Records sandbox `id` at a free address.

@@ -22,20 +22,15 @@ impl From<EgressError> for Error {
     }
 }
 
-/// Checks `net` against `tenant`'s ceiling and `substrate`; answers the policy to apply (the
-/// ceiling's caps filled in).
+/// Checks `net` against `tenant`'s ceiling; answers the policy to apply (the ceiling's caps
+/// filled in). Every substrate has egress (a container a veth, a VM a tap).
 pub fn admit_network(
     tenant: &Tenant,
-    substrate: Substrate,
+    _substrate: Substrate,
     net: NetworkSpec,
 ) -> Result<NetworkSpec> {
     if !net.enabled() {
         return Ok(net);
-    }
-    if substrate.is_vm() {
-        return Err(Error::invalid(
-            "network egress is not available on VM substrates yet (containers only)",
-        ));
     }
     let ceiling = tenant.ceiling();
     let egress = net.egress.capped_by(&ceiling);
@@ -159,6 +154,9 @@ impl Node {
         net: &NetworkSpec,
     ) -> Result<std::net::Ipv4Addr> {
         let eg = self.egress()?;
+        if e.record().spec.substrate.is_vm() {
+            return self.attach_vm_now(e, eg, net).await;
+        }
         let Some((_, init)) = e.pids() else {
             return Err(Error::NotFound(e.id.clone()));
         };
@@ -171,6 +169,45 @@ impl Node {
         Ok(addr)
     }
 
+    /// A VM's path out: its address and elements, then a tap plugged into its QEMU and the
+    /// guest's side configured (on a blocking thread, the sandbox locked meanwhile).
+    async fn attach_vm_now(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        eg: Arc<Egress>,
+        net: &NetworkSpec,
+    ) -> Result<std::net::Ipv4Addr> {
+        let (id, policy) = (e.id.clone(), net.egress.clone());
+        let t0 = std::time::Instant::now();
+        let eg2 = Arc::clone(&eg);
+        let path = tokio::task::spawn_blocking(move || eg2.attach_vm(&id, &policy))
+            .await
+            .map_err(|err| Error::internal(err.to_string()))??;
+        let mut guard = e.lock().await;
+        let Some(mut sb) = guard.take() else {
+            drop(guard);
+            let id = e.id.clone();
+            let _ = tokio::task::spawn_blocking(move || eg.detach(&id)).await;
+            return Err(Error::NotFound(e.id.clone()));
+        };
+        let plugged = path.clone();
+        let (sb, result) = tokio::task::spawn_blocking(move || {
+            let r = sb.attach_vm_net(plugged);
+            (sb, r)
+        })
+        .await
+        .map_err(|err| Error::internal(err.to_string()))?;
+        *guard = Some(sb);
+        drop(guard);
+        if let Err(err) = result {
+            let id = e.id.clone();
+            let _ = tokio::task::spawn_blocking(move || eg.detach(&id)).await;
+            return Err(Error::from(err));
+        }
+        self.metrics.egress_attach.observe_duration(t0.elapsed());
+        Ok(path.addr)
+    }
+
     /// Replaces the network policy of a running sandbox of `tenant`: a sandbox without a path
     /// gets one, one whose policy becomes `none` loses it.
     pub async fn set_network(
@@ -181,7 +218,7 @@ impl Node {
     ) -> Result<SandboxRecord> {
         let rec = e.record();
         let net = admit_network(tenant, rec.spec.substrate, net)?;
-        let _guard = e.lock().await;
+        let mut guard = e.lock().await;
         if e.record().state != State::Running {
             return Err(Error::Transition(format!(
                 "cannot change the network of a {:?} sandbox",
@@ -189,6 +226,12 @@ impl Node {
             )));
         }
         let had = rec.net_addr.is_some();
+        if rec.spec.substrate.is_vm() && had != net.enabled() {
+            return Err(Error::invalid(
+                "a VM sandbox's path out is given when it is created: its policy can change, \
+                 but not from or to \"none\"",
+            ));
+        }
         match (had, net.enabled()) {
             (false, false) => Ok(rec),
             (false, true) => {
@@ -210,9 +253,16 @@ impl Node {
             (true, true) => {
                 let eg = self.egress()?;
                 let (id, policy) = (e.id.clone(), net.egress.clone());
-                tokio::task::spawn_blocking(move || eg.set_policy(&id, &policy))
+                let eg2 = Arc::clone(&eg);
+                tokio::task::spawn_blocking(move || eg2.set_policy(&id, &policy))
                     .await
                     .map_err(|err| Error::internal(err.to_string()))??;
+                if let Some(sb) = guard.as_mut() {
+                    // A VM's later QEMUs get a tap with the new bandwidth cap.
+                    if sb.substrate().is_vm() {
+                        sb.set_vm_net(eg.vm_path(&e.id));
+                    }
+                }
                 self.update(e, |r| {
                     r.network = net.clone();
                     Ok(())
@@ -262,6 +312,11 @@ impl Node {
             if let Err(err) = adopted {
                 tracing::warn!(sandbox = %rec.id, error = %err, "egress: not adopted; destroyed");
                 let _ = self.destroy(&e).await;
+            } else if rec.spec.substrate.is_vm() {
+                // Its QEMU kept its tap; a later QEMU of it (reset) gets a new one.
+                if let Some(sb) = e.lock().await.as_mut() {
+                    sb.set_vm_net(eg.vm_path(&rec.id));
+                }
             }
         }
         self.egress_idle_teardown();

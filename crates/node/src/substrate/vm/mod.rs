@@ -52,8 +52,8 @@ pub const ACCEL_ENV: &str = "DSEC_VM_ACCEL";
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long a restore may take.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Version of the snapshot recipe; bump to invalidate cached snapshots.
-const SNAPSHOT_FORMAT: &str = "2";
+/// Version of the snapshot recipe; bump to invalidate cached snapshots (3: every VM has a NIC).
+const SNAPSHOT_FORMAT: &str = "3";
 /// How long an unused cache entry (snapshot, initramfs, root image) is kept by a running node.
 pub const CACHE_MAX_IDLE: Duration = Duration::from_secs(24 * 3600);
 

@@ -1,6 +1,8 @@
 //! The QEMU process of one VM: its command line and its QMP control connection.
 //!
-//! Every QEMU is started with `-nodefaults -no-user-config`, no network device, the guest's
+//! Every QEMU is started with `-nodefaults -no-user-config`, one virtio NIC on a hub of its own
+//! with nothing else on it (a sandbox with network egress gets a tap plugged into that hub over
+//! QMP: [`Qmp::plug_tap`]; the NIC is the same either way, so every snapshot fits), the guest's
 //! serial console on a null (clones) or size-bounded file (template boots) backend, QEMU's own
 //! seccomp filter (`-sandbox on` denying spawn, privilege changes and resource control), and
 //! only three channels to the host: the QMP socket, the agent's virtio-serial socket (both unix
@@ -142,6 +144,12 @@ pub fn jailed_command(qemu: &Path, args: &VmArgs) -> std::process::Command {
     c
 }
 
+/// The hub port of the guest's NIC.
+const NIC_PORT: &str = "nic0";
+/// The tap's netdev and its hub port, when plugged.
+const TAP: &str = "tap0";
+const TAP_PORT: &str = "tap0port";
+
 /// QMP socket name in the run directory.
 pub const QMP_SOCK: &str = "qmp.sock";
 /// Agent socket name in the run directory.
@@ -215,6 +223,17 @@ impl VmArgs {
             &format!("virtserialport,chardev=agent,name={}", super::PORT_NAME),
         ]);
         push(&["-device", rng]);
+        // The NIC, always (a snapshot's devices must match the clone's): on hub 0 alone until a
+        // tap is plugged in. One MAC for every guest: each is alone on its own link.
+        let nic = match self.machine {
+            Machine::Microvm => "virtio-net-device",
+            Machine::Q35 => "virtio-net-pci",
+        };
+        push(&["-netdev", &format!("hubport,id={NIC_PORT},hubid=0")]);
+        push(&[
+            "-device",
+            &format!("{nic},netdev={NIC_PORT},mac=52:54:00:d5:ec:01"),
+        ]);
         let ram = if self.ram_anonymous {
             format!("memory-backend-ram,id=mem,size={mem}")
         } else {
@@ -329,6 +348,17 @@ impl Qmp {
             .map(|_| ())
     }
 
+    /// Plugs the tap `fd` into the hub of the guest's NIC: what the guest sends goes out of it.
+    pub fn plug_tap(&mut self, fd: BorrowedFd<'_>) -> Result<(), VmError> {
+        self.pass_fd(TAP, fd)?;
+        self.execute("netdev_add", json!({ "type": "tap", "id": TAP, "fd": TAP }))?;
+        self.execute(
+            "netdev_add",
+            json!({ "type": "hubport", "id": TAP_PORT, "hubid": 0, "netdev": TAP }),
+        )
+        .map(|_| ())
+    }
+
     /// Turns on the `x-ignore-shared` migration capability: guest RAM in a shared file is not
     /// copied into the snapshot stream (the file is the RAM snapshot).
     pub fn ignore_shared(&mut self) -> Result<(), VmError> {
@@ -427,7 +457,11 @@ mod tests {
         assert!(a.contains("-chroot /run/x/jail"));
         assert!(a.contains("readonly=on"));
         assert!(a.contains("-nodefaults"));
-        assert!(!a.contains("-netdev") && !a.contains("-nic"));
+        // One NIC on a hub with nothing else: no way out until a tap is plugged in.
+        assert!(a.contains("-netdev hubport,id=nic0,hubid=0"), "{a}");
+        assert!(a.contains("virtio-net-device,netdev=nic0"), "{a}");
+        assert_eq!(a.matches("-netdev").count(), 1);
+        assert!(!a.contains("-nic") && !a.contains("user,") && !a.contains("tap"));
         assert!(a.contains("virtio-serial-device"));
         assert!(a.contains("file=/u.img,format=raw,if=none,cache=unsafe,discard=unmap,snapshot=on"));
     }
@@ -438,6 +472,7 @@ mod tests {
         assert!(a.contains("share=on"));
         assert!(!a.contains("-incoming"));
         assert!(a.contains("virtio-blk-pci") && a.contains("q35"));
+        assert!(a.contains("virtio-net-pci,netdev=nic0"), "{a}");
         assert!(a.contains("file=/u.img") && !a.contains("snapshot=on"));
     }
 }

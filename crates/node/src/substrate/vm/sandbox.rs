@@ -18,6 +18,7 @@ use dsec_sys::ipc::PidFd;
 
 use super::{self as vm, Snapshot, SnapshotKey, TemplateRoot, VmError, VmKind, VmRuntime};
 use crate::agent_client::AgentConn;
+use crate::egress::VmPath;
 use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::substrate::container::create::SCRATCH_DIRS;
 use crate::substrate::{Backend, Phases, Runtime, RuntimeError, Sandbox};
@@ -97,6 +98,8 @@ pub(crate) struct VmBinding {
     env: Vec<(String, String)>,
     /// The template's user and working directory: the defaults of the guest's commands.
     defaults: GuestDefaults,
+    /// Its path out (network egress), plugged into every QEMU of it.
+    net: Option<VmPath>,
 }
 
 /// A template's user and working directory, as a guest's `Configure` carries them.
@@ -375,7 +378,7 @@ impl Runtime {
             .create(id, &limits)
             .map_err(RuntimeError::Cgroup)?;
         let t_cg = t0.elapsed().as_micros() as u64;
-        let started = start_vm(&rt, id, &snap, &cgroup, spec, (&env, &defaults));
+        let started = start_vm(&rt, id, &snap, &cgroup, spec, (&env, &defaults), None);
         let (sup, agent) = match started {
             Ok(v) => v,
             Err(e) => {
@@ -392,6 +395,7 @@ impl Runtime {
             cgroup,
             env,
             defaults,
+            net: None,
         };
         let sandbox = binding.sandbox(id, spec.clone(), State::Ready, sup, agent);
         Ok((
@@ -452,6 +456,7 @@ impl Runtime {
             cgroup,
             env,
             defaults,
+            net: None,
         };
         Ok(binding.sandbox(id, spec, state, sup, agent))
     }
@@ -481,7 +486,26 @@ impl VmBinding {
     }
 }
 
-/// Restores the snapshot into a new QEMU in `cgroup`, then identifies and configures the guest.
+/// Plugs a fresh tap of `net` into the running QEMU of VM `id` and has the guest configure its
+/// side.
+fn plug_net(rt: &VmRuntime, id: &str, agent: &mut AgentConn, net: &VmPath) -> Result<(), VmError> {
+    let tap = crate::egress::open_tap(net).map_err(VmError::io("make the tap"))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut qmp = vm::qemu::Qmp::connect(&rt.run_dir(id).join(vm::qemu::QMP_SOCK), deadline)?;
+    qmp.plug_tap(std::os::fd::AsFd::as_fd(&tap))?;
+    drop(qmp);
+    agent.call_ok(
+        &dsec_api::agent::Request::GuestNet {
+            addr: net.addr,
+            gateway: net.gateway,
+        },
+        &[],
+    )?;
+    Ok(())
+}
+
+/// Restores the snapshot into a new QEMU in `cgroup`, then identifies and configures the guest
+/// (and plugs its path out in, if it has one).
 fn start_vm(
     rt: &VmRuntime,
     id: &str,
@@ -489,6 +513,7 @@ fn start_vm(
     cgroup: &Cgroup,
     spec: &SandboxSpec,
     (env, defaults): (&[(String, String)], &GuestDefaults),
+    net: Option<&VmPath>,
 ) -> Result<(PidFd, AgentConn), RuntimeError> {
     let (qemu, mut agent) = rt
         .restore(id, snap, |pid| {
@@ -521,6 +546,9 @@ fn start_vm(
             },
             &[],
         )?;
+        if let Some(net) = net {
+            plug_net(rt, id, &mut agent, net)?;
+        }
         Ok(())
     })();
     if let Err(e) = ready {
@@ -589,6 +617,7 @@ impl Sandbox {
             &b.cgroup,
             &self.spec,
             (&b.env, &b.defaults),
+            b.net.as_ref(),
         )?;
         b.snap = snap;
         self.init_pid = sup.pid();
@@ -609,11 +638,31 @@ impl Sandbox {
             &b.cgroup,
             &self.spec,
             (&b.env, &b.defaults),
+            b.net.as_ref(),
         )?;
         self.init_pid = sup.pid();
         self.sup = sup;
         self.agent = agent;
         Ok(())
+    }
+
+    /// Gives a running VM its path out: a tap plugged into its QEMU, the guest's side
+    /// configured; every later QEMU of it (reset, restore) gets it too.
+    pub(crate) fn attach_vm_net(&mut self, net: VmPath) -> Result<(), RuntimeError> {
+        let Backend::Vm(b) = &mut self.backend else {
+            return Err(RuntimeError::Invalid("not a VM sandbox".into()));
+        };
+        plug_net(&b.rt, &self.id, &mut self.agent, &net).map_err(vm_err(&self.id))?;
+        b.net = Some(net);
+        Ok(())
+    }
+
+    /// Records a VM's path out without plugging anything in (an adopted VM's QEMU has its tap
+    /// already; a changed bandwidth cap): later QEMUs of it get this one.
+    pub(crate) fn set_vm_net(&mut self, net: Option<VmPath>) {
+        if let Backend::Vm(b) = &mut self.backend {
+            b.net = net;
+        }
     }
 
     /// Destroys a VM sandbox: QEMU, cgroup, run directory.

@@ -351,7 +351,10 @@ mod tests {
                 "overlay.ko",
                 "squashfs.ko",
                 "rng-core.ko",
-                "virtio-rng.ko"
+                "virtio-rng.ko",
+                "failover.ko",
+                "net_failover.ko",
+                "virtio_net.ko"
             ]
         );
         for name in &order {
@@ -370,7 +373,7 @@ mod tests {
         build_initramfs(&agent, &kernel, MICROVM_MODULES, &out)?;
         assert_eq!(fs::read(&out)?, first);
 
-        let err = build_initramfs(&agent, &kernel, &["virtio_net"], &out);
+        let err = build_initramfs(&agent, &kernel, &["e1000"], &out);
         assert!(matches!(err, Err(ImageError::ModuleNotFound(_))), "{err:?}");
         Ok(())
     }

@@ -23,6 +23,9 @@ pub const MICROVM_MODULES: &[&str] = &[
     "overlay",
     "squashfs",
     "virtio_rng",
+    // The NIC of a sandbox's network egress (its dependencies `net_failover` and `failover`
+    // resolved automatically).
+    "virtio_net",
 ];
 
 /// [`MICROVM_MODULES`] plus the virtio PCI transport, for full VMs (`qemu -M q35`); its
@@ -360,6 +363,9 @@ kernel/drivers/char/hw_random/virtio-rng.ko: kernel/drivers/char/hw_random/rng-c
 kernel/drivers/char/hw_random/rng-core.ko:
 kernel/fs/overlayfs/overlay.ko:
 kernel/fs/squashfs/squashfs.ko:
+kernel/drivers/net/virtio_net.ko: kernel/drivers/net/net_failover.ko kernel/net/core/failover.ko kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko
+kernel/drivers/net/net_failover.ko: kernel/net/core/failover.ko
+kernel/net/core/failover.ko:
 ";
 
     /// A fake kernel: modules directory with [`FAKE_DEP`], module files, `modules.builtin`.
