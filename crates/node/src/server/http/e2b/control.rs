@@ -37,10 +37,9 @@ pub(in crate::server::http) struct E2bNetwork {
 /// The dsec network policy an E2B create asks for: `network.allowOut` is an allow list
 /// (`denyOut` less the catch-all `0.0.0.0/0`, which an allow list implies);
 /// `allow_internet_access: false` is none; otherwise (E2B's default) the public internet,
-/// where the tenant's ceiling and the substrate allow it, else none.
+/// where the tenant's ceiling allows it, else none.
 fn e2b_network(
     t: &Tenant,
-    substrate: Option<&str>,
     internet: Option<bool>,
     net: Option<E2bNetwork>,
 ) -> ApiResult<Option<dsec_api::network::NetworkSpec>> {
@@ -59,8 +58,7 @@ fn e2b_network(
         });
         return Ok(Some(NetworkSpec { egress }));
     }
-    let vm = substrate.is_some_and(|s| s != "container");
-    let open = internet != Some(false) && !vm && Egress::All.within(&t.ceiling()).is_ok();
+    let open = internet != Some(false) && Egress::All.within(&t.ceiling()).is_ok();
     Ok(open.then_some(NetworkSpec {
         egress: Egress::All,
     }))
@@ -167,7 +165,7 @@ pub(in crate::server::http) async fn e2b_create(
         )));
     }
     labels.insert(TEMPLATE_LABEL.to_owned(), asked.clone());
-    let network = e2b_network(&t, substrate.as_deref(), b.allow_internet_access, b.network)?;
+    let network = e2b_network(&t, b.allow_internet_access, b.network)?;
     let spec = CreateSpec {
         network,
         template: Some(template_of(&app, &asked)),
