@@ -17,6 +17,7 @@ mod cluster_sim;
 mod container;
 mod e2b;
 mod log;
+mod net;
 mod run;
 mod snapshot;
 mod vm;
@@ -47,6 +48,10 @@ pub enum BenchKind {
     /// The official E2B Python SDK's create + `commands.run("true")` + kill loop against the
     /// node's E2B-compatible API, with the dsec Python SDK's same loop as the peer, interleaved.
     E2b,
+    /// Network egress: create + exec + delete with egress on vs off, HTTP throughput and small
+    /// requests through the enforcement path vs the host's direct path, DNS lookups through the
+    /// node's DNS vs straight to the resolver, against a fake internet.
+    Net,
 }
 
 /// Arguments of `dsec bench`.
@@ -172,5 +177,6 @@ pub fn run(
         BenchKind::Cluster => cluster::run(args),
         BenchKind::Snapshot => snapshot::run(args),
         BenchKind::E2b => e2b::run(args),
+        BenchKind::Net => net::run(args),
     }
 }
