@@ -106,6 +106,19 @@ fn links(prefix: &str) -> Vec<String> {
         .collect()
 }
 
+/// Whether the links of `prefix` are gone within 5 s (the node removes a destroyed sandbox's
+/// link off the destroy's path).
+fn links_gone(prefix: &str) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !links(prefix).is_empty() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
 fn table_exists(name: &str) -> bool {
     std::process::Command::new("nft")
         .args(["list", "table", "inet", name])
@@ -362,10 +375,7 @@ fn the_kernel_enforces_while_the_daemon_is_dead_and_a_restart_adopts() {
     assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
     let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
     assert_eq!(s, 200);
-    assert!(
-        links(&prefix).is_empty(),
-        "the veth is gone with its sandbox"
-    );
+    assert!(links_gone(&prefix), "the veth is gone with its sandbox");
     d.stop();
     assert!(
         !table_exists(&table),
@@ -605,7 +615,7 @@ fn a_restart_adopts_a_microvms_path_and_a_reset_after_it_keeps_it() {
     assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
     let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
     assert_eq!(s, 200);
-    assert!(links(&prefix).is_empty(), "the tap is gone with its VM");
+    assert!(links_gone(&prefix), "the tap is gone with its VM");
     d.stop();
     assert!(!table_exists(&table));
 }

@@ -86,6 +86,9 @@ struct Inner {
     by_addr: HashMap<Ipv4Addr, String>,
     /// The next address index tried (round robin: a freed address is reused last).
     next: u32,
+    /// When each (sandbox, name) was last pinned (a lookup of the same answer within half
+    /// the pin's lifetime changes nothing in the kernel).
+    pinned_at: HashMap<(String, String), std::time::Instant>,
 }
 
 /// What an `egress_denied` goes to: (sandbox, the name or address).
@@ -131,6 +134,8 @@ pub struct Egress {
     on_denied: DeniedSink,
     /// Counters.
     pub stats: Stats,
+    /// Links of detached sandboxes to remove (see [`Egress::detach`]).
+    unlink: Mutex<std::sync::mpsc::Sender<(String, Ipv4Addr)>>,
     /// Set by [`Egress::teardown`]: the NFLOG reader stops.
     stopping: std::sync::atomic::AtomicBool,
     /// Its DNS servers (stopped by [`Egress::teardown`]).
@@ -240,6 +245,7 @@ impl Egress {
         let relay =
             dsec_sys::net::bind_freebind_tcp(SocketAddr::from((table.gateway, table.proxy_port)))
                 .map_err(&fail)?;
+        let (unlink_tx, unlink_rx) = std::sync::mpsc::channel();
         let eg = Arc::new(Egress {
             table,
             upstream,
@@ -253,8 +259,10 @@ impl Egress {
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            unlink: Mutex::new(unlink_tx),
             _claim: claim,
         });
+        eg.start_unlinker(unlink_rx);
         eg.read_refusals();
         let _guard = rt.enter();
         let udp = tokio::net::UdpSocket::from_std(udp).map_err(EgressError::Io)?;
@@ -653,9 +661,18 @@ impl Egress {
         ports: &[(u16, u16)],
     ) -> std::io::Result<()> {
         let mut inner = self.lock();
+        let key = (id.to_owned(), name.to_owned());
+        let same: Pins = addrs.iter().map(|ip| (*ip, ports.to_vec())).collect();
+        let fresh = inner
+            .pinned_at
+            .get(&key)
+            .is_some_and(|t| t.elapsed() < std::time::Duration::from_millis(PIN_MS / 2));
         let Some(a) = inner.by_id.get_mut(id) else {
             return Ok(());
         };
+        if fresh && a.pins.get(name) == Some(&same) {
+            return Ok(());
+        }
         // Every pin of an address merged into one list of ranges (the kernel refuses
         // overlapping elements): what was there is replaced.
         let mut old: Vec<(Ipv4Addr, Vec<(u16, u16)>)> = Vec::new();
@@ -673,10 +690,8 @@ impl Egress {
             new.push((*ip, policy::union(ranges)));
         }
         let addr = a.addr;
-        a.pins.insert(
-            name.to_owned(),
-            addrs.iter().map(|ip| (*ip, ports.to_vec())).collect(),
-        );
+        a.pins.insert(name.to_owned(), same);
+        inner.pinned_at.insert(key, std::time::Instant::now());
         drop(inner);
         let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
         nft.del_elements(&self.table.name, NAMED, &Self::pin_elements(addr, &old))?;
@@ -695,7 +710,9 @@ impl Egress {
             let Some(a) = inner.by_id.remove(id) else {
                 return;
             };
-            inner.by_addr.remove(&a.addr);
+            // The address stays taken (by no sandbox) until its link is gone.
+            inner.by_addr.insert(a.addr, String::new());
+            inner.pinned_at.retain(|(sb, _), _| sb != id);
             a
         };
         let pins: Vec<_> = a.pins.values().flatten().cloned().collect();
@@ -709,8 +726,32 @@ impl Egress {
             let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
             let _ = nft.del_elements(&self.table.name, NAMED, &Self::pin_elements(a.addr, &pins));
         }
-        let mut r = self.route.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = r.del_link(&a.veth);
+        // Removing a link waits for the kernel (~15–25 ms): done off the caller's path (a
+        // destroy's namespace takes its veth along anyway), then the address is free again.
+        let _ = self
+            .unlink
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send((a.veth, a.addr));
+    }
+
+    /// The thread that removes detached sandboxes' links, one at a time, and frees their
+    /// addresses.
+    fn start_unlinker(self: &Arc<Self>, rx: std::sync::mpsc::Receiver<(String, Ipv4Addr)>) {
+        let weak = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("egress-unlink".into())
+            .spawn(move || {
+                let Ok(mut r) = Route::open() else { return };
+                while let Ok((veth, addr)) = rx.recv() {
+                    let _ = r.del_link(&veth);
+                    let Some(eg) = weak.upgrade() else { return };
+                    let mut inner = eg.lock();
+                    if inner.by_addr.get(&addr).is_some_and(String::is_empty) {
+                        inner.by_addr.remove(&addr);
+                    }
+                }
+            });
     }
 
     /// The egress series of `/metrics`: DNS counters, sandboxes with a path, and each one's
