@@ -689,6 +689,33 @@ fn template_rm(c: &client::Client, name: &str) -> Result<ExitCode, client::Clien
     Ok(ExitCode::SUCCESS)
 }
 
+/// The IPv4 addresses of a cluster's etcd endpoints (comma-separated URLs): no sandbox's
+/// egress ever reaches them.
+fn etcd_addrs(urls: &str) -> Vec<(std::net::Ipv4Addr, u8)> {
+    use std::net::ToSocketAddrs;
+    let mut out = Vec::new();
+    for u in urls.split(',') {
+        let hostport = u
+            .trim()
+            .split_once("://")
+            .map_or(u.trim(), |(_, rest)| rest)
+            .split('/')
+            .next()
+            .unwrap_or_default();
+        let with_port = if hostport.contains(':') {
+            hostport.to_owned()
+        } else {
+            format!("{hostport}:2379")
+        };
+        for a in with_port.to_socket_addrs().into_iter().flatten() {
+            if let std::net::IpAddr::V4(v4) = a.ip() {
+                out.push((v4, 32));
+            }
+        }
+    }
+    out
+}
+
 /// `a.b.c.d/len`, len 16..=28 (room for sandboxes, not a whole class A).
 fn parse_subnet(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
     let (a, l) = s.split_once('/').ok_or("a.b.c.d/len")?;
@@ -746,7 +773,7 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         egress: dsec_node::egress::EgressConfig {
             resolver: args.egress_resolver,
             subnet: args.egress_subnet,
-            never: Vec::new(),
+            never: args.etcd.as_deref().map(etcd_addrs).unwrap_or_default(),
         },
         cluster: args
             .etcd
@@ -857,4 +884,27 @@ fn local_exit_code(e: &anyhow::Error) -> u8 {
         })
         .and_then(client::exit_for_code)
         .unwrap_or(client::EXIT_INTERNAL)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn etcd_endpoints_are_never_reached() {
+        let a = etcd_addrs("http://10.1.2.3:2379, https://192.0.2.9/x,127.0.0.1");
+        assert_eq!(
+            a,
+            vec![
+                (std::net::Ipv4Addr::new(10, 1, 2, 3), 32),
+                (std::net::Ipv4Addr::new(192, 0, 2, 9), 32),
+                (std::net::Ipv4Addr::new(127, 0, 0, 1), 32),
+            ]
+        );
+        assert_eq!(
+            parse_subnet("10.9.8.7/20"),
+            Ok((std::net::Ipv4Addr::new(10, 9, 0, 0), 20))
+        );
+        assert!(parse_subnet("10.0.0.0/8").is_err());
+    }
 }
