@@ -34,6 +34,11 @@ use self::rules::{Table, ALL, ALLOW, BIND, DENY, NAMED};
 const POOL: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 224, 0, 0), 11);
 /// A node's subnet size.
 const SUBNET_LEN: u8 = 19;
+/// The host's IPv4 forwarding switch (needed for any routed path out).
+const FORWARDING: &str = "/proc/sys/net/ipv4/ip_forward";
+/// An empty table, present while forwarding was turned on by nodes' egress (it was off).
+const FORWARDING_MARK: &str = "dsec_forwarding";
+
 /// How long a pinned DNS answer lets a sandbox open new connections to its address.
 const PIN_MS: u64 = 3_600_000;
 
@@ -230,9 +235,19 @@ impl Egress {
             log_group: 7000 + k as u16,
             never: cfg.never.clone(),
         };
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
-            .map_err(|e| unavailable(format!("IPv4 forwarding: {e}")))?;
+        // The table first, then forwarding: a node that turns forwarding back off at its
+        // teardown looks for other nodes' tables (see `teardown`).
         table.load(&[]).map_err(|e| unavailable(e.to_string()))?;
+        let forwarding = std::fs::read_to_string(FORWARDING).unwrap_or_default();
+        if forwarding.trim() != "1" {
+            std::fs::write(FORWARDING, "1").map_err(|e| {
+                let _ = table.delete();
+                unavailable(format!("IPv4 forwarding: {e}"))
+            })?;
+            // Remembered in the kernel, for whichever node of the host is the last to go:
+            // an empty table says that forwarding was off before the nodes' egress.
+            let _ = rules::nft_script(&format!("add table inet {FORWARDING_MARK}\n"));
+        }
         let fail = |e: std::io::Error| {
             let _ = table.delete();
             unavailable(e.to_string())
@@ -850,6 +865,31 @@ impl Egress {
         }
         if let Err(e) = self.table.delete() {
             tracing::warn!(error = %e, "egress: table not removed");
+        }
+    }
+
+    /// Turns IPv4 forwarding off again when nodes' egress turned it on (the mark table is
+    /// there) and no node's table is left on the host: the machine as the first node found it.
+    pub fn restore_forwarding() {
+        let Ok(out) = std::process::Command::new("nft")
+            .args(["list", "tables"])
+            .output()
+        else {
+            return;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let tables: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("table inet "))
+            .collect();
+        let marked = tables.contains(&FORWARDING_MARK);
+        let nodes = tables.iter().any(|t| {
+            t.strip_prefix("dsec_")
+                .is_some_and(|k| k.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if marked && !nodes {
+            let _ = std::fs::write(FORWARDING, "0");
+            let _ = rules::nft_script(&format!("delete table inet {FORWARDING_MARK}\n"));
         }
     }
 }

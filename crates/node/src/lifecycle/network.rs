@@ -329,6 +329,7 @@ impl Node {
         if slot.as_ref().is_some_and(|eg| eg.attached() == 0) {
             if let Some(eg) = slot.take() {
                 eg.teardown();
+                Egress::restore_forwarding();
                 let _ = std::fs::remove_file(self.rt.config().data_dir.join("egress-index"));
             }
         }
