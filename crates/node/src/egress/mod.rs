@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use dsec_api::network::{Egress as Policy, NetworkSpec};
+use dsec_api::network::Egress as Policy;
 use dsec_sys::netlink::nft::{concat, ipv4, Element, Nft};
 use dsec_sys::netlink::route::Route;
 
@@ -132,6 +132,8 @@ pub fn open_tap(path: &VmPath) -> std::io::Result<std::os::fd::OwnedFd> {
 /// The node's egress: its subnet, table, DNS and the sandboxes attached.
 pub struct Egress {
     table: Table,
+    /// [`Table::never_nets`], once.
+    never: Vec<(Ipv4Addr, u8)>,
     upstream: SocketAddr,
     inner: Mutex<Inner>,
     nft: Mutex<Nft>,
@@ -189,7 +191,9 @@ fn claim(k: u32) -> Option<UnixListener> {
     UnixListener::bind_addr(&addr).ok()
 }
 
-fn file_of(data_dir: &Path) -> PathBuf {
+/// Where a node remembers its subnet index (its egress was started, and a restart takes the
+/// same subnet back).
+pub fn index_file(data_dir: &Path) -> PathBuf {
     data_dir.join("egress-index")
 }
 
@@ -209,7 +213,7 @@ impl Egress {
             .or_else(host_resolver)
             .ok_or_else(|| unavailable("no resolver (--egress-resolver)".into()))?;
         let count = 1u32 << (SUBNET_LEN - POOL.1);
-        let before: Option<u32> = std::fs::read_to_string(file_of(data_dir))
+        let before: Option<u32> = std::fs::read_to_string(index_file(data_dir))
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .filter(|k| *k < count);
@@ -220,7 +224,7 @@ impl Egress {
             .filter_map(|k| claim(k).map(|c| (k, c)))
             .next()
             .ok_or_else(|| unavailable("every egress subnet of this host is taken".into()))?;
-        let _ = std::fs::write(file_of(data_dir), k.to_string());
+        let _ = std::fs::write(index_file(data_dir), k.to_string());
         let subnet = cfg.subnet.unwrap_or_else(|| {
             let base = u32::from(POOL.0) + (k << (32 - u32::from(SUBNET_LEN)));
             (Ipv4Addr::from(base), SUBNET_LEN)
@@ -237,7 +241,7 @@ impl Egress {
         };
         // The table first, then forwarding: a node that turns forwarding back off at its
         // teardown looks for other nodes' tables (see `teardown`).
-        table.load(&[]).map_err(|e| unavailable(e.to_string()))?;
+        table.load().map_err(|e| unavailable(e.to_string()))?;
         let forwarding = std::fs::read_to_string(FORWARDING).unwrap_or_default();
         if forwarding.trim() != "1" {
             std::fs::write(FORWARDING, "1").map_err(|e| {
@@ -262,6 +266,7 @@ impl Egress {
                 .map_err(&fail)?;
         let (unlink_tx, unlink_rx) = std::sync::mpsc::channel();
         let eg = Arc::new(Egress {
+            never: table.never_nets(),
             table,
             upstream,
             inner: Mutex::new(Inner {
@@ -333,14 +338,10 @@ impl Egress {
             });
     }
 
-    /// Every network no sandbox reaches.
-    pub fn never_nets(&self) -> Vec<(Ipv4Addr, u8)> {
-        self.table.never_nets()
-    }
-
-    /// The table's name (`dsec_<k>`).
-    pub fn table_name(&self) -> &str {
-        &self.table.name
+    /// Every network no sandbox reaches (computed once, at start: every DNS answer is
+    /// checked against it).
+    pub fn never_nets(&self) -> &[(Ipv4Addr, u8)] {
+        &self.never
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -359,18 +360,6 @@ impl Egress {
     pub fn denied(&self, id: &str, what: &str) {
         self.stats.denied.fetch_add(1, Ordering::Relaxed);
         (self.on_denied)(id, what);
-    }
-
-    /// The address of sandbox `id`, if it has a path out.
-    pub fn addr_of(&self, id: &str) -> Option<Ipv4Addr> {
-        self.lock().by_id.get(id).map(|a| a.addr)
-    }
-
-    /// Bytes (out of, into) sandbox `id` through its path.
-    pub fn bytes(&self, id: &str) -> Option<(u64, u64)> {
-        let veth = self.lock().by_id.get(id)?.veth.clone();
-        let mut route = self.route.lock().unwrap_or_else(|p| p.into_inner());
-        route.link_stats(&veth).ok().flatten()
     }
 
     fn bind_element(veth: &str, addr: Ipv4Addr) -> Element {
@@ -892,9 +881,4 @@ impl Egress {
             let _ = rules::nft_script(&format!("delete table inet {FORWARDING_MARK}\n"));
         }
     }
-}
-
-/// Whether `net` is a sandbox policy that needs a path out.
-pub fn wanted(net: &NetworkSpec) -> bool {
-    net.enabled()
 }

@@ -1,6 +1,6 @@
 //! The node's nftables table: one per node, `inet dsec_<k>`, loaded whole and atomically with
-//! `nft -f` (at start, and again on a restart, keeping what its adopted sandboxes had), edited
-//! afterwards one set element at a time over netlink.
+//! `nft -f` (at start, and again on a restart: the adopted sandboxes' elements are then put
+//! back over netlink), edited afterwards one set element at a time over netlink.
 
 use std::io::Write;
 use std::net::Ipv4Addr;
@@ -58,13 +58,12 @@ impl Table {
     }
 
     /// The whole table as `nft -f` input: the table is deleted and made again in one
-    /// transaction (no moment without rules), with `keep` (elements of sandboxes that live
-    /// on, as `nft` element text per set) put back.
-    pub fn script(&self, keep: &[(&str, String)]) -> String {
+    /// transaction (no moment without rules), its sets empty.
+    pub fn script(&self) -> String {
         let (t, p, gw) = (&self.name, &self.if_prefix, self.gateway);
         let never = nets(&self.never_nets());
         let private = nets(&PRIVATE);
-        let mut s = format!(
+        format!(
             "table inet {t} {{}}\ndelete table inet {t}\n\
 table inet {t} {{\n\
   set {ALLOW} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval, timeout; }}\n\
@@ -114,18 +113,12 @@ table inet {t} {{\n\
             proxy = self.proxy_port,
             group = self.log_group,
             sub = nets(&[self.subnet]),
-        );
-        for (set, elems) in keep {
-            if !elems.is_empty() {
-                s.push_str(&format!("add element inet {t} {set} {{ {elems} }}\n"));
-            }
-        }
-        s
+        )
     }
 
     /// Loads [`Table::script`] with `nft -f -`.
-    pub fn load(&self, keep: &[(&str, String)]) -> std::io::Result<()> {
-        nft_script(&self.script(keep))
+    pub fn load(&self) -> std::io::Result<()> {
+        nft_script(&self.script())
     }
 
     /// Deletes the table (nothing if there is none).
@@ -177,24 +170,34 @@ mod tests {
         }
     }
 
-    /// The script is accepted by the kernel (as root: CI is), loads twice (a restart), keeps
-    /// elements, and is gone after `delete`.
+    /// The script is accepted by the kernel (as root: CI is), loads twice (a restart: the
+    /// table made anew, its elements gone), and is gone after `delete`.
     #[test]
     fn loads_reloads_and_deletes() {
         if !rustix::process::geteuid().is_root() {
             panic!("this test needs root (CI runs as root)");
         }
         let t = table();
-        t.load(&[]).expect("load");
-        t.load(&[(ALL, "10.239.224.9".into())]).expect("reload");
-        let out = Command::new("nft")
-            .args(["list", "set", "inet", &t.name, ALL])
-            .output()
-            .expect("nft list");
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let list = || {
+            let out = Command::new("nft")
+                .args(["list", "set", "inet", &t.name, ALL])
+                .output()
+                .expect("nft list");
+            String::from_utf8_lossy(&out.stdout).to_string()
+        };
+        t.load().expect("load");
+        nft_script(&format!(
+            "add element inet {} {ALL} {{ 10.239.224.9 }}\n",
+            t.name
+        ))
+        .expect("an element");
+        let before = list();
+        t.load().expect("reload");
+        let after = list();
         t.delete().expect("delete");
         t.delete().expect("delete again");
-        assert!(text.contains("10.239.224.9"), "{text}");
+        assert!(before.contains("10.239.224.9"), "{before}");
+        assert!(!after.contains("10.239.224.9"), "{after}");
         let out = Command::new("nft")
             .args(["list", "table", "inet", &t.name])
             .output()

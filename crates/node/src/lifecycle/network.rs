@@ -282,7 +282,7 @@ impl Node {
     /// After a restart: starts egress when the previous process had it, takes back the paths
     /// of adopted sandboxes, and removes the node's table when none is left.
     pub(super) async fn adopt_networks(self: &Arc<Self>) {
-        let had = self.rt.config().data_dir.join("egress-index").exists();
+        let had = crate::egress::index_file(&self.rt.config().data_dir).exists();
         let with_net: Vec<Arc<Entry>> = self
             .entries()
             .into_iter()
@@ -330,7 +330,7 @@ impl Node {
             if let Some(eg) = slot.take() {
                 eg.teardown();
                 Egress::restore_forwarding();
-                let _ = std::fs::remove_file(self.rt.config().data_dir.join("egress-index"));
+                let _ = std::fs::remove_file(crate::egress::index_file(&self.rt.config().data_dir));
             }
         }
     }
