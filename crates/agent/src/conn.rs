@@ -428,6 +428,7 @@ impl Agent {
                 | Request::ReopenRoot
                 | Request::Identify { .. }
                 | Request::GuestNet { .. }
+                | Request::GuestNetOff
         ) {
             self.handle(id, req, body);
             return None;
@@ -571,18 +572,27 @@ impl Agent {
                     Err(e) => out.error(id, ErrorCode::Internal, &e),
                 },
             },
-            Request::GuestNet { addr, gateway } => match &self.guest {
-                None => out.error(
-                    id,
-                    ErrorCode::InvalidRequest,
-                    &msg("guest_net is for VM guests only"),
-                ),
-                Some(_) => match crate::guest::set_net(addr, gateway) {
-                    Ok(()) => ok(),
-                    Err(e) => out.error(id, ErrorCode::Internal, &e),
-                },
-            },
+            Request::GuestNet { addr, gateway } => {
+                self.guest_net(id, "guest_net", || crate::guest::set_net(addr, gateway))
+            }
+            Request::GuestNetOff => self.guest_net(id, "guest_net_off", crate::guest::set_net_off),
             Request::ReopenRoot => self.reopen_root(id),
+        }
+    }
+
+    /// A VM guest's network request `what`: `set` (refused outside a VM guest).
+    fn guest_net(&self, id: u64, what: &str, set: impl FnOnce() -> std::io::Result<()>) {
+        let out = &self.out;
+        if self.guest.is_none() {
+            return out.error(
+                id,
+                ErrorCode::InvalidRequest,
+                &msg(format!("{what} is for VM guests only")),
+            );
+        }
+        match set() {
+            Ok(()) => out.send(id, &Event::Ok, &[]),
+            Err(e) => out.error(id, ErrorCode::Internal, &e),
         }
     }
 

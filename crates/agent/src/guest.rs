@@ -22,9 +22,16 @@ pub fn set_net(addr: std::net::Ipv4Addr, gateway: std::net::Ipv4Addr) -> io::Res
         "eth0",
         true,
     ) {
-        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
+        // A default route already (a snapshot's, or one the guest's root added).
+        Err(e) if dsec_sys::netlink::errno(&e) == Some(libc::EEXIST) => Ok(()),
         r => r,
     }
+}
+
+/// Takes `eth0` down (see `Request::GuestNetOff`): its routes go with it, so connections fail
+/// at once with no route.
+pub fn set_net_off() -> io::Result<()> {
+    dsec_sys::netlink::route::Route::open()?.set_down("eth0")
 }
 
 /// What the agent keeps of the boot: the writable layer's tmpfs, to resize it.

@@ -281,6 +281,11 @@ pub enum Request {
         /// The node's end of the path.
         gateway: std::net::Ipv4Addr,
     },
+    /// VM guests only: takes the guest's NIC `eth0` down (its routes go with it), so that a
+    /// sandbox whose policy became `none` fails to connect at once rather than time out; the
+    /// node's rules drop its packets whatever the guest does. A later `GuestNet` brings it back.
+    /// Answer: `Ok`.
+    GuestNetOff,
     /// VM guests only: gives a guest restored from its template's snapshot its own identity —
     /// hostname, wall clock (the snapshot's clock is stale), the size of its writable layer —
     /// and mixes the request body (fresh random bytes) into the guest's entropy pool, so clones

@@ -550,7 +550,9 @@ fn a_logged_steps_observation_lists_its_refusals() {
 }
 
 /// A microVM's path out is a container's: a tap into the node's table plugged into its NIC,
-/// `eth0` configured by its agent; a reset keeps it; a microVM without a policy has no way out.
+/// `eth0` configured by its agent; a reset keeps it; the in-band check holds; a microVM without
+/// a policy has no way out until its policy opens one, and `none` closes it again (the tap
+/// stays, the guest's link goes down); caps hold on a VM's tap.
 #[test]
 fn a_microvm_gets_the_same_path_out() {
     let net = FakeNet::start().expect("fake internet");
@@ -571,18 +573,91 @@ fn a_microvm_gets_the_same_path_out() {
         assert!(!d.get(id, "http://169.254.169.254/", "").0);
     };
     check(&id);
+    // The in-band check: the allowed name's address under another name in SNI or Host.
+    assert!(d.get(&id, "https://pypi.test/whoami", "-k").0);
+    let (ok, out) = d.get(
+        &id,
+        "https://evil.test/whoami",
+        &format!("-k --resolve evil.test:443:{web}"),
+    );
+    assert!(!ok, "domain fronting through SNI from a VM: {out}");
+    let (ok, out) = d.get(&id, &format!("http://{web}/whoami"), "-H 'Host: evil.test'");
+    assert!(!ok, "domain fronting through Host from a VM: {out}");
     let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None);
     assert_eq!(s, 200, "{v}");
     check(&id);
 
     // No policy: the NIC is on a hub with nothing else, no address, no route.
     let closed = d.create(json!({"substrate": "microvm"}));
-    let (_, routes) = d.sh(&closed, "cat /proc/net/route");
-    assert_eq!(routes.lines().count(), 1, "{routes}");
-    assert!(!d.get(&closed, &format!("http://{web}/whoami"), "").0);
-    // A running VM's path is given at create only.
-    let (s, v) = d.set_network(&closed, allow(&["pypi.test"]));
-    assert_eq!(s, 400, "{v}");
+    let no_route = |id: &str| {
+        let (_, routes) = d.sh(id, "cat /proc/net/route");
+        assert_eq!(routes.lines().count(), 1, "{routes}");
+        let (ok, out) = d.get(id, &format!("http://{web}/whoami"), "");
+        assert!(!ok, "{out}");
+    };
+    no_route(&closed);
+    // A running VM's policy opens a path (a tap plugged into its QEMU)...
+    let (s, v) = d.set_network(&closed, json!({"egress": {"allow": ["pypi.test"]}}));
+    assert_eq!(s, 200, "{v}");
+    check(&closed);
+    let (_, gateway) = d.sh(&closed, "ip route show default | cut -d' ' -f3");
+    let gateway = gateway.trim().to_owned();
+    assert!(gateway.parse::<Ipv4Addr>().is_ok(), "{gateway}");
+    // ... closes it (the tap stays, the guest's eth0 goes down, the table drops all)...
+    let (s, v) = d.set_network(&closed, json!({"egress": "none"}));
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["network"].is_null(),
+        "none, the default, is not shown: {v}"
+    );
+    assert!(v["network_address"].is_string(), "the link stays: {v}");
+    no_route(&closed);
+    let (code, out) = d.sh(
+        &closed,
+        &format!("ip link set eth0 up && ip route add default via {gateway} dev eth0 onlink"),
+    );
+    assert_eq!(code, 0, "the guest's root takes its link back: {out}");
+    assert!(
+        !d.get(&closed, &format!("http://{web}/whoami"), "").0,
+        "a guest that brings its link back up still reaches nothing"
+    );
+    assert_eq!(d.resolves(&closed, "pypi.test"), None);
+    // ... and opens it again, now with caps on the tap.
+    let cap = 1_000_000u64;
+    let (s, v) = d.set_network(
+        &closed,
+        json!({"egress": {"allow": [format!("{web}/32")], "bandwidth_bps": cap, "max_connections": 2}}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert!(d.get(&closed, &format!("http://{web}/whoami"), "").0);
+    let (code, out) = d.sh(
+        &closed,
+        &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
+    );
+    assert_eq!(code, 0, "{out}");
+    let speed: f64 = out.trim().parse().expect("speed");
+    assert!(
+        speed < cap as f64 * 1.3,
+        "{speed} B/s through a cap of {cap} B/s"
+    );
+    let (code, out) = d.sh(
+        &closed,
+        &format!(
+            "python3 -c \"
+import socket
+held, ok = [], 0
+for i in range(3):
+    s = socket.socket(); s.settimeout(3)
+    try:
+        s.connect(('{web}', 80)); held.append(s); ok += 1
+    except OSError as e:
+        print('refused', e)
+print('open', ok)
+\""
+        ),
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("open 2"), "{out}");
     for id in [&id, &closed] {
         let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
         assert_eq!(s, 200, "{v}");

@@ -112,6 +112,10 @@ pub struct VmPath {
     pub gateway: Ipv4Addr,
     /// The policy's bandwidth cap (a queue on the tap).
     pub bandwidth_bps: Option<u64>,
+    /// Whether the policy lets anything out: a VM whose policy became `none` keeps its tap
+    /// (re-plugging a running QEMU's NIC leaves the guest's link dead), its guest's `eth0`
+    /// down or unconfigured, and the table drops all it sends.
+    pub open: bool,
 }
 
 /// Makes the tap of `path` and its host side (the gateway address, up, a `/32` route to the
@@ -507,6 +511,7 @@ impl Egress {
             addr,
             gateway: self.table.gateway,
             bandwidth_bps: bps,
+            open: *policy != Policy::None,
         })
     }
 
@@ -519,6 +524,7 @@ impl Egress {
             addr: a.addr,
             gateway: self.table.gateway,
             bandwidth_bps: Self::caps_of(&a.policy).0,
+            open: a.policy != Policy::None,
         })
     }
 

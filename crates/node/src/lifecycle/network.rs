@@ -11,6 +11,7 @@ use crate::clock::now_ms;
 use crate::egress::{Egress, EgressError};
 use crate::sandbox::{State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
+use crate::substrate::Sandbox;
 
 impl From<EgressError> for Error {
     fn from(e: EgressError) -> Self {
@@ -177,39 +178,50 @@ impl Node {
         eg: Arc<Egress>,
         net: &NetworkSpec,
     ) -> Result<std::net::Ipv4Addr> {
+        let mut guard = e.lock().await;
+        self.plug_vm(e, &mut guard, eg, net).await
+    }
+
+    /// [`Node::attach_vm_now`] on the sandbox `live` its caller has locked.
+    async fn plug_vm(
+        &self,
+        e: &Arc<Entry>,
+        live: &mut Option<Sandbox>,
+        eg: Arc<Egress>,
+        net: &NetworkSpec,
+    ) -> Result<std::net::Ipv4Addr> {
         let (id, policy) = (e.id.clone(), net.egress.clone());
         let t0 = std::time::Instant::now();
         let eg2 = Arc::clone(&eg);
         let path = tokio::task::spawn_blocking(move || eg2.attach_vm(&id, &policy))
             .await
             .map_err(|err| Error::internal(err.to_string()))??;
-        let mut guard = e.lock().await;
-        let Some(mut sb) = guard.take() else {
-            drop(guard);
-            let id = e.id.clone();
-            let _ = tokio::task::spawn_blocking(move || eg.detach(&id)).await;
-            return Err(Error::NotFound(e.id.clone()));
+        let result = match live.take() {
+            None => Err(Error::NotFound(e.id.clone())),
+            Some(mut sb) => {
+                let plugged = path.clone();
+                let (sb, r) = tokio::task::spawn_blocking(move || {
+                    let r = sb.attach_vm_net(plugged);
+                    (sb, r)
+                })
+                .await
+                .map_err(|err| Error::internal(err.to_string()))?;
+                *live = Some(sb);
+                r.map_err(Error::from)
+            }
         };
-        let plugged = path.clone();
-        let (sb, result) = tokio::task::spawn_blocking(move || {
-            let r = sb.attach_vm_net(plugged);
-            (sb, r)
-        })
-        .await
-        .map_err(|err| Error::internal(err.to_string()))?;
-        *guard = Some(sb);
-        drop(guard);
         if let Err(err) = result {
             let id = e.id.clone();
             let _ = tokio::task::spawn_blocking(move || eg.detach(&id)).await;
-            return Err(Error::from(err));
+            return Err(err);
         }
         self.metrics.egress_attach.observe_duration(t0.elapsed());
         Ok(path.addr)
     }
 
     /// Replaces the network policy of a running sandbox of `tenant`: a sandbox without a path
-    /// gets one, one whose policy becomes `none` loses it.
+    /// gets one; a container whose policy becomes `none` loses it (a VM keeps its tap, see
+    /// [`Node::set_vm_network`]).
     pub async fn set_network(
         self: &Arc<Self>,
         e: &Arc<Entry>,
@@ -225,14 +237,10 @@ impl Node {
                 e.record().state
             )));
         }
-        let had = rec.net_addr.is_some();
-        if rec.spec.substrate.is_vm() && had != net.enabled() {
-            return Err(Error::invalid(
-                "a VM sandbox's path out is given when it is created: its policy can change, \
-                 but not from or to \"none\"",
-            ));
+        if rec.spec.substrate.is_vm() {
+            return self.set_vm_network(e, &mut guard, net).await;
         }
-        match (had, net.enabled()) {
+        match (rec.net_addr.is_some(), net.enabled()) {
             (false, false) => Ok(rec),
             (false, true) => {
                 let addr = self.attach_now(e, &net).await?;
@@ -253,22 +261,71 @@ impl Node {
             (true, true) => {
                 let eg = self.egress()?;
                 let (id, policy) = (e.id.clone(), net.egress.clone());
-                let eg2 = Arc::clone(&eg);
-                tokio::task::spawn_blocking(move || eg2.set_policy(&id, &policy))
+                tokio::task::spawn_blocking(move || eg.set_policy(&id, &policy))
                     .await
                     .map_err(|err| Error::internal(err.to_string()))??;
-                if let Some(sb) = guard.as_mut() {
-                    // A VM's later QEMUs get a tap with the new bandwidth cap.
-                    if sb.substrate().is_vm() {
-                        sb.set_vm_net(eg.vm_path(&e.id));
-                    }
-                }
                 self.update(e, |r| {
                     r.network = net.clone();
                     Ok(())
                 })
             }
         }
+    }
+
+    /// A running VM's policy change (`live` locked by the caller). A VM without a tap gets one
+    /// plugged into its QEMU. One with a tap keeps it whatever the policy becomes: re-plugging
+    /// a running QEMU's NIC left the guest's link dead (its ARP never completed), so `none`
+    /// keeps the tap and the address, the table drops everything the guest sends, and the
+    /// guest's `eth0` goes down (connections fail at once); opening again brings it back up.
+    async fn set_vm_network(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        live: &mut Option<Sandbox>,
+        net: NetworkSpec,
+    ) -> Result<SandboxRecord> {
+        let rec = e.record();
+        if rec.net_addr.is_none() {
+            if !net.enabled() {
+                return Ok(rec);
+            }
+            let addr = self.plug_vm(e, live, self.egress()?, &net).await?;
+            return self.update(e, |r| {
+                r.network = net.clone();
+                r.net_addr = Some(addr);
+                Ok(())
+            });
+        }
+        let eg = self.egress()?;
+        let (id, policy) = (e.id.clone(), net.egress.clone());
+        let eg2 = Arc::clone(&eg);
+        tokio::task::spawn_blocking(move || eg2.set_policy(&id, &policy))
+            .await
+            .map_err(|err| Error::internal(err.to_string()))??;
+        let path = eg
+            .vm_path(&e.id)
+            .ok_or_else(|| Error::internal(format!("{}: its path out is gone", e.id)))?;
+        let Some(mut sb) = live.take() else {
+            return Err(Error::NotFound(e.id.clone()));
+        };
+        let reopen = rec.network.enabled() != net.enabled();
+        let (sb, r) = tokio::task::spawn_blocking(move || {
+            let r = if reopen {
+                sb.reopen_vm_net(path)
+            } else {
+                // The same guest side; later QEMUs get the new bandwidth cap.
+                sb.set_vm_net(Some(path));
+                Ok(())
+            };
+            (sb, r)
+        })
+        .await
+        .map_err(|err| Error::internal(err.to_string()))?;
+        *live = Some(sb);
+        r?;
+        self.update(e, |r| {
+            r.network = net.clone();
+            Ok(())
+        })
     }
 
     /// Removes sandbox `id`'s path out, if it has one.

@@ -195,6 +195,19 @@ impl Route {
             .check(|| format!("RTM_NEWLINK {name} up"))
     }
 
+    /// Takes link `name` down (the kernel drops the routes through it).
+    pub fn set_down(&mut self, name: &str) -> io::Result<()> {
+        check_name(name)?;
+        let seq = self.sock.seqs(1);
+        let mut b = Builder::new();
+        b.begin(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK | NLM_F_ECHO, seq);
+        b.bytes(&ifinfomsg(0, IFF_UP));
+        b.attr_str(IFLA_IFNAME, name);
+        b.end();
+        self.exchange(&b, seq)?
+            .check(|| format!("RTM_NEWLINK {name} down"))
+    }
+
     /// Adds the IPv4 address `addr/prefix` to link `name` (`EEXIST` if it has it).
     pub fn add_addr4(&mut self, name: &str, addr: Ipv4Addr, prefix: u8) -> io::Result<()> {
         check_prefix(prefix)?;

@@ -487,20 +487,30 @@ impl VmBinding {
 }
 
 /// Plugs a fresh tap of `net` into the running QEMU of VM `id` and has the guest configure its
-/// side.
+/// side (left unconfigured when the policy lets nothing out).
 fn plug_net(rt: &VmRuntime, id: &str, agent: &mut AgentConn, net: &VmPath) -> Result<(), VmError> {
     let tap = crate::egress::open_tap(net).map_err(VmError::io("make the tap"))?;
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut qmp = vm::qemu::Qmp::connect(&rt.run_dir(id).join(vm::qemu::QMP_SOCK), deadline)?;
     qmp.plug_tap(std::os::fd::AsFd::as_fd(&tap))?;
     drop(qmp);
-    agent.call_ok(
-        &dsec_api::agent::Request::GuestNet {
+    if net.open {
+        guest_net(agent, net)?;
+    }
+    Ok(())
+}
+
+/// Has the guest bring `eth0` up on `net` (open) or take it down.
+fn guest_net(agent: &mut AgentConn, net: &VmPath) -> Result<(), VmError> {
+    let req = if net.open {
+        dsec_api::agent::Request::GuestNet {
             addr: net.addr,
             gateway: net.gateway,
-        },
-        &[],
-    )?;
+        }
+    } else {
+        dsec_api::agent::Request::GuestNetOff
+    };
+    agent.call_ok(&req, &[])?;
     Ok(())
 }
 
@@ -663,6 +673,17 @@ impl Sandbox {
         if let Backend::Vm(b) = &mut self.backend {
             b.net = net;
         }
+    }
+
+    /// A VM whose tap stays plugged in and whose policy changed: records `net` for later QEMUs
+    /// and has the guest bring `eth0` up on it, or take it down when it lets nothing out.
+    pub(crate) fn reopen_vm_net(&mut self, net: VmPath) -> Result<(), RuntimeError> {
+        let Backend::Vm(b) = &mut self.backend else {
+            return Err(RuntimeError::Invalid("not a VM sandbox".into()));
+        };
+        guest_net(&mut self.agent, &net).map_err(vm_err(&self.id))?;
+        b.net = Some(net);
+        Ok(())
     }
 
     /// Destroys a VM sandbox: QEMU, cgroup, run directory.
