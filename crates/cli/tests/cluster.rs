@@ -1004,6 +1004,91 @@ fn a_microvm_sandbox_and_network_egress_work_through_the_gateway() {
     assert!(s == 200 || s == 204, "{v}");
 }
 
+/// Network egress never reaches the cluster's gateways: each gateway registers its addresses
+/// under a lease of its own (`gateways/<id>`), and every node adds the registered addresses to
+/// the networks no sandbox reaches, open connections included. Here a registration at the fake
+/// internet's address (what a gateway on another host would write) cuts a sandbox's allowed
+/// path to it.
+#[test]
+fn egress_never_reaches_the_clusters_gateways() {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let net = testkit::fakenet::FakeNet::start().expect("fake internet");
+    let (base, _cleanup) = scratch("gwnever");
+    let (_etcd, etcd_url) = etcd(&base);
+    let resolver = net.dns().to_string();
+    let n = node_with(&base, "g1", &etcd_url, &["--egress-resolver", &resolver]);
+    let (_gw, gw, _) = gateway(&etcd_url);
+    let gw = gw.with_key(Some(&n.key));
+    wait_registered(&gw, &[&n], &n.key);
+    let etcd_http = testkit::Http::new(&etcd_url, None, Some(Duration::from_secs(5)));
+    let registrations = || -> Vec<Value> {
+        let range = json!({"key": b64("/dsec/gateways/"), "range_end": b64("/dsec/gateways0")});
+        let (_, v) = etcd_http.req("POST", "/v3/kv/range", Some(&range));
+        v["kvs"]
+            .as_array()
+            .map(|kvs| {
+                kvs.iter()
+                    .filter_map(|kv| {
+                        let raw = base64::engine::general_purpose::STANDARD
+                            .decode(kv["value"].as_str()?)
+                            .ok()?;
+                        serde_json::from_slice(&raw).ok()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert!(
+        wait(Duration::from_secs(10), || registrations()
+            .iter()
+            .any(|r| r["addrs"] == json!(["127.0.0.1"]))),
+        "the gateway registers the address it listens on: {:?}",
+        registrations()
+    );
+
+    let web = net.web();
+    let (s, v) = gw.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"network": {"egress": {"allow": [format!("{web}/32")]}}})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let reaches = || {
+        let body = json!({"shell": format!("curl -sS --max-time 3 http://{web}/whoami")});
+        let (s, v) = gw.req("POST", &format!("/v1/sandboxes/{id}/exec"), Some(&body));
+        assert_eq!(s, 200, "{v}");
+        v["exit_code"] == 0
+    };
+    assert!(reaches(), "allowed by its policy");
+    let put = json!({
+        "key": b64("/dsec/gateways/elsewhere"),
+        "value": b64(&json!({"addrs": [web.to_string()]}).to_string()),
+    });
+    let (s, v) = etcd_http.req("POST", "/v3/kv/put", Some(&put));
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        wait(Duration::from_secs(10), || !reaches()),
+        "a gateway's address is never reached, whatever the policy"
+    );
+    let k = std::fs::read_to_string(n.data.join("egress-index")).expect("egress index");
+    let set = Command::new("nft")
+        .args([
+            "list",
+            "set",
+            "inet",
+            &format!("dsec_{}", k.trim()),
+            "never4",
+        ])
+        .output()
+        .expect("nft");
+    let set = String::from_utf8_lossy(&set.stdout);
+    assert!(set.contains(&web.to_string()), "{set}");
+    let (s, v) = gw.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(s == 200 || s == 204, "{v}");
+}
+
 /// The tests' Python (its venv has moto and boto3).
 fn s3_python() -> String {
     std::env::var("DSEC_TEST_PYTHON").unwrap_or_else(|_| {

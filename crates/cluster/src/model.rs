@@ -41,6 +41,29 @@ pub fn numbers_prefix() -> String {
     format!("{ROOT}numbers/")
 }
 
+/// The key of gateway `id`'s registration (`{"addrs": [..]}`, under its lease): nodes keep
+/// their sandboxes from reaching these addresses.
+pub fn gateway_key(id: &str) -> String {
+    format!("{ROOT}gateways/{id}")
+}
+
+/// The prefix of every gateway registration.
+pub fn gateways_prefix() -> String {
+    format!("{ROOT}gateways/")
+}
+
+/// The IPv4 addresses of a gateway registration (none when malformed).
+pub fn gateway_addrs(value: &[u8]) -> Vec<std::net::Ipv4Addr> {
+    serde_json::from_slice::<serde_json::Value>(value)
+        .ok()
+        .and_then(|v| {
+            v["addrs"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_str()?.parse().ok()).collect())
+        })
+        .unwrap_or_default()
+}
+
 /// The key that asks node `name` to drain.
 pub fn drain_key(name: &str) -> String {
     format!("{ROOT}drain/{name}")

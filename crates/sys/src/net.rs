@@ -155,6 +155,40 @@ pub fn open_tap(name: &str) -> io::Result<OwnedFd> {
     Ok(OwnedFd::from(file))
 }
 
+/// The host's IPv4 addresses, loopback excepted (`getifaddrs`): where a server listening on
+/// `0.0.0.0` is reached.
+pub fn host_ipv4s() -> io::Result<Vec<Ipv4Addr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs made, freed only after the loop.
+        let ifa = unsafe { &*cur };
+        if ifa.ifa_addr.is_null() {
+            cur = ifa.ifa_next;
+            continue;
+        }
+        // SAFETY: a non-null `ifa_addr` points at a sockaddr whose family says its type.
+        let family = unsafe { (*ifa.ifa_addr).sa_family };
+        if i32::from(family) == libc::AF_INET {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let a = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            if !a.is_loopback() && !out.contains(&a) {
+                out.push(a);
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: the list getifaddrs made, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -40,6 +40,7 @@ use crate::place::{self, Ask};
 
 pub mod e2b;
 mod placed;
+mod register;
 mod trajectories;
 
 /// How often the gateway rereads the node table.
@@ -96,6 +97,8 @@ struct Gw {
     desired_nodes: AtomicU64,
     /// Which node holds a trajectory, by (caller's key hash, trajectory id).
     trajectories: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Its addresses, registered for the nodes to keep sandboxes from.
+    registration: register::Registration,
 }
 
 /// How long one lease takes idempotent placements before the next is granted.
@@ -147,6 +150,7 @@ pub async fn serve(
         quotas_at: std::sync::Mutex::default(),
         desired: std::sync::Mutex::default(),
         desired_nodes: AtomicU64::new(1),
+        registration: register::Registration::new(cfg.listen),
     });
     refresh(&gw).await;
     let g = Arc::clone(&gw);
@@ -198,6 +202,9 @@ pub async fn serve(
 async fn refresh(gw: &App) {
     let g = Arc::clone(gw);
     let read = tokio::task::spawn_blocking(move || {
+        if let Err(e) = g.registration.renew(&g.etcd) {
+            tracing::debug!(error = %e, "gateway: registration not renewed");
+        }
         let (nodes, _) = g.etcd.prefix(&model::nodes_prefix())?;
         let (numbers, _) = g.etcd.prefix(&model::numbers_prefix())?;
         // Tenants and keys change rarely: reread only when either prefix moved.

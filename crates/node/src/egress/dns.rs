@@ -109,7 +109,7 @@ async fn answer(eg: &Arc<Egress>, from: SocketAddr, msg: &[u8]) -> Option<Vec<u8
     if let Some((bad, _)) = parsed
         .a
         .iter()
-        .find(|(a, _)| !super::policy::answer_allowed(&policy, eg.never_nets(), *a))
+        .find(|(a, _)| !super::policy::answer_allowed(&policy, &eg.never_nets(), *a))
     {
         eg.denied(&id, &format!("{} -> {bad}", q.name));
         return Some(wire::respond(msg, &q, rcode::REFUSED));

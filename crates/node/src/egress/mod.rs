@@ -136,8 +136,8 @@ pub fn open_tap(path: &VmPath) -> std::io::Result<std::os::fd::OwnedFd> {
 /// The node's egress: its subnet, table, DNS and the sandboxes attached.
 pub struct Egress {
     table: Table,
-    /// [`Table::never_nets`], once.
-    never: Vec<(Ipv4Addr, u8)>,
+    /// [`Table::never_nets`], and the networks added since ([`Egress::add_never`]).
+    never: std::sync::RwLock<Arc<Vec<(Ipv4Addr, u8)>>>,
     upstream: SocketAddr,
     inner: Mutex<Inner>,
     nft: Mutex<Nft>,
@@ -270,7 +270,7 @@ impl Egress {
                 .map_err(&fail)?;
         let (unlink_tx, unlink_rx) = std::sync::mpsc::channel();
         let eg = Arc::new(Egress {
-            never: table.never_nets(),
+            never: std::sync::RwLock::new(Arc::new(table.never_nets())),
             table,
             upstream,
             inner: Mutex::new(Inner {
@@ -342,10 +342,29 @@ impl Egress {
             });
     }
 
-    /// Every network no sandbox reaches (computed once, at start: every DNS answer is
-    /// checked against it).
-    pub fn never_nets(&self) -> &[(Ipv4Addr, u8)] {
-        &self.never
+    /// Every network no sandbox reaches (every DNS answer is checked against it).
+    pub fn never_nets(&self) -> Arc<Vec<(Ipv4Addr, u8)>> {
+        Arc::clone(&self.never.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Adds `nets` to the networks no sandbox reaches, from now on and for connections open
+    /// now (every outbound packet is checked against `never4`): the cluster's gateways, as
+    /// they appear. Networks never go out of the set while the node runs.
+    pub fn add_never(&self, nets: &[(Ipv4Addr, u8)]) -> std::io::Result<()> {
+        let mut never = self.never.write().unwrap_or_else(|p| p.into_inner());
+        let new: Vec<(Ipv4Addr, u8)> = nets
+            .iter()
+            .copied()
+            .filter(|&(a, l)| l != 32 || !policy::in_nets(&never, a))
+            .collect();
+        if new.is_empty() {
+            return Ok(());
+        }
+        rules::add_never(&self.table.name, &new)?;
+        let mut all = (**never).clone();
+        all.extend(new);
+        *never = Arc::new(all);
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

@@ -48,6 +48,14 @@ fn nets(list: &[(Ipv4Addr, u8)]) -> String {
         .join(", ")
 }
 
+/// Adds `list` to table `table`'s `never4` set.
+pub fn add_never(table: &str, list: &[(Ipv4Addr, u8)]) -> std::io::Result<()> {
+    nft_script(&format!(
+        "add element inet {table} never4 {{ {} }}\n",
+        nets(list)
+    ))
+}
+
 impl Table {
     /// Every network no sandbox reaches, whatever its rules.
     pub fn never_nets(&self) -> Vec<(Ipv4Addr, u8)> {

@@ -123,6 +123,9 @@ pub struct Node {
     pub egress_config: std::sync::OnceLock<crate::egress::EgressConfig>,
     /// The node's egress, started by the first sandbox that needs a path out.
     egress: Mutex<Option<Arc<crate::egress::Egress>>>,
+    /// Networks no sandbox reaches learnt while the node runs (the cluster's gateways; see
+    /// [`Node::never_reach`]).
+    never_extra: Mutex<Vec<(std::net::Ipv4Addr, u8)>>,
 }
 
 /// Counts a request as in flight while it lives.
@@ -170,6 +173,7 @@ impl Node {
             in_flight: std::sync::atomic::AtomicUsize::new(0),
             egress_config: std::sync::OnceLock::new(),
             egress: Mutex::new(None),
+            never_extra: Mutex::new(Vec::new()),
         })
     }
 

@@ -88,7 +88,13 @@ impl Node {
         if let Some(eg) = slot.as_ref() {
             return Ok(Arc::clone(eg));
         }
-        let cfg = self.egress_config.get().cloned().unwrap_or_default();
+        let mut cfg = self.egress_config.get().cloned().unwrap_or_default();
+        cfg.never.extend(
+            self.never_extra
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter(),
+        );
         let weak = Arc::downgrade(self);
         let on_denied = Box::new(move |id: &str, what: &str| {
             if let Some(node) = weak.upgrade() {
@@ -100,6 +106,28 @@ impl Node {
         let eg = Egress::start(cfg, &self.rt.config().data_dir, &rt, on_denied)?;
         *slot = Some(Arc::clone(&eg));
         Ok(eg)
+    }
+
+    /// Adds `nets` to the networks no sandbox of this node reaches (the cluster's gateways, as
+    /// they register): at once if egress runs, from its start otherwise.
+    pub fn never_reach(&self, nets: &[(std::net::Ipv4Addr, u8)]) {
+        // The slot's lock first, as `egress` takes them: no start in between misses one.
+        let slot = self.egress.lock().unwrap_or_else(|p| p.into_inner());
+        let mut extra = self.never_extra.lock().unwrap_or_else(|p| p.into_inner());
+        let new: Vec<_> = nets
+            .iter()
+            .copied()
+            .filter(|n| !extra.contains(n))
+            .collect();
+        if new.is_empty() {
+            return;
+        }
+        extra.extend(new.iter().copied());
+        if let Some(eg) = slot.as_ref() {
+            if let Err(e) = eg.add_never(&new) {
+                tracing::warn!(error = %e, "egress: could not add networks no sandbox reaches");
+            }
+        }
     }
 
     /// The node's egress if it was started.
