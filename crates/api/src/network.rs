@@ -55,6 +55,13 @@ pub struct AllowList {
     /// Most open connections.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<u32>,
+    /// Networks no sandbox otherwise reaches (link-local and cloud metadata, reserved space, the
+    /// node's `--egress-never` list, the cluster's etcd and gateways) that this one may:
+    /// addresses and CIDRs only, with optional ports. Allowed separately, by an admin: the admin
+    /// tenant may list them; another tenant only those its ceiling's own `reserved` covers.
+    /// Never the node itself or other sandboxes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserved: Vec<Rule>,
 }
 
 /// One destination: a name pattern or an IPv4 network, and ports.
@@ -249,7 +256,7 @@ impl<'de> Deserialize<'de> for Egress {
         }
         match Raw::deserialize(d).map_err(|_| {
             serde::de::Error::custom(
-                "egress is \"none\", \"all\" or {\"allow\": [...], \"deny\"?, \"bandwidth_bps\"?, \"max_connections\"?}",
+                "egress is \"none\", \"all\" or {\"allow\": [...], \"deny\"?, \"reserved\"?, \"bandwidth_bps\"?, \"max_connections\"?}",
             )
         })? {
             Raw::Word(w) if w == "none" => Ok(Egress::None),
@@ -268,9 +275,18 @@ impl<'de> Deserialize<'de> for Egress {
 impl AllowList {
     /// Bounds: list lengths, caps above zero.
     pub fn check(&self) -> Result<(), NetworkError> {
-        if self.allow.len() + self.deny.len() > MAX_RULES {
+        if self.allow.len() + self.deny.len() + self.reserved.len() > MAX_RULES {
             return Err(NetworkError::Invalid(format!(
-                "at most {MAX_RULES} rules in allow and deny together"
+                "at most {MAX_RULES} rules in allow, deny and reserved together"
+            )));
+        }
+        if let Some(r) = self
+            .reserved
+            .iter()
+            .find(|r| matches!(r.dest, Dest::Name(_)))
+        {
+            return Err(NetworkError::Invalid(format!(
+                "reserved {r}: addresses and CIDRs only, no names"
             )));
         }
         if self.bandwidth_bps == Some(0) || self.max_connections == Some(0) {
@@ -287,7 +303,13 @@ impl Egress {
     /// Checks that `self` lies within `ceiling`: `Forbidden` names what does not.
     pub fn within(&self, ceiling: &Egress) -> Result<(), NetworkError> {
         match (ceiling, self) {
-            (_, Egress::None) | (Egress::All, _) => Ok(()),
+            (_, Egress::None) => Ok(()),
+            (Egress::All, Egress::Allow(p)) => match p.reserved.first() {
+                // `all` is the public internet: reserved networks are allowed separately.
+                Some(r) => Err(NetworkError::Forbidden(format!("reserved {r}"))),
+                None => Ok(()),
+            },
+            (Egress::All, _) => Ok(()),
             (Egress::None, _) => Err(NetworkError::Forbidden("any egress".into())),
             (Egress::Allow(_), Egress::All) => {
                 Err(NetworkError::Forbidden("egress \"all\"".into()))
@@ -296,6 +318,11 @@ impl Egress {
                 for r in &p.allow {
                     if !c.allow.iter().any(|cr| cr.covers(r)) {
                         return Err(NetworkError::Forbidden(r.to_string()));
+                    }
+                }
+                for r in &p.reserved {
+                    if !c.reserved.iter().any(|cr| cr.covers(r)) {
+                        return Err(NetworkError::Forbidden(format!("reserved {r}")));
                     }
                 }
                 let capped = |cap: Option<u64>, asked: Option<u64>| match (cap, asked) {
@@ -433,5 +460,30 @@ mod tests {
         assert!(uncapped.within(&ceiling).is_err());
         let capped = uncapped.capped_by(&ceiling);
         assert!(capped.within(&ceiling).is_ok());
+    }
+
+    #[test]
+    fn reserved_networks_are_allowed_separately() {
+        let p = |s: &str| serde_json::from_str::<NetworkSpec>(s).map(|n| n.egress);
+        assert!(p(r#"{"egress":{"allow":[],"reserved":["metadata.internal"]}}"#).is_err());
+        let meta =
+            p(r#"{"egress":{"allow":[],"reserved":["169.254.169.254:80"]}}"#).expect("reserved");
+        assert_eq!(
+            serde_json::to_value(&meta).expect("json")["reserved"][0],
+            "169.254.169.254:80"
+        );
+        // `all` is the public internet, not reserved space; a ceiling grants it by name.
+        assert_eq!(
+            meta.within(&Egress::All),
+            Err(NetworkError::Forbidden(
+                "reserved 169.254.169.254:80".into()
+            ))
+        );
+        let ceiling =
+            p(r#"{"egress":{"allow":["*.org"],"reserved":["169.254.0.0/16"]}}"#).expect("ceiling");
+        assert!(meta.within(&ceiling).is_ok());
+        let narrow =
+            p(r#"{"egress":{"allow":["*.org"],"reserved":["169.254.169.253"]}}"#).expect("ceiling");
+        assert!(meta.within(&narrow).is_err());
     }
 }

@@ -236,6 +236,11 @@ struct ServerArgs {
     /// 10.224.0.0/11, one per node on a host).
     #[arg(long, env = "DSEC_EGRESS_SUBNET", value_parser = parse_subnet)]
     egress_subnet: Option<(std::net::Ipv4Addr, u8)>,
+    /// Networks (a.b.c.d[/len], comma-separated or repeated) no sandbox reaches whatever its
+    /// policy, like link-local metadata and the node itself: the operator's own private
+    /// networks, say. Only a policy's `reserved` rules, allowed by an admin, reach them.
+    #[arg(long, env = "DSEC_EGRESS_NEVER", value_delimiter = ',', value_parser = parse_net)]
+    egress_never: Vec<(std::net::Ipv4Addr, u8)>,
 }
 
 /// Where a template comes from: its name and its image.
@@ -728,6 +733,17 @@ fn parse_subnet(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
     Ok((dsec_api::network::network(a, l), l))
 }
 
+/// `a.b.c.d` or `a.b.c.d/len`.
+fn parse_net(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
+    match dsec_api::network::Rule::parse(s.trim()) {
+        Ok(dsec_api::network::Rule {
+            dest: dsec_api::network::Dest::Net(a, l),
+            ports: None,
+        }) => Ok((a, l)),
+        _ => Err(format!("{s}: a.b.c.d or a.b.c.d/len")),
+    }
+}
+
 fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
     let mut runtime = RuntimeConfig::from_env().context("locate dsec binaries")?;
     runtime.data_dir = cli.data_dir.clone();
@@ -773,7 +789,14 @@ fn server(cli: &Cli, args: &ServerArgs) -> anyhow::Result<ExitCode> {
         egress: dsec_node::egress::EgressConfig {
             resolver: args.egress_resolver,
             subnet: args.egress_subnet,
-            never: args.etcd.as_deref().map(etcd_addrs).unwrap_or_default(),
+            never: args
+                .etcd
+                .as_deref()
+                .map(etcd_addrs)
+                .unwrap_or_default()
+                .into_iter()
+                .chain(args.egress_never.iter().copied())
+                .collect(),
         },
         cluster: args
             .etcd

@@ -20,9 +20,14 @@ testkit::daemon_type!(
 
 impl Daemon {
     fn fresh(test: &str, net: &FakeNet) -> Self {
+        Self::fresh_with(test, net, &[])
+    }
+
+    /// A fresh daemon with `extra` flags.
+    fn fresh_with(test: &str, net: &FakeNet, extra: &[&str]) -> Self {
         let (data, run) = testkit::dirs("deg", test);
         let base = data.parent().expect("a base").to_owned();
-        Self::on(&data, &run, Some(&base), net)
+        Self::on(&data, &run, Some(&base), net, extra)
     }
 
     /// A daemon on these state dirs (removed with it when `owned` names their base).
@@ -31,6 +36,7 @@ impl Daemon {
         run: &std::path::Path,
         owned: Option<&std::path::Path>,
         net: &FakeNet,
+        extra: &[&str],
     ) -> Self {
         // (A VM's first create boots its template under TCG: minutes on a busy machine.)
         let mut s = testkit::Server::test(env!("CARGO_BIN_EXE_dsec"), data, run)
@@ -45,6 +51,7 @@ impl Daemon {
                 "--egress-resolver",
                 &net.dns().to_string(),
             ])
+            .args(extra)
             .start()
             .expect("start dsec server");
         Self(d)
@@ -336,11 +343,72 @@ fn tenants_get_no_more_than_their_ceiling() {
     );
 }
 
+/// What the operator keeps out (`--egress-never`) no `allow` rule reaches, nor a name that
+/// resolves into it; a `reserved` rule does, given by the admin tenant, or by a tenant whose
+/// ceiling's own `reserved` covers it.
+#[test]
+fn reserved_networks_are_reached_only_as_an_admin_allows() {
+    let net = FakeNet::start().expect("fake internet");
+    let web = net.web();
+    let never = format!("{web}/32");
+    let d = Daemon::fresh_with("reserved", &net, &["--egress-never", &never]);
+    let kept_out = d.create(allow(&[&never, "pypi.test"]));
+    assert!(!d.get(&kept_out, &format!("http://{web}/whoami"), "").0);
+    assert_eq!(
+        d.resolves(&kept_out, "pypi.test"),
+        None,
+        "no answer into it"
+    );
+    let admin = d.create(json!({"network": {"egress": {
+        "allow": ["pypi.test"], "reserved": [format!("{web}/32:80")],
+    }}}));
+    let (ok, out) = d.get(&admin, &format!("http://{web}/whoami"), "");
+    assert!(ok, "{out}");
+    assert!(
+        d.get(&admin, "http://pypi.test/whoami", "").0,
+        "and by name"
+    );
+    assert!(
+        !d.get(&admin, &format!("https://{web}/whoami"), "-k").0,
+        "only the reserved rule's port"
+    );
+    let (s, v) = d.req(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"network": {"egress": {"allow": [], "reserved": ["web.test"]}}})),
+    );
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (400, Some("invalid_request")),
+        "{v}"
+    );
+    let mk = |name: &str, ceiling: Value| {
+        let body = json!({"name": name, "egress_ceiling": ceiling});
+        let (s, v) = d.req("POST", "/v1/tenants", Some(&body));
+        assert_eq!(s, 201, "{v}");
+        testkit::Http::new(&d.url, v["api_key"].as_str(), None)
+    };
+    let spec = json!({"network": {"egress": {"allow": [], "reserved": [format!("{web}/32:80")]}}});
+    let wide = mk("wide", json!("all"));
+    let (s, v) = wide.req("POST", "/v1/sandboxes", Some(&spec));
+    assert_eq!((s, v["code"].as_str()), (403, Some("forbidden")), "{v}");
+    let granted = mk("granted", json!({"allow": [], "reserved": [never]}));
+    let (s, v) = granted.req("POST", "/v1/sandboxes", Some(&spec));
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id");
+    let (s, v) = granted.req(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(&json!({"shell": format!("curl -sS --max-time 5 http://{web}/whoami")})),
+    );
+    assert_eq!((s, v["exit_code"].as_i64()), (200, Some(0)), "{v}");
+}
+
 #[test]
 fn the_kernel_enforces_while_the_daemon_is_dead_and_a_restart_adopts() {
     let net = FakeNet::start().expect("fake internet");
     let (data, run, _base) = testkit::dirs_removed_on_drop("deg", "kill9");
-    let mut d = Daemon::on(&data, &run, None, &net);
+    let mut d = Daemon::on(&data, &run, None, &net, &[]);
     let (web, other) = (net.web(), net.other());
     let id = d.create(allow(&[&format!("{web}/32")]));
     assert!(d.get(&id, &format!("http://{web}/whoami"), "").0);
@@ -370,7 +438,7 @@ fn the_kernel_enforces_while_the_daemon_is_dead_and_a_restart_adopts() {
     };
     assert!(curl(&format!("http://{web}/whoami")));
     assert!(!curl(&format!("http://{other}/whoami")));
-    let mut d = Daemon::on(&data, &run, None, &net);
+    let mut d = Daemon::on(&data, &run, None, &net, &[]);
     assert!(d.get(&id, &format!("http://{web}/whoami"), "").0, "adopted");
     assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
     let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
@@ -670,7 +738,7 @@ print('open', ok)
 fn a_restart_adopts_a_microvms_path_and_a_reset_after_it_keeps_it() {
     let net = FakeNet::start().expect("fake internet");
     let (data, run, _base) = testkit::dirs_removed_on_drop("deg", "vmkill9");
-    let mut d = Daemon::on(&data, &run, None, &net);
+    let mut d = Daemon::on(&data, &run, None, &net, &[]);
     let (web, other) = (net.web(), net.other());
     let id = d.create(json!({
         "substrate": "microvm",
@@ -681,7 +749,7 @@ fn a_restart_adopts_a_microvms_path_and_a_reset_after_it_keeps_it() {
     let (table, prefix) = (format!("dsec_{}", k.trim()), format!("dsv{}-", k.trim()));
     d.kill9();
     assert_eq!(links(&prefix).len(), 1, "its QEMU keeps its tap");
-    let mut d = Daemon::on(&data, &run, None, &net);
+    let mut d = Daemon::on(&data, &run, None, &net, &[]);
     assert!(d.get(&id, &format!("http://{web}/whoami"), "").0, "adopted");
     assert!(!d.get(&id, &format!("http://{other}/whoami"), "").0);
     let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None);

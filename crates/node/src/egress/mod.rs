@@ -27,7 +27,7 @@ use dsec_api::network::Egress as Policy;
 use dsec_sys::netlink::nft::{concat, ipv4, Element, Nft};
 use dsec_sys::netlink::route::Route;
 
-use self::rules::{Table, ALL, ALLOW, BIND, DENY, NAMED};
+use self::rules::{Table, ALL, ALLOW, BIND, DENY, NAMED, OPEN};
 
 /// Where sandboxes' subnets come from: the `k`-th `/19` of `10.224.0.0/11` for the `k`-th
 /// node on a host.
@@ -79,8 +79,8 @@ struct Attached {
     addr: Ipv4Addr,
     veth: String,
     policy: Policy,
-    /// Its elements in `allow4`, `deny4`, and whether it is in `all4`.
-    statics: (Vec<Element>, Vec<Element>, bool),
+    /// Its elements in the static sets.
+    statics: policy::Statics,
     /// Names resolved for it: name → (address, port ranges) pinned.
     pins: HashMap<String, Pins>,
 }
@@ -408,7 +408,12 @@ impl Egress {
     fn apply_statics(&self, a: &Attached, add: bool) -> std::io::Result<()> {
         let t = &self.table.name;
         let mut nft = self.nft.lock().unwrap_or_else(|p| p.into_inner());
-        let (allow, deny, all) = &a.statics;
+        let policy::Statics {
+            allow,
+            deny,
+            open,
+            all,
+        } = &a.statics;
         let bind = [Self::bind_element(&a.veth, a.addr)];
         let all = if *all {
             vec![Self::all_element(a.addr)]
@@ -419,6 +424,7 @@ impl Egress {
             (DENY, &deny[..]),
             (ALLOW, &allow[..]),
             (ALL, &all[..]),
+            (OPEN, &open[..]),
             (BIND, &bind[..]),
         ] {
             if elems.is_empty() {

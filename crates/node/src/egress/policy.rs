@@ -79,7 +79,8 @@ pub fn name_verdict(policy: &Egress, name: &str) -> NameVerdict {
 /// rebinding onto the node's neighbourhood).
 pub fn answer_allowed(policy: &Egress, never: &[(Ipv4Addr, u8)], a: Ipv4Addr) -> bool {
     if in_nets(never, a) {
-        return false;
+        // Unless a `reserved` rule (allowed by an admin) lists it.
+        return matches!(policy, Egress::Allow(l) if l.reserved.iter().any(|r| r.holds(a)));
     }
     if !in_nets(&PRIVATE, a) {
         return true;
@@ -173,17 +174,38 @@ pub fn net_elements(sandbox: Ipv4Addr, rules: &[Rule]) -> Vec<Element> {
     out
 }
 
-/// The `allow4` and `deny4` elements of `policy` for `sandbox` (address rules only: names
-/// are pinned as they resolve), and whether it reaches the public internet (`all4`).
-pub fn static_elements(sandbox: Ipv4Addr, policy: &Egress) -> (Vec<Element>, Vec<Element>, bool) {
+/// A policy's elements in the table's static sets (address rules only: names are pinned as
+/// they resolve): `allow4` (its `allow` and `reserved` rules), `deny4`, `open4` (its
+/// `reserved` rules: past `never4`), and whether it reaches the public internet (`all4`).
+#[derive(Debug, Clone, Default)]
+pub struct Statics {
+    /// In `allow4`.
+    pub allow: Vec<Element>,
+    /// In `deny4`.
+    pub deny: Vec<Element>,
+    /// In `open4`.
+    pub open: Vec<Element>,
+    /// In `all4`.
+    pub all: bool,
+}
+
+/// The static elements of sandbox `sandbox` under `policy`.
+pub fn static_elements(sandbox: Ipv4Addr, policy: &Egress) -> Statics {
     match policy {
-        Egress::None => (Vec::new(), Vec::new(), false),
-        Egress::All => (Vec::new(), Vec::new(), true),
-        Egress::Allow(l) => (
-            net_elements(sandbox, &l.allow),
-            net_elements(sandbox, &l.deny),
-            false,
-        ),
+        Egress::None => Statics::default(),
+        Egress::All => Statics {
+            all: true,
+            ..Statics::default()
+        },
+        Egress::Allow(l) => {
+            let reach: Vec<Rule> = l.allow.iter().chain(&l.reserved).cloned().collect();
+            Statics {
+                allow: net_elements(sandbox, &reach),
+                deny: net_elements(sandbox, &l.deny),
+                open: net_elements(sandbox, &l.reserved),
+                all: false,
+            }
+        }
     }
 }
 
@@ -235,6 +257,18 @@ mod tests {
     }
 
     #[test]
+    fn reserved_rules_reach_past_never() {
+        let sb = Ipv4Addr::new(10, 224, 0, 2);
+        let p = policy(r#"{"egress":{"allow":["a.test"],"reserved":["169.254.169.254:80"]}}"#);
+        let meta = Ipv4Addr::new(169, 254, 169, 254);
+        assert!(answer_allowed(&p, &NEVER, meta));
+        assert!(!answer_allowed(&p, &NEVER, Ipv4Addr::new(169, 254, 1, 1)));
+        let st = static_elements(sb, &p);
+        assert_eq!((st.allow.len(), st.open.len()), (1, 1), "{st:?}");
+        assert_eq!(&st.open[0].key[4..8], &meta.octets());
+    }
+
+    #[test]
     fn ranges_merge() {
         assert_eq!(
             union(vec![(5, 9), (1, 3), (4, 4), (20, 30), (25, 26)]),
@@ -249,8 +283,13 @@ mod tests {
         let p = policy(
             r#"{"egress":{"allow":["10.20.0.0/16","10.0.0.0/8","1.2.3.4:443","1.2.3.4:80","x.test"]}}"#,
         );
-        let (allow, deny, all) = static_elements(sb, &p);
-        assert!(!all && deny.is_empty());
+        let Statics {
+            allow,
+            deny,
+            open,
+            all,
+        } = static_elements(sb, &p);
+        assert!(!all && deny.is_empty() && open.is_empty());
         // 10.20/16 is inside 10/8 (every port): one element; 1.2.3.4 twice (80, 443).
         assert_eq!(allow.len(), 3, "{allow:?}");
         let e = &allow[0];

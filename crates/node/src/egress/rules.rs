@@ -18,6 +18,9 @@ pub const NAMED: &str = "named4";
 pub const ALL: &str = "all4";
 /// Each sandbox's host-side interface and the one address it may send from.
 pub const BIND: &str = "bind4";
+/// Never-reached destinations a sandbox's policy reaches anyway (its `reserved` rules, allowed
+/// by an admin): they skip the `never4` check and are in `allow4` too.
+pub const OPEN: &str = "open4";
 
 /// What the table is made for.
 #[derive(Debug, Clone)]
@@ -79,6 +82,7 @@ table inet {t} {{\n\
   set {DENY} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}\n\
   set {ALL} {{ type ipv4_addr; }}\n\
   set {BIND} {{ type ifname . ipv4_addr; }}\n\
+  set {OPEN} {{ type ipv4_addr . ipv4_addr . inet_service; flags interval; }}\n\
   map caps {{ type ipv4_addr : verdict; }}\n\
   set never4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {never} }}; }}\n\
   set private4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {private} }}; }}\n\
@@ -104,7 +108,7 @@ table inet {t} {{\n\
     oifname \"{p}*\" ct state established,related accept\n\
     oifname \"{p}*\" counter drop\n\
     iifname != \"{p}*\" accept\n\
-    ip daddr @never4 jump refuse\n\
+    ip daddr @never4 ip saddr . ip daddr . th dport != @{OPEN} jump refuse\n\
     meta l4proto != {{ tcp, udp }} counter drop\n\
     ip saddr . ip daddr . th dport @{DENY} jump refuse\n\
     ip saddr vmap @caps\n\

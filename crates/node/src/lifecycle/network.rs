@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use dsec_api::network::NetworkSpec;
+use dsec_api::network::{AllowList, Egress as Policy, NetworkSpec};
 
 use super::{Entry, Error, LifecycleEvent, Node, Result};
 use crate::clock::now_ms;
@@ -35,7 +35,16 @@ pub fn admit_network(
     }
     let ceiling = tenant.ceiling();
     let egress = net.egress.capped_by(&ceiling);
-    egress
+    // The admin tenant allows reserved networks itself; another tenant only those its ceiling
+    // (set by the admin) grants.
+    let checked = match &egress {
+        Policy::Allow(l) if tenant.admin && !l.reserved.is_empty() => Policy::Allow(AllowList {
+            reserved: Vec::new(),
+            ..l.clone()
+        }),
+        e => e.clone(),
+    };
+    checked
         .within(&ceiling)
         .map_err(|e| Error::Forbidden(e.to_string()))?;
     Ok(NetworkSpec { egress })
