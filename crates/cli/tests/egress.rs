@@ -304,6 +304,29 @@ fn a_running_sandboxs_policy_changes_and_sandboxes_never_reach_each_other() {
     // Spoofing another source address gets nothing through (the agent cannot even set one).
     let (code, _) = d.sh(&b, &format!("ip addr add {addr_a}/32 dev eth0"));
     assert_ne!(code, 0, "a command changed its sandbox's addresses");
+
+    // A fork keeps its sandbox's policy, on a path of its own.
+    let (s, v) = d.req(
+        "POST",
+        &format!("/v1/sandboxes/{b}/fork"),
+        Some(&json!({"count": 1})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let fork = &v["sandboxes"][0];
+    assert_eq!(fork["network"]["egress"], "all", "{v}");
+    let (fork, addr) = (
+        fork["id"].as_str().expect("id"),
+        fork["network_address"].as_str().expect("its own address"),
+    );
+    assert_ne!(addr, addr_a);
+    assert!(d.get(fork, &format!("http://{web}/whoami"), "").0);
+    let snapshot = v["snapshot"]["id"].as_str().expect("snapshot").to_owned();
+    for sb in [&a, &b, fork] {
+        let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{sb}"), None);
+        assert_eq!(s, 200, "{v}");
+    }
+    let (s, v) = d.req("DELETE", &format!("/v1/snapshots/{snapshot}"), None);
+    assert!(s == 200 || s == 204, "{v}");
 }
 
 #[test]

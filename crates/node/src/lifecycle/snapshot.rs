@@ -253,7 +253,8 @@ impl Node {
         Ok(())
     }
 
-    /// Snapshot + `count` creates from it, alike (limits, root, environment) to the sandbox.
+    /// Snapshot + `count` creates from it, alike (limits, root, environment, network policy)
+    /// to the sandbox.
     pub async fn fork(
         self: &Arc<Self>,
         tenant: &Tenant,
@@ -276,6 +277,7 @@ impl Node {
             userns: true,
             secret_env: rec.secret_env.clone(),
             snapshot: Some(snap.id.clone()),
+            network: rec.network.clone(),
             ..CreateRequest::default()
         };
         let made =
