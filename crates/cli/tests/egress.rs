@@ -641,7 +641,8 @@ fn a_logged_steps_observation_lists_its_refusals() {
 }
 
 /// A microVM's path out is a container's: a tap into the node's table plugged into its NIC,
-/// `eth0` configured by its agent; a reset keeps it; the in-band check holds; a microVM without
+/// `eth0` configured by its agent; a reset keeps it; a `vm` gets the same; the in-band check
+/// holds; a microVM without
 /// a policy has no way out until its policy opens one, and `none` closes it again (the tap
 /// stays, the guest's link goes down); caps hold on a VM's tap.
 #[test]
@@ -677,6 +678,14 @@ fn a_microvm_gets_the_same_path_out() {
     let (s, v) = d.req("POST", &format!("/v1/sandboxes/{id}/reset"), None);
     assert_eq!(s, 200, "{v}");
     check(&id);
+    // The full machine (`vm`: q35, a virtio-net PCI device) takes the same path.
+    let full = d.create(json!({
+        "substrate": "vm",
+        "network": {"egress": {"allow": ["pypi.test"]}},
+    }));
+    check(&full);
+    let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{full}"), None);
+    assert_eq!(s, 200, "{v}");
 
     // No policy: the NIC is on a hub with nothing else, no address, no route.
     let closed = d.create(json!({"substrate": "microvm"}));
