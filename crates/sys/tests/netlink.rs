@@ -171,6 +171,11 @@ fn veth_addresses_routes_and_a_connection() {
     assert!(inside.links().expect("links").contains(&"eth0".to_string()));
     let (prx, ptx) = inside.link_stats("eth0").expect("stats").expect("eth0");
     assert_eq!((prx, ptx), (tx, rx), "the peer counts the other way round");
+    // The dump of every link with the prefix sees the same link (counts only grow).
+    let all = r.links_stats(&veth).expect("dump");
+    let &(drx, dtx) = all.get(&veth).expect("the link in the dump");
+    assert!(drx >= rx && dtx >= tx, "{all:?}");
+    assert!(all.keys().all(|n| n.starts_with(&veth)));
 
     // Typed errors.
     let e = r.add_veth(&veth, "eth1", ns.pid()).expect_err("twice");

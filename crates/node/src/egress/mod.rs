@@ -831,16 +831,18 @@ impl Egress {
             "# HELP dsec_egress_sandboxes Sandboxes with a path out\n# TYPE dsec_egress_sandboxes gauge\ndsec_egress_sandboxes {}",
             veths.len()
         );
-        let mut bytes = Vec::with_capacity(veths.len());
-        {
-            let mut r = self.route.lock().unwrap_or_else(|p| p.into_inner());
-            for (id, veth) in veths {
+        // One dump on a socket of its own: a scrape neither waits for attaches nor holds them
+        // up, however many sandboxes.
+        let stats = Route::open()
+            .and_then(|mut r| r.links_stats(&self.table.if_prefix))
+            .unwrap_or_default();
+        let bytes: Vec<(String, u64, u64)> = veths
+            .into_iter()
+            .filter_map(|(id, veth)| {
                 // The host side's receive is what the sandbox sent.
-                if let Ok(Some((rx, tx))) = r.link_stats(&veth) {
-                    bytes.push((id, rx, tx));
-                }
-            }
-        }
+                stats.get(&veth).map(|&(rx, tx)| (id, rx, tx))
+            })
+            .collect();
         for (name, dir, pick) in [
             ("dsec_sandbox_egress_bytes_total", "out", 0usize),
             ("dsec_sandbox_egress_bytes_total", "in", 1),

@@ -370,23 +370,45 @@ impl Route {
 
     /// The names of all links of this socket's namespace.
     pub fn links(&mut self) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        self.dump_links(RTEXT_FILTER_SKIP_STATS, &mut |payload| {
+            if let Some((_, name)) = parse_link(payload) {
+                names.push(name);
+            }
+        })?;
+        Ok(names)
+    }
+
+    /// The bytes every link whose name starts with `prefix` received and sent
+    /// (`IFLA_STATS64`), by name: one dump, however many links.
+    pub fn links_stats(&mut self, prefix: &str) -> io::Result<HashMap<String, (u64, u64)>> {
+        let mut out = HashMap::new();
+        self.dump_links(0, &mut |payload| {
+            if let (Some((_, name)), Some(stats)) = (parse_link(payload), parse_stats(payload)) {
+                if name.starts_with(prefix) {
+                    out.insert(name, stats);
+                }
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Dumps every link of this socket's namespace (`RTM_GETLINK`, `IFLA_EXT_MASK` `mask`) to
+    /// `f`, one link message's payload at a time.
+    fn dump_links(&mut self, mask: u32, f: &mut dyn FnMut(&[u8])) -> io::Result<()> {
         let seq = self.sock.seqs(1);
         let mut b = Builder::new();
         b.begin(RTM_GETLINK, NLM_F_REQUEST | NLM_F_ACK | NLM_F_DUMP, seq);
         b.bytes(&ifinfomsg(0, 0));
-        b.attr_u32(IFLA_EXT_MASK, RTEXT_FILTER_SKIP_STATS);
+        b.attr_u32(IFLA_EXT_MASK, mask);
         b.end();
-        let mut names = Vec::new();
         let ack = self.sock.request(&b, seq, &mut |m: &Msg<'_>| {
             if m.ty == RTM_NEWLINK {
-                if let Some((_, name)) = parse_link(m.payload) {
-                    names.push(name);
-                }
+                f(m.payload);
             }
             Ok(())
         })?;
-        ack.check(|| "RTM_GETLINK dump".into())?;
-        Ok(names)
+        ack.check(|| "RTM_GETLINK dump".into())
     }
 
     /// The index of link `name` in this socket's namespace (`None` without the link); always
