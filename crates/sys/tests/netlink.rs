@@ -167,7 +167,14 @@ fn veth_addresses_routes_and_a_connection() {
     assert!(r.index(&veth).expect("index").is_some());
     let (rx, tx) = r.link_stats(&veth).expect("stats").expect("the link");
     assert!(rx > 0 && tx > 0, "rx {rx} tx {tx}");
+    let here = || std::fs::read_link("/proc/thread-self/ns/net").expect("this thread's netns");
+    let before = here();
     let mut inside = Route::open_in(ns.pid()).expect("open_in");
+    assert_eq!(
+        here(),
+        before,
+        "the caller's thread came back to its namespace"
+    );
     assert!(inside.links().expect("links").contains(&"eth0".to_string()));
     let (prx, ptx) = inside.link_stats("eth0").expect("stats").expect("eth0");
     assert_eq!((prx, ptx), (tx, rx), "the peer counts the other way round");

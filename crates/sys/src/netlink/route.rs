@@ -126,8 +126,9 @@ impl Route {
         })
     }
 
-    /// A `NETLINK_ROUTE` socket in the network namespace of process `pid`, made there by a
-    /// short-lived thread of its own; it keeps working in that namespace from any thread.
+    /// A `NETLINK_ROUTE` socket in the network namespace of process `pid`, made there by the
+    /// calling thread, which goes back to its own namespace at once; the socket keeps working
+    /// in that namespace from any thread.
     pub fn open_in(pid: i32) -> io::Result<Route> {
         Ok(Route {
             sock: Socket::open_in(pid, NETLINK_ROUTE)?,
