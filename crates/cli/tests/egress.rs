@@ -93,6 +93,39 @@ impl Daemon {
     fn set_network(&self, id: &str, net: Value) -> (u16, Value) {
         self.req("PUT", &format!("/v1/sandboxes/{id}/network"), Some(&net))
     }
+
+    /// Bytes per second of a 3 MB download from `web` in sandbox `id`.
+    fn download_speed(&self, id: &str, web: Ipv4Addr) -> f64 {
+        let (code, out) = self.sh(
+            id,
+            &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
+        );
+        assert_eq!(code, 0, "{out}");
+        out.trim().parse().expect("speed")
+    }
+
+    /// Opens three connections to `web`:80 from sandbox `id` and holds them: the output says
+    /// how many opened (`open N`) and why the others did not.
+    fn hold_three_connections(&self, id: &str, web: Ipv4Addr) -> String {
+        let (code, out) = self.sh(
+            id,
+            &format!(
+                "python3 -c \"
+import socket
+held, ok = [], 0
+for i in range(3):
+    s = socket.socket(); s.settimeout(3)
+    try:
+        s.connect(('{web}', 80)); held.append(s); ok += 1
+    except OSError as e:
+        print('refused', e)
+print('open', ok)
+\""
+            ),
+        );
+        assert_eq!(code, 0, "{out}");
+        out
+    }
 }
 
 fn allow(rules: &[&str]) -> Value {
@@ -502,43 +535,18 @@ fn bandwidth_and_connection_caps_hold() {
     let id = d.create(json!({"network": {"egress": {
         "allow": [format!("{web}/32")], "bandwidth_bps": cap, "max_connections": 2,
     }}}));
-    let (code, out) = d.sh(
-        &id,
-        &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
-    );
-    assert_eq!(code, 0, "{out}");
-    let speed: f64 = out.trim().parse().expect("speed");
+    let speed = d.download_speed(&id, web);
     assert!(
         speed < cap as f64 * 1.3,
         "{speed} B/s through a cap of {cap} B/s"
     );
     // Two connections held open, the third refused.
-    let (code, out) = d.sh(
-        &id,
-        &format!(
-            "python3 -c \"
-import socket
-held, ok = [], 0
-for i in range(3):
-    s = socket.socket(); s.settimeout(3)
-    try:
-        s.connect(('{web}', 80)); held.append(s); ok += 1
-    except OSError as e:
-        print('refused', e)
-print('open', ok)
-\""
-        ),
-    );
-    assert_eq!(code, 0, "{out}");
+    let out = d.hold_three_connections(&id, web);
     assert!(out.contains("open 2"), "{out}");
     // Without caps the same download is not held back.
     let (s, v) = d.set_network(&id, json!({"egress": {"allow": [format!("{web}/32")]}}));
     assert_eq!(s, 200, "{v}");
-    let (_, out) = d.sh(
-        &id,
-        &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
-    );
-    let free: f64 = out.trim().parse().expect("speed");
+    let free = d.download_speed(&id, web);
     assert!(free > cap as f64 * 2.0, "{free} B/s with no cap");
 }
 
@@ -730,33 +738,12 @@ fn a_microvm_gets_the_same_path_out() {
     );
     assert_eq!(s, 200, "{v}");
     assert!(d.get(&closed, &format!("http://{web}/whoami"), "").0);
-    let (code, out) = d.sh(
-        &closed,
-        &format!("curl -sS -o /dev/null --max-time 15 -w '%{{speed_download}}' http://{web}/bytes/3000000"),
-    );
-    assert_eq!(code, 0, "{out}");
-    let speed: f64 = out.trim().parse().expect("speed");
+    let speed = d.download_speed(&closed, web);
     assert!(
         speed < cap as f64 * 1.3,
         "{speed} B/s through a cap of {cap} B/s"
     );
-    let (code, out) = d.sh(
-        &closed,
-        &format!(
-            "python3 -c \"
-import socket
-held, ok = [], 0
-for i in range(3):
-    s = socket.socket(); s.settimeout(3)
-    try:
-        s.connect(('{web}', 80)); held.append(s); ok += 1
-    except OSError as e:
-        print('refused', e)
-print('open', ok)
-\""
-        ),
-    );
-    assert_eq!(code, 0, "{out}");
+    let out = d.hold_three_connections(&closed, web);
     assert!(out.contains("open 2"), "{out}");
     for id in [&id, &closed] {
         let (s, v) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
