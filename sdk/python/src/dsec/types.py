@@ -91,7 +91,9 @@ class CreateOptions(TypedDict, total=False):
         network: network egress, ``{"egress": "none"}`` when absent (only loopback);
             ``{"egress": {"allow": ["pypi.org", "*.pythonhosted.org", "github.com:443",
             "10.20.0.0/16"], "deny": [...], "bandwidth_bps": n, "max_connections": n}}`` or
-            ``{"egress": "all"}``, within the tenant's ``egress_ceiling``.
+            ``{"egress": "all"}``, within the tenant's ``egress_ceiling``; ``"reserved":
+            ["169.254.169.254:80"]`` beside ``allow`` reaches a network no policy otherwise
+            reaches, as an admin allows it.
     """
 
     snapshot: str | None
@@ -178,7 +180,8 @@ class TenantQuota(TypedDict, total=False):
     max_sandboxes: int | None
     max_memory_bytes: int | None
     #: the widest network egress its sandboxes may have: ``"none"`` (the default), ``"all"`` or
-    #: an allow list (``{"allow": [...], "bandwidth_bps"?, "max_connections"?}``)
+    #: an allow list (``{"allow": [...], "reserved"?, "bandwidth_bps"?, "max_connections"?}``;
+    #: its ``reserved`` rules are what its sandboxes may list as theirs)
     egress_ceiling: Any
 
 
