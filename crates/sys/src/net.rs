@@ -8,23 +8,40 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
-/// Connects to `127.0.0.1:port` in the network namespace of process `pid` (a sandbox's init),
-/// within `timeout`. The namespace is entered by a thread of its own, which ends right after,
-/// so no thread of the caller ever runs in it.
-pub fn connect_in_netns(pid: i32, port: u16, timeout: Duration) -> io::Result<TcpStream> {
-    let ns = File::open(format!("/proc/{pid}/ns/net"))?;
-    std::thread::Builder::new()
-        .name("netns-connect".into())
-        .spawn(move || {
-            // SAFETY: setns on a namespace descriptor we own; it changes this thread only.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error());
+/// Runs `f` on the calling thread inside the network namespace of process `pid`, then puts the
+/// thread back in its own (a thread of its own per call cost ~0.15 ms). Sockets `f` makes stay
+/// in that namespace whichever thread uses them. The thread goes back however `f` ends, panics
+/// included; one that cannot go back aborts the process, which would otherwise make its later
+/// sockets in a sandbox's namespace.
+pub fn in_netns<T>(pid: i32, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+    struct Back(File);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            // SAFETY: setns on a namespace descriptor we own; this thread only.
+            if unsafe { libc::setns(self.0.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                std::process::abort();
             }
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-            TcpStream::connect_timeout(&addr, timeout)
-        })?
-        .join()
-        .map_err(|_| io::Error::other("the connecting thread panicked"))?
+        }
+    }
+    let path = format!("/proc/{pid}/ns/net");
+    let ns = File::open(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?;
+    let home = File::open("/proc/thread-self/ns/net")?;
+    // SAFETY: setns on a namespace descriptor we own; it changes this thread only, which
+    // `Back` returns to its own namespace when it drops.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("setns {path}: {e}")));
+    }
+    let _back = Back(home);
+    f()
+}
+
+/// Connects to `127.0.0.1:port` in the network namespace of process `pid` (a sandbox's init),
+/// within `timeout` ([`in_netns`]).
+pub fn connect_in_netns(pid: i32, port: u16, timeout: Duration) -> io::Result<TcpStream> {
+    in_netns(pid, || {
+        TcpStream::connect_timeout(&SocketAddr::from((Ipv4Addr::LOCALHOST, port)), timeout)
+    })
 }
 
 /// A socket of `kind` (`SOCK_DGRAM`, `SOCK_STREAM`) bound to `addr` with `IP_FREEBIND`: the
@@ -201,6 +218,38 @@ mod tests {
         let s = connect_in_netns(std::process::id() as i32, port, Duration::from_secs(2));
         assert!(s.is_ok(), "{s:?}");
         assert!(connect_in_netns(i32::MAX, port, Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn the_thread_comes_back_from_another_namespace_however_f_ends() {
+        let here = || std::fs::read_link("/proc/thread-self/ns/net").expect("netns");
+        let before = here();
+        // A child in a network namespace of its own.
+        let mut child = std::process::Command::new("unshare")
+            .args(["--net", "sleep", "30"])
+            .spawn()
+            .expect("unshare");
+        let pid = child.id() as i32;
+        // (Until `unshare` has made its namespace, the child is still in ours.)
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::fs::read_link(format!("/proc/{pid}/ns/net")).ok() == Some(before.clone())
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let inside = in_netns(pid, || {
+            std::fs::read_link("/proc/thread-self/ns/net").map_err(io::Error::other)
+        })
+        .expect("in its namespace");
+        assert_ne!(inside, before, "f ran in the child's namespace");
+        assert_eq!(here(), before, "back after f returned");
+        let r = std::panic::catch_unwind(|| in_netns(pid, || -> io::Result<()> { panic!("f") }));
+        assert!(r.is_err());
+        assert_eq!(here(), before, "back after f panicked");
+        assert!(in_netns(pid, || Err::<(), _>(io::Error::other("no"))).is_err());
+        assert_eq!(here(), before, "back after f failed");
+        let _ = child.kill();
+        let _ = child.wait();
     }
 
     #[test]

@@ -14,7 +14,6 @@
 //! sends is parsed with its lengths checked: a malformed reply is an error, never a panic.
 
 use std::fmt;
-use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -473,28 +472,10 @@ impl Socket {
         })
     }
 
-    /// A socket of protocol `proto` made in the network namespace of process `pid`: the
-    /// calling thread enters the namespace for the one system call that makes the socket and
-    /// goes back at once (a thread of its own cost ~0.15 ms per call, a third of an attach's
-    /// own work); the socket stays in that namespace whichever thread uses it. A thread that
-    /// could not go back aborts the process: it would otherwise make the node's later sockets
-    /// in a sandbox's namespace.
+    /// A socket of protocol `proto` made in the network namespace of process `pid`
+    /// ([`crate::net::in_netns`]); it stays in that namespace whichever thread uses it.
     fn open_in(pid: i32, proto: libc::c_int) -> io::Result<Socket> {
-        let path = format!("/proc/{pid}/ns/net");
-        let ns = File::open(&path).map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?;
-        let home = File::open("/proc/thread-self/ns/net")?;
-        // SAFETY: setns on a namespace descriptor we own; it changes this thread only, which
-        // goes back below before it does anything else.
-        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            let e = io::Error::last_os_error();
-            return Err(io::Error::new(e.kind(), format!("setns {path}: {e}")));
-        }
-        let sock = Socket::open(proto);
-        // SAFETY: as above, back to the namespace this thread came from.
-        if unsafe { libc::setns(home.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            std::process::abort();
-        }
-        sock
+        crate::net::in_netns(pid, || Socket::open(proto))
     }
 
     /// Reserves `n` consecutive sequence numbers; returns the first.
