@@ -160,6 +160,18 @@ pub async fn serve(
             refresh(&g).await;
         }
     });
+    // The registration on a loop of its own: renewing it never holds the table's refresh up.
+    let g = Arc::clone(&gw);
+    tokio::spawn(async move {
+        loop {
+            let r = Arc::clone(&g);
+            let renewed = tokio::task::spawn_blocking(move || r.registration.renew(&r.etcd)).await;
+            if let Ok(Err(e)) = renewed {
+                tracing::debug!(error = %e, "gateway: registration not renewed");
+            }
+            tokio::time::sleep(register::RENEW_EVERY).await;
+        }
+    });
     let app = Router::new()
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
@@ -202,9 +214,6 @@ pub async fn serve(
 async fn refresh(gw: &App) {
     let g = Arc::clone(gw);
     let read = tokio::task::spawn_blocking(move || {
-        if let Err(e) = g.registration.renew(&g.etcd) {
-            tracing::debug!(error = %e, "gateway: registration not renewed");
-        }
         let (nodes, _) = g.etcd.prefix(&model::nodes_prefix())?;
         let (numbers, _) = g.etcd.prefix(&model::numbers_prefix())?;
         // Tenants and keys change rarely: reread only when either prefix moved.

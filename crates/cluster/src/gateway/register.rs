@@ -4,7 +4,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::etcd::{Etcd, EtcdError};
 use crate::model;
@@ -13,15 +13,15 @@ use crate::model;
 pub const TTL: i64 = 10;
 
 /// How often the lease is renewed.
-const RENEW_EVERY: Duration = Duration::from_secs(3);
+pub const RENEW_EVERY: Duration = Duration::from_secs(3);
 
 /// What this gateway tells the cluster of itself.
 #[derive(Debug)]
 pub struct Registration {
     id: String,
     addrs: Vec<Ipv4Addr>,
-    /// The lease and when it was last renewed.
-    lease: Mutex<Option<(i64, Instant)>>,
+    /// The lease.
+    lease: Mutex<Option<i64>>,
 }
 
 impl Registration {
@@ -43,23 +43,20 @@ impl Registration {
         }
     }
 
-    /// Renews the lease every [`RENEW_EVERY`]; registers again (a new lease) when it expired
-    /// or etcd lost it.
+    /// Renews the lease (called every [`RENEW_EVERY`], off the table's refresh: a call to an
+    /// etcd without quorum waits out its timeout); registers again, under a new lease, when
+    /// it expired or etcd lost it.
     pub fn renew(&self, etcd: &Etcd) -> Result<(), EtcdError> {
         let mut lease = self.lease.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((id, at)) = *lease {
-            if at.elapsed() < RENEW_EVERY {
-                return Ok(());
-            }
+        if let Some(id) = *lease {
             if etcd.keep_alive(id)? > 0 {
-                *lease = Some((id, Instant::now()));
                 return Ok(());
             }
         }
         let id = etcd.grant(TTL)?;
         let body = serde_json::json!({ "addrs": self.addrs }).to_string();
         etcd.put(&model::gateway_key(&self.id), body.as_bytes(), id)?;
-        *lease = Some((id, Instant::now()));
+        *lease = Some(id);
         Ok(())
     }
 }
