@@ -106,10 +106,11 @@ async fn answer(eg: &Arc<Egress>, from: SocketAddr, msg: &[u8]) -> Option<Vec<u8
     };
     // No rebinding: an answer naming an address the sandbox may never reach (or private space
     // its rules do not list) is refused whole.
+    let never = eg.never_nets();
     if let Some((bad, _)) = parsed
         .a
         .iter()
-        .find(|(a, _)| !super::policy::answer_allowed(&policy, &eg.never_nets(), *a))
+        .find(|(a, _)| !super::policy::answer_allowed(&policy, &never, *a))
     {
         eg.denied(&id, &format!("{} -> {bad}", q.name));
         return Some(wire::respond(msg, &q, rcode::REFUSED));

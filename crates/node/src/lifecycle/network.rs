@@ -9,7 +9,7 @@ use dsec_api::network::{AllowList, Egress as Policy, NetworkSpec};
 use super::{Entry, Error, LifecycleEvent, Node, Result};
 use crate::clock::now_ms;
 use crate::egress::{Egress, EgressError};
-use crate::sandbox::{State, Substrate};
+use crate::sandbox::State;
 use crate::store::{SandboxRecord, Tenant};
 use crate::substrate::Sandbox;
 
@@ -25,11 +25,7 @@ impl From<EgressError> for Error {
 
 /// Checks `net` against `tenant`'s ceiling; answers the policy to apply (the ceiling's caps
 /// filled in). Every substrate has egress (a container a veth, a VM a tap).
-pub fn admit_network(
-    tenant: &Tenant,
-    _substrate: Substrate,
-    net: NetworkSpec,
-) -> Result<NetworkSpec> {
+pub fn admit_network(tenant: &Tenant, net: NetworkSpec) -> Result<NetworkSpec> {
     if !net.enabled() {
         return Ok(net);
     }
@@ -266,7 +262,7 @@ impl Node {
         net: NetworkSpec,
     ) -> Result<SandboxRecord> {
         let rec = e.record();
-        let net = admit_network(tenant, rec.spec.substrate, net)?;
+        let net = admit_network(tenant, net)?;
         let mut guard = e.lock().await;
         if e.record().state != State::Running {
             return Err(Error::Transition(format!(

@@ -126,8 +126,7 @@ pub(super) fn create_request(
             ));
         }
     }
-    let network =
-        crate::lifecycle::network::admit_network(tenant, substrate, b.network.unwrap_or_default())?;
+    let network = crate::lifecycle::network::admit_network(tenant, b.network.unwrap_or_default())?;
     let template = b.template.unwrap_or_else(|| "host".into());
     crate::template::validate_name(&template).map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(CreateRequest {
