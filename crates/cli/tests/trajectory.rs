@@ -34,7 +34,8 @@ impl Daemon {
         let body = body.to_string();
         match self.http().send("POST", path, Some(body.as_bytes()), &[]) {
             Ok(r) => (r.status, r.headers.get("dsec-replayed").is_some(), r.body),
-            Err(_) => (0, false, Vec::new()),
+            // No answer: status 0, and what went wrong as the body.
+            Err(e) => (0, false, format!("{e:#}").into_bytes()),
         }
     }
 
@@ -317,7 +318,7 @@ fn finished_trajectories_are_compacted_and_the_rest_replays() {
     for n in 1..=30u64 {
         for traj in ["done", "live"] {
             let (s, _, body) = d.post(&format!("/v1/sandboxes/{id}/exec"), &step(traj, n));
-            assert_eq!(s, 200);
+            assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
             if traj == "live" {
                 kept.push(body);
             }
@@ -326,7 +327,7 @@ fn finished_trajectories_are_compacted_and_the_rest_replays() {
     let (s, _, _) = d.post("/v1/trajectories/done/finish", &json!({}));
     assert_eq!(s, 200);
     let (s, _, body) = d.post("/v1/admin/compact", &json!({}));
-    assert_eq!(s, 200);
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
     let report: Value = serde_json::from_slice(&body).expect("report");
     assert!(report["records_dropped"].as_u64() > Some(0), "{report}");
     d.kill9();
