@@ -346,3 +346,66 @@ fn finished_trajectories_are_compacted_and_the_rest_replays() {
     }
     d.finish(&[id]);
 }
+
+/// A handler that does not read its body (`finish`, `compact`) answers only once the body has
+/// arrived, and the connection stays open for the next request. Before, an answer sent ahead
+/// of the body's bytes closed the connection, and a client that had put it back in its pool
+/// saw its next call fail ("peer disconnected"): the flake this test's neighbour showed.
+#[test]
+fn a_body_the_handler_ignores_keeps_the_connection() {
+    use std::io::{Read as _, Write as _};
+    let (data, run) = testkit::dirs("dtr", "ignored-body");
+    let d = Daemon::start(&data, &run);
+    let addr = d.url.trim_start_matches("http://").to_owned();
+    let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = |path: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n",
+            d.key
+        )
+    };
+    for round in 0..2 {
+        // The head, then the body a moment later: as a client under load sends them.
+        s.write_all(head("/v1/admin/compact").as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        s.write_all(b"{}").unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        // One whole answer: the head, then as many bytes as its Content-Length says.
+        let answer = loop {
+            let n = s.read(&mut buf).unwrap_or(0);
+            assert!(
+                n > 0,
+                "round {round}: the connection closed: {:?}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&got).into_owned();
+            let Some((h, b)) = text.split_once("\r\n\r\n") else {
+                continue;
+            };
+            let len: usize = h
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .expect("content-length");
+            if b.len() >= len {
+                break text;
+            }
+        };
+        assert!(
+            answer.starts_with("HTTP/1.1 200"),
+            "round {round}: {answer}"
+        );
+        assert!(
+            !answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
+    }
+    d.finish(&[]);
+}

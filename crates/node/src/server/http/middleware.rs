@@ -3,6 +3,38 @@
 use super::*;
 use tracing::Instrument as _;
 
+/// Request bodies up to this size are read in full before the handler runs.
+pub(super) const SMALL_BODY: u64 = 64 << 10;
+
+/// Reads a small request body (a `Content-Length` of at most [`SMALL_BODY`]) before the
+/// handler runs, so that a handler that does not look at its body (`finish`, `compact`, a
+/// `DELETE` with `{}`) leaves the connection reusable. Otherwise the server closes the
+/// connection when it answers before the body's bytes have arrived, and a client that put the
+/// connection back in its pool meanwhile sees its next request fail ("peer disconnected").
+/// Larger and chunked bodies (uploads) stream to their handler as before.
+pub(super) async fn read_small_body(req: Request, next: Next) -> Response {
+    let len = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(len @ 1..=SMALL_BODY) = len else {
+        return next.run(req).await;
+    };
+    let (parts, body) = req.into_parts();
+    match axum::body::to_bytes(body, len as usize).await {
+        Ok(bytes) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Err(e) => ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("the request body could not be read: {e}"),
+        )
+        .into_response(),
+    }
+}
+
 pub(super) async fn request_id(
     AxState(app): AxState<AppState>,
     req: Request,

@@ -181,6 +181,7 @@ pub fn router(app: AppState) -> Router {
             app.clone(),
             e2b::sandbox_traffic,
         ))
+        .layer(axum_mw::from_fn(read_small_body))
         .layer(axum_mw::from_fn_with_state(app.clone(), request_id))
         .with_state(app)
 }
