@@ -1098,6 +1098,16 @@ fn r13_a_sandbox_that_never_sleeps_goes_batch_and_comes_back() {
     );
     assert_eq!(batch(&d), 1.0);
     assert!(d.metrics().contains("dsec_cpu_demotions_total 1"));
+    // The partition: the spinner's processes on CPUs of their own, the quiet one's (and the
+    // node's) on the rest.
+    let part = Partition::of(&d);
+    if let Some(p) = &part {
+        p.wait_for(&cg(&spinner), "b");
+        p.wait_for(&cg(&quiet), "");
+        let (q, b) = (p.cpus(""), p.cpus("b"));
+        assert!(!q.is_empty() && !b.is_empty(), "{q:?} {b:?}");
+        assert!(q.iter().all(|c| !b.contains(c)), "overlap: {q:?} {b:?}");
+    }
     let (s, v) = d.req(
         "POST",
         &format!("/v1/sandboxes/{spinner}/processes/{handle}/signal"),
@@ -1114,7 +1124,74 @@ fn r13_a_sandbox_that_never_sleeps_goes_batch_and_comes_back() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(batch(&d), 0.0);
+    if let Some(p) = &part {
+        p.wait_for(&cg(&spinner), "");
+        assert_eq!(
+            p.cpus(""),
+            p.cpus("b"),
+            "every CPU is the quiet side's again"
+        );
+    }
     d.finish();
+    if let Some(p) = part {
+        for suffix in ["", "b"] {
+            assert!(!p.dir(suffix).exists(), "left: {}", p.dir(suffix).display());
+        }
+    }
+}
+
+/// A node's CPU partition as the tests see it: `<cpuset root>/dsec/n<pid>` (quiet) and
+/// `…b` (batch). `None`, said on stderr, on a host without a v1 `cpuset` hierarchy or with
+/// one CPU (the node then does not partition).
+struct Partition {
+    base: std::path::PathBuf,
+    pid: u32,
+}
+
+impl Partition {
+    fn of(d: &Daemon) -> Option<Self> {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let Some(root) = dsec_sys::cgroup::CpuPartition::v1_root().filter(|_| cpus >= 2) else {
+            eprintln!("NOTE: no v1 cpuset hierarchy or one CPU: the CPU partition is not checked");
+            return None;
+        };
+        let p = Self {
+            base: root.join("dsec"),
+            pid: d.child.id(),
+        };
+        assert!(p.dir("").is_dir(), "the node made no partition");
+        Some(p)
+    }
+
+    fn dir(&self, suffix: &str) -> std::path::PathBuf {
+        self.base.join(format!("n{}{suffix}", self.pid))
+    }
+
+    fn cpus(&self, suffix: &str) -> Vec<u32> {
+        let text = std::fs::read_to_string(self.dir(suffix).join("cpuset.cpus")).expect("cpus");
+        dsec_sys::cgroup::cpuset::parse_cpu_list(text.trim()).expect("a CPU list")
+    }
+
+    /// Waits until every process of `cg` is in the cpuset `n<pid><suffix>`.
+    fn wait_for(&self, cg: &dsec_sys::cgroup::Cgroup, suffix: &str) {
+        let want = format!("/dsec/n{}{suffix}", self.pid);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let pids = cg.pids().expect("pids");
+            let wrong: Vec<(i32, String)> = pids
+                .iter()
+                .filter_map(|p| {
+                    let at = std::fs::read_to_string(format!("/proc/{p}/cpuset")).ok()?;
+                    (at.trim() != want).then(|| (*p, at.trim().to_owned()))
+                })
+                .collect();
+            if !pids.is_empty() && wrong.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "not in {want}: {wrong:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 #[test]

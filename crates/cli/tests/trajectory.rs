@@ -358,7 +358,8 @@ fn a_body_the_handler_ignores_keeps_the_connection() {
     let d = Daemon::start(&data, &run);
     let addr = d.url.trim_start_matches("http://").to_owned();
     let mut s = std::net::TcpStream::connect(&addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     let head = |path: &str| {
         format!(
             "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
@@ -368,9 +369,10 @@ fn a_body_the_handler_ignores_keeps_the_connection() {
     };
     for round in 0..2 {
         // The head, then the body a moment later: as a client under load sends them.
-        s.write_all(head("/v1/admin/compact").as_bytes()).unwrap();
+        s.write_all(head("/v1/admin/compact").as_bytes())
+            .expect("head");
         std::thread::sleep(Duration::from_millis(200));
-        s.write_all(b"{}").unwrap();
+        s.write_all(b"{}").expect("body");
         let mut got = Vec::new();
         let mut buf = [0u8; 4096];
         // One whole answer: the head, then as many bytes as its Content-Length says.
@@ -391,7 +393,7 @@ fn a_body_the_handler_ignores_keeps_the_connection() {
                 .find_map(|l| {
                     l.to_ascii_lowercase()
                         .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse().unwrap())
+                        .map(|v| v.trim().parse().expect("a length"))
                 })
                 .expect("content-length");
             if b.len() >= len {

@@ -26,11 +26,13 @@
 //!
 //! All file IO is plain `std::fs`; the only `unsafe` is the pidfd and mount system calls.
 
+pub mod cpuset;
 pub mod devices;
 mod group;
 mod manager;
 mod parse;
 
+pub use cpuset::CpuPartition;
 pub use devices::{DeviceKind, DeviceRule};
 pub use group::Cgroup;
 pub use manager::{remount_args, CgroupManager, FAVORDYNMODS_DIR};

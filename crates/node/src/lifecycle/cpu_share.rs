@@ -40,6 +40,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use dsec_sys::cgroup::CpuPartition;
+
 use super::Node;
 
 /// How often the governor samples.
@@ -62,6 +64,10 @@ pub const CALM_TICKS: u32 = 3;
 
 /// Below this much CPU in a tick (fraction of one CPU) across all sandboxes, nothing is scanned.
 const IDLE: f64 = 0.25;
+
+/// A thread whose run-plus-wait time in a tick is under this fraction of it is not looked at
+/// further (one file read instead of two): it cannot move its sandbox's class.
+const SLIGHT: f64 = 0.02;
 
 /// A sandbox that used this much CPU in a tick (fraction of one CPU) has its threads sampled.
 const ACTIVE: f64 = 0.01;
@@ -156,6 +162,19 @@ struct Inner {
     batch: HashMap<String, u32>,
     /// Pinned to the batch weight by [`CpuShares::hold`].
     held: HashSet<String>,
+    /// The node's CPU partition, when it has one.
+    part: Option<Partition>,
+}
+
+/// The CPU partition's state: while any sandbox is in the batch class, the batch sandboxes'
+/// threads run on CPUs of their own and the node and every other sandbox on the rest.
+#[derive(Debug)]
+struct Partition {
+    cpusets: CpuPartition,
+    /// How many of the CPUs (the first ones) the quiet cpuset has now.
+    quiet: usize,
+    /// The threads of each batch sandbox moved to the batch cpuset.
+    moved: HashMap<String, HashSet<i32>>,
 }
 
 impl Inner {
@@ -180,7 +199,9 @@ impl CpuShares {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let was = g.demoted(id);
         g.held.insert(id.to_owned());
-        was || set_batch(node, id, true, BATCH_CPU_WEIGHT)
+        let ok = was || set_batch(node, id, true, BATCH_CPU_WEIGHT);
+        g.place(node);
+        ok
     }
 
     /// Ends a [`hold`](Self::hold): the sandbox gets its own weight back at once (its owner
@@ -191,11 +212,42 @@ impl CpuShares {
         if g.held.remove(id) {
             g.batch.remove(id);
             restore(node, id);
+            g.place(node);
+        }
+    }
+
+    /// Gives the governor the node's CPU partition (see [`start_partition`]).
+    pub fn set_partition(&self, cpusets: CpuPartition) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let quiet = cpusets.cpus().len();
+        g.part = Some(Partition {
+            cpusets,
+            quiet,
+            moved: HashMap::new(),
+        });
+    }
+
+    /// Ends the partition: every thread of the node and its sandboxes back on every CPU.
+    pub fn dissolve_partition(&self) {
+        let part = self
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .part
+            .take();
+        if let Some(p) = part {
+            p.cpusets.dissolve();
         }
     }
 
     /// One tick: samples, decides, writes the weights that change. Blocking (file reads).
     pub fn tick(&self, node: &Node) {
+        let t0 = Instant::now();
+        self.tick_inner(node);
+        node.metrics.cpu_tick.observe_duration(t0.elapsed());
+    }
+
+    fn tick_inner(&self, node: &Node) {
         let total = node.rt.cgroups().base_cpu_usage_ns();
         let pressure = cpu_pressure_us();
         let at = Instant::now();
@@ -219,9 +271,16 @@ impl CpuShares {
         if (used_all as f64) < IDLE * w && g.batch.is_empty() {
             g.usage.clear();
             g.threads.clear();
+            // A hold released since: the partition ends.
+            g.size(0.0);
             return;
         }
         let (usage, threads, sampled) = sample(node, &g, w);
+        let batch_used: u64 = usage
+            .iter()
+            .filter(|(id, _)| g.demoted(id))
+            .filter_map(|(id, now)| Some(now.saturating_sub(*g.usage.get(id)?)))
+            .sum();
         (g.usage, g.threads) = (usage, threads);
         // Gone sandboxes leave the sets.
         let live: HashSet<String> = g.usage.keys().cloned().collect();
@@ -243,6 +302,112 @@ impl CpuShares {
             }
         }
         node.metrics.cpu_batch.set(g.batch_len() as f64);
+        g.size(used_all.saturating_sub(batch_used) as f64 / w);
+        g.place(node);
+    }
+}
+
+impl Inner {
+    /// Sizes the partition: while any sandbox is batch, the quiet cpuset gets the CPUs the
+    /// other sandboxes used in the tick (`quiet_used`, in CPUs) rounded up, plus one for the
+    /// node, and at least one CPU is left to each side; otherwise every CPU is both's.
+    fn size(&mut self, quiet_used: f64) {
+        let any = self.batch_len() > 0;
+        let Some(p) = self.part.as_mut() else {
+            return;
+        };
+        let cpus = p.cpusets.cpus();
+        let n = cpus.len();
+        let want = quiet_cpus(n, any, quiet_used);
+        if want == p.quiet {
+            return;
+        }
+        let (quiet, batch) = if want == n {
+            (cpus, cpus)
+        } else {
+            cpus.split_at(want)
+        };
+        match p.cpusets.set(quiet, batch) {
+            Ok(()) => p.quiet = want,
+            Err(e) => tracing::warn!(error = %e, "cpu partition: resize"),
+        }
+    }
+
+    /// Moves the batch sandboxes' threads not moved yet to the batch cpuset, and the threads
+    /// of sandboxes that left the batch class back.
+    fn place(&mut self, node: &Node) {
+        let batch: HashSet<String> = self.batch.keys().chain(self.held.iter()).cloned().collect();
+        let threads = &self.threads;
+        let Some(p) = self.part.as_mut() else {
+            return;
+        };
+        let tids = |id: &str| -> Vec<i32> {
+            match threads.get(id) {
+                Some(m) => m.keys().copied().collect(),
+                None => node
+                    .rt
+                    .cgroups()
+                    .open(id)
+                    .and_then(|cg| cg.threads())
+                    .unwrap_or_default(),
+            }
+        };
+        let left: Vec<String> = p
+            .moved
+            .keys()
+            .filter(|id| !batch.contains(*id))
+            .cloned()
+            .collect();
+        for id in left {
+            p.moved.remove(&id);
+            for tid in tids(&id) {
+                let _ = p.cpusets.place(tid, false);
+            }
+        }
+        for id in batch {
+            let now: HashSet<i32> = tids(&id).into_iter().collect();
+            let moved = p.moved.entry(id).or_default();
+            moved.retain(|t| now.contains(t));
+            for tid in now {
+                if moved.insert(tid) {
+                    let _ = p.cpusets.place(tid, true);
+                }
+            }
+        }
+    }
+}
+
+/// How many of `n` CPUs the quiet side gets: all of them without batch sandboxes (`any`),
+/// otherwise what the other sandboxes used (`quiet_used`, in CPUs) rounded up plus one for the
+/// node, leaving the batch side at least one.
+fn quiet_cpus(n: usize, any: bool, quiet_used: f64) -> usize {
+    if any && n >= 2 {
+        (quiet_used.max(0.0).ceil() as usize + 1).clamp(1, n - 1)
+    } else {
+        n
+    }
+}
+
+/// The node's CPU partition: its two cpusets made and the node's own process in the quiet
+/// one, so that everything it starts from now on is too. `None` (the batch class still
+/// applies, by `cpu.idle` alone) with one CPU, without a v1 `cpuset` hierarchy, or with
+/// `DSEC_CPU_SHARES=off` or `DSEC_CPU_PARTITION=off`. Call before the node starts processes.
+pub fn start_partition() -> Option<CpuPartition> {
+    let off = |k: &str| std::env::var(k).is_ok_and(|v| v == "off");
+    if off("DSEC_CPU_SHARES") || off("DSEC_CPU_PARTITION") {
+        return None;
+    }
+    let root = CpuPartition::v1_root()?;
+    match CpuPartition::create(&root, dsec_shim::CGROUP_BASE, std::process::id() as i32) {
+        Ok(p) if p.cpus().len() >= 2 => {
+            p.sweep();
+            Some(p)
+        }
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "cpu partition: not made; the batch class is cpu.idle alone");
+            None
+        }
     }
 }
 
@@ -277,26 +442,40 @@ fn sample(
         let before = g.threads.get(&e.id);
         let mut now = HashMap::new();
         let mut d = Demand::default();
-        for tid in cg.threads().unwrap_or_default() {
-            let (Some(t), Some(v)) = (
-                dsec_sys::proc::sched_time_ns(tid),
-                dsec_sys::proc::voluntary_switches(tid),
-            ) else {
+        let tids = cg.threads().unwrap_or_default();
+        for &tid in &tids {
+            let Some(t) = dsec_sys::proc::sched_time_ns(tid) else {
+                continue;
+            };
+            // A thread new since the last sample was born in the tick: all its time counts.
+            let (b, bv) = before.and_then(|m| m.get(&tid)).copied().unwrap_or((0, 0));
+            let dt = t.saturating_sub(b);
+            if (dt as f64) < SLIGHT * w {
+                // Too little to matter: its switches are not read (it keeps the last count
+                // read, so a later tick compares against one at least as old).
+                now.insert(tid, (t, bv));
+                continue;
+            }
+            let Some(v) = dsec_sys::proc::voluntary_switches(tid) else {
                 continue;
             };
             now.insert(tid, (t, v));
-            // A thread new since the last sample was born in the tick: all its time counts.
-            let (b, bv) = before.and_then(|m| m.get(&tid)).copied().unwrap_or((0, 0));
             if v > bv {
                 // It slept in the tick: it waits for work, whatever it waited for a CPU.
                 continue;
             }
-            let dt = t.saturating_sub(b);
             d.sum = d.sum.saturating_add(dt);
             d.peak = d.peak.max(dt);
-            if batch && dsec_sys::proc::runnable(tid) == Some(true) {
-                out.runnable.insert(e.id.clone());
-            }
+        }
+        // A batch sandbox that showed little demand may only be starved: the kernel adds a
+        // wait to `schedstat` when the thread next runs, so look for a thread waiting now.
+        if batch
+            && (d.sum as f64) < CALM * w
+            && tids
+                .iter()
+                .any(|&tid| dsec_sys::proc::runnable(tid) == Some(true))
+        {
+            out.runnable.insert(e.id.clone());
         }
         if before.is_some() {
             out.demand.insert(e.id.clone(), d);
@@ -352,6 +531,18 @@ mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+
+    #[test]
+    fn the_quiet_side_gets_what_it_used_plus_one_and_leaves_batch_one() {
+        assert_eq!(quiet_cpus(2, false, 0.0), 2);
+        assert_eq!(quiet_cpus(2, true, 0.0), 1);
+        assert_eq!(quiet_cpus(2, true, 1.7), 1);
+        assert_eq!(quiet_cpus(16, true, 0.2), 2);
+        assert_eq!(quiet_cpus(16, true, 5.0), 6);
+        assert_eq!(quiet_cpus(16, true, 40.0), 15);
+        assert_eq!(quiet_cpus(1, true, 0.0), 1);
+        assert_eq!(quiet_cpus(16, false, 5.0), 16);
+    }
 
     #[test]
     fn pressure_parses_the_some_total() {

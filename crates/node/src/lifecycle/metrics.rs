@@ -27,6 +27,8 @@ pub struct Metrics {
     pub cpu_demotions: Counter,
     /// Sandboxes in the batch CPU class now.
     pub cpu_batch: Gauge,
+    /// How long each tick of the CPU-share governor took (its cost on the node's CPUs).
+    pub cpu_tick: Histogram,
     /// API create latency, pool hits.
     pub acquire_hit: Histogram,
     /// API create latency, created on demand.
@@ -122,6 +124,11 @@ impl Metrics {
                     &[],
                 )
                 .unwrap_or_default(),
+            cpu_tick: h(
+                "dsec_cpu_governor_tick_seconds",
+                "How long each tick of the CPU-share governor took (sampling and decisions)",
+                &[],
+            ),
             cpu_demotions: c(
                 "dsec_cpu_demotions_total",
                 "Sandboxes moved to the batch CPU weight for using their whole fair share",

@@ -129,6 +129,9 @@ async fn serve(
         .map_err(|e| ServerError::Other(format!("data dir: {e}")))?;
     let store = store::Store::open(&cfg.runtime.data_dir.join("state.db"))?;
     let admin_key = bootstrap_admin(&store, &cfg.runtime.data_dir)?;
+    // Before the runtime starts its spawner: every process the node starts inherits the
+    // partition's quiet cpuset.
+    let partition = crate::lifecycle::cpu_share::start_partition();
     let runtime_cfg = cfg.runtime.clone();
     let runtime = tokio::task::spawn_blocking(move || Runtime::start(runtime_cfg))
         .await
@@ -151,6 +154,9 @@ async fn serve(
         None
     };
     let app = Node::new(Arc::new(runtime), store, cfg.max_sandboxes);
+    if let Some(p) = partition {
+        app.cpu_shares.set_partition(p);
+    }
     let _ = app.egress_config.set(cfg.egress.clone());
     let member = join(&cfg, &app).await?;
     let state = state::AppState {
@@ -166,26 +172,7 @@ async fn serve(
         idem: Arc::default(),
         member: member.clone(),
     };
-    // Pools first (recovery hands their adopted sandboxes back), from the store; the host
-    // pool from the flags unless it was configured through the API before.
-    let stored = app.store.pools()?;
-    for (template, min, max) in &stored {
-        app.configure_pool(
-            template,
-            PoolSize {
-                min: *min,
-                max: *max,
-            },
-        )
-        .map_err(|e| ServerError::Other(format!("pool {template}: {e}")))?;
-    }
-    if let Some(size) = cfg
-        .host_pool
-        .filter(|_| !stored.iter().any(|(t, ..)| t == "host"))
-    {
-        app.configure_pool("host", size)
-            .map_err(|e| ServerError::Other(format!("host pool: {e}")))?;
-    }
+    configure_pools(&cfg, &app)?;
     let report = app.recover().await;
     app.kick_pools();
     tracing::info!(
@@ -263,8 +250,33 @@ async fn serve(
     }
     // Sandboxes that live on keep their paths out enforced by the kernel meanwhile.
     app.egress_idle_teardown();
+    app.cpu_shares.dissolve_partition();
     result?;
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Pools first (recovery hands their adopted sandboxes back), from the store; the host pool
+/// from the flags unless it was configured through the API before.
+fn configure_pools(cfg: &ServerConfig, app: &Arc<Node>) -> Result<(), ServerError> {
+    let stored = app.store.pools()?;
+    for (template, min, max) in &stored {
+        app.configure_pool(
+            template,
+            PoolSize {
+                min: *min,
+                max: *max,
+            },
+        )
+        .map_err(|e| ServerError::Other(format!("pool {template}: {e}")))?;
+    }
+    if let Some(size) = cfg
+        .host_pool
+        .filter(|_| !stored.iter().any(|(t, ..)| t == "host"))
+    {
+        app.configure_pool("host", size)
+            .map_err(|e| ServerError::Other(format!("host pool: {e}")))?;
+    }
     Ok(())
 }
 

@@ -335,7 +335,7 @@ fn is_favordynmods_mount(mounts: &[MountInfo], dir: &Path, fs_type: &str) -> boo
         .is_some_and(|m| m.fs_type == fs_type && m.has_super_option("favordynmods"))
 }
 
-fn read_mountinfo() -> Result<Vec<MountInfo>, CgroupError> {
+pub(super) fn read_mountinfo() -> Result<Vec<MountInfo>, CgroupError> {
     let text = fs::read_to_string("/proc/self/mountinfo").map_err(CgroupError::Mountinfo)?;
     Ok(parse_mountinfo(&text))
 }
