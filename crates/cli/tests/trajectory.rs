@@ -354,7 +354,7 @@ fn finished_trajectories_are_compacted_and_the_rest_replays() {
 #[test]
 fn a_body_the_handler_ignores_keeps_the_connection() {
     use std::io::{Read as _, Write as _};
-    let (data, run) = testkit::dirs("dtr", "ignored-body");
+    let (data, run, _dirs) = testkit::dirs_removed_on_drop("dtr", "ignored-body");
     let d = Daemon::start(&data, &run);
     let addr = d.url.trim_start_matches("http://").to_owned();
     let mut s = std::net::TcpStream::connect(&addr).expect("connect");
