@@ -171,8 +171,9 @@ struct Inner {
 #[derive(Debug)]
 struct Partition {
     cpusets: CpuPartition,
-    /// How many of the CPUs (the first ones) the quiet cpuset has now.
-    quiet: usize,
+    /// The split now: the quiet cpuset has the CPUs before the first index, the batch one
+    /// those from the second on (see [`split`]).
+    split: (usize, usize),
     /// The threads of each batch sandbox moved to the batch cpuset.
     moved: HashMap<String, HashSet<i32>>,
 }
@@ -219,10 +220,10 @@ impl CpuShares {
     /// Gives the governor the node's CPU partition (see [`start_partition`]).
     pub fn set_partition(&self, cpusets: CpuPartition) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let quiet = cpusets.cpus().len();
+        let n = cpusets.cpus().len();
         g.part = Some(Partition {
             cpusets,
-            quiet,
+            split: (n, 0),
             moved: HashMap::new(),
         });
     }
@@ -317,18 +318,12 @@ impl Inner {
             return;
         };
         let cpus = p.cpusets.cpus();
-        let n = cpus.len();
-        let want = quiet_cpus(n, any, quiet_used);
-        if want == p.quiet {
+        let want = split(cpus.len(), any, quiet_used);
+        if want == p.split {
             return;
         }
-        let (quiet, batch) = if want == n {
-            (cpus, cpus)
-        } else {
-            cpus.split_at(want)
-        };
-        match p.cpusets.set(quiet, batch) {
-            Ok(()) => p.quiet = want,
+        match p.cpusets.set(&cpus[..want.0], &cpus[want.1..]) {
+            Ok(()) => p.split = want,
             Err(e) => tracing::warn!(error = %e, "cpu partition: resize"),
         }
     }
@@ -377,15 +372,17 @@ impl Inner {
     }
 }
 
-/// How many of `n` CPUs the quiet side gets: all of them without batch sandboxes (`any`),
-/// otherwise what the other sandboxes used (`quiet_used`, in CPUs) rounded up plus one for the
-/// node, leaving the batch side at least one.
-fn quiet_cpus(n: usize, any: bool, quiet_used: f64) -> usize {
-    if any && n >= 2 {
-        (quiet_used.max(0.0).ceil() as usize + 1).clamp(1, n - 1)
-    } else {
-        n
+/// How `n` CPUs are split: the quiet cpuset gets those before the first index, the batch one
+/// those from the second on. Without batch sandboxes (`any`) both get all. Otherwise the quiet
+/// side gets what the other sandboxes used (`quiet_used`, in CPUs) rounded up plus one for the
+/// node, and the batch side the rest, at least one. (Letting the quiet side keep every CPU
+/// when it used most of its share was measured and dropped: see perf-notes, *CPU share*.)
+fn split(n: usize, any: bool, quiet_used: f64) -> (usize, usize) {
+    if !any || n < 2 {
+        return (n, 0);
     }
+    let q = (quiet_used.max(0.0).ceil() as usize + 1).clamp(1, n - 1);
+    (q, q)
 }
 
 /// The node's CPU partition: its two cpusets made and the node's own process in the quiet
@@ -534,14 +531,14 @@ mod tests {
 
     #[test]
     fn the_quiet_side_gets_what_it_used_plus_one_and_leaves_batch_one() {
-        assert_eq!(quiet_cpus(2, false, 0.0), 2);
-        assert_eq!(quiet_cpus(2, true, 0.0), 1);
-        assert_eq!(quiet_cpus(2, true, 1.7), 1);
-        assert_eq!(quiet_cpus(16, true, 0.2), 2);
-        assert_eq!(quiet_cpus(16, true, 5.0), 6);
-        assert_eq!(quiet_cpus(16, true, 40.0), 15);
-        assert_eq!(quiet_cpus(1, true, 0.0), 1);
-        assert_eq!(quiet_cpus(16, false, 5.0), 16);
+        assert_eq!(split(2, false, 0.0), (2, 0));
+        assert_eq!(split(2, true, 0.0), (1, 1));
+        assert_eq!(split(2, true, 1.7), (1, 1));
+        assert_eq!(split(16, true, 0.2), (2, 2));
+        assert_eq!(split(16, true, 4.4), (6, 6));
+        assert_eq!(split(16, true, 40.0), (15, 15));
+        assert_eq!(split(1, true, 0.0), (1, 0));
+        assert_eq!(split(16, false, 5.0), (16, 0));
     }
 
     #[test]

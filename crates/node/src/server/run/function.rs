@@ -259,19 +259,30 @@ impl LongCall {
         }
     }
 
-    /// Ends the watch; true when the call was a long one.
-    fn end(self) -> bool {
+    /// Ends the watch; true when the call was a long one. Its zygote stays in the batch class
+    /// until [`release`](Self::release): what the call left (a fork bomb's processes, code
+    /// still spinning until the sweep) runs there, not beside other tenants' calls.
+    fn end(&self) -> bool {
         self.timer.abort();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let long = *st == Watch::Demoted;
-        if long {
+        if !long {
+            *st = Watch::Ended;
+        }
+        long
+    }
+
+    /// Gives the zygote its own CPU class back, once what the call left is swept or the
+    /// zygote is gone.
+    fn release(self) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if *st == Watch::Demoted {
             self.app
                 .node
                 .cpu_shares
                 .release(&self.app.node, &self.entry.id);
         }
         *st = Watch::Ended;
-        long
     }
 }
 
@@ -350,7 +361,13 @@ pub(super) async fn new_zygote(app: &Arc<Runner>, template: &str) -> ApiResult<Z
 /// Returns a zygote to the idle queue once its driver has swept what the last call left and
 /// forked the next spare: the session runs one more (empty) input only after that. A zygote
 /// that does not answer within 30 s is replaced.
-pub(super) async fn settle_zygote(app: Arc<Runner>, pool: Arc<ZygotePool>, z: Zygote) {
+/// `long` (the call's watch) gives the zygote its CPU class back once the sweep is done.
+pub(super) async fn settle_zygote(
+    app: Arc<Runner>,
+    pool: Arc<ZygotePool>,
+    z: Zygote,
+    long: LongCall,
+) {
     let ev = agent_call(
         &app,
         &z.entry,
@@ -364,16 +381,30 @@ pub(super) async fn settle_zygote(app: Arc<Runner>, pool: Arc<ZygotePool>, z: Zy
     )
     .await;
     match ev {
-        Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => pool.put(z),
-        _ => recycle_zygote(app, pool, z).await,
+        Ok(Event::ExecDone(r)) if r.exit_code == Some(0) => {
+            long.release();
+            pool.put(z);
+        }
+        _ => recycle_zygote(app, pool, z, Some(long)).await,
     }
 }
 
 /// Replaces a zygote that died or was tainted: the sandbox is reset (every process killed, a
 /// fresh writable layer) and a new session loaded; on failure it is destroyed.
-pub(super) async fn recycle_zygote(app: Arc<Runner>, pool: Arc<ZygotePool>, z: Zygote) {
+/// A long call's watch (`long`) gives the zygote its CPU class back once the reset killed what
+/// the call left.
+pub(super) async fn recycle_zygote(
+    app: Arc<Runner>,
+    pool: Arc<ZygotePool>,
+    z: Zygote,
+    long: Option<LongCall>,
+) {
     let e = z.entry;
-    let again = match app.node.reset(&e).await {
+    let reset = app.node.reset(&e).await;
+    if let Some(long) = long {
+        long.release();
+    }
+    let again = match reset {
         Ok(_) => start_zygote(&app, Arc::clone(&e)).await,
         Err(err) => Err(err.into()),
     };
@@ -528,10 +559,11 @@ pub(super) async fn run_function(app: &Arc<Runner>, spec: &RunSpec) -> ApiResult
                 // that the next call does not wait for it.
                 let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
                 tokio::spawn(async move {
-                    settle_zygote(app2, pool2, z).await;
+                    settle_zygote(app2, pool2, z, long).await;
                     drop(permit);
                 });
             } else {
+                long.release();
                 pool.put(z);
                 drop(permit);
             }
@@ -539,7 +571,7 @@ pub(super) async fn run_function(app: &Arc<Runner>, spec: &RunSpec) -> ApiResult
             // The slot stays taken until the replacement is ready.
             let (app2, pool2) = (Arc::clone(app), Arc::clone(&pool));
             tokio::spawn(async move {
-                recycle_zygote(app2, pool2, z).await;
+                recycle_zygote(app2, pool2, z, Some(long)).await;
                 drop(permit);
             });
         }
