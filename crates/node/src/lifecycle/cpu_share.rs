@@ -355,7 +355,9 @@ impl Inner {
             .collect();
         for id in left {
             p.moved.remove(&id);
-            for tid in tids(&id) {
+            // Read now: a thread born since the last sample is in the batch cpuset too.
+            let now = node.rt.cgroups().open(&id).and_then(|cg| cg.threads());
+            for tid in now.unwrap_or_default() {
                 let _ = p.cpusets.place(tid, false);
             }
         }
