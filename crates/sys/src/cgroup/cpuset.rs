@@ -123,10 +123,19 @@ impl CpuPartition {
 
 impl Drop for CpuPartition {
     fn drop(&mut self) {
-        for dir in [&self.batch, &self.quiet] {
-            empty_into(dir, &self.parent);
-            let _ = fs::remove_dir(dir);
+        // A thread the node starts meanwhile, or a process still on its way out, keeps a
+        // cpuset busy for a moment: a few rounds, up to a second.
+        for _ in 0..50 {
+            for dir in [&self.batch, &self.quiet] {
+                empty_into(dir, &self.parent);
+                let _ = fs::remove_dir(dir);
+            }
+            if !self.batch.exists() && !self.quiet.exists() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
+        // Still busy: the next node to start sweeps it.
     }
 }
 
