@@ -116,7 +116,9 @@ impl CpuPartition {
                 continue;
             }
             empty_into(&dir, &self.quiet);
-            let _ = fs::remove_dir(&dir);
+            if fs::remove_dir(&dir).is_err() {
+                remove_later(&[&dir]);
+            }
         }
     }
 }
@@ -124,8 +126,8 @@ impl CpuPartition {
 impl Drop for CpuPartition {
     fn drop(&mut self) {
         // A thread the node starts meanwhile, or a process still on its way out, keeps a
-        // cpuset busy for a moment: a few rounds, up to a second.
-        for _ in 0..50 {
+        // cpuset busy for a moment: a few rounds.
+        for _ in 0..10 {
             for dir in [&self.batch, &self.quiet] {
                 empty_into(dir, &self.parent);
                 let _ = fs::remove_dir(dir);
@@ -135,7 +137,36 @@ impl Drop for CpuPartition {
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        // Still busy: the next node to start sweeps it.
+        // Still busy (a process on its way out): removed once it empties.
+        remove_later(&[&self.batch, &self.quiet]);
+    }
+}
+
+/// Removes the cpusets `dirs` that still exist once they empty (a process on its way out keeps
+/// one busy for a moment), from a detached helper that tries for up to 10 s; a node that starts
+/// later sweeps what is left even so.
+fn remove_later(dirs: &[&Path]) {
+    let left: Vec<&Path> = dirs.iter().copied().filter(|d| d.exists()).collect();
+    if left.is_empty() {
+        return;
+    }
+    let script = "for i in $(seq 100); do rmdir \"$@\" 2>/dev/null; ok=1; \
+                  for d in \"$@\"; do [ -d \"$d\" ] && ok=0; done; [ $ok = 1 ] && exit 0; \
+                  sleep 0.1; done";
+    let spawned = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .arg("dsec-cpuset-rmdir")
+        .args(left)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    // Reaped when it ends, while the node runs on (a sweep at start).
+    if let Ok(mut child) = spawned {
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
     }
 }
 
