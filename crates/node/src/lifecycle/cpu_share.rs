@@ -236,9 +236,8 @@ impl CpuShares {
             .unwrap_or_else(|p| p.into_inner())
             .part
             .take();
-        if let Some(p) = part {
-            p.cpusets.dissolve();
-        }
+        // Dropping the cpusets dissolves them.
+        drop(part);
     }
 
     /// One tick: samples, decides, writes the weights that change. Blocking (file reads).

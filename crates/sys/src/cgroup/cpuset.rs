@@ -92,10 +92,6 @@ impl CpuPartition {
         }
     }
 
-    /// Ends the partition (also on drop): every task in either cpuset goes back to the
-    /// parent (the node itself too) and both are removed.
-    pub fn dissolve(self) {}
-
     /// Removes the cpusets of nodes that are gone (`n<pid>` whose process is not in it):
     /// their tasks (sandboxes that outlived their node) move to `into`'s quiet cpuset.
     pub fn sweep(&self) {
@@ -123,6 +119,8 @@ impl CpuPartition {
     }
 }
 
+/// Dropping ends the partition: every task in either cpuset goes back to the parent (the node
+/// itself too) and both are removed.
 impl Drop for CpuPartition {
     fn drop(&mut self) {
         // A thread the node starts meanwhile, or a process still on its way out, keeps a
