@@ -98,7 +98,12 @@ pub enum SupervisorMsg {
     },
     /// The spawner holds a new idle shell. Fd: the shell's request socket (`SOCK_SEQPACKET`),
     /// to which the node sends one [`SpawnRequest`] with a reply socket attached.
-    ShellReady,
+    ShellReady {
+        /// The shell's init (host pid namespace), already in the sandbox's namespaces: the
+        /// node may plumb its network while the launch runs (0: not told).
+        #[serde(default)]
+        init_pid: i32,
+    },
     /// The spawner holds a new idle shell whose root was built for a preferred root (see
     /// [`NodeMsg::Prefer`]) of these lower directories. Fd: as `ShellReady`.
     PreferredReady {
@@ -107,6 +112,9 @@ pub enum SupervisorMsg {
         /// Whether its root was built writable.
         #[serde(default)]
         writable_root: bool,
+        /// As in `ShellReady`.
+        #[serde(default)]
+        init_pid: i32,
     },
     /// An idle shell could not be built (the spawner should build another).
     ShellFailed,

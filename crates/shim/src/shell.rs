@@ -77,12 +77,14 @@ pub(crate) fn idle_supervisor(
         }
     };
     // Ready: hand the node our request socket.
+    let init_pid = pre.init.pidfd.pid();
     let ready = match preferred {
         Some(r) => SupervisorMsg::PreferredReady {
             lowerdirs: r.lowerdirs.clone(),
             writable_root: r.writable_root,
+            init_pid,
         },
-        None => SupervisorMsg::ShellReady,
+        None => SupervisorMsg::ShellReady { init_pid },
     };
     if send(ctx.node.as_fd(), &ready, &[node_end.as_fd()]).is_err() {
         return discard(pre);

@@ -117,11 +117,17 @@ fn setup(
     host: Ipv4Addr,
     peer: Ipv4Addr,
 ) -> std::io::Result<()> {
-    r.add_veth(veth, "eth0", pid)?;
+    let peer_index = r.add_veth(veth, "eth0", pid)?;
     r.add_addr4(veth, host, 32)?;
     r.set_up(veth)?;
     r.add_route4(peer, 32, None, veth, false)?;
     let mut inside = Route::open_in(pid)?;
+    // The new link's echo names the peer's index there: no lookup needed.
+    let looked_up = inside.index("eth0")?;
+    assert!(peer_index.is_some() && peer_index == looked_up, "{peer_index:?} vs {looked_up:?}");
+    if let Some(i) = peer_index {
+        inside.remember("eth0", i);
+    }
     inside.add_addr4("eth0", peer, 32)?;
     inside.set_up("eth0")?;
     inside.add_route4(Ipv4Addr::UNSPECIFIED, 0, Some(host), "eth0", true)

@@ -420,23 +420,20 @@ impl Egress {
         } else {
             Vec::new()
         };
-        for (set, elems) in [
+        // One transaction (the deny list first, the binding that lets traffic through last,
+        // should it take more than one batch).
+        let sets = [
             (DENY, &deny[..]),
             (ALLOW, &allow[..]),
             (ALL, &all[..]),
             (OPEN, &open[..]),
             (BIND, &bind[..]),
-        ] {
-            if elems.is_empty() {
-                continue;
-            }
-            if add {
-                nft.add_elements(t, set, elems)?;
-            } else {
-                nft.del_elements(t, set, elems)?;
-            }
+        ];
+        if add {
+            nft.add_to_sets(t, &sets)
+        } else {
+            nft.del_from_sets(t, &sets)
         }
-        Ok(())
     }
 
     /// A policy's caps: (bytes per second, connections).
@@ -590,15 +587,25 @@ impl Egress {
     /// The veth and its addresses and routes, both sides.
     fn plumb(&self, veth: &str, addr: Ipv4Addr, pid: i32) -> std::io::Result<()> {
         let gw = self.table.gateway;
-        {
+        let peer = {
             let mut r = self.route.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = r.del_link(veth);
-            r.add_veth(veth, "eth0", pid)?;
+            // (A link left by a node that died is replaced.)
+            let peer = match r.add_veth(veth, "eth0", pid) {
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    r.del_link(veth)?;
+                    r.add_veth(veth, "eth0", pid)?
+                }
+                made => made?,
+            };
             r.add_addr4(veth, gw, 32)?;
             r.set_up(veth)?;
             r.add_route4(addr, 32, None, veth, false)?;
-        }
+            peer
+        };
         let mut inside = Route::open_in(pid)?;
+        if let Some(i) = peer {
+            inside.remember("eth0", i);
+        }
         inside.add_addr4("eth0", addr, 32)?;
         inside.set_up("eth0")?;
         inside.add_route4(Ipv4Addr::UNSPECIFIED, 0, Some(gw), "eth0", true)?;

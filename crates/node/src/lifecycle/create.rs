@@ -11,6 +11,7 @@ use crate::capacity::Admitted;
 use crate::clock::now_ms;
 use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
+use dsec_api::network::NetworkSpec;
 
 /// Where a node gets the templates it does not hold (a cluster's member).
 pub trait TemplateFetcher: Send + Sync + std::fmt::Debug {
@@ -181,9 +182,10 @@ impl Node {
         let reserved = self.reserve_in_cluster(tenant).await?;
         let net = req.network.clone();
         let mut made = self.create_here(tenant, req).await;
-        if let (true, Ok(rec)) = (net.enabled(), &made) {
-            // The path out comes once the sandbox exists, made or pooled alike; a failure
-            // destroys it (its destroy releases its cluster reservation).
+        if let (true, Ok(rec)) = (net.enabled() && !made_with(&made), &made) {
+            // The path out comes once the sandbox exists, made or pooled alike (unless it came
+            // during the launch); a failure destroys it (its destroy releases its cluster
+            // reservation).
             match self.entry(&rec.id) {
                 Some(e) => return self.attach_network(&e, net).await,
                 None => made = Err(Error::NotFound(rec.id.clone())),
@@ -333,7 +335,7 @@ impl Node {
                 }
                 let rec = e.record();
                 self.store.put_sandbox(&rec, now)?;
-                self.launch(&e).await?;
+                self.launch_with(&e, Some(&req.network)).await?;
                 self.metrics.acquire_miss.observe_duration(t0.elapsed());
                 Ok(e.record())
             }
@@ -343,6 +345,16 @@ impl Node {
     /// Runs the runtime create for a `Creating` entry; on success the entry is `Ready` with
     /// its sandbox, on failure it is closed and the error returned.
     pub(super) async fn launch(self: &Arc<Self>, e: &Arc<Entry>) -> Result<()> {
+        self.launch_with(e, None).await
+    }
+
+    /// [`Node::launch`] for a create that asks for `net`: a container launched in a
+    /// pre-built shell gets its path out while it launches (see [`Node::early_network`]).
+    pub(super) async fn launch_with(
+        self: &Arc<Self>,
+        e: &Arc<Entry>,
+        net: Option<&NetworkSpec>,
+    ) -> Result<()> {
         let spec = e.record().spec;
         let rt = Arc::clone(&self.rt);
         let _slot = self
@@ -392,9 +404,10 @@ impl Node {
             })?;
         }
         let node = Arc::clone(self);
+        let (on_shell, early) = self.early_network(&id, &spec, net).unzip();
         let made = tokio::task::spawn_blocking(move || {
             node.failpoint("create:launching");
-            let mut made = rt.create_with_id(&id, &spec);
+            let mut made = rt.create_early(&id, &spec, on_shell);
             if let (true, Ok((sb, _))) = (pooled, &mut made) {
                 sb.warm_up(&rt);
             }
@@ -407,6 +420,10 @@ impl Node {
                 r.phase = None;
                 Ok(())
             })?;
+        }
+        if let (Some(slot), Some(net)) = (&early, net) {
+            let init = made.as_ref().ok().map(|(sb, _)| sb.init_pid());
+            self.settle_early_network(e, slot, init, net).await;
         }
         match made {
             Ok((mut sb, phases)) => {
@@ -474,4 +491,9 @@ impl Node {
             }
         }
     }
+}
+
+/// Whether a create's sandbox got its path out during its launch.
+fn made_with(made: &Result<SandboxRecord>) -> bool {
+    made.as_ref().is_ok_and(|r| r.net_addr.is_some())
 }

@@ -33,6 +33,10 @@ pub use error::RuntimeError;
 pub use runtime::{find_binary, RuntimeConfig};
 pub use vm::sandbox::VmSettings;
 
+/// Called with a container's init pid once its launch request is in a pre-built shell's hands
+/// (see [`Runtime::create_early`]).
+pub type OnShell = Box<dyn FnOnce(i32) + Send>;
+
 /// The runtime of one node's sandboxes: the container substrate's spawner, and the VM
 /// substrates (started on first use).
 /// The container substrate of one node.

@@ -202,26 +202,44 @@ impl Nft {
     /// error (its timeout, if given, restarts); one that clashes with another (an overlapping
     /// range) fails its whole batch with `EEXIST`.
     pub fn add_elements(&mut self, table: &str, set: &str, elems: &[Element]) -> io::Result<()> {
-        check_names(table, set)?;
-        check_elements(elems)?;
-        match self.batches(NFT_MSG_NEWSETELEM, table, set, elems)? {
+        self.add_to_sets(table, &[(set, elems)])
+    }
+
+    /// [`Nft::add_elements`] to several sets of table `inet table` in one transaction (as
+    /// few batches as they fit in): all of them or, on a refusal, none of that batch.
+    pub fn add_to_sets(&mut self, table: &str, sets: &[(&str, &[Element])]) -> io::Result<()> {
+        for (set, elems) in sets {
+            check_names(table, set)?;
+            check_elements(elems)?;
+        }
+        match self.batches(NFT_MSG_NEWSETELEM, table, sets)? {
             None => Ok(()),
-            Some(ack) => ack.check(|| format!("NFT_MSG_NEWSETELEM inet {table} {set}")),
+            Some(ack) => ack.check(|| format!("NFT_MSG_NEWSETELEM inet {table} {sets:?}")),
         }
     }
 
     /// Removes those of `elems` that are in set `set` of table `inet table`; the others are no
     /// error.
     pub fn del_elements(&mut self, table: &str, set: &str, elems: &[Element]) -> io::Result<()> {
-        check_names(table, set)?;
-        check_elements(elems)?;
+        self.del_from_sets(table, &[(set, elems)])
+    }
+
+    /// [`Nft::del_elements`] from several sets of table `inet table` in one transaction.
+    pub fn del_from_sets(&mut self, table: &str, sets: &[(&str, &[Element])]) -> io::Result<()> {
+        for (set, elems) in sets {
+            check_names(table, set)?;
+            check_elements(elems)?;
+        }
         // DESTROYSETELEM (Linux 6.3) ignores missing elements; older kernels refuse the type.
-        match self.batches(NFT_MSG_DESTROYSETELEM, table, set, elems)? {
+        match self.batches(NFT_MSG_DESTROYSETELEM, table, sets)? {
             None => Ok(()),
             Some(a) if a.errno == libc::EINVAL || a.errno == libc::EOPNOTSUPP => {
-                self.del_each(table, set, elems)
+                for (set, elems) in sets {
+                    self.del_each(table, set, elems)?;
+                }
+                Ok(())
             }
-            Some(a) => a.check(|| format!("NFT_MSG_DESTROYSETELEM inet {table} {set}")),
+            Some(a) => a.check(|| format!("NFT_MSG_DESTROYSETELEM inet {table} {sets:?}")),
         }
     }
 
@@ -229,13 +247,13 @@ impl Nft {
     /// then the elements are removed one by one, `ENOENT` ignored.
     fn del_each(&mut self, table: &str, set: &str, elems: &[Element]) -> io::Result<()> {
         let what = || format!("NFT_MSG_DELSETELEM inet {table} {set}");
-        match self.batches(NFT_MSG_DELSETELEM, table, set, elems)? {
+        match self.batches(NFT_MSG_DELSETELEM, table, &[(set, elems)])? {
             None => return Ok(()),
             Some(a) if a.errno == libc::ENOENT => {}
             Some(a) => return a.check(what),
         }
         for e in elems {
-            match self.batches(NFT_MSG_DELSETELEM, table, set, std::slice::from_ref(e))? {
+            match self.batches(NFT_MSG_DELSETELEM, table, &[(set, std::slice::from_ref(e))])? {
                 Some(a) if a.errno != libc::ENOENT => return a.check(what),
                 _ => {}
             }
@@ -243,19 +261,22 @@ impl Nft {
         Ok(())
     }
 
-    /// Sends `elems` in as many batches as needed, each waited for; returns the first refusal
-    /// (its batch was not applied, nor were the following ones sent).
+    /// Sends the elements of `sets` in as many batches as needed, each waited for; returns the
+    /// first refusal (its batch was not applied, nor were the following ones sent).
     fn batches(
         &mut self,
         op: u16,
         table: &str,
-        set: &str,
-        elems: &[Element],
+        sets: &[(&str, &[Element])],
     ) -> io::Result<Option<Ack>> {
         let add = op == NFT_MSG_NEWSETELEM;
         let flags = NLM_F_REQUEST | NLM_F_ACK | if add { NLM_F_CREATE } else { 0 };
         let ty = (NFNL_SUBSYS_NFTABLES << 8) | op;
-        let mut rest = elems;
+        let mut sets = sets.iter().filter(|(_, e)| !e.is_empty()).peekable();
+        let (mut set, mut rest): (&str, &[Element]) = match sets.next() {
+            Some((s, e)) => (s, e),
+            None => return Ok(None),
+        };
         while !rest.is_empty() {
             let mut b = Builder::new();
             let first = self.sock.seqs(1);
@@ -282,6 +303,11 @@ impl Nft {
                 b.end();
                 rest = rest.get(n..).unwrap_or(&[]);
                 msgs += 1;
+                if rest.is_empty() {
+                    if let Some((s, e)) = sets.next() {
+                        (set, rest) = (s, e);
+                    }
+                }
             }
             let last = self.sock.seqs(1);
             b.begin(NFNL_MSG_BATCH_END, NLM_F_REQUEST, last);

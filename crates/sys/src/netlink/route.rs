@@ -24,6 +24,7 @@ const RTM_GETLINK: u16 = 18;
 const RTM_NEWADDR: u16 = 20;
 const RTM_NEWROUTE: u16 = 24;
 const IFLA_IFNAME: u16 = 3;
+const IFLA_LINK: u16 = 5;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_NET_NS_PID: u16 = 19;
 const IFLA_STATS64: u16 = 23;
@@ -155,7 +156,15 @@ impl Route {
 
     /// Creates a veth pair: `name` in this socket's namespace and its peer `peer` directly in
     /// the network namespace of process `peer_pid`. Fails with `EEXIST` if `name` exists.
-    pub fn add_veth(&mut self, name: &str, peer: &str, peer_pid: i32) -> io::Result<()> {
+    /// Answers the peer's index in its namespace (for [`Route::remember`] on a socket there),
+    /// `None` if the kernel did not say. (The ends cannot be brought up as they are made: a
+    /// veth opens only once it has its peer, `ENOTCONN`.)
+    pub fn add_veth(
+        &mut self,
+        name: &str,
+        peer: &str,
+        peer_pid: i32,
+    ) -> io::Result<Option<u32>> {
         check_name(name)?;
         check_name(peer)?;
         let pid = u32::try_from(peer_pid)
@@ -178,9 +187,41 @@ impl Route {
         b.nest_end(data);
         b.nest_end(info);
         b.end();
-        self.exchange(&b, seq)?.check(|| {
+        // The echo of the new link names its peer's index (`IFLA_LINK`).
+        let (cache, mut peer_index) = (&mut self.index, None);
+        let ack = self.sock.request(&b, seq, &mut |m: &Msg<'_>| {
+            if m.ty == RTM_NEWLINK {
+                if let Some((index, n)) = parse_link(m.payload) {
+                    if n == name {
+                        peer_index = m
+                            .payload
+                            .get(IFINFOMSG_LEN..)
+                            .and_then(|a| attr(a, IFLA_LINK))
+                            .and_then(|v| Some(u32::from_ne_bytes(v.get(..4)?.try_into().ok()?)))
+                            .filter(|i| *i > 0);
+                    }
+                    if cache.len() >= CACHE_MAX {
+                        cache.clear();
+                    }
+                    cache.insert(n, index);
+                }
+            }
+            Ok(())
+        })?;
+        ack.check(|| {
             format!("RTM_NEWLINK veth {name} (peer {peer} in the netns of pid {peer_pid})")
-        })
+        })?;
+        Ok(peer_index)
+    }
+
+    /// Remembers that link `name` has index `index` in this socket's namespace (a veth peer
+    /// just made there, see [`Route::add_veth_up`]): calls on it need no lookup. A wrong
+    /// index is found out (`ENODEV`) and looked up again.
+    pub fn remember(&mut self, name: &str, index: u32) {
+        if self.index.len() >= CACHE_MAX {
+            self.index.clear();
+        }
+        self.index.insert(name.to_string(), index);
     }
 
     /// Brings link `name` up.

@@ -9,10 +9,10 @@ use dsec_shim::proto::{
 };
 use dsec_sys::ipc::{self, PidFd};
 
-use super::spawner::Reply;
+use super::spawner::{IdleShell, Reply};
 use crate::agent_client::AgentConn;
 use crate::sandbox::{Limits, SandboxSpec, State};
-use crate::substrate::{Backend, Runtime, RuntimeError, Sandbox};
+use crate::substrate::{Backend, OnShell, Runtime, RuntimeError, Sandbox};
 
 type Env = Vec<(String, String)>;
 
@@ -144,13 +144,26 @@ impl Runtime {
         id: &str,
         spec: &SandboxSpec,
     ) -> Result<(Sandbox, Phases), RuntimeError> {
+        self.create_early(id, spec, None)
+    }
+
+    /// Like [`Runtime::create_with_id`]; a container launched in a pre-built shell calls
+    /// `on_shell` with the shell's init pid as soon as the launch request is sent, while the
+    /// launch runs: that init is the sandbox's, already in its namespaces (the caller checks
+    /// it against [`Sandbox::init_pid`]). Not called otherwise.
+    pub fn create_early(
+        &self,
+        id: &str,
+        spec: &SandboxSpec,
+        on_shell: Option<OnShell>,
+    ) -> Result<(Sandbox, Phases), RuntimeError> {
         if !valid_id(id) {
             return Err(RuntimeError::Invalid(format!("invalid sandbox id {id:?}")));
         }
         if spec.substrate.is_vm() {
             return self.create_vm(id, spec);
         }
-        let made = self.create_container(id, spec);
+        let made = self.create_container(id, spec, on_shell);
         if made.is_err() {
             // Whatever the failed create made (its cgroup in every hierarchy, its runtime
             // directory) goes with it, whichever step failed.
@@ -163,6 +176,7 @@ impl Runtime {
         &self,
         id: &str,
         spec: &SandboxSpec,
+        on_shell: Option<OnShell>,
     ) -> Result<(Sandbox, Phases), RuntimeError> {
         let t0 = Instant::now();
         let (lowerdirs, template_env, workdir, user) = self.container_template(&spec.template)?;
@@ -203,6 +217,7 @@ impl Runtime {
                 &bytes,
                 &request.config.lowerdirs,
                 request.config.writable_root,
+                on_shell,
             )
         } else {
             None
@@ -314,24 +329,26 @@ fn wait_reply(sock: &OwnedFd) -> Result<Reply, LaunchFailure> {
 }
 
 impl Runtime {
-    /// Sends the request straight to an idle pre-built shell; returns the socket its answer
-    /// will come on, or `None` when no shell took it.
+    /// Sends the request straight to an idle pre-built shell (then calls `on_shell` with its
+    /// init's pid); returns the socket its answer will come on, or `None` when no shell took
+    /// it.
     fn hand_to_shell(
         &self,
         request: &[u8],
         lowerdirs: &[String],
         writable_root: bool,
+        on_shell: Option<OnShell>,
     ) -> Option<OwnedFd> {
         loop {
             // A shell built for this root, else one built for the likely root, else any.
-            let take_preferred = |exact: bool| -> Option<OwnedFd> {
+            let take_preferred = |exact: bool| -> Option<IdleShell> {
                 let mut p = self.spawner.preferred.lock().ok()?;
                 let at = p
                     .iter()
                     .position(|((l, w), _)| !exact || (l == lowerdirs && *w == writable_root))?;
                 p.remove(at).map(|(_, fd)| fd)
             };
-            let (shell, taken) = match take_preferred(true) {
+            let ((shell, init_pid), taken) = match take_preferred(true) {
                 Some(s) => (s, NodeMsg::PreferredTaken),
                 None => match self.spawner.shells.lock().ok()?.pop_front() {
                     Some(s) => (s, NodeMsg::ShellTaken),
@@ -342,6 +359,9 @@ impl Runtime {
             self.notify_spawner(&taken);
             let (ours, theirs) = ipc::seqpacket_pair().ok()?;
             if ipc::send_with_fds(shell.as_fd(), request, &[theirs.as_fd()]).is_ok() {
+                if let Some(f) = on_shell.filter(|_| init_pid > 0) {
+                    f(init_pid);
+                }
                 return Some(ours);
             }
             // A shell that failed to build has exited; try the next one.

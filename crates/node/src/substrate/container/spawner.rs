@@ -19,16 +19,20 @@ pub(crate) type Reply = (SupervisorMsg, Vec<OwnedFd>);
 /// writable.
 pub(crate) type RootKey = (Vec<String>, bool);
 
+/// An idle pre-built shell: the socket its one request goes to, and its init's pid (host pid
+/// namespace; 0 when the spawner did not say).
+pub(crate) type IdleShell = (OwnedFd, i32);
+
 /// The node's end of the spawner: its socket, the creates waiting for an answer, the idle shells.
 pub(crate) struct SpawnerLink {
     /// The socket to the spawner.
     pub(crate) sock: OwnedFd,
     /// Creates waiting for their answer, by request number.
     pub(crate) pending: Mutex<HashMap<u64, mpsc::SyncSender<Reply>>>,
-    /// Request sockets of idle pre-built shells, handed over by the spawner.
-    pub(crate) shells: Mutex<VecDeque<OwnedFd>>,
+    /// Idle pre-built shells, handed over by the spawner: their request sockets and inits.
+    pub(crate) shells: Mutex<VecDeque<IdleShell>>,
     /// Idle shells whose root was built for a preferred root: its lower directories.
-    pub(crate) preferred: Mutex<VecDeque<(RootKey, OwnedFd)>>,
+    pub(crate) preferred: Mutex<VecDeque<(RootKey, IdleShell)>>,
     /// The lower directories of the root the spawner was last asked to prefer.
     pub(crate) hint: Mutex<Option<RootKey>>,
     /// The spawner process.
@@ -94,19 +98,20 @@ pub(crate) fn spawner_reader(link: &SpawnerLink) {
             continue;
         };
         match msg {
-            SupervisorMsg::ShellReady => {
+            SupervisorMsg::ShellReady { init_pid } => {
                 if let (Some(fd), Ok(mut shells)) = (fds.into_iter().next(), link.shells.lock()) {
-                    shells.push_back(fd);
+                    shells.push_back((fd, init_pid));
                 }
                 continue;
             }
             SupervisorMsg::PreferredReady {
                 lowerdirs,
                 writable_root,
+                init_pid,
             } => {
                 if let (Some(fd), Ok(mut shells)) = (fds.into_iter().next(), link.preferred.lock())
                 {
-                    shells.push_back(((lowerdirs, writable_root), fd));
+                    shells.push_back(((lowerdirs, writable_root), (fd, init_pid)));
                 }
                 continue;
             }
