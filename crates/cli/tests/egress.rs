@@ -235,6 +235,51 @@ fn default_deny_and_allow_by_name() {
     assert!(sent > 0, "bytes out of {id}: {m}");
 }
 
+/// The value of series `name` (a whole line's prefix, labels included) in `/metrics`.
+fn metric(d: &Daemon, name: &str) -> f64 {
+    let prefix = format!("{name} ");
+    d.http()
+        .text("/metrics")
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn a_sandbox_launched_in_a_pre_built_shell_gets_its_path_while_it_launches() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("early", &net);
+    assert!(
+        testkit::cluster::wait(std::time::Duration::from_secs(30), || metric(
+            &d,
+            "dsec_idle_shells"
+        ) >= 1.0),
+        "no pre-built shell"
+    );
+    let before = metric(&d, "dsec_egress_attach_early_total");
+    let id = d.create(allow(&["pypi.test"]));
+    assert_eq!(
+        metric(&d, "dsec_egress_attach_early_total"),
+        before + 1.0,
+        "made while it launched"
+    );
+    let (_, v) = d.req("GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(v["network"]["egress"]["allow"], json!(["pypi.test"]), "{v}");
+    let (ok, out) = d.get(&id, "http://pypi.test/whoami", "");
+    assert!(ok, "{out}");
+    assert!(!d.get(&id, &format!("http://{}/whoami", net.other()), "").0);
+    // A sandbox without a policy from the next shell has loopback only.
+    let closed = d.create(json!({}));
+    let (_, out) = d.sh(&closed, "ip -o link show | cut -d: -f2");
+    assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["lo"], "{out}");
+    // Destroyed, its link goes (the next node start would find none).
+    let (s, _) = d.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(s == 200 || s == 204, "{s}");
+    let (_, v) = d.req("GET", "/v1/sandboxes", None);
+    assert!(v.to_string().contains(&closed), "{v}");
+}
+
 /// The host's own IPv4 addresses (not loopback).
 fn host_addrs() -> Vec<Ipv4Addr> {
     let out = std::process::Command::new("ip")

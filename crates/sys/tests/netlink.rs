@@ -124,7 +124,10 @@ fn setup(
     let mut inside = Route::open_in(pid)?;
     // The new link's echo names the peer's index there: no lookup needed.
     let looked_up = inside.index("eth0")?;
-    assert!(peer_index.is_some() && peer_index == looked_up, "{peer_index:?} vs {looked_up:?}");
+    assert!(
+        peer_index.is_some() && peer_index == looked_up,
+        "{peer_index:?} vs {looked_up:?}"
+    );
     if let Some(i) = peer_index {
         inside.remember("eth0", i);
     }
@@ -449,4 +452,42 @@ fn long_lists_are_split() {
         .expect("del all, half missing");
     assert_eq!(n.list_elements(&t.0, "plain").expect("list"), vec![]);
     println!("20000 elements added in {added:?}; 10000 deleted in {deleted:?}");
+}
+
+#[test]
+fn several_sets_in_one_transaction() {
+    let t = Table::new();
+    let mut n = Nft::open().expect("open");
+    let plain: Vec<Element> = (0..3000u32)
+        .map(|i| el(v4((0x0a65_0000 + i).to_be_bytes()).to_vec(), None, None))
+        .collect();
+    let mut name = [0u8; 16];
+    name[..4].copy_from_slice(b"dst2");
+    let bind = [el(concat(&[&name, &v4([10, 1, 0, 8])]), None, None)];
+    let none: &[Element] = &[];
+    // A list too long for one batch, an empty one, then a set of its own: all of them in.
+    n.add_to_sets(&t.0, &[("plain", &plain), ("cat", none), ("bind", &bind)])
+        .expect("add");
+    assert_eq!(n.list_elements(&t.0, "plain").expect("list").len(), 3000);
+    assert_eq!(n.list_elements(&t.0, "bind").expect("list"), bind);
+
+    // A refusal in a later set of a batch leaves the earlier sets of that batch as they were.
+    let start = concat(&[&v4([10, 1, 0, 3]), &v4([198, 18, 0, 0]), &port(0)]);
+    let end = concat(&[&v4([10, 1, 0, 3]), &v4([198, 18, 0, 255]), &port(65535)]);
+    n.add_elements(&t.0, "cat", &[el(start.clone(), Some(end), None)])
+        .expect("a range");
+    let half = concat(&[&v4([10, 1, 0, 3]), &v4([198, 18, 0, 127]), &port(65535)]);
+    let new_plain = [el(v4([10, 0, 0, 77]).to_vec(), None, None)];
+    let clash = [el(start, Some(half), None)];
+    let e = n
+        .add_to_sets(&t.0, &[("plain", &new_plain), ("cat", &clash)])
+        .expect_err("clash");
+    assert_eq!(errno(&e), Some(libc::EEXIST), "{e}");
+    assert!(!t.list("plain").contains("10.0.0.77"), "half applied");
+
+    n.del_from_sets(&t.0, &[("plain", &plain), ("bind", &bind)])
+        .expect("del");
+    assert_eq!(n.list_elements(&t.0, "plain").expect("list"), vec![]);
+    assert_eq!(n.list_elements(&t.0, "bind").expect("list"), vec![]);
+    assert_eq!(n.list_elements(&t.0, "cat").expect("list").len(), 1);
 }

@@ -61,6 +61,8 @@ pub struct Metrics {
     pub egress_denied: Counter,
     /// Giving a sandbox its path out (veth, addresses, set elements).
     pub egress_attach: Histogram,
+    /// Paths out made while their sandbox launched (in a pre-built shell's namespaces).
+    pub egress_attach_early: Counter,
 }
 
 impl Metrics {
@@ -168,6 +170,10 @@ impl Metrics {
                 "dsec_egress_attach_seconds",
                 "Giving a sandbox its network path out (veth, addresses, nftables elements)",
                 &[],
+            ),
+            egress_attach_early: c(
+                "dsec_egress_attach_early_total",
+                "Network paths out made while their sandbox launched, in its pre-built shell's namespaces",
             ),
             registry,
         }

@@ -217,6 +217,7 @@ impl Node {
         match attached {
             Ok(Ok(addr)) if init == Some(pid) => {
                 self.metrics.egress_attach.observe_duration(t0.elapsed());
+                self.metrics.egress_attach_early.inc();
                 let recorded = self.update(e, |r| {
                     r.network = net.clone();
                     r.net_addr = Some(addr);

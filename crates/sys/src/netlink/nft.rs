@@ -453,7 +453,7 @@ mod tests {
         let mut n = Nft::open().expect("open");
         n.add_elements(&table, "s", &[e(1), e(2)]).expect("add");
         let missing = n
-            .batches(NFT_MSG_DELSETELEM, &table, "s", &[e(1), e(3)])
+            .batches(NFT_MSG_DELSETELEM, &table, &[("s", &[e(1), e(3)])])
             .expect("batch");
         assert_eq!(missing.map(|a| a.errno), Some(libc::ENOENT));
         assert_eq!(

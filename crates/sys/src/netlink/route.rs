@@ -159,12 +159,7 @@ impl Route {
     /// Answers the peer's index in its namespace (for [`Route::remember`] on a socket there),
     /// `None` if the kernel did not say. (The ends cannot be brought up as they are made: a
     /// veth opens only once it has its peer, `ENOTCONN`.)
-    pub fn add_veth(
-        &mut self,
-        name: &str,
-        peer: &str,
-        peer_pid: i32,
-    ) -> io::Result<Option<u32>> {
+    pub fn add_veth(&mut self, name: &str, peer: &str, peer_pid: i32) -> io::Result<Option<u32>> {
         check_name(name)?;
         check_name(peer)?;
         let pid = u32::try_from(peer_pid)
