@@ -15,11 +15,14 @@ use crate::sandbox::State;
 use crate::store::{SandboxRecord, Tenant};
 use crate::substrate::{OnShell, Sandbox};
 
-/// A path out being made while its sandbox launches: the init it goes into, and the attach.
+/// A path out being made while its sandbox launches: the init it goes into, and the attach
+/// (its address and how long it took).
 type EarlyAttach = (
     i32,
-    Instant,
-    tokio::task::JoinHandle<std::result::Result<std::net::Ipv4Addr, EgressError>>,
+    tokio::task::JoinHandle<(
+        std::result::Result<std::net::Ipv4Addr, EgressError>,
+        std::time::Duration,
+    )>,
 );
 
 /// Where [`Node::early_network`]'s callback leaves its attach.
@@ -192,9 +195,11 @@ impl Node {
         let (mine, id, policy) = (Arc::clone(&slot), id.to_owned(), net.egress.clone());
         let handle = tokio::runtime::Handle::current();
         let f: OnShell = Box::new(move |pid| {
-            let t0 = Instant::now();
-            let h = handle.spawn_blocking(move || eg.attach(&id, pid, &policy));
-            *mine.lock().unwrap_or_else(|p| p.into_inner()) = Some((pid, t0, h));
+            let h = handle.spawn_blocking(move || {
+                let t0 = Instant::now();
+                (eg.attach(&id, pid, &policy), t0.elapsed())
+            });
+            *mine.lock().unwrap_or_else(|p| p.into_inner()) = Some((pid, h));
         });
         Some((f, slot))
     }
@@ -210,13 +215,20 @@ impl Node {
         net: &NetworkSpec,
     ) -> bool {
         let started = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let Some((pid, t0, h)) = started else {
+        let Some((pid, h)) = started else {
             return false;
         };
-        let attached = h.await;
+        let (attached, took) = match h.await {
+            Ok(r) => r,
+            Err(_) => {
+                // (The attach panicked: whatever it made goes.)
+                self.detach_network(&e.id).await;
+                return false;
+            }
+        };
+        self.metrics.egress_attach.observe_duration(took);
         match attached {
-            Ok(Ok(addr)) if init == Some(pid) => {
-                self.metrics.egress_attach.observe_duration(t0.elapsed());
+            Ok(addr) if init == Some(pid) => {
                 self.metrics.egress_attach_early.inc();
                 let recorded = self.update(e, |r| {
                     r.network = net.clone();
@@ -229,16 +241,15 @@ impl Node {
                 self.detach_network(&e.id).await;
                 false
             }
-            Ok(Ok(_)) => {
+            Ok(_) => {
                 self.detach_network(&e.id).await;
                 false
             }
             // (A failed attach removed what it made; the usual attach tries again.)
-            Ok(Err(err)) => {
+            Err(err) => {
                 tracing::debug!(sandbox = %e.id, error = %err, "egress: early attach failed");
                 false
             }
-            Err(_) => false,
         }
     }
 
