@@ -47,11 +47,15 @@ fn id_of(v: &Value) -> anyhow::Result<String> {
     Ok(v["id"].as_str().context("an id")?.to_owned())
 }
 
-/// One create + exec `true` + delete through `h`.
-fn cycle(h: &testkit::Http) -> anyhow::Result<u64> {
+/// The calls of a cycle, timed each.
+const CALLS: [&str; 3] = ["create", "exec", "delete"];
+
+/// One create + exec `true` + delete through `h`: the cycle's time, then each call's.
+fn cycle(h: &testkit::Http) -> anyhow::Result<[u64; 4]> {
     let t = Instant::now();
     let (s, v) = h.req("POST", "/v1/sandboxes", Some(&json!({})));
     anyhow::ensure!(s == 201, "create: {s} {v}");
+    let created = us(t);
     let id = id_of(&v)?;
     let (s, v) = h.req(
         "POST",
@@ -59,9 +63,39 @@ fn cycle(h: &testkit::Http) -> anyhow::Result<u64> {
         Some(&json!({"argv": ["/bin/true"]})),
     );
     anyhow::ensure!(s == 200 && v["status"] == "ok", "exec: {s} {v}");
+    let executed = us(t);
     let (s, v) = h.req("DELETE", &format!("/v1/sandboxes/{id}"), None);
     anyhow::ensure!(s == 204 || s == 200, "delete: {s} {v}");
-    Ok(us(t))
+    let all = us(t);
+    Ok([all, created, executed - created, all - executed])
+}
+
+/// Gateway against direct, `n` cycles interleaved: the cycle's distributions and overhead,
+/// and each call's p50s and overhead.
+fn hop(gw: &testkit::Http, direct: &testkit::Http, n: usize) -> anyhow::Result<Value> {
+    let (mut via, mut to_node) = (vec![Vec::new(); 4], vec![Vec::new(); 4]);
+    for _ in 0..n {
+        for (i, v) in cycle(gw)?.into_iter().enumerate() {
+            via[i].push(v);
+        }
+        for (i, v) in cycle(direct)?.into_iter().enumerate() {
+            to_node[i].push(v);
+        }
+    }
+    let mut calls = serde_json::Map::new();
+    for (k, name) in CALLS.iter().enumerate() {
+        let (a, b) = (dist(via[k + 1].clone()), dist(to_node[k + 1].clone()));
+        calls.insert(
+            (*name).into(),
+            json!({"gateway_p50_us": a.p50_us, "direct_p50_us": b.p50_us,
+                   "overhead_p50_ms": (a.p50_us as f64 - b.p50_us as f64) / 1000.0}),
+        );
+    }
+    let (via, to_node) = (dist(via.swap_remove(0)), dist(to_node.swap_remove(0)));
+    Ok(json!({"gateway": &via, "direct": &to_node,
+              "overhead_p50_ms": (via.p50_us as f64 - to_node.p50_us as f64) / 1000.0,
+              "ratio_p50": via.p50_us as f64 / to_node.p50_us.max(1) as f64,
+              "calls": Value::Object(calls)}))
 }
 
 /// Runs the cluster benchmark.
@@ -122,19 +156,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         cycle(&gw)?;
         cycle(&direct)?;
     }
-    let (mut via, mut to_node) = (Vec::new(), Vec::new());
-    for _ in 0..args.iterations {
-        via.push(cycle(&gw)?);
-        to_node.push(cycle(&direct)?);
-    }
+    let hop = hop(&gw, &direct, args.iterations)?;
     draining(false)?;
-    let (via, to_node) = (dist(via), dist(to_node));
-    out.insert(
-        "create_exec_delete".into(),
-        json!({"gateway": &via, "direct": &to_node,
-               "overhead_p50_ms": (via.p50_us as f64 - to_node.p50_us as f64) / 1000.0,
-               "ratio_p50": via.p50_us as f64 / to_node.p50_us.max(1) as f64}),
-    );
+    out.insert("create_exec_delete".into(), hop);
 
     // A batch of 1,000 over 4 nodes.
     let t = Instant::now();

@@ -4,8 +4,9 @@
 //! One loop is what an E2B user writes: `Sandbox.create()`, `sbx.commands.run("true")`,
 //! `sbx.kill()`. Its peer is the same loop in the dsec SDK: `Sandbox.create()`, `exec("true")`,
 //! `destroy()`. A third loop does, through the dsec SDK, the work the E2B calls ask of the node
-//! (a writable root; `/bin/bash -l -c true`, which is what `commands.run` spawns) without the
-//! E2B translation (the default user made on create, the Connect stream of `Start`): E2B minus
+//! (a writable root; a path out to the internet, `egress: all`, as E2B's
+//! `allow_internet_access` defaults to it and the admin key's ceiling allows it;
+//! `/bin/bash -l -c true`, which is what `commands.run` spawns) without the E2B translation (the default user made on create, the Connect stream of `Start`): E2B minus
 //! it is what the translation costs, it minus dsec what E2B's semantics cost. The loops run
 //! interleaved in one Python process (their order rotates every iteration, so drift is shared),
 //! each phase timed; warm-up iterations are left out. The driver is embedded below, written to
@@ -75,7 +76,7 @@ def dsec_loop():
 
 def dsec_e2b_semantics_loop():
     t0 = now()
-    sb = dsec.Sandbox.create(client, writable_root=True, **spec)
+    sb = dsec.Sandbox.create(client, writable_root=True, network={"egress": "all"}, **spec)
     t1 = now()
     r = sb.exec(["/bin/bash", "-l", "-c", "true"])
     t2 = now()
