@@ -205,6 +205,9 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         // The spawner goes; running sandboxes (their supervisors) are unaffected, and idle
         // shells clean up when the node's ends of their request sockets close.
+        self.spawner
+            .stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         if let Ok(mut c) = self.spawner.child.lock() {
             let _ = c.kill();
             let _ = c.wait();

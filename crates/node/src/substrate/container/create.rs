@@ -416,13 +416,16 @@ impl Runtime {
                 ..LaunchFailure::io(LaunchStep::Spawner, &e)
             })
             .and_then(|()| {
-                rx.recv_timeout(CREATE_DEADLINE).map_err(|e| {
-                    let step = match e {
-                        mpsc::RecvTimeoutError::Timeout => LaunchStep::Timeout,
-                        // The spawner went away (its reader failed every waiter).
-                        mpsc::RecvTimeoutError::Disconnected => LaunchStep::Spawner,
-                    };
-                    LaunchFailure::new(step, "no answer from the spawner")
+                rx.recv_timeout(CREATE_DEADLINE).map_err(|e| match e {
+                    mpsc::RecvTimeoutError::Timeout => LaunchFailure::new(
+                        LaunchStep::Timeout,
+                        format!("no answer from the spawner within {CREATE_DEADLINE:?}"),
+                    ),
+                    // The spawner went away (its reader failed every waiter).
+                    mpsc::RecvTimeoutError::Disconnected => LaunchFailure::new(
+                        LaunchStep::Spawner,
+                        "the spawner went away before answering",
+                    ),
                 })
             });
         if reply.is_err() {

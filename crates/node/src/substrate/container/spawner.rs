@@ -37,6 +37,8 @@ pub(crate) struct SpawnerLink {
     pub(crate) hint: Mutex<Option<RootKey>>,
     /// The spawner process.
     pub(crate) child: Mutex<Child>,
+    /// Set when the node stops the spawner itself (its end is then no news).
+    pub(crate) stopping: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) fn start_spawner(
@@ -72,6 +74,7 @@ pub(crate) fn start_spawner(
         preferred: Mutex::new(VecDeque::new()),
         hint: Mutex::new(None),
         child: Mutex::new(child),
+        stopping: std::sync::atomic::AtomicBool::new(false),
     })
 }
 
@@ -134,6 +137,10 @@ pub(crate) fn spawner_reader(link: &SpawnerLink) {
         }
     }
     // Spawner gone: fail every waiter.
+    if !link.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+        let status = link.child.lock().ok().map(|mut c| c.try_wait());
+        tracing::error!(status = ?status, "the spawner's socket closed: creates that need it fail");
+    }
     if let Ok(mut p) = link.pending.lock() {
         p.clear();
     }
