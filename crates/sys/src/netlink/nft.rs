@@ -114,6 +114,20 @@ fn encode_elem(b: &mut Builder, e: &Element, with_timeout: bool) {
     b.nest_end(le);
 }
 
+/// Checks the table's and every set's names and elements.
+fn check_sets(table: &str, sets: &[(&str, &[Element])]) -> io::Result<()> {
+    for (set, elems) in sets {
+        check_names(table, set)?;
+        check_elements(elems)?;
+    }
+    Ok(())
+}
+
+/// The sets' names, for an error message (not their elements, which may be thousands).
+fn set_names(sets: &[(&str, &[Element])]) -> String {
+    sets.iter().map(|(s, _)| *s).collect::<Vec<_>>().join(",")
+}
+
 fn check_elements(elems: &[Element]) -> io::Result<()> {
     for e in elems {
         let bad = |k: &[u8]| k.is_empty() || k.len() > KEY_MAX;
@@ -208,13 +222,12 @@ impl Nft {
     /// [`Nft::add_elements`] to several sets of table `inet table` in one transaction (as
     /// few batches as they fit in): all of them or, on a refusal, none of that batch.
     pub fn add_to_sets(&mut self, table: &str, sets: &[(&str, &[Element])]) -> io::Result<()> {
-        for (set, elems) in sets {
-            check_names(table, set)?;
-            check_elements(elems)?;
-        }
+        check_sets(table, sets)?;
         match self.batches(NFT_MSG_NEWSETELEM, table, sets)? {
             None => Ok(()),
-            Some(ack) => ack.check(|| format!("NFT_MSG_NEWSETELEM inet {table} {sets:?}")),
+            Some(ack) => {
+                ack.check(|| format!("NFT_MSG_NEWSETELEM inet {table} {}", set_names(sets)))
+            }
         }
     }
 
@@ -226,10 +239,7 @@ impl Nft {
 
     /// [`Nft::del_elements`] from several sets of table `inet table` in one transaction.
     pub fn del_from_sets(&mut self, table: &str, sets: &[(&str, &[Element])]) -> io::Result<()> {
-        for (set, elems) in sets {
-            check_names(table, set)?;
-            check_elements(elems)?;
-        }
+        check_sets(table, sets)?;
         // DESTROYSETELEM (Linux 6.3) ignores missing elements; older kernels refuse the type.
         match self.batches(NFT_MSG_DESTROYSETELEM, table, sets)? {
             None => Ok(()),
@@ -239,7 +249,9 @@ impl Nft {
                 }
                 Ok(())
             }
-            Some(a) => a.check(|| format!("NFT_MSG_DESTROYSETELEM inet {table} {sets:?}")),
+            Some(a) => {
+                a.check(|| format!("NFT_MSG_DESTROYSETELEM inet {table} {}", set_names(sets)))
+            }
         }
     }
 
