@@ -5,13 +5,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use dsec_api::network::NetworkSpec;
+
 use super::pools::pool_key;
 use super::{step, Entry, Error, Node, Result};
 use crate::capacity::Admitted;
 use crate::clock::now_ms;
 use crate::sandbox::{SandboxSpec, State, Substrate};
 use crate::store::{SandboxRecord, Tenant};
-use dsec_api::network::NetworkSpec;
 
 /// Where a node gets the templates it does not hold (a cluster's member).
 pub trait TemplateFetcher: Send + Sync + std::fmt::Debug {
