@@ -205,52 +205,54 @@ impl Node {
     }
 
     /// Settles an early attach once the launch is over: `init` is the launched sandbox's init
-    /// (`None`: the launch failed). Answers whether the sandbox has its path; a path made
-    /// for an init that is not the sandbox's, or for a launch that failed, is removed.
+    /// (`None`: the launch failed). The sandbox's record gets the path (its `net_addr`, which
+    /// tells the create it needs no attach after); a path made for an init that is not the
+    /// sandbox's, or for a launch that failed, is removed.
     pub(super) async fn settle_early_network(
         &self,
         e: &Arc<Entry>,
         slot: &EarlySlot,
         init: Option<i32>,
         net: &NetworkSpec,
-    ) -> bool {
+    ) {
         let started = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some((pid, h)) = started else {
-            return false;
+            return;
         };
-        let (attached, took) = match h.await {
-            Ok(r) => r,
-            Err(_) => {
-                // (The attach panicked: whatever it made goes.)
-                self.detach_network(&e.id).await;
-                return false;
-            }
-        };
-        self.metrics.egress_attach.observe_duration(took);
-        match attached {
-            Ok(addr) if init == Some(pid) => {
-                self.metrics.egress_attach_early.inc();
-                let recorded = self.update(e, |r| {
-                    r.network = net.clone();
-                    r.net_addr = Some(addr);
-                    Ok(())
-                });
-                if recorded.is_ok() {
-                    return true;
-                }
-                self.detach_network(&e.id).await;
-                false
-            }
-            Ok(_) => {
-                self.detach_network(&e.id).await;
-                false
+        let addr = match h.await {
+            Ok((Ok(addr), took)) => {
+                self.metrics.egress_attach.observe_duration(took);
+                Some(addr)
             }
             // (A failed attach removed what it made; the usual attach tries again.)
-            Err(err) => {
+            Ok((Err(err), _)) => {
                 tracing::debug!(sandbox = %e.id, error = %err, "egress: early attach failed");
-                false
+                return;
+            }
+            // The attach panicked: whatever it made goes below.
+            Err(_) => None,
+        };
+        if let Some(addr) = addr.filter(|_| init == Some(pid)) {
+            if self.record_network(e, net, addr).is_ok() {
+                self.metrics.egress_attach_early.inc();
+                return;
             }
         }
+        self.detach_network(&e.id).await;
+    }
+
+    /// Records sandbox `e`'s path out: its policy and address.
+    fn record_network(
+        &self,
+        e: &Arc<Entry>,
+        net: &NetworkSpec,
+        addr: std::net::Ipv4Addr,
+    ) -> Result<SandboxRecord> {
+        self.update(e, |r| {
+            r.network = net.clone();
+            r.net_addr = Some(addr);
+            Ok(())
+        })
     }
 
     /// Gives sandbox `e` (made, or just taken from a pool) its path out under `net`; a failure
@@ -262,11 +264,7 @@ impl Node {
     ) -> Result<SandboxRecord> {
         let attached = self.attach_now(e, &net).await;
         match attached {
-            Ok(addr) => self.update(e, |r| {
-                r.network = net.clone();
-                r.net_addr = Some(addr);
-                Ok(())
-            }),
+            Ok(addr) => self.record_network(e, &net, addr),
             Err(err) => {
                 tracing::warn!(sandbox = %e.id, error = %err, "egress: attach failed");
                 let _ = self.destroy(e).await;

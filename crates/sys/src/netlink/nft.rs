@@ -284,7 +284,7 @@ impl Nft {
         let add = op == NFT_MSG_NEWSETELEM;
         let flags = NLM_F_REQUEST | NLM_F_ACK | if add { NLM_F_CREATE } else { 0 };
         let ty = (NFNL_SUBSYS_NFTABLES << 8) | op;
-        let mut sets = sets.iter().filter(|(_, e)| !e.is_empty()).peekable();
+        let mut sets = sets.iter().filter(|(_, e)| !e.is_empty());
         let (mut set, mut rest): (&str, &[Element]) = match sets.next() {
             Some((s, e)) => (s, e),
             None => return Ok(None),

@@ -78,6 +78,20 @@ pub(super) fn parse_stats(payload: &[u8]) -> Option<(u64, u64)> {
     Some((at(STATS64_RX_BYTES)?, at(STATS64_TX_BYTES)?))
 }
 
+/// A link message's `IFLA_LINK`: for a veth, its peer's index (in the peer's namespace).
+fn parse_iflink(payload: &[u8]) -> Option<u32> {
+    let v = attr(payload.get(IFINFOMSG_LEN..)?, IFLA_LINK)?;
+    Some(u32::from_ne_bytes(v.get(..4)?.try_into().ok()?)).filter(|i| *i > 0)
+}
+
+/// Remembers link `name` at `index` in `cache` (bounded: a full cache starts over).
+fn cache_link(cache: &mut HashMap<String, u32>, name: String, index: u32) {
+    if cache.len() >= CACHE_MAX {
+        cache.clear();
+    }
+    cache.insert(name, index);
+}
+
 /// A looked-up link: its index, and its received and sent bytes when asked for.
 type Found = (u32, Option<(u64, u64)>);
 
@@ -144,10 +158,7 @@ impl Route {
         self.sock.request(b, seq, &mut |m: &Msg<'_>| {
             if m.ty == RTM_NEWLINK {
                 if let Some((index, name)) = parse_link(m.payload) {
-                    if cache.len() >= CACHE_MAX {
-                        cache.clear();
-                    }
-                    cache.insert(name, index);
+                    cache_link(cache, name, index);
                 }
             }
             Ok(())
@@ -188,17 +199,9 @@ impl Route {
             if m.ty == RTM_NEWLINK {
                 if let Some((index, n)) = parse_link(m.payload) {
                     if n == name {
-                        peer_index = m
-                            .payload
-                            .get(IFINFOMSG_LEN..)
-                            .and_then(|a| attr(a, IFLA_LINK))
-                            .and_then(|v| Some(u32::from_ne_bytes(v.get(..4)?.try_into().ok()?)))
-                            .filter(|i| *i > 0);
+                        peer_index = parse_iflink(m.payload);
                     }
-                    if cache.len() >= CACHE_MAX {
-                        cache.clear();
-                    }
-                    cache.insert(n, index);
+                    cache_link(cache, n, index);
                 }
             }
             Ok(())
@@ -210,13 +213,10 @@ impl Route {
     }
 
     /// Remembers that link `name` has index `index` in this socket's namespace (a veth peer
-    /// just made there, see [`Route::add_veth_up`]): calls on it need no lookup. A wrong
+    /// just made there, see [`Route::add_veth`]): calls on it need no lookup. A wrong
     /// index is found out (`ENODEV`) and looked up again.
     pub fn remember(&mut self, name: &str, index: u32) {
-        if self.index.len() >= CACHE_MAX {
-            self.index.clear();
-        }
-        self.index.insert(name.to_string(), index);
+        cache_link(&mut self.index, name.to_string(), index);
     }
 
     /// Brings link `name` up.
@@ -379,10 +379,7 @@ impl Route {
         }
         ack.check(|| format!("RTM_GETLINK {name}"))?;
         if let Some((index, _)) = found {
-            if self.index.len() >= CACHE_MAX {
-                self.index.clear();
-            }
-            self.index.insert(name.to_string(), index);
+            self.remember(name, index);
         }
         Ok(found)
     }
