@@ -280,6 +280,68 @@ fn a_sandbox_launched_in_a_pre_built_shell_gets_its_path_while_it_launches() {
     assert!(v.to_string().contains(&closed), "{v}");
 }
 
+/// Removes a host link when dropped.
+struct LinkGuard(String);
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.0])
+            .status();
+    }
+}
+
+#[test]
+fn a_link_left_under_the_next_name_is_replaced() {
+    let net = FakeNet::start().expect("fake internet");
+    let d = Daemon::fresh("leftlink", &net);
+    let first = d.create(allow(&["pypi.test"]));
+    // Its host side: the link whose index the sandbox's eth0 names (`eth0@if<index>`).
+    let (_, out) = d.sh(&first, "ip -o link show eth0");
+    let index = out
+        .split("@if")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .expect("eth0@if<index>")
+        .to_owned();
+    let out = std::process::Command::new("ip")
+        .args(["-o", "link"])
+        .output()
+        .expect("ip link");
+    let host = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with(&format!("{index}: ")))
+        .and_then(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_owned())
+        .expect("the host side");
+    // Addresses go round robin: the next sandbox gets the next name. A link a dead node left
+    // under it is replaced, not a failed create.
+    let (prefix, n) = host.rsplit_once('-').expect("dsv<k>-<n>");
+    let n = u32::from_str_radix(n, 16).expect("hex");
+    let next = format!("{prefix}-{:x}", n + 1);
+    let _guard = LinkGuard(next.clone());
+    let peer = format!("dstl{:x}", std::process::id());
+    let made = std::process::Command::new("ip")
+        .args(["link", "add", &next, "type", "veth", "peer", "name", &peer])
+        .status()
+        .expect("ip link add");
+    assert!(made.success(), "a veth {next} on the host");
+    let second = d.create(allow(&["pypi.test"]));
+    let (ok, out) = d.get(&second, "http://pypi.test/whoami", "");
+    assert!(ok, "{out}");
+    // Its peer is in the sandbox's namespace now, not on the host.
+    let out = std::process::Command::new("ip")
+        .args(["-o", "link", "show", &next])
+        .output()
+        .expect("ip link show");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains("link-netns"),
+        "{next} is the sandbox's veth now: {shown}"
+    );
+    assert!(links(&peer).is_empty(), "the old pair went whole");
+}
+
 /// The host's own IPv4 addresses (not loopback).
 fn host_addrs() -> Vec<Ipv4Addr> {
     let out = std::process::Command::new("ip")

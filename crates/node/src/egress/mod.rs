@@ -591,7 +591,7 @@ impl Egress {
             let mut r = self.route.lock().unwrap_or_else(|p| p.into_inner());
             // (A link left by a node that died is replaced.)
             let peer = match r.add_veth(veth, "eth0", pid) {
-                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                Err(e) if dsec_sys::netlink::errno(&e) == Some(libc::EEXIST) => {
                     r.del_link(veth)?;
                     r.add_veth(veth, "eth0", pid)?
                 }
