@@ -84,7 +84,10 @@ fn hop(gw: &testkit::Http, direct: &testkit::Http, n: usize) -> anyhow::Result<V
     }
     let mut calls = serde_json::Map::new();
     for (k, name) in CALLS.iter().enumerate() {
-        let (a, b) = (dist(via[k + 1].clone()), dist(to_node[k + 1].clone()));
+        let (a, b) = (
+            dist(std::mem::take(&mut via[k + 1])),
+            dist(std::mem::take(&mut to_node[k + 1])),
+        );
         calls.insert(
             (*name).into(),
             json!({"gateway_p50_us": a.p50_us, "direct_p50_us": b.p50_us,

@@ -6,8 +6,9 @@
 //! `destroy()`. A third loop does, through the dsec SDK, the work the E2B calls ask of the node
 //! (a writable root; a path out to the internet, `egress: all`, as E2B's
 //! `allow_internet_access` defaults to it and the admin key's ceiling allows it;
-//! `/bin/bash -l -c true`, which is what `commands.run` spawns) without the E2B translation (the default user made on create, the Connect stream of `Start`): E2B minus
-//! it is what the translation costs, it minus dsec what E2B's semantics cost. The loops run
+//! `/bin/bash -l -c true`, which is what `commands.run` spawns) without the E2B translation
+//! (the default user made on create, the Connect stream of `Start`): E2B minus it is what the
+//! translation costs, it minus dsec what E2B's semantics cost. The loops run
 //! interleaved in one Python process (their order rotates every iteration, so drift is shared),
 //! each phase timed; warm-up iterations are left out. The driver is embedded below, written to
 //! a temporary file for the run and removed after it.
